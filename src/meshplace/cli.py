@@ -1,0 +1,194 @@
+"""The ``meshplace`` command: thin argument parsing over the library.
+
+Every command prints a readable table by default and a JSON object with ``--json``; bad
+input exits 2 with one sentence on stderr (never a traceback); outputs are written
+atomically.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from meshplace.errors import InputError
+
+EXIT_BAD_INPUT = 2
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="meshplace",
+        description="Decide where every part of a neural network should run.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    g = sub.add_parser(
+        "graph",
+        help="capture or load a model's op graph and summarise it",
+        description="Summarise a model as the planner sees it: ops by phase and kind, "
+        "parameters, FLOPs, memory and co-location groups.",
+    )
+    g.add_argument(
+        "model", help="workload name (see `meshplace workloads`), graph.json or file.py:fn"
+    )
+    g.add_argument("--batch", type=_positive_int, help="batch size (reference workloads)")
+    g.add_argument("--size", help="model size, e.g. 124m or base (reference workloads)")
+    g.add_argument("--inference", action="store_true", help="capture the inference graph")
+    g.add_argument(
+        "--optimizer", default="adam", choices=["adam", "momentum", "sgd"], help="update ops"
+    )
+    g.add_argument(
+        "--groups", type=_positive_int, default=256, help="coarsen to at most N groups (256)"
+    )
+    g.add_argument("--out", help="write the graph as JSON to this file")
+    g.add_argument("--json", action="store_true", help="print a JSON object")
+
+    w = sub.add_parser(
+        "workloads",
+        help="capture every reference workload and summarise them",
+        description="One row per reference workload (default size and batch): ops, "
+        "parameters, FLOPs, memory, groups and capture time.",
+    )
+    w.add_argument("--all-sizes", action="store_true", help="every size, not just the default")
+    w.add_argument("--json", action="store_true", help="print a JSON array")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "graph":
+            return _cmd_graph(args)
+        if args.command == "workloads":
+            return _cmd_workloads(args)
+    except InputError as exc:
+        print(f"meshplace: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("meshplace: interrupted", file=sys.stderr)
+        return 130
+    return 0  # pragma: no cover - argparse requires a command
+
+
+def _status(console: Console, message: str):
+    return console.status(message, spinner="dots")
+
+
+def _cmd_graph(args: argparse.Namespace) -> int:
+    from meshplace.graph.io import save_graph
+    from meshplace.graph.sources import graph_for
+    from meshplace.graph.summary import summarize
+
+    err = Console(stderr=True)
+    start = time.perf_counter()
+    with _status(err, f"capturing {args.model}…"):
+        graph = graph_for(
+            args.model,
+            batch=args.batch,
+            size=args.size,
+            training=not args.inference,
+            optimizer=args.optimizer,
+        )
+    capture_s = time.perf_counter() - start
+    with _status(err, "grouping…"):
+        summary = summarize(graph, args.groups)
+    summary["capture_s"] = round(capture_s, 3)
+    if args.out:
+        save_graph(graph, args.out)
+        summary["out"] = args.out
+    if args.json:
+        print(json.dumps(summary, indent=2, default=str))
+    else:
+        _print_graph_summary(Console(), summary)
+    return 0
+
+
+def _print_graph_summary(console: Console, s: dict[str, Any]) -> None:
+    from meshplace.graph.summary import human
+
+    meta = s["meta"]
+    title = s["name"]
+    if meta.get("batch"):
+        title += f" (batch {meta['batch']})"
+    table = Table(title=title, show_header=False, title_justify="left")
+    table.add_column("what", style="bold")
+    table.add_column("value")
+    table.add_row("step", "training" if s["training"] else "inference")
+    table.add_row("ops", f"{s['ops']:,}  ({s['edges']:,} edges)")
+    table.add_row("ops by phase", ", ".join(f"{k} {v:,}" for k, v in s["ops_by_phase"].items()))
+    kinds = list(s["ops_by_kind"].items())
+    shown = ", ".join(f"{k} {v:,}" for k, v in kinds[:8])
+    if len(kinds) > 8:
+        shown += f", … ({len(kinds) - 8} more kinds)"
+    table.add_row("ops by kind", shown)
+    table.add_row("parameters", f"{s['params']:,}  ({human(s['params'])})")
+    table.add_row("FLOPs forward", human(s["flops_forward"], "FLOP"))
+    if s["training"]:
+        table.add_row("FLOPs backward", human(s["flops_backward"], "FLOP"))
+        table.add_row("FLOPs update", human(s["flops_update"], "FLOP"))
+        ratio = s["flops_total"] / s["flops_forward"] if s["flops_forward"] else 0.0
+        table.add_row("FLOPs total", f"{human(s['flops_total'], 'FLOP')}  ({ratio:.2f}× forward)")
+    table.add_row("parameter memory", human(s["param_bytes"], "B"))
+    if s["state_bytes"]:
+        table.add_row("optimizer state", human(s["state_bytes"], "B"))
+    label = "saved activations" if s["training"] else "activations (all outputs)"
+    table.add_row(label, human(s["activation_bytes"], "B"))
+    table.add_row("co-location groups", f"{s['groups']:,} (at most {s['max_groups']})")
+    if "capture_s" in s:
+        table.add_row("capture time", f"{s['capture_s']:.2f} s")
+    if s.get("out"):
+        table.add_row("written to", s["out"])
+    console.print(table)
+
+
+def _cmd_workloads(args: argparse.Namespace) -> int:
+    from meshplace.graph.summary import human
+    from meshplace.workloads_summary import summarize_workloads
+
+    err = Console(stderr=True)
+    rows = summarize_workloads(all_sizes=args.all_sizes, console=err)
+    if args.json:
+        print(json.dumps(rows, indent=2, default=str))
+        return 0
+    table = Table(title="meshplace reference workloads (training step, Adam)")
+    for col in ("workload", "batch", "params", "ops", "groups", "fwd FLOPs", "total/fwd"):
+        table.add_column(col, justify="left" if col == "workload" else "right")
+    table.add_column("params+state", justify="right")
+    table.add_column("activations", justify="right")
+    table.add_column("capture", justify="right")
+    for r in rows:
+        table.add_row(
+            r["name"],
+            str(r["batch"]),
+            human(r["params"]),
+            f"{r['ops']:,}",
+            str(r["groups"]),
+            human(r["flops_forward"], "FLOP"),
+            f"{r['flops_total'] / r['flops_forward']:.2f}",
+            human(r["param_bytes"] + r["state_bytes"], "B"),
+            human(r["activation_bytes"], "B"),
+            f"{r['capture_s']:.1f} s",
+        )
+    Console().print(table)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,277 @@
+"""Reading and writing OpGraphs as versioned JSON (format documented in ``docs/formats.md``).
+
+A graph file needs no torch: a graph profiled elsewhere — ops with costs and measured times,
+edges with sizes — can be written by hand or by another tool and planned. Loading validates
+everything and turns the first problem into one sentence that names the op and the field.
+
+Example
+-------
+>>> import json
+>>> text = json.dumps({"format": "meshplace.opgraph", "version": 1, "name": "two",
+...     "ops": [{"name": "a", "kind": "input"}, {"name": "b", "kind": "matmul", "flops": 8}],
+...     "edges": [{"src": "a", "dst": "b", "bytes": 16}]})
+>>> graph_from_json(text).num_ops
+2
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from meshplace.graph.ir import PHASES, GraphError, Op, OpGraph, dtype_size, known_dtypes
+from meshplace.util import write_text_atomic
+
+FORMAT = "meshplace.opgraph"
+VERSION = 1
+
+NonNegFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+NonNegInt = Annotated[int, Field(ge=0)]
+
+
+class _OpModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=False)
+
+    name: Annotated[str, Field(min_length=1)]
+    kind: Annotated[str, Field(min_length=1)]
+    phase: Literal["forward", "backward", "update"] = "forward"
+    module: str = ""
+    target: str = ""
+    output_shapes: list[list[NonNegInt]] = Field(default_factory=list)
+    output_dtypes: list[str] = Field(default_factory=list)
+    dim_names: list[list[str | None]] | None = None
+    flops: NonNegFloat = 0.0
+    bytes_read: NonNegFloat = 0.0
+    bytes_written: NonNegFloat = 0.0
+    param_bytes: NonNegInt = 0
+    state_bytes: NonNegInt = 0
+    memory_bytes: NonNegInt | None = None
+    measured_time: dict[str, NonNegFloat] = Field(default_factory=dict)
+    colocation: str | None = None
+    forward_op: str | None = None
+
+
+class _EdgeModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    src: str
+    dst: str
+    bytes: NonNegFloat = 0.0
+
+
+class _GraphModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    format: Literal["meshplace.opgraph"]
+    version: int
+    name: Annotated[str, Field(min_length=1)]
+    meta: dict[str, Any] = Field(default_factory=dict)
+    ops: list[_OpModel]
+    edges: list[_EdgeModel] = Field(default_factory=list)
+
+
+_OP_FIELDS = list(_OpModel.model_fields)
+_OP_DEFAULTS = {
+    name: (f.default_factory() if f.default_factory is not None else f.default)
+    for name, f in _OpModel.model_fields.items()
+    if not f.is_required()
+}
+
+
+def graph_to_dict(graph: OpGraph) -> dict[str, Any]:
+    """The JSON-ready dict of ``graph``; fields equal to their default are left out."""
+    ops = []
+    for o in graph.ops:
+        d: dict[str, Any] = {}
+        for name in _OP_FIELDS:
+            value = getattr(o, name)
+            if name in _OP_DEFAULTS and value == _OP_DEFAULTS[name]:
+                continue
+            d[name] = value
+        ops.append(d)
+    names = [o.name for o in graph.ops]
+    edges = [{"src": names[s], "dst": names[d], "bytes": b} for s, d, b in graph.edges()]
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "name": graph.name,
+        "meta": graph.meta,
+        "ops": ops,
+        "edges": edges,
+    }
+
+
+def graph_to_json(graph: OpGraph, indent: int | None = None) -> str:
+    return json.dumps(graph_to_dict(graph), indent=indent, allow_nan=False)
+
+
+def save_graph(graph: OpGraph, path: str | Path) -> None:
+    """Write ``graph`` to ``path`` atomically (a temp file renamed into place)."""
+    write_text_atomic(path, graph_to_json(graph))
+
+
+def graph_from_dict(data: Any, source: str = "graph") -> OpGraph:
+    """Validate ``data`` (the parsed JSON) and build the OpGraph.
+
+    Raises :class:`GraphError` with one sentence naming ``source``, the op and the field.
+    """
+    if not isinstance(data, dict):
+        raise GraphError(f"{source}: the top level must be a JSON object, not {_kind(data)}")
+    if data.get("format") == FORMAT and data.get("version") not in (None, VERSION):
+        raise GraphError(
+            f"{source}: unsupported graph format version {data.get('version')!r}; "
+            f"this meshplace reads version {VERSION}"
+        )
+    try:
+        model = _GraphModel.model_validate(data)
+    except ValidationError as exc:
+        raise GraphError(f"{source}: {_describe(exc, data)}") from None
+    if model.version != VERSION:
+        raise GraphError(
+            f"{source}: unsupported graph format version {model.version}; "
+            f"this meshplace reads version {VERSION}"
+        )
+    graph = OpGraph(model.name, meta=model.meta)
+    for om in model.ops:
+        _check_op(om, source)
+        try:
+            graph.add_op(Op(**om.model_dump()))
+        except GraphError as exc:
+            raise GraphError(f"{source}: {exc}") from None
+    for i, em in enumerate(model.edges):
+        for end in (em.src, em.dst):
+            if end not in graph:
+                raise GraphError(
+                    f"{source}: edge {i} ({em.src!r} -> {em.dst!r}) names op {end!r}, "
+                    "which the graph does not have"
+                )
+        if em.src == em.dst:
+            raise GraphError(f"{source}: edge {i} connects op {em.src!r} to itself")
+        graph.add_edge(em.src, em.dst, em.bytes)
+    for o in graph.ops:
+        if o.forward_op is not None and o.forward_op not in graph:
+            raise GraphError(
+                f"{source}: op {o.name!r} field 'forward_op' names op {o.forward_op!r}, "
+                "which the graph does not have"
+            )
+    try:
+        graph.check_acyclic()
+    except GraphError as exc:
+        raise GraphError(f"{source}: {exc}") from None
+    return graph
+
+
+def graph_from_json(text: str, source: str = "graph") -> OpGraph:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise GraphError(
+            f"{source}: not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})"
+        ) from None
+    return graph_from_dict(data, source)
+
+
+def load_graph(path: str | Path) -> OpGraph:
+    """Read and validate a graph file."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except FileNotFoundError:
+        raise GraphError(f"{p}: no such graph file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise GraphError(f"{p}: cannot read the graph file ({exc})") from None
+    return graph_from_json(text, str(p))
+
+
+# ------------------------------------------------------------------------ checks
+def _check_op(om: _OpModel, source: str) -> None:
+    where = f"{source}: op {om.name!r}"
+    for dt in om.output_dtypes:
+        try:
+            dtype_size(dt)
+        except GraphError:
+            raise GraphError(
+                f"{where} field 'output_dtypes' has unknown dtype {dt!r}; "
+                f"allowed: {', '.join(known_dtypes())}"
+            ) from None
+    if om.output_dtypes and len(om.output_dtypes) != len(om.output_shapes):
+        raise GraphError(
+            f"{where} has {len(om.output_shapes)} output_shapes but "
+            f"{len(om.output_dtypes)} output_dtypes"
+        )
+    if om.dim_names is not None:
+        if len(om.dim_names) != len(om.output_shapes):
+            raise GraphError(
+                f"{where} has {len(om.output_shapes)} output_shapes but "
+                f"{len(om.dim_names)} dim_names entries"
+            )
+        for shape, names in zip(om.output_shapes, om.dim_names, strict=True):
+            if len(shape) != len(names):
+                raise GraphError(
+                    f"{where} field 'dim_names' gives {len(names)} names for a "
+                    f"{len(shape)}-dimensional output"
+                )
+
+
+def _kind(value: Any) -> str:
+    return {list: "an array", str: "a string", type(None): "null"}.get(type(value), "a number")
+
+
+def _describe(exc: ValidationError, data: dict) -> str:
+    """One sentence for the first validation error, naming the op by its name."""
+    err = exc.errors()[0]
+    loc = list(err["loc"])
+    where = ""
+    if len(loc) >= 2 and loc[0] == "ops" and isinstance(loc[1], int):
+        ops = data.get("ops") or []
+        raw = ops[loc[1]] if loc[1] < len(ops) else None
+        name = raw.get("name") if isinstance(raw, dict) else None
+        where = f"op {name!r}" if isinstance(name, str) and name else f"op #{loc[1]}"
+        loc = loc[2:]
+    elif len(loc) >= 2 and loc[0] == "edges" and isinstance(loc[1], int):
+        where = f"edge {loc[1]}"
+        loc = loc[2:]
+    field_path = ".".join(str(x) for x in loc)
+    etype = err["type"]
+    if etype == "extra_forbidden":
+        allowed = _OP_FIELDS if where.startswith("op") else _allowed_for(where)
+        subject = f"{where} has" if where else "the graph has"
+        return f"{subject} unknown field {field_path!r}; allowed: {', '.join(allowed)}"
+    if etype == "missing":
+        subject = where or "the graph"
+        return f"{subject} is missing the required field {field_path!r}"
+    if etype == "literal_error" and field_path == "format":
+        return f"not a meshplace graph (field 'format' must be {FORMAT!r})"
+    value = err.get("input")
+    got = ""
+    if not isinstance(value, dict | list):
+        if isinstance(value, float) and math.isnan(value):
+            got = " (got NaN)"
+        else:
+            got = f" (got {value!r})"
+    subject = f"{where} field {field_path!r}" if where else f"field {field_path!r}"
+    msg = err["msg"][0].lower() + err["msg"][1:]
+    return f"{subject}: {msg}{got}"
+
+
+def _allowed_for(where: str) -> list[str]:
+    if where.startswith("edge"):
+        return list(_EdgeModel.model_fields)
+    return list(_GraphModel.model_fields)
+
+
+__all__ = [
+    "FORMAT",
+    "PHASES",
+    "VERSION",
+    "graph_from_dict",
+    "graph_from_json",
+    "graph_to_dict",
+    "graph_to_json",
+    "load_graph",
+    "save_graph",
+]

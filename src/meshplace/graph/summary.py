@@ -1,0 +1,86 @@
+"""What a user wants to know about a graph at a glance: ops, parameters, FLOPs, memory.
+
+Example
+-------
+>>> from meshplace.graph.ir import Op, OpGraph
+>>> g = OpGraph("two")
+>>> _ = g.add_op(Op("w", "parameter", param_bytes=64, output_shapes=[[4, 4]]))
+>>> _ = g.add_op(Op("mm", "matmul", flops=128.0, output_shapes=[[4, 4]]))
+>>> g.add_edge("w", "mm", 64)
+>>> summarize(g)["flops_forward"]
+128.0
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from meshplace.graph.groups import DEFAULT_MAX_GROUPS, group_ops
+from meshplace.graph.ir import OpGraph
+
+
+def summarize(graph: OpGraph, max_groups: int | None = DEFAULT_MAX_GROUPS) -> dict[str, Any]:
+    """A JSON-ready summary of ``graph``.
+
+    Keys: ``name``, ``ops``, ``edges``, ``params`` (trainable parameter count),
+    ``param_bytes`` (parameters and buffers), ``state_bytes`` (optimizer state),
+    ``flops_forward``/``flops_backward``/``flops_update``/``flops_total``,
+    ``activation_bytes`` (forward outputs that backward ops read: what a training step keeps
+    alive between its passes; for an inference graph, all forward outputs),
+    ``ops_by_phase``, ``ops_by_kind``, ``groups`` and ``meta``. O(V + E).
+    """
+    ops = graph.ops
+    params = graph.meta.get("params")
+    if params is None:
+        params = sum(
+            math.prod(o.output_shapes[0]) for o in ops if o.kind == "parameter" and o.output_shapes
+        )
+    phase_of = [o.phase for o in ops]
+    training = any(p == "backward" for p in phase_of)
+    saved: dict[int, float] = {}
+    if training:
+        for s, d, _ in graph.edges():
+            if phase_of[s] == "forward" and phase_of[d] == "backward":
+                src = ops[s]
+                if src.kind not in ("parameter", "buffer", "input"):
+                    saved[s] = float(src.output_bytes())
+        activation = sum(saved.values())
+    else:
+        activation = float(
+            sum(o.output_bytes() for o in ops if o.kind not in ("parameter", "buffer", "input"))
+        )
+    grouping = group_ops(graph, max_groups) if ops else None
+    flops = {p: graph.total_flops(p) for p in ("forward", "backward", "update")}
+    return {
+        "name": graph.name,
+        "ops": graph.num_ops,
+        "edges": graph.num_edges,
+        "params": int(params),
+        "param_bytes": graph.param_bytes(),
+        "state_bytes": int(sum(o.state_bytes for o in ops)),
+        "flops_forward": flops["forward"],
+        "flops_backward": flops["backward"],
+        "flops_update": flops["update"],
+        "flops_total": float(sum(flops.values())),
+        "activation_bytes": activation,
+        "ops_by_phase": graph.count_by("phase"),
+        "ops_by_kind": graph.count_by("kind"),
+        "groups": grouping.num_groups if grouping else 0,
+        "max_groups": max_groups,
+        "training": training,
+        "meta": graph.meta,
+    }
+
+
+def human(value: float, unit: str = "") -> str:
+    """``1.23e9`` → ``"1.23 G"`` (decimal prefixes; bytes use binary ones)."""
+    if unit == "B":
+        for prefix, scale in (("Ti", 2**40), ("Gi", 2**30), ("Mi", 2**20), ("Ki", 2**10)):
+            if abs(value) >= scale:
+                return f"{value / scale:.2f} {prefix}B"
+        return f"{value:.0f} B"
+    for prefix, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(value) >= scale:
+            return f"{value / scale:.2f} {prefix}{unit}"
+    return f"{value:.0f} {unit}".rstrip()

@@ -1,0 +1,153 @@
+"""`meshplace graph`: summaries, JSON output, user models, and every bad input → exit 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from meshplace.cli import main
+from meshplace.graph import load_graph
+
+USER_MODEL = textwrap.dedent(
+    """
+    import torch
+    from torch import nn
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Sequential(nn.Linear(20, 40), nn.Tanh(), nn.Linear(40, 5))
+
+        def forward(self, x):
+            return self.body(x)
+
+    def build():
+        return Net(), (torch.randn(8, 20),)
+
+    def broken():
+        raise RuntimeError("weights not found")
+
+    class Branchy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            y = self.fc(x)
+            return y if y.max() > 0 else -y
+
+    def branchy():
+        return Branchy(), (torch.randn(2, 4),)
+    """
+)
+
+
+def _run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_resnet50_inference_matches_published_params_and_flops(capsys) -> None:
+    code, out, _ = _run(capsys, "graph", "resnet50", "--batch", "1", "--inference", "--json")
+    assert code == 0
+    s = json.loads(out)
+    assert {"name", "ops", "params", "flops_forward", "flops_total", "param_bytes", "groups"} <= set(
+        s
+    )
+    assert s["params"] == pytest.approx(25.56e6, rel=0.005)
+    assert s["flops_forward"] == pytest.approx(8.2e9, rel=0.03)  # 2 x 4.1 G multiply-adds
+    assert s["flops_total"] == s["flops_forward"]
+
+
+def test_readable_summary_and_graph_file(capsys, tmp_path) -> None:
+    out_file = tmp_path / "g.json"
+    code, out, _ = _run(capsys, "graph", "dmcca", "--groups", "32", "--out", str(out_file))
+    assert code == 0
+    for label in ("ops by phase", "parameters", "FLOPs forward", "co-location groups"):
+        assert label in out
+    graph = load_graph(out_file)
+    assert graph.meta["workload"] == "dmcca"
+    assert [p.name for p in tmp_path.iterdir()] == ["g.json"]  # no temp file left behind
+    # A saved graph is a model source too, and summarises the same way.
+    code, out2, _ = _run(capsys, "graph", str(out_file), "--groups", "32", "--json")
+    assert code == 0
+    assert json.loads(out2)["ops"] == graph.num_ops
+
+
+def test_user_model_from_python_file(capsys, tmp_path) -> None:
+    path = tmp_path / "mymodel.py"
+    path.write_text(USER_MODEL)
+    code, out, _ = _run(capsys, "graph", f"{path}:build", "--json")
+    assert code == 0
+    s = json.loads(out)
+    assert s["params"] == 20 * 40 + 40 + 40 * 5 + 5
+    assert set(s["ops_by_phase"]) == {"forward", "backward", "update"}
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["graph", "alexnet"], "Unknown workload 'alexnet'"),
+        (["graph", "gpt", "--size", "175b"], "Unknown size '175b' for workload 'gpt'"),
+        (["graph", "missing.json"], "missing.json: no such graph file"),
+        (["graph", "{dir}/bad.json"], "bad.json: op 'a' field 'flops'"),
+        (["graph", "{dir}/nope.py:build"], "nope.py: no such Python file"),
+        (["graph", "{dir}/mymodel.py:absent"], "has no function named 'absent'"),
+        (["graph", "{dir}/mymodel.py:broken"], "broken() failed with RuntimeError"),
+        (["graph", "{dir}/mymodel.py:branchy"], "data-dependent control flow"),
+        (["graph", "{dir}/mymodel.py"], "name the build function as FILE.py:FUNCTION"),
+        (["graph", "dmcca", "--out", "{dir}/no/such/dir/g.json"], "does not exist"),
+        (["graph", "{dir}/bad.json", "--batch", "4"], "--batch and --size apply to models"),
+    ],
+)
+def test_bad_input_exits_2_with_one_sentence(capsys, tmp_path, argv, expected) -> None:
+    (tmp_path / "mymodel.py").write_text(USER_MODEL)
+    bad = {
+        "format": "meshplace.opgraph",
+        "version": 1,
+        "name": "b",
+        "ops": [{"name": "a", "kind": "matmul", "flops": -3}],
+    }
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    argv = [a.format(dir=tmp_path) for a in argv]
+    code, out, err = _run(capsys, *argv)
+    assert code == 2
+    assert out == ""
+    assert expected in err
+    assert err.startswith("meshplace: error: ")
+    assert err.count("\n") == 1, err
+    assert "Traceback" not in err
+    assert not (tmp_path / "no").exists()
+
+
+def test_bad_batch_is_rejected_by_the_parser(capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["graph", "resnet50", "--batch", "0"])
+    assert info.value.code == 2
+    assert "expected a positive integer" in capsys.readouterr().err
+
+
+def test_console_script_exit_code_without_traceback(tmp_path) -> None:
+    bad = tmp_path / "cyclic.json"
+    bad.write_text(
+        json.dumps(
+            {
+                "format": "meshplace.opgraph",
+                "version": 1,
+                "name": "c",
+                "ops": [{"name": "a", "kind": "x"}, {"name": "b", "kind": "y"}],
+                "edges": [{"src": "a", "dst": "b"}, {"src": "b", "dst": "a"}],
+            }
+        )
+    )
+    exe = Path(sys.executable).with_name("meshplace")
+    proc = subprocess.run([str(exe), "graph", str(bad)], capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert "has a cycle: a -> b -> a" in proc.stderr or "has a cycle: b -> a -> b" in proc.stderr
+    assert "Traceback" not in proc.stderr
