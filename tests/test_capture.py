@@ -138,7 +138,7 @@ def test_bad_arguments() -> None:
         capture(_MLP(), _mlp_inputs(), optimizer="lion")
     with pytest.raises(CaptureError, match="has no trainable parameters"):
         capture(nn.ReLU(), (torch.randn(2),), training=True)
-    with pytest.raises(CaptureError, match="needs a torch.nn.Module"):
+    with pytest.raises(CaptureError, match=r"needs a torch\.nn\.Module"):
         capture(lambda x: x, (torch.randn(2),))  # type: ignore[arg-type]
 
 

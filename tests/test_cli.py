@@ -57,9 +57,15 @@ def test_resnet50_inference_matches_published_params_and_flops(capsys) -> None:
     code, out, _ = _run(capsys, "graph", "resnet50", "--batch", "1", "--inference", "--json")
     assert code == 0
     s = json.loads(out)
-    assert {"name", "ops", "params", "flops_forward", "flops_total", "param_bytes", "groups"} <= set(
-        s
-    )
+    assert {
+        "name",
+        "ops",
+        "params",
+        "flops_forward",
+        "flops_total",
+        "param_bytes",
+        "groups",
+    } <= set(s)
     assert s["params"] == pytest.approx(25.56e6, rel=0.005)
     assert s["flops_forward"] == pytest.approx(8.2e9, rel=0.03)  # 2 x 4.1 G multiply-adds
     assert s["flops_total"] == s["flops_forward"]

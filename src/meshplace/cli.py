@@ -68,6 +68,26 @@ def _parser() -> argparse.ArgumentParser:
     )
     w.add_argument("--all-sizes", action="store_true", help="every size, not just the default")
     w.add_argument("--json", action="store_true", help="print a JSON array")
+    c = sub.add_parser(
+        "cluster",
+        help="describe a cluster preset or YAML file",
+        description="Devices, links and peak numbers of a cluster.",
+    )
+    c.add_argument("cluster", help="preset name (see --list) or cluster.yaml")
+    c.add_argument("--json", action="store_true", help="print a JSON object")
+
+    s = sub.add_parser(
+        "simulate",
+        help="simulate a placement plan of a graph on a cluster",
+        description="Step time, lower bound, per-device busy time and peak memory, bytes "
+        "moved per link; optionally a Chrome/Perfetto trace.",
+    )
+    s.add_argument("--graph", required=True, help="workload name, graph.json or file.py:fn")
+    s.add_argument("--cluster", required=True, help="preset name or cluster.yaml")
+    s.add_argument("--plan", required=True, help="plan.json (see docs/formats.md)")
+    s.add_argument("--objective", default="step", choices=["step", "throughput"])
+    s.add_argument("--trace", help="write a Chrome trace (opens in Perfetto) to this file")
+    s.add_argument("--json", action="store_true", help="print a JSON object")
     return parser
 
 
@@ -78,6 +98,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_graph(args)
         if args.command == "workloads":
             return _cmd_workloads(args)
+        if args.command == "cluster":
+            return _cmd_cluster(args)
+        if args.command == "simulate":
+            return _cmd_simulate(args)
     except InputError as exc:
         print(f"meshplace: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -188,6 +212,92 @@ def _cmd_workloads(args: argparse.Namespace) -> int:
         )
     Console().print(table)
     return 0
+
+
+def _cmd_cluster(args: argparse.Namespace) -> int:
+    from meshplace.hardware import describe, load_cluster, print_cluster
+
+    cluster = load_cluster(args.cluster)
+    if args.json:
+        print(json.dumps(describe(cluster), indent=2))
+    else:
+        print_cluster(Console(), cluster)
+    return 0
+
+
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    from meshplace.graph.sources import graph_for
+    from meshplace.hardware import load_cluster
+    from meshplace.plan.placement import load_plan
+    from meshplace.sim.simulator import Simulator
+    from meshplace.sim.trace import write_chrome_trace
+
+    err = Console(stderr=True)
+    plan = load_plan(args.plan)
+    cluster = load_cluster(args.cluster)
+    with _status(err, f"loading {args.graph}…"):
+        graph = graph_for(args.graph)
+    placement = plan.device_indices(
+        graph, {d.name: i for i, d in enumerate(cluster.devices)}, cluster.name, args.plan
+    )
+    sim = Simulator(graph, cluster)
+    result = sim.simulate(placement, objective=args.objective)
+    if args.trace:
+        write_chrome_trace(sim, result, args.trace)
+    summary = {"graph": graph.name, "cluster": cluster.name, "plan": args.plan}
+    summary.update(result.to_dict())
+    if args.trace:
+        summary["trace"] = args.trace
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        _print_simulation(Console(), summary)
+    return 0
+
+
+def _print_simulation(console: Console, s: dict[str, Any]) -> None:
+    from meshplace.graph.summary import human
+
+    head = Table(title=f"{s['graph']} on {s['cluster']} ({s['plan']})", show_header=False)
+    head.add_column("what", style="bold")
+    head.add_column("value")
+    head.add_row("step time", f"{s['step_time_s'] * 1e3:,.3f} ms")
+    head.add_row("steady-state (throughput)", f"{s['throughput_time_s'] * 1e3:,.3f} ms per step")
+    gap = s["step_time_s"] / s["lower_bound_s"] if s["lower_bound_s"] else float("nan")
+    head.add_row("lower bound", f"{s['lower_bound_s'] * 1e3:,.3f} ms  (step is {gap:.2f}× it)")
+    head.add_row("bytes moved", f"{human(s['bytes_moved'], 'B')} in {s['transfers']:,} transfers")
+    oom = ", ".join(s["oom_devices"]) if s["oom"] else "no"
+    head.add_row("out of memory", f"[red]{oom}[/red]" if s["oom"] else oom)
+    if s.get("trace"):
+        head.add_row("trace", f"{s['trace']} (open in ui.perfetto.dev)")
+    console.print(head)
+    dev = Table(title="devices")
+    for col in ("device", "kind", "ops", "busy", "idle", "peak memory", "capacity"):
+        dev.add_column(col, justify="left" if col in ("device", "kind") else "right")
+    for d in s["devices"]:
+        if not d["ops"]:
+            continue
+        style = "red" if d["oom"] else None
+        dev.add_row(
+            d["name"],
+            d["kind"],
+            f"{d['ops']:,}",
+            f"{d['busy_s'] * 1e3:,.3f} ms",
+            f"{(d['idle_s'] or 0) * 1e3:,.3f} ms",
+            human(d["peak_memory_bytes"], "B"),
+            human(d["memory_capacity_bytes"], "B"),
+            style=style,
+        )
+    console.print(dev)
+    if s["links"]:
+        links = Table(title="busiest links")
+        for col in ("link", "bytes", "busy"):
+            links.add_column(col, justify="left" if col == "link" else "right")
+        for link in sorted(s["links"], key=lambda x: -x["busy_s"])[:10]:
+            links.add_row(
+                link["name"], human(link["bytes"], "B"), f"{link['busy_s'] * 1e3:,.3f} ms"
+            )
+        console.print(links)
 
 
 if __name__ == "__main__":  # pragma: no cover

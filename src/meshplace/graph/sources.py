@@ -64,10 +64,7 @@ def workload_graph(
     """Capture reference workload ``name`` (see :mod:`meshplace.models`)."""
     from meshplace import models
 
-    try:
-        w = models.get(name, batch=batch, size=size)
-    except models.UnknownWorkloadError as exc:
-        raise InputError(str(exc).rstrip(".")) from None
+    w = models.get(name, batch=batch, size=size)  # UnknownWorkloadError is an InputError
     batch_size = w.dims.get("batch")
     graph_name = name if len(models.available()[name]) == 1 else f"{name}-{w.size}"
     meta: dict[str, Any] = {
