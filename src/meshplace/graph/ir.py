@@ -14,8 +14,8 @@ already does well (topological sorts, cuts, critical paths).
 Example
 -------
 >>> g = OpGraph("tiny")
->>> g.add_op(Op("x", "input", output_shapes=[[4, 8]]))
->>> g.add_op(Op("mm", "matmul", flops=2 * 4 * 8 * 8, output_shapes=[[4, 8]]))
+>>> _ = g.add_op(Op("x", "input", output_shapes=[[4, 8]]))
+>>> _ = g.add_op(Op("mm", "matmul", flops=2 * 4 * 8 * 8, output_shapes=[[4, 8]]))
 >>> g.add_edge("x", "mm", 4 * 8 * 4)
 >>> g.num_ops, g.num_edges, g.total_flops()
 (2, 1, 512.0)

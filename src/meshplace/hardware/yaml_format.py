@@ -1,0 +1,561 @@
+"""Cluster YAML files (format ``meshplace.cluster``, version 1; documented in
+``docs/clusters.md``): validation with pydantic, building, and writing back.
+
+A file either lists devices, switches and links explicitly, or names a generator in a
+``topology:`` block (and may add devices, switches and links to what it generates).
+Every problem becomes one :class:`ClusterError` sentence naming the file and the field.
+
+>>> text = '''
+... name: two-gpus
+... devices:
+...   - {count: 2, kind: v100}
+... switches: [sw]
+... links:
+...   - {src: gpu0, dst: sw, bandwidth: 12 GB/s, latency: 1 us}
+...   - {src: gpu1, dst: sw, bandwidth: 12 GB/s, latency: 1 us}
+... '''
+>>> c = cluster_from_yaml(text)
+>>> c.device_names, c.path_bandwidth(0, 1)
+(['gpu0', 'gpu1'], 12000000000.0)
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+
+from meshplace.hardware.catalogue import (
+    DTYPES,
+    KIND_ALIASES,
+    DeviceSpec,
+    catalogue,
+    normalize_dtype,
+)
+from meshplace.hardware.cluster import Cluster, Device, Link
+from meshplace.hardware.errors import ClusterError, UnknownDeviceError, allowed
+from meshplace.hardware.topology import (
+    GENERATORS,
+    ICI_HOP_LATENCY,
+    NIC_LATENCY,
+    NVLINK_HOP_LATENCY,
+    PCIE3_X16_MEASURED,
+    PCIE4_X16,
+    PCIE_HOP_LATENCY,
+    SOCKET_LINK,
+    TPU_V3_ICI,
+    build_topology,
+)
+from meshplace.hardware.units import parse_quantity
+from meshplace.util import write_text_atomic
+
+FORMAT = "meshplace.cluster"
+VERSION = 1
+
+
+def _quantity(kind: Any) -> BeforeValidator:
+    return BeforeValidator(lambda v: parse_quantity(v, kind) if v is not None else v)
+
+
+Bandwidth = Annotated[float, _quantity("bandwidth"), Field(gt=0)]
+Seconds = Annotated[float, _quantity("time"), Field(ge=0)]
+Bytes = Annotated[float, _quantity("bytes"), Field(gt=0)]
+Flops = Annotated[float, _quantity("flops"), Field(gt=0)]
+Name = Annotated[str, Field(min_length=1)]
+Count = Annotated[int, Field(ge=0, le=1 << 16)]
+Positive = Annotated[int, Field(ge=1, le=1 << 16)]
+Category = Literal["cpu", "gpu", "tpu", "accelerator"]
+_SPEC_FIELDS = (
+    "description",
+    "peak_flops",
+    "memory_bandwidth",
+    "memory_bytes",
+    "launch_overhead_s",
+    "source",
+    "category",
+)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class _KindModel(_Strict):
+    base: str | None = None
+    description: str | None = None
+    peak_flops: dict[str, Flops] | None = None
+    memory_bandwidth: Bandwidth | None = None
+    memory_bytes: Bytes | None = None
+    launch_overhead_s: Seconds | None = None
+    source: str | None = None
+    category: Category | None = None
+
+
+class _DeviceModel(_Strict):
+    name: Name | None = None
+    kind: Name
+    host: Name = "host0"
+    count: Positive | None = None
+    description: str | None = None
+    peak_flops: dict[str, Flops] | None = None
+    memory_bandwidth: Bandwidth | None = None
+    memory_bytes: Bytes | None = None
+    launch_overhead_s: Seconds | None = None
+    source: str | None = None
+    category: Category | None = None
+
+
+class _LinkModel(_Strict):
+    src: Name
+    dst: Name
+    bandwidth: Bandwidth
+    latency: Seconds = 0.0
+    name: Name | None = None
+    kind: str = ""
+    bidirectional: bool = True
+
+
+class _PcieTree(_Strict):
+    generator: Literal["pcie_tree"]
+    num_gpus: Count = 4
+    gpus_per_switch: Positive = 2
+    gpu_kind: Name = "k80"
+    cpu_kind: Name = "xeon"
+    cpus: Count = 1
+    gpu_link_bandwidth: Bandwidth = PCIE3_X16_MEASURED
+    uplink_bandwidth: Bandwidth = PCIE3_X16_MEASURED
+    latency: Seconds = PCIE_HOP_LATENCY
+    link_kind: str = "pcie3"
+    host: Name = "host0"
+
+
+class _NvlinkMesh(_Strict):
+    generator: Literal["nvlink_mesh"]
+    gpus: Positive = 8
+    gpu_kind: Name = "a100-80gb"
+    nvlink_bandwidth: Bandwidth | None = None
+    nvlink_latency: Seconds = NVLINK_HOP_LATENCY
+    nvswitch: bool = True
+    cpus: Count = 2
+    cpu_kind: Name = "xeon"
+    pcie_bandwidth: Bandwidth = PCIE4_X16
+    pcie_latency: Seconds = PCIE_HOP_LATENCY
+    gpus_per_pcie_switch: Positive = 2
+    socket_bandwidth: Bandwidth = SOCKET_LINK
+    pcie_kind: str = "pcie"
+    host: Name = "host0"
+
+
+class _Torus(_Strict):
+    generator: Literal["torus"]
+    dims: Annotated[list[Positive], Field(min_length=1, max_length=4)]
+    device_kind: Name = "tpu-v3"
+    link_bandwidth: Bandwidth = TPU_V3_ICI
+    latency: Seconds = ICI_HOP_LATENCY
+    wrap: bool | list[bool] = True
+    chips_per_host: list[Positive] | None = None
+    name_prefix: Name = "tpu"
+    link_kind: str = "ici"
+
+
+class _MultiHost(_Strict):
+    generator: Literal["multi_host"]
+    hosts: Positive
+    per_host: Annotated[_PcieTree | _NvlinkMesh, Field(discriminator="generator")]
+    nic_bandwidth: Bandwidth
+    nic_latency: Seconds = NIC_LATENCY
+    nic_attach: list[Name] | None = None
+    nic_per_device: bool = False
+
+
+_TOPOLOGY_MODELS: dict[str, type[BaseModel]] = {
+    "pcie_tree": _PcieTree,
+    "nvlink_mesh": _NvlinkMesh,
+    "torus": _Torus,
+    "multi_host": _MultiHost,
+}
+assert set(_TOPOLOGY_MODELS) == set(GENERATORS)
+
+
+class _ClusterModel(_Strict):
+    format: Literal["meshplace.cluster"] = "meshplace.cluster"
+    version: int = VERSION
+    name: Name | None = None
+    kind: str | None = None
+    source: str = ""
+    meta: dict[str, Any] = Field(default_factory=dict)
+    device_kinds: dict[str, _KindModel] = Field(default_factory=dict)
+    topology: (
+        Annotated[_PcieTree | _NvlinkMesh | _Torus | _MultiHost, Field(discriminator="generator")]
+        | None
+    ) = None
+    devices: list[_DeviceModel] = Field(default_factory=list)
+    switches: list[Name] = Field(default_factory=list)
+    links: list[_LinkModel] = Field(default_factory=list)
+
+
+# ---------------------------------------------------------------------- reading
+def load_cluster_file(path: str | Path) -> Cluster:
+    """Read and validate a cluster YAML file."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except FileNotFoundError:
+        raise ClusterError(f"{p}: no such cluster file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ClusterError(f"{p}: cannot read the cluster file ({exc})") from None
+    return cluster_from_yaml(text, str(p), default_name=p.stem)
+
+
+def cluster_from_yaml(text: str, source: str = "cluster.yaml", default_name: str = "") -> Cluster:
+    """Parse YAML ``text`` (errors name ``source``) and build the cluster."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        problem = getattr(exc, "problem", None) or "malformed YAML"
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ClusterError(f"{source}: not valid YAML ({problem}{where})") from None
+    return cluster_from_dict(data, source, default_name=default_name)
+
+
+def cluster_from_dict(data: Any, source: str = "cluster", default_name: str = "") -> Cluster:
+    """Validate parsed YAML/JSON ``data`` and build the cluster."""
+    if not isinstance(data, dict):
+        got = "empty" if data is None else f"a {type(data).__name__}"
+        raise ClusterError(f"{source}: the top level must be a mapping of fields, not {got}")
+    if data.get("format", FORMAT) != FORMAT:
+        raise ClusterError(f"{source}: field 'format' must be {FORMAT!r} for a cluster file")
+    if data.get("version", VERSION) != VERSION:
+        raise ClusterError(
+            f"{source}: field 'version' is {data.get('version')!r}; this meshplace reads "
+            f"version {VERSION}"
+        )
+    try:
+        model = _ClusterModel.model_validate(data)
+    except ValidationError as exc:
+        raise ClusterError(f"{source}: {_describe(exc)}") from None
+    return _build(model, source, default_name or "cluster")
+
+
+def _build(model: _ClusterModel, source: str, default_name: str) -> Cluster:
+    kinds = _custom_kinds(model, source)
+    devices: list[Device] = []
+    links: list[Link] = []
+    switches: list[str] = []
+    base: Cluster | None = None
+    if model.topology is not None:
+        _check_topology_kinds(model.topology, kinds, source)
+        block = model.topology.model_dump(exclude_none=True)
+        try:
+            base = build_topology({**block, "specs": kinds} if kinds else block)
+        except ClusterError as exc:
+            msg = str(exc).removeprefix("topology: ")
+            raise ClusterError(f"{source}: field 'topology' is invalid: {msg}") from None
+        devices.extend(base.devices)
+        links.extend(base.links)
+        switches.extend(base.switches)
+    counters: dict[str, int] = {}
+    for k, dm in enumerate(model.devices):
+        where = f"{source}: field 'devices[{k}]'"
+        spec = _resolve_kind(dm.kind, kinds, where)
+        overrides = {f: getattr(dm, f) for f in _SPEC_FIELDS if getattr(dm, f) is not None}
+        if overrides:
+            spec = _apply(spec, overrides, f"{source}: field 'devices[{k}]")
+        kind = spec.kind if dm.kind not in kinds else dm.kind
+        if dm.count is None:
+            if dm.name is None:
+                raise ClusterError(
+                    f"{where} needs a 'name' (or a 'count' to name the devices itself)"
+                )
+            devices.append(Device(dm.name, kind, spec, dm.host))
+            continue
+        prefix = dm.name or (spec.category if spec.category != "accelerator" else "dev")
+        start = counters.get(prefix, 0)
+        for i in range(start, start + dm.count):
+            devices.append(Device(f"{prefix}{i}", kind, spec, dm.host))
+        counters[prefix] = start + dm.count
+    switches.extend(model.switches)
+    nodes = {d.name for d in devices} | set(switches)
+    for k, lm in enumerate(model.links):
+        where = f"{source}: field 'links[{k}]' ({lm.src!r} -> {lm.dst!r})"
+        if lm.src == lm.dst:
+            raise ClusterError(f"{where} connects {lm.src!r} to itself")
+        for end in (lm.src, lm.dst):
+            if end not in nodes:
+                raise ClusterError(
+                    f"{where} names node {end!r}, which is neither a device nor a switch; "
+                    f"known nodes include: {allowed(sorted(nodes), 8)}"
+                )
+        fwd = lm.name or f"{lm.src}->{lm.dst}"
+        links.append(Link(fwd, lm.src, lm.dst, lm.bandwidth, lm.latency, lm.kind))
+        if lm.bidirectional:
+            rev = f"{lm.name}:reverse" if lm.name else f"{lm.dst}->{lm.src}"
+            links.append(Link(rev, lm.dst, lm.src, lm.bandwidth, lm.latency, lm.kind))
+    pure = base is not None and not (model.devices or model.switches or model.links)
+    meta = dict(base.meta) if base is not None else {}
+    meta.pop("nic_attach", None)
+    meta.update(model.meta)
+    label = model.kind or (base.topology if base is not None else "custom")
+    return Cluster(
+        model.name or (base.name if base is not None else default_name),
+        devices,
+        links,
+        switches,
+        topology=label,
+        source=model.source or (base.source if base is not None else ""),
+        meta=meta,
+        origin=source,
+        recipe=base.recipe if pure and base is not None else None,
+        torus=base._torus if pure and base is not None else None,
+    )
+
+
+def _custom_kinds(model: _ClusterModel, source: str) -> dict[str, DeviceSpec]:
+    builtin = catalogue()
+    kinds: dict[str, DeviceSpec] = {}
+    for name, km in model.device_kinds.items():
+        where = f"{source}: field 'device_kinds.{name}'"
+        if name in builtin or name in KIND_ALIASES:
+            raise ClusterError(
+                f"{where} redefines a built-in kind; pick another name, or override fields "
+                "on the devices instead"
+            )
+        given = {f: getattr(km, f) for f in _SPEC_FIELDS if getattr(km, f) is not None}
+        if km.base is not None:
+            spec = _resolve_kind(km.base, kinds, f"{source}: field 'device_kinds.{name}.base'")
+            spec = _apply(spec, given, f"{source}: field 'device_kinds.{name}")
+            spec = spec.with_overrides(kind=name)
+            if "description" not in given:
+                spec = spec.with_overrides(description=f"{name} (based on {km.base})")
+        else:
+            for f in ("peak_flops", "memory_bandwidth", "memory_bytes", "launch_overhead_s"):
+                if f not in given:
+                    raise ClusterError(
+                        f"{where} is missing the field {f!r}; give it or a 'base' kind to "
+                        "inherit from"
+                    )
+            spec = DeviceSpec(
+                kind=name,
+                description=given.get("description", name),
+                peak_flops=_dtypes(given["peak_flops"], f"{source}: field 'device_kinds.{name}"),
+                memory_bandwidth=given["memory_bandwidth"],
+                memory_bytes=int(given["memory_bytes"]),
+                launch_overhead_s=given["launch_overhead_s"],
+                source=given.get("source", f"defined in {source}"),
+                category=given.get("category", "accelerator"),
+            )
+        kinds[name] = spec
+    return kinds
+
+
+def _resolve_kind(kind: str, kinds: dict[str, DeviceSpec], where: str) -> DeviceSpec:
+    if kind in kinds:
+        return kinds[kind]
+    builtin = catalogue()
+    key = KIND_ALIASES.get(kind, kind)
+    if key in builtin:
+        return builtin[key]
+    raise UnknownDeviceError(
+        f"{where} has unknown device kind {kind!r}; allowed kinds: "
+        f"{', '.join([*builtin, *kinds])} (or define it under 'device_kinds')"
+    )
+
+
+def _check_topology_kinds(block: BaseModel, kinds: dict[str, DeviceSpec], source: str) -> None:
+    inner = block.per_host if isinstance(block, _MultiHost) else block
+    prefix = "topology.per_host" if inner is not block else "topology"
+    for f in ("gpu_kind", "cpu_kind", "device_kind"):
+        value = getattr(inner, f, None)
+        if value is not None:
+            _resolve_kind(value, kinds, f"{source}: field '{prefix}.{f}'")
+
+
+def _dtypes(flops: dict[str, float], where: str) -> dict[str, float]:
+    """``where`` is ``"file: field 'path"`` (no closing quote: the field is appended)."""
+    out: dict[str, float] = {}
+    for key, value in flops.items():
+        dt = normalize_dtype(key)
+        if dt not in DTYPES:
+            raise ClusterError(
+                f"{where}.peak_flops' has unknown dtype {key!r}; allowed: {', '.join(DTYPES)}"
+            )
+        out[dt] = float(value)
+    return out
+
+
+def _apply(spec: DeviceSpec, overrides: dict[str, Any], where: str) -> DeviceSpec:
+    """``where`` as for :func:`_dtypes`."""
+    changes = dict(overrides)
+    if "peak_flops" in changes:
+        changes["peak_flops"] = _dtypes(changes["peak_flops"], where)
+    if "memory_bytes" in changes:
+        changes["memory_bytes"] = int(changes["memory_bytes"])
+    return spec.with_overrides(**changes)
+
+
+# ---------------------------------------------------------------------- error sentences
+def _model_at(loc: list[Any]) -> tuple[type[BaseModel] | None, list[Any]]:
+    """The pydantic model that owns the last field of ``loc``, and ``loc`` with union tags
+    dropped (for display)."""
+    model: type[BaseModel] | None = _ClusterModel
+    shown: list[Any] = []
+    i = 0
+    while i < len(loc):
+        part = loc[i]
+        shown.append(part)
+        tagged = i + 1 < len(loc) and loc[i + 1] in _TOPOLOGY_MODELS
+        if tagged and (
+            (model is _ClusterModel and part == "topology")
+            or (model is _MultiHost and part == "per_host")
+        ):
+            model = _TOPOLOGY_MODELS[loc[i + 1]]
+            i += 2
+            continue
+        if (
+            model is _ClusterModel
+            and part in ("devices", "links", "device_kinds")
+            and i + 2 < len(loc)
+        ):
+            model = {"devices": _DeviceModel, "links": _LinkModel}.get(part, _KindModel)
+            shown.append(loc[i + 1])
+            i += 2
+            continue
+        if i < len(loc) - 1:
+            model = None
+        i += 1
+    return model, shown
+
+
+def _path(parts: list[Any]) -> str:
+    out = ""
+    for p in parts:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _describe(exc: ValidationError) -> str:
+    """One sentence for the first validation error."""
+    err = exc.errors()[0]
+    loc = list(err["loc"])
+    etype = err["type"]
+    owner, shown = _model_at(loc)
+    if etype == "extra_forbidden":
+        parent = _path(shown[:-1])
+        fields = list(owner.model_fields) if owner is not None else []
+        subject = f"field {parent!r}" if parent else "the cluster file"
+        return f"{subject} has unknown field {shown[-1]!r}; allowed: {', '.join(fields)}"
+    if etype == "missing":
+        parent = _path(shown[:-1])
+        subject = f"field {parent!r}" if parent else "the cluster file"
+        return f"{subject} is missing the required field {shown[-1]!r}"
+    if etype in ("union_tag_invalid", "union_tag_not_found"):
+        tags = "pcie_tree, nvlink_mesh" if "per_host" in shown else ", ".join(_TOPOLOGY_MODELS)
+        tag = err.get("ctx", {}).get("tag")
+        got = f" is {tag!r}" if tag is not None else " is missing"
+        return f"field '{_path([*shown, 'generator'])}'{got}; allowed generators: {tags}"
+    where = f"field {_path(shown)!r}"
+    value = err.get("input")
+    got = "" if isinstance(value, dict | list) else f" (got {_short(value)})"
+    if etype == "value_error":
+        msg = str(err.get("ctx", {}).get("error", err["msg"]))
+        return f"{where}: {msg}"
+    if etype in ("greater_than", "greater_than_equal"):
+        bound = err.get("ctx", {}).get("gt", err.get("ctx", {}).get("ge"))
+        rel = "greater than" if etype == "greater_than" else "at least"
+        return f"{where} must be {rel} {bound}{got}"
+    if etype == "literal_error":
+        expected = err.get("ctx", {}).get("expected", "")
+        return f"{where} must be one of {expected}{got}"
+    msg = err["msg"][0].lower() + err["msg"][1:]
+    return f"{where}: {msg}{got}".replace("\n", " ")
+
+
+# ---------------------------------------------------------------------- writing
+def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
+    """The cluster as a YAML/JSON-ready dict that :func:`cluster_from_dict` reads back to
+    an equal cluster: a ``topology:`` block when the cluster came from a generator and no
+    device was changed since, else explicit devices, switches and one entry per directed
+    link (``bidirectional: false``)."""
+    builtin = catalogue()
+    out: dict[str, Any] = {
+        "format": FORMAT,
+        "version": VERSION,
+        "name": cluster.name,
+        "kind": cluster.topology,
+        "source": cluster.source,
+    }
+    meta = {k: v for k, v in cluster.meta.items() if k != "nic_attach"}
+    if meta:
+        out["meta"] = meta
+    custom: dict[str, DeviceSpec] = {}
+    for d in cluster.devices:
+        if d.kind not in builtin and d.kind not in custom:
+            custom[d.kind] = d.spec
+    if custom:
+        out["device_kinds"] = {k: _spec_dict(s) for k, s in custom.items()}
+    plain = all(d.spec == builtin.get(d.kind, custom.get(d.kind)) for d in cluster.devices)
+    if cluster.recipe is not None and plain:
+        out["topology"] = _plain(cluster.recipe)
+        return out
+    devices = []
+    for d in cluster.devices:
+        entry: dict[str, Any] = {"name": d.name, "kind": d.kind, "host": d.host}
+        ref = builtin.get(d.kind, custom.get(d.kind))
+        if ref is not None and d.spec != ref:
+            for f in _SPEC_FIELDS:
+                if getattr(d.spec, f) != getattr(ref, f):
+                    entry[f] = _plain(getattr(d.spec, f))
+        devices.append(entry)
+    out["devices"] = devices
+    if cluster.switches:
+        out["switches"] = list(cluster.switches)
+    out["links"] = [
+        {
+            "name": lk.name,
+            "src": lk.src,
+            "dst": lk.dst,
+            "bandwidth": float(lk.bandwidth),
+            "latency": float(lk.latency),
+            "kind": lk.kind,
+            "bidirectional": False,
+        }
+        for lk in cluster.links
+    ]
+    return out
+
+
+def _spec_dict(spec: DeviceSpec) -> dict[str, Any]:
+    return {f: _plain(getattr(spec, f)) for f in _SPEC_FIELDS}
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, bool | str) or value is None:
+        return value
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        return float(value) if math.isfinite(value) else str(value)
+    return value
+
+
+def cluster_to_yaml(cluster: Cluster) -> str:
+    """The cluster as YAML text (see :func:`cluster_to_dict`)."""
+    return yaml.safe_dump(cluster_to_dict(cluster), sort_keys=False, allow_unicode=True)
+
+
+def save_cluster(cluster: Cluster, path: str | Path) -> None:
+    """Write the cluster as YAML to ``path`` atomically."""
+    write_text_atomic(path, cluster_to_yaml(cluster))

@@ -1,0 +1,222 @@
+"""The simulator: properties on random DAGs and clusters, collectives, traces."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from meshplace.cost.collectives import collective_time, schedule_graph
+from meshplace.graph.ir import Op, OpGraph
+from meshplace.hardware import load_cluster, nvlink_mesh, pcie_tree, torus
+from meshplace.sim.simulator import Simulator
+from meshplace.sim.trace import chrome_trace
+
+from .strategies import random_dags
+
+CLUSTERS = {
+    "pcie": lambda: pcie_tree(num_gpus=4, gpus_per_switch=2),
+    "pcie-3": lambda: pcie_tree(num_gpus=3, gpus_per_switch=1),
+    "nvlink": lambda: nvlink_mesh(gpus=4, cpus=1),
+    "torus": lambda: torus((3, 3)),
+    "ring": lambda: torus((5,)),
+}
+_built: dict[str, object] = {}
+
+
+def _cluster(name: str):
+    if name not in _built:
+        _built[name] = CLUSTERS[name]()
+    return _built[name]
+
+
+def _dag_without_measured(graph: OpGraph) -> OpGraph:
+    for o in graph.ops:
+        o.measured_time = {}
+        o.output_shapes = [[min(8, s) for s in shape] for shape in o.output_shapes]
+        o.flops = float(o.flops % 1e12)
+        o.bytes_read = float(o.bytes_read % 1e9)
+        o.bytes_written = float(o.bytes_written % 1e9)
+    return graph
+
+
+def _scenario():
+    return st.tuples(
+        random_dags(max_ops=30, with_keys=False).map(_dag_without_measured),
+        st.sampled_from(sorted(CLUSTERS)),
+        st.randoms(use_true_random=False),
+    )
+
+
+_hypo = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@_hypo
+@given(_scenario())
+def test_step_time_is_at_least_the_lower_bound(scenario) -> None:
+    graph, cname, rnd = scenario
+    sim = Simulator(graph, _cluster(cname))
+    placement = np.array([rnd.randrange(sim.num_devices) for _ in graph.ops], dtype=np.int64)
+    r = sim.simulate(placement)
+    assert r.step_time_s >= r.lower_bound_s * (1 - 1e-9)
+    # Deterministic: the same plan gives the same timeline.
+    again = sim.simulate(placement)
+    assert again.step_time_s == r.step_time_s
+    assert np.array_equal(again.op_start, r.op_start)
+    assert np.array_equal(again.peak_memory_bytes, r.peak_memory_bytes)
+    # Peak memory covers the resident parameters and optimizer state on each device.
+    resident = np.bincount(
+        placement,
+        weights=[o.param_bytes + o.state_bytes for o in graph.ops],
+        minlength=sim.num_devices,
+    )
+    assert np.all(r.peak_memory_bytes >= resident - 1e-6)
+    # Every op starts after each of its inputs has finished.
+    for s, d, _ in graph.edges():
+        assert r.op_start[d] >= r.op_end[s] - 1e-12
+
+
+@_hypo
+@given(_scenario())
+def test_single_device_step_is_the_sum_of_op_times(scenario) -> None:
+    graph, cname, rnd = scenario
+    sim = Simulator(graph, _cluster(cname))
+    device = rnd.randrange(sim.num_devices)
+    placement = np.full(graph.num_ops, device, dtype=np.int64)
+    r = sim.simulate(placement)
+    op_times = sim.op_times(placement)  # each includes the device's launch overhead
+    assert r.step_time_s == pytest.approx(op_times.sum(), rel=1e-9, abs=1e-15)
+    assert len(r.transfer_bytes) == 0
+
+
+@_hypo
+@given(_scenario(), st.floats(min_value=0.1, max_value=50))
+def test_scaling_all_times_scales_the_step(scenario, k: float) -> None:
+    graph, cname, rnd = scenario
+    sim = Simulator(graph, _cluster(cname))
+    placement = np.array([rnd.randrange(sim.num_devices) for _ in graph.ops], dtype=np.int64)
+    base = sim.simulate(placement).step_time_s
+    scaled = sim.simulate(placement, time_scale=k).step_time_s
+    assert scaled == pytest.approx(k * base, rel=1e-9, abs=1e-15)
+
+
+def _chain(n: int, rnd) -> OpGraph:
+    g = OpGraph("chain")
+    for i in range(n):
+        g.add_op(Op(f"c{i}", "matmul", flops=rnd.uniform(1e6, 1e10), bytes_read=1e6))
+        if i:
+            g.add_edge(i - 1, i, rnd.uniform(0, 1e8))
+    return g
+
+
+@_hypo
+@given(st.integers(2, 40), st.sampled_from(sorted(CLUSTERS)), st.randoms(use_true_random=False))
+def test_on_a_chain_more_bandwidth_or_a_faster_device_never_hurts(n, cname, rnd) -> None:
+    graph = _chain(n, rnd)
+    sim = Simulator(graph, _cluster(cname))
+    placement = np.array([rnd.randrange(sim.num_devices) for _ in range(n)], dtype=np.int64)
+    base = sim.simulate(placement).step_time_s
+    sim.link_bw = sim.link_bw * 2
+    wider = sim.simulate(placement).step_time_s
+    assert wider <= base * (1 + 1e-12)
+    kind = rnd.randrange(len(sim.kind_names))
+    sim.op_time_by_kind = sim.op_time_by_kind.copy()
+    sim.op_time_by_kind[kind] *= 0.5
+    faster = sim.simulate(placement).step_time_s
+    assert faster <= wider * (1 + 1e-12)
+
+
+def test_transfers_on_a_shared_pcie_uplink_serialise() -> None:
+    # Two GPUs under one PCIe switch each send 100 MB to the CPU: the uplink is shared.
+    cluster = pcie_tree(num_gpus=2, gpus_per_switch=2)
+    g = OpGraph("fan-in")
+    for name in ("a", "b"):
+        g.add_op(Op(name, "matmul", measured_time={"k80": 0.0}))
+    g.add_op(Op("sink", "elementwise", measured_time={"xeon": 0.0}))
+    g.add_edge("a", "sink", 1e8)
+    g.add_edge("b", "sink", 1e8)
+    sim = Simulator(g, cluster)
+    r = sim.simulate(sim.placement_of(["gpu0", "gpu1", "cpu0"]))
+    one = cluster.transfer_time("gpu0", "cpu0", 1e8)
+    assert r.step_time_s == pytest.approx(2 * one, rel=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["all_reduce", "reduce_scatter", "all_gather", "broadcast"])
+@pytest.mark.parametrize("p", [2, 5, 8])
+def test_ring_collectives_match_their_closed_form(kind: str, p: int) -> None:
+    cluster = torus((p,))
+    link = cluster.links[cluster.route(0, 1)[0]]
+    nbytes = 64e6
+    graph, devices = schedule_graph(kind, nbytes, cluster.device_names, device_kind="tpu-v3")
+    sim = Simulator(graph, cluster)
+    simulated = sim.simulate(sim.placement_of(devices)).step_time_s
+    closed = collective_time(
+        kind, "ring", nbytes, p, bandwidth=link.bandwidth, latency=link.latency
+    )
+    assert simulated == pytest.approx(closed, rel=0.01)
+
+
+@pytest.mark.parametrize("dims", [(4, 4), (2, 8), (3, 3, 2)])
+def test_torus_all_reduce_matches_its_closed_form(dims) -> None:
+    cluster = torus(dims)
+    # Bandwidth of each dimension's link out of device 0 (size-2 rings have double links).
+    per_dim = []
+    for d in range(len(dims)):
+        step = [0] * len(dims)
+        step[d] = 1
+        neighbour = int(np.ravel_multi_index(step, dims))
+        per_dim.append(cluster.links[cluster.route(0, neighbour)[0]].bandwidth)
+    link = cluster.links[0]
+    nbytes = 256e6
+    graph, devices = schedule_graph(
+        "all_reduce", nbytes, cluster.device_names, device_kind="tpu-v3", dims=dims
+    )
+    sim = Simulator(graph, cluster)
+    simulated = sim.simulate(sim.placement_of(devices)).step_time_s
+    closed = collective_time(
+        "all_reduce", "torus", nbytes, bandwidth=per_dim, latency=link.latency, dims=dims
+    )
+    assert simulated == pytest.approx(closed, rel=0.01)
+
+
+def test_nmt_trace_is_valid_chrome_trace_with_a_track_per_device_and_link() -> None:
+    from meshplace.graph.sources import workload_graph
+
+    graph = workload_graph("nmt")
+    cluster = load_cluster("colocrl-4gpu")
+    sim = Simulator(graph, cluster)
+    # Expert-style split: embeddings on the CPU, each LSTM layer pair on its own GPU.
+    names = []
+    for o in graph.ops:
+        m = o.module
+        if "embedding" in m or o.kind == "input":
+            names.append("cpu0")
+        elif ".0" in m or m.endswith("0"):
+            names.append("gpu0")
+        elif ".1" in m:
+            names.append("gpu1")
+        else:
+            names.append("gpu2")
+    result = sim.simulate(sim.placement_of(names))
+    trace = json.loads(json.dumps(chrome_trace(sim, result)))
+    events = trace["traceEvents"]
+    assert isinstance(events, list) and events
+    threads = {
+        (e["pid"], e["tid"]): e["args"]["name"] for e in events if e["name"] == "thread_name"
+    }
+    assert len([k for k in threads if k[0] == 1]) == cluster.num_devices
+    assert len([k for k in threads if k[0] == 2]) == len(cluster.links)
+    for e in events:
+        assert {"name", "ph", "pid", "tid"} <= set(e)
+        assert e["ph"] in ("X", "M")
+        if e["ph"] == "X":
+            assert isinstance(e["ts"], float) and e["ts"] >= 0
+            assert isinstance(e["dur"], float) and e["dur"] >= 0
+            assert (e["pid"], e["tid"]) in threads
+    transfers = [e for e in events if e["ph"] == "X" and e["pid"] == 2]
+    assert transfers, "an op split over devices must move data"
+    end = max(e["ts"] + e["dur"] for e in events if e["ph"] == "X")
+    assert end == pytest.approx(result.step_time_s * 1e6, rel=1e-9)
