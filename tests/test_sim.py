@@ -220,3 +220,18 @@ def test_nmt_trace_is_valid_chrome_trace_with_a_track_per_device_and_link() -> N
     assert transfers, "an op split over devices must move data"
     end = max(e["ts"] + e["dur"] for e in events if e["ph"] == "X")
     assert end == pytest.approx(result.step_time_s * 1e6, rel=1e-9)
+
+
+def test_measured_times_win_over_the_roofline_by_kind_then_category() -> None:
+    cluster = load_cluster("colocrl-2gpu")
+    g = OpGraph("measured")
+    g.add_op(Op("a", "matmul", flops=1e12, measured_time={"k80": 0.25, "cpu": 2.0}))
+    g.add_op(Op("b", "matmul", flops=1e12, measured_time={"cpu": 3.0}))
+    g.add_op(Op("c", "matmul", flops=1e12))
+    sim = Simulator(g, cluster)
+    gpu = sim.op_times(sim.placement_of(["gpu0", "gpu0", "gpu0"]))
+    cpu = sim.op_times(sim.placement_of(["cpu0", "cpu0", "cpu0"]))
+    assert gpu[0] == 0.25  # exact kind
+    assert cpu[0] == 2.0 and cpu[1] == 3.0  # the xeon's category is "cpu"
+    k80 = cluster.device("gpu0").spec
+    assert gpu[2] == pytest.approx(1e12 / (k80.peak("float32") * 0.7) + k80.launch_overhead_s)

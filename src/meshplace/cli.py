@@ -84,6 +84,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--graph", required=True, help="workload name, graph.json or file.py:fn")
     s.add_argument("--cluster", required=True, help="preset name or cluster.yaml")
+    s.add_argument("--batch", type=_positive_int, help="batch size (reference workloads)")
+    s.add_argument("--size", help="model size (reference workloads)")
+    s.add_argument("--inference", action="store_true", help="simulate the inference graph")
     s.add_argument("--plan", required=True, help="plan.json (see docs/formats.md)")
     s.add_argument("--objective", default="step", choices=["step", "throughput"])
     s.add_argument("--trace", help="write a Chrome trace (opens in Perfetto) to this file")
@@ -236,7 +239,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     plan = load_plan(args.plan)
     cluster = load_cluster(args.cluster)
     with _status(err, f"loading {args.graph}…"):
-        graph = graph_for(args.graph)
+        graph = graph_for(args.graph, batch=args.batch, size=args.size, training=not args.inference)
     placement = plan.device_indices(
         graph, {d.name: i for i, d in enumerate(cluster.devices)}, cluster.name, args.plan
     )
@@ -262,7 +265,10 @@ def _print_simulation(console: Console, s: dict[str, Any]) -> None:
     head.add_column("what", style="bold")
     head.add_column("value")
     head.add_row("step time", f"{s['step_time_s'] * 1e3:,.3f} ms")
-    head.add_row("steady-state (throughput)", f"{s['throughput_time_s'] * 1e3:,.3f} ms per step")
+    steady = f"{s['throughput_time_s'] * 1e3:,.3f} ms per step"
+    if s.get("time_per_sample_s"):
+        steady += f" ({s['time_per_sample_s'] * 1e6:,.1f} µs per sample)"
+    head.add_row("pipelined steady state", steady)
     gap = s["step_time_s"] / s["lower_bound_s"] if s["lower_bound_s"] else float("nan")
     head.add_row("lower bound", f"{s['lower_bound_s'] * 1e3:,.3f} ms  (step is {gap:.2f}× it)")
     head.add_row("bytes moved", f"{human(s['bytes_moved'], 'B')} in {s['transfers']:,} transfers")

@@ -2,8 +2,9 @@
 
 For op *i* on a device of kind *k*:
 
-* if the graph carries ``measured_time[k]``, that is the time (it already includes the
-  launch overhead, since it was measured end to end);
+* if the graph carries ``measured_time[k]`` (or, failing that, a time for the device's
+  category such as ``"cpu"`` or ``"gpu"``), that is the time: it already includes the
+  launch overhead, since it was measured end to end;
 * otherwise ``max(flops / (peak(dtype) · e_c), bytes / (bandwidth · e_m)) + launch``
   (Williams et al., "Roofline", CACM 2009), where ``e_c`` and ``e_m`` are per-op-kind
   efficiencies. Real models reach at most ~52 % of peak (Li et al., across-stack profiling,
@@ -103,8 +104,13 @@ class CostModel:
             memory = arrays.bytes_accessed / (spec.memory_bandwidth * eff_m)
             t = np.where(kernel, np.maximum(compute, memory) + launch, 0.0)
             if self.use_measured:
+                # A time measured on this exact kind wins; else one measured on its category
+                # (a graph profiled elsewhere may say just "cpu" or "gpu").
+                category = getattr(spec, "category", None)
                 for i, o in enumerate(ops):
                     m = o.measured_time.get(kind)
+                    if m is None and category is not None:
+                        m = o.measured_time.get(category)
                     if m is not None:
                         t[i] = m
             out[kind] = t

@@ -66,6 +66,7 @@ class SimResult:
     transfer_bytes: np.ndarray
     transfer_start: np.ndarray
     transfer_end: np.ndarray
+    batch: int | None = None
 
     @property
     def value(self) -> float:
@@ -108,6 +109,7 @@ class SimResult:
             "objective_value_s": self.value,
             "step_time_s": self.step_time_s,
             "throughput_time_s": self.throughput_time_s,
+            "time_per_sample_s": self.throughput_time_s / self.batch if self.batch else None,
             "lower_bound_s": self.lower_bound_s,
             "oom": self.oom,
             "oom_devices": self.oom_devices,
@@ -259,6 +261,7 @@ class Simulator:
             transfer_bytes=x_bytes,
             transfer_start=x_start,
             transfer_end=x_end,
+            batch=self.graph.meta.get("batch"),
         )
 
 
