@@ -14,7 +14,10 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)
+	mkdir -p out
 	$(BIN)/meshplace workloads
+	$(BIN)/meshplace plan nmt --cluster colocrl-4gpu --placer all \
+		--out out/nmt.plan.json --result out/nmt.result.json
 
 test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

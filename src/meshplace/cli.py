@@ -68,6 +68,31 @@ def _parser() -> argparse.ArgumentParser:
     )
     w.add_argument("--all-sizes", action="store_true", help="every size, not just the default")
     w.add_argument("--json", action="store_true", help="print a JSON array")
+    p = sub.add_parser(
+        "plan",
+        help="place a model on a cluster with one placer, several, or all, and compare",
+        description="Run placers on a model and cluster; one row per placer with step time, "
+        "speed-ups over the best single device and the human expert, peak memory, search time "
+        "and simulator evaluations, beside the lower bound. Writes the best plan.",
+    )
+    p.add_argument("model", help="workload name, graph.json or file.py:fn")
+    p.add_argument("--cluster", required=True, help="preset name or cluster.yaml")
+    p.add_argument("--placer", default="all", help="NAME[,NAME...] or all (default: all)")
+    p.add_argument("--objective", default="step", choices=["step", "throughput"])
+    p.add_argument(
+        "--budget", type=float, default=10.0, help="seconds per searching placer (default 10)"
+    )
+    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("--batch", type=_positive_int, help="batch size (reference workloads)")
+    p.add_argument("--size", help="model size (reference workloads)")
+    p.add_argument("--inference", action="store_true", help="place the inference graph")
+    p.add_argument(
+        "--groups", type=_positive_int, default=256, help="co-location groups (default 256)"
+    )
+    p.add_argument("--out", help="write the best plan to this file")
+    p.add_argument("--result", help="write every placer's result as JSON to this file")
+    p.add_argument("--json", action="store_true", help="print a JSON object")
+
     c = sub.add_parser(
         "cluster",
         help="describe a cluster preset or YAML file",
@@ -103,6 +128,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_workloads(args)
         if args.command == "cluster":
             return _cmd_cluster(args)
+        if args.command == "plan":
+            return _cmd_plan(args)
         if args.command == "simulate":
             return _cmd_simulate(args)
     except InputError as exc:
@@ -215,6 +242,107 @@ def _cmd_workloads(args: argparse.Namespace) -> int:
         )
     Console().print(table)
     return 0
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from rich.progress import Progress
+
+    from meshplace.graph.sources import graph_for
+    from meshplace.hardware import load_cluster
+    from meshplace.placers.base import PlacementProblem, PlacerError, resolve
+    from meshplace.planning import plan_report, run_placers
+
+    if not args.budget > 0:
+        raise PlacerError(f"--budget must be positive seconds, got {args.budget}")
+    names = resolve(args.placer)
+    cluster = load_cluster(args.cluster)
+    err = Console(stderr=True)
+    with _status(err, f"capturing {args.model}…"):
+        graph = graph_for(args.model, batch=args.batch, size=args.size, training=not args.inference)
+    with _status(err, "grouping and preparing the simulator…"):
+        problem = PlacementProblem.build(graph, cluster, args.objective, args.groups)
+    problem.check_fits_somewhere()
+    with Progress(console=err, transient=True) as progress:
+        task = progress.add_task("placing", total=len(names))
+
+        def tick(name: str) -> None:
+            progress.update(task, description=f"placing with {name}")
+
+        results = run_placers(
+            problem,
+            names,
+            args.budget,
+            args.seed,
+            on_start=tick,
+            on_done=lambda _: progress.advance(task),
+        )
+    report = plan_report(problem, results, args)
+    if args.out and report["best"] is not None:
+        from meshplace.plan.placement import save_plan
+        from meshplace.planning import best_plan
+
+        save_plan(best_plan(problem, results, args.budget, args.seed), args.out)
+    if args.result:
+        from meshplace.util import write_text_atomic
+
+        write_text_atomic(args.result, json.dumps(report, indent=1))
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        _print_plan_report(Console(), report)
+    return 0
+
+
+def _print_plan_report(console: Console, r: dict[str, Any]) -> None:
+    from meshplace.graph.summary import human
+
+    title = (
+        f"{r['graph']} on {r['cluster']}: {r['ops']:,} ops in {r['groups']} groups, "
+        f"objective {r['objective']}"
+    )
+    table = Table(title=title, title_justify="left")
+    for col in (
+        "placer",
+        r["objective"] + " time",
+        "vs single",
+        "vs expert",
+        "peak memory / OOM",
+        "search",
+        "evals",
+    ):
+        table.add_column(col, justify="left" if col == "placer" else "right")
+    best = r["best"]
+    for row in r["results"]:
+        mem = (
+            "[red]OOM " + ", ".join(row["oom_devices"]) + "[/red]"
+            if row["oom"]
+            else human(max(row["peak_memory_bytes"].values(), default=0), "B") + " max"
+        )
+        name = (
+            f"[bold green]{row['placer']}[/bold green]" if row["placer"] == best else row["placer"]
+        )
+        table.add_row(
+            name,
+            f"{row['objective_value_s'] * 1e3:,.1f} ms",
+            f"{row['speedup_vs_single']:.2f}×" if row.get("speedup_vs_single") else "–",
+            f"{row['speedup_vs_expert']:.2f}×" if row.get("speedup_vs_expert") else "–",
+            mem,
+            f"{row['search_time_s']:.2f} s",
+            f"{row['evaluations']:,}",
+        )
+    console.print(table)
+    console.print(f"lower bound: {r['lower_bound_s'] * 1e3:,.1f} ms", highlight=False)
+    if best is None:
+        console.print("[red]no placer found a plan that fits in memory[/red]")
+    else:
+        b = next(x for x in r["results"] if x["placer"] == best)
+        gap = b["objective_value_s"] / r["lower_bound_s"] if r["lower_bound_s"] else float("nan")
+        console.print(
+            f"best: {best}, {b['objective_value_s'] * 1e3:,.1f} ms ({gap:.2f}× the lower bound)",
+            highlight=False,
+        )
+    if r.get("out"):
+        console.print(f"plan written to {r['out']}", highlight=False)
 
 
 def _cmd_cluster(args: argparse.Namespace) -> int:

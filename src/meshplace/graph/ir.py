@@ -225,6 +225,10 @@ class OpGraph:
     def edge_bytes(self, src: str, dst: str) -> float:
         return self._edges[(self.index(src), self.index(dst))]
 
+    def edge_bytes_at(self, src: int, dst: int) -> float:
+        """Bytes on the edge between op indices ``src`` and ``dst`` (0 if there is none)."""
+        return self._edges.get((src, dst), 0.0)
+
     def total_flops(self, phase: str | None = None) -> float:
         return float(sum(o.flops for o in self.ops if phase is None or o.phase == phase))
 

@@ -1,0 +1,29 @@
+"""Placers: every method of choosing a device per op, behind one registry.
+
+``meshplace.placers.base.registry()`` lists them; ``run_placer(name, problem, budget, seed)``
+runs one and scores its plan with the simulator. Importing this package registers the
+built-in placers (one module per family).
+"""
+
+from meshplace.placers import baselines, search  # noqa: F401  (registers placers)
+from meshplace.placers.base import (
+    OpAssignment,
+    PlacementProblem,
+    PlacerError,
+    PlacerResult,
+    best_result,
+    registry,
+    resolve,
+    run_placer,
+)
+
+__all__ = [
+    "OpAssignment",
+    "PlacementProblem",
+    "PlacerError",
+    "PlacerResult",
+    "best_result",
+    "registry",
+    "resolve",
+    "run_placer",
+]

@@ -1,0 +1,280 @@
+"""What every placer shares: the problem it solves, how plans are scored, the registry.
+
+A placer is a plain function ``place(problem, budget_s, seed) -> assignment`` where the
+assignment gives a device index per **co-location group** (``problem.grouping``), or, for
+placers that reason about single ops, an :class:`OpAssignment` with a device per op.
+:func:`run_placer` times it, expands the assignment to ops, simulates it and reports the
+step time, peak memory (OOM) and the number of simulator evaluations the search used.
+
+Example
+-------
+>>> from meshplace.graph.sources import workload_graph
+>>> from meshplace.hardware import load_cluster
+>>> problem = PlacementProblem.build(workload_graph("dmcca"), load_cluster("colocrl-2gpu"))
+>>> result = run_placer("round_robin", problem, budget_s=1.0, seed=0)
+>>> result.placer, result.step_time_s > 0
+('round_robin', True)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from meshplace.errors import InputError
+from meshplace.graph.groups import DEFAULT_MAX_GROUPS, Grouping, group_ops
+from meshplace.graph.ir import OpGraph
+from meshplace.sim.simulator import OBJECTIVES, SimResult, Simulator
+
+
+class PlacerError(InputError):
+    """An unknown placer, a bad budget, or a model that fits no device."""
+
+
+@dataclass(frozen=True)
+class OpAssignment:
+    """A per-op device assignment, for placers that do not work on groups."""
+
+    devices: np.ndarray
+
+
+class PlacementProblem:
+    """A graph, a cluster, an objective, and everything placers need precomputed.
+
+    Attributes:
+        graph, cluster, objective: as given.
+        grouping: the co-location groups (``group_ops(graph, max_groups)``).
+        group_graph: the acyclic group graph (one op per group, costs summed).
+        simulator: scores op-level placements.
+        group_time: ``[n_devices, n_groups]`` seconds of each group on each device.
+        group_memory: bytes each group needs wherever it is placed: resident parameters,
+            optimizer state and inputs plus the forward outputs it keeps for the backward
+            pass (a memory-aware placer's budget; the simulator measures the true peak).
+        device_memory: capacity per device (bytes).
+    """
+
+    def __init__(
+        self,
+        graph: OpGraph,
+        cluster: Any,
+        objective: str = "step",
+        grouping: Grouping | None = None,
+        simulator: Simulator | None = None,
+    ) -> None:
+        if objective not in OBJECTIVES:
+            raise PlacerError(f"unknown objective {objective!r}; allowed: {', '.join(OBJECTIVES)}")
+        self.graph = graph
+        self.cluster = cluster
+        self.objective = objective
+        self.grouping = grouping or group_ops(graph, DEFAULT_MAX_GROUPS)
+        self.group_graph = self.grouping.group_graph()
+        self.simulator = simulator or Simulator(graph, cluster)
+        self.group_of = self.grouping.group_of
+        self.num_groups = self.grouping.num_groups
+        self.num_devices = self.simulator.num_devices
+        sim = self.simulator
+        op_time = sim.op_time_by_kind[sim.device_kind_index]  # [n_devices, n_ops]
+        self.group_time = np.zeros((self.num_devices, self.num_groups))
+        for d in range(self.num_devices):
+            self.group_time[d] = np.bincount(
+                self.group_of, weights=op_time[d], minlength=self.num_groups
+            )
+        self.op_memory = _op_memory(graph, sim)
+        self.group_memory = np.bincount(
+            self.group_of, weights=self.op_memory, minlength=self.num_groups
+        )
+        self.device_memory = sim.memory_capacity.copy()
+        self.evaluations = 0
+
+    @classmethod
+    def build(
+        cls, graph: OpGraph, cluster: Any, objective: str = "step", max_groups: int | None = None
+    ) -> PlacementProblem:
+        grouping = group_ops(graph, max_groups or DEFAULT_MAX_GROUPS)
+        return cls(graph, cluster, objective, grouping)
+
+    # ---------------------------------------------------------------- helpers
+    @property
+    def device_names(self) -> list[str]:
+        return self.simulator.device_names
+
+    def expand(self, group_devices: np.ndarray) -> np.ndarray:
+        """Op-level placement from a device per group."""
+        return np.asarray(group_devices, dtype=np.int64)[self.group_of]
+
+    def evaluate_ops(self, op_devices: np.ndarray) -> SimResult:
+        """Simulate an op-level placement (counts one evaluation)."""
+        self.evaluations += 1
+        return self.simulator.simulate(op_devices, objective=self.objective)
+
+    def evaluate(self, group_devices: np.ndarray) -> SimResult:
+        """Simulate a group-level placement (counts one evaluation)."""
+        return self.evaluate_ops(self.expand(group_devices))
+
+    def score(self, result: SimResult) -> float:
+        """What searches minimise: the objective, with ColocRL's penalty for OOM plans
+        (Mirhoseini et al. 2017 assign failed placements a large fixed runtime; here the
+        objective times 10 plus 100 s so an OOM plan always loses to a fitting one)."""
+        return result.value * 10.0 + 100.0 if result.oom else result.value
+
+    def fits(self, group_devices: np.ndarray) -> bool:
+        """Whether the memory-demand estimate fits every device."""
+        load = np.bincount(group_devices, weights=self.group_memory, minlength=self.num_devices)
+        return bool(np.all(load <= self.device_memory))
+
+    def check_fits_somewhere(self) -> None:
+        """Raise :class:`PlacerError` if the model cannot fit the cluster at all."""
+        biggest = int(np.argmax(self.group_memory)) if self.num_groups else 0
+        largest_device = float(self.device_memory.max())
+        if self.num_groups and self.group_memory[biggest] > largest_device:
+            raise PlacerError(
+                f"graph {self.graph.name!r} fits no device: group "
+                f"{self.grouping.names[biggest]!r} alone needs "
+                f"{self.group_memory[biggest] / 2**30:.2f} GiB but the largest device has "
+                f"{largest_device / 2**30:.2f} GiB"
+            )
+        total = float(self.group_memory.sum())
+        if total > float(self.device_memory.sum()):
+            raise PlacerError(
+                f"graph {self.graph.name!r} fits no placement: it needs {total / 2**30:.2f} GiB "
+                f"but the cluster's {self.num_devices} devices have "
+                f"{self.device_memory.sum() / 2**30:.2f} GiB in all (largest device "
+                f"{largest_device / 2**30:.2f} GiB)"
+            )
+
+
+def _op_memory(graph: OpGraph, sim: Simulator) -> np.ndarray:
+    """Resident bytes plus forward outputs that a backward op reads (kept alive between
+    the passes) — the part of memory that placement moves around."""
+    mem = sim.resident_per_op.copy()
+    ops = graph.ops
+    kept = np.zeros(len(ops))
+    for s, d, _ in graph.edges():
+        if ops[s].phase == "forward" and ops[d].phase == "backward":
+            kept[s] = sim.transient_bytes[s]
+    return mem + kept
+
+
+# ----------------------------------------------------------------- registry
+PlaceFn = Callable[[PlacementProblem, float, int], "np.ndarray | OpAssignment"]
+
+
+@dataclass(frozen=True)
+class PlacerSpec:
+    name: str
+    fn: PlaceFn
+    family: str
+    description: str
+    source: str
+    uses_budget: bool = False
+
+
+_REGISTRY: dict[str, PlacerSpec] = {}
+
+
+def register(
+    name: str, family: str, description: str, source: str, uses_budget: bool = False
+) -> Callable[[PlaceFn], PlaceFn]:
+    """Decorator adding a placer to the registry under ``name``."""
+
+    def wrap(fn: PlaceFn) -> PlaceFn:
+        _REGISTRY[name] = PlacerSpec(name, fn, family, description, source, uses_budget)
+        return fn
+
+    return wrap
+
+
+def registry() -> dict[str, PlacerSpec]:
+    """Every registered placer by name, in registration order."""
+    from meshplace import placers  # noqa: F401  (importing registers the built-in placers)
+
+    return dict(_REGISTRY)
+
+
+def resolve(names: str | list[str]) -> list[str]:
+    """Placer names from ``"all"``, ``"a,b"`` or a list; unknown names are an error."""
+    known = registry()
+    if isinstance(names, str):
+        names = list(known) if names == "all" else [n.strip() for n in names.split(",") if n]
+    for n in names:
+        if n not in known:
+            raise PlacerError(f"unknown placer {n!r}; known placers: {', '.join(known)}")
+    return list(names)
+
+
+@dataclass
+class PlacerResult:
+    """One placer's outcome on one problem."""
+
+    placer: str
+    op_devices: np.ndarray
+    sim: SimResult
+    search_time_s: float
+    evaluations: int
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def step_time_s(self) -> float:
+        return self.sim.step_time_s
+
+    @property
+    def value(self) -> float:
+        return self.sim.value
+
+    @property
+    def oom(self) -> bool:
+        return self.sim.oom
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "placer": self.placer,
+            "step_time_s": self.sim.step_time_s,
+            "throughput_time_s": self.sim.throughput_time_s,
+            "objective_value_s": self.sim.value,
+            "oom": self.sim.oom,
+            "oom_devices": self.sim.oom_devices,
+            "search_time_s": self.search_time_s,
+            "evaluations": self.evaluations,
+            "peak_memory_bytes": {
+                n: float(m)
+                for n, m, used in zip(
+                    self.sim.device_names,
+                    self.sim.peak_memory_bytes,
+                    np.bincount(self.op_devices, minlength=len(self.sim.device_names)) > 0,
+                )
+                if used
+            },
+            "bytes_moved": float(self.sim.transfer_bytes.sum()),
+            **({"stats": self.stats} if self.stats else {}),
+        }
+
+
+def run_placer(name: str, problem: PlacementProblem, budget_s: float, seed: int) -> PlacerResult:
+    """Run placer ``name`` on ``problem`` and score its plan with the simulator."""
+    if not budget_s > 0:
+        raise PlacerError(f"the time budget must be positive seconds, got {budget_s}")
+    spec = registry()[resolve([name])[0]]
+    problem.evaluations = 0
+    start = time.perf_counter()
+    out = spec.fn(problem, budget_s, seed)
+    elapsed = time.perf_counter() - start
+    stats: dict[str, Any] = {}
+    if isinstance(out, tuple):
+        out, stats = out
+    if isinstance(out, OpAssignment):
+        op_devices = np.asarray(out.devices, dtype=np.int64)
+    else:
+        op_devices = problem.expand(np.asarray(out, dtype=np.int64))
+    evaluations = problem.evaluations
+    result = problem.simulator.simulate(op_devices, objective=problem.objective)
+    return PlacerResult(name, op_devices, result, elapsed, evaluations, stats)
+
+
+def best_result(results: list[PlacerResult]) -> PlacerResult | None:
+    """The fastest plan that fits in memory (``None`` if every plan is OOM)."""
+    fitting = [r for r in results if not r.oom]
+    return min(fitting, key=lambda r: (r.value, r.placer)) if fitting else None
