@@ -21,12 +21,12 @@ CLUSTERS = ["colocrl-4gpu", "dgx-h100", "h2-8xv100"]  # the last: 16 GPUs on 2 h
 BUDGET_S = 2.0
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _graph(name: str) -> OpGraph:
     return workload_graph(name)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cluster(name: str):
     return load_cluster(name)
 
