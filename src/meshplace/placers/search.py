@@ -8,12 +8,14 @@ of memory. ``anneal`` does that over co-location-group placements:
 * **seed**: the best plan among the cheap algorithmic placers (expert, single device, and
   the list schedulers and partitioners when they are registered), so the walk starts where
   algorithms already got — and the returned plan is never worse than that seed;
-* **moves**: send one group to the device of one of its neighbours (most useful: it removes
-  a transfer), to a random device, or swap the devices of two groups;
+* **moves**: send one group to the device of one of its neighbours (it removes a
+  transfer), to a random device — alone or together with the groups it is co-located with
+  (its backward ops' groups, its parameter's update groups), which a backward pass needs
+  to follow its forward pass without paying transfers — or swap the devices of two groups;
 * **acceptance**: Metropolis with a temperature that falls geometrically from 5 % of the
   seed's score to 0.01 % of it over the run;
 * **budget**: the walk stops after a number of simulations fixed by the budget and the
-  graph size (as many as fill half the budget at 2 M simulated ops/s), so a seed reproduces
+  graph size (as many as fill 60 % of it at 3 M simulated ops/s), so a seed reproduces
   the plan exactly; the wall-clock budget is also enforced as a hard stop (only a machine
   several times slower than assumed reaches it, and then the plan depends on timing).
 
@@ -41,7 +43,10 @@ from meshplace.placers.base import OpAssignment, PlacementProblem, register, reg
 from meshplace.placers.baselines import accelerators
 
 SEED_PLACERS = ("expert", "single", "m_etf", "heft", "m_sct", "metis", "pipeline")
-SIMULATED_OPS_PER_SECOND = 2.0e6  # measured: benchmarks/simulator_speed.py gives 2.4-4 M
+# Simulated ops per second assumed when turning the budget into a number of simulations:
+# benchmarks/simulator_speed.py measures 2.4-4 M on random op placements and group-level
+# plans (fewer transfers) run faster, so most machines finish well inside the budget.
+SIMULATED_OPS_PER_SECOND = 3.0e6
 
 
 def _group_majority(problem: PlacementProblem, op_devices: np.ndarray) -> np.ndarray:
@@ -51,6 +56,28 @@ def _group_majority(problem: PlacementProblem, op_devices: np.ndarray) -> np.nda
     votes = np.zeros((problem.num_groups, n_dev))
     np.add.at(votes, (problem.group_of, op_devices), weight)
     return votes.argmax(axis=1).astype(np.int64)
+
+
+def _colocation_partners(problem: PlacementProblem) -> list[np.ndarray]:
+    """For each group, the other groups holding its ops' forward ops, backward ops or
+    co-location-key partners."""
+    graph = problem.graph
+    group_of = problem.group_of
+    links: list[set[int]] = [set() for _ in range(problem.num_groups)]
+    by_key: dict[str, set[int]] = {}
+    for i, o in enumerate(graph.ops):
+        g = int(group_of[i])
+        if o.forward_op is not None:
+            f = int(group_of[graph.index(o.forward_op)])
+            if f != g:
+                links[g].add(f)
+                links[f].add(g)
+        if o.colocation:
+            by_key.setdefault(o.colocation, set()).add(g)
+    for groups in by_key.values():
+        for g in groups:
+            links[g].update(groups - {g})
+    return [np.array(sorted(x), dtype=np.int64) for x in links]
 
 
 @register(
@@ -94,7 +121,7 @@ def place_anneal(problem: PlacementProblem, budget_s: float, seed: int):
     # A fixed number of simulations for a given budget and graph (not "until the clock
     # runs out"), so the same seed reproduces the same plan.
     n_ops = max(problem.graph.num_ops, 1)
-    evaluations = max(1, int(0.5 * budget_s * SIMULATED_OPS_PER_SECOND / n_ops))
+    evaluations = max(1, int(0.6 * budget_s * SIMULATED_OPS_PER_SECOND / n_ops))
     acc = np.array(accelerators(problem), dtype=np.int64)
     devices = np.arange(problem.num_devices, dtype=np.int64)
     ga = problem.group_graph.arrays()
@@ -107,23 +134,30 @@ def place_anneal(problem: PlacementProblem, budget_s: float, seed: int):
         )
         for g in range(problem.num_groups)
     ]
+    partners = _colocation_partners(problem)
     t_hot = 0.05 * current_score
     t_cold = 1e-4 * current_score
     accepted = 0
     deadline = start + 0.97 * budget_s  # hard stop on a machine slower than assumed
     done = 0
+    stopped_at_deadline = False
     for it in range(evaluations):
         if time.perf_counter() > deadline:
+            stopped_at_deadline = True
             break
         temperature = t_hot * (t_cold / t_hot) ** (it / max(evaluations - 1, 1))
         proposal = current.copy()
         move = rng.random()
         g = int(rng.integers(problem.num_groups))
-        if move < 0.6 and len(neighbours[g]):
+        if move < 0.45 and len(neighbours[g]):
             proposal[g] = current[int(rng.choice(neighbours[g]))]
         elif move < 0.85:
             pool = acc if rng.random() < 0.9 else devices
             proposal[g] = int(rng.choice(pool))
+            if move >= 0.6 and len(partners[g]):
+                # Move the group together with the groups it is co-located with (its
+                # backward ops, its forward op, its parameter's updates).
+                proposal[partners[g]] = proposal[g]
         else:
             h = int(rng.integers(problem.num_groups))
             proposal[g], proposal[h] = current[h], current[g]
@@ -144,5 +178,7 @@ def place_anneal(problem: PlacementProblem, budget_s: float, seed: int):
         "best_score_s": best_score,
         "proposals_scored": done,
         "accepted": accepted,
+        "planned_simulations": evaluations,
+        "stopped_at_deadline": stopped_at_deadline,
     }
     return OpAssignment(best_ops), stats
