@@ -53,7 +53,7 @@ def test_placers_are_deterministic_for_a_seed(workload: str) -> None:
         # anneal is reproducible unless a machine far slower than assumed stops it at the
         # wall-clock deadline; it says so in its stats.
         if first.stats.get("stopped_at_deadline") or again.stats.get("stopped_at_deadline"):
-            pytest.skip(f"{name} hit its wall-clock deadline on this (overloaded) machine")
+            continue
         assert np.array_equal(first.op_devices, again.op_devices), name
 
 

@@ -75,6 +75,7 @@ class _Costs:
         a = problem.group_graph.arrays()
         self.n = problem.num_groups
         self.num_devices = problem.num_devices
+        self.device_names = list(problem.device_names)
         self.succ_ptr = a.succ_ptr
         self.succ_idx = a.succ_idx
         self.succ_edge = a.succ_edge
@@ -136,9 +137,7 @@ class _Costs:
         for g in self.topo_order.tolist():
             pred, edges = self.preds(g)
             if len(pred):
-                rank[g] = float(
-                    (rank[pred] + self.mean_time[pred] + self.mean_comm[edges]).max()
-                )
+                rank[g] = float((rank[pred] + self.mean_time[pred] + self.mean_comm[edges]).max())
         return rank
 
 
@@ -342,89 +341,7 @@ def _reserve(
     return out
 
 
-def _costs(problem: PlacementProblem) -> _Costs:
-    return _Costs(problem)
-
-
-# ------------------------------------------------------------------------------ placers
-@register(
-    "m_topo",
-    family=_FAMILY,
-    description="topological order cut into one run per accelerator of about equal compute, "
-    "moving on to the next device when memory runs out",
-    source="Jeon et al., Baechi, SoCC 2020, §4.1 (m-TOPO)",
-)
-def place_m_topo(problem: PlacementProblem, budget_s: float, seed: int):
-    """Baechi's m-TOPO (Jeon et al., SoCC 2020, §4.1).
-
-    Walk the groups in topological order and fill the accelerators one after another, each
-    up to an even share of the total (mean) compute: a group goes to the device whose share
-    contains the midpoint of its compute in the running total, never back to an earlier
-    device. A group that does not fit the current device moves the walk on to the next
-    one; past the last accelerator, the memory rule picks any eligible device.
-    O(V log V + E · D).
-
-    >>> from meshplace.graph.sources import workload_graph
-    >>> from meshplace.hardware import load_cluster
-    >>> p = PlacementProblem.build(workload_graph("dmcca"), load_cluster("colocrl-2gpu"))
-    >>> devices, stats = place_m_topo(p, 1.0, 0)
-    >>> sorted({p.device_names[d] for d in devices.tolist()}), p.fits(devices)
-    (['gpu0', 'gpu1'], True)
-    """
-    costs = _costs(problem)
-    acc = costs.acc.tolist()
-    weight = costs.mean_time
-    total = float(weight.sum())
-    share = total / len(acc) if total > 0 else np.inf
-    state = {"k": 0, "done": 0.0}
-
-    def rule(sched: _Schedule, g: int, ready: np.ndarray) -> tuple[int, float]:
-        mid = state["done"] + float(weight[g]) / 2
-        state["done"] += float(weight[g])
-        k = max(state["k"], min(int(mid / share) if share < np.inf else 0, len(acc) - 1))
-        need = costs.memory[g]
-        while k < len(acc) and sched.free[acc[k]] < need:
-            k += 1
-        if k < len(acc):
-            state["k"] = k
-            d = acc[k]
-        else:
-            state["k"] = len(acc) - 1
-            elig = sched.eligible(g)
-            d = int(elig[np.argmax(sched.free[elig])])
-        return d, sched.earliest_start(g, d, float(ready[d]))
-
-    sched = _ready_list(costs, costs.topo_pos.astype(np.float64), rule, insertion=False)
-    return sched.result("m-TOPO", share_s=float(share) if share < np.inf else 0.0)
-
-
-@register(
-    "m_etf",
-    family=_FAMILY,
-    description="earliest task first: repeatedly start the (ready group, device) pair that "
-    "can start soonest, with communication from other devices, within memory",
-    source="Hwang et al., SIAM J. Comput. 1989 (ETF); Jeon et al., Baechi, SoCC 2020, §4.2",
-)
-def place_m_etf(problem: PlacementProblem, budget_s: float, seed: int):
-    """Baechi's m-ETF (Jeon et al., SoCC 2020, §4.2; ETF: Hwang et al., SIAM J. Comput. 18(2),
-    1989). Each step schedules the ready group and eligible device with the earliest start
-    time, where a group's data arrives ``latency + bytes / bandwidth`` after each
-    predecessor on another device finishes; ties go to the higher static level. Memory is
-    reserved as groups are placed. O(V² · D) at worst (V groups, D devices).
-
-    >>> from meshplace.graph.sources import workload_graph
-    >>> from meshplace.hardware import load_cluster
-    >>> p = PlacementProblem.build(workload_graph("dmcca"), load_cluster("colocrl-2gpu"))
-    >>> devices, stats = place_m_etf(p, 1.0, 0)
-    >>> len(devices) == p.num_groups, p.fits(devices), stats["algorithm"]
-    (True, True, 'm-ETF')
-    """
-    return _etf(_costs(problem)).result("m-ETF")
-
-
-def favourite_lp(
-    costs: _Costs, time_limit_s: float = 1.5
-) -> tuple[str, np.ndarray, float, float]:
+def favourite_lp(costs: _Costs, time_limit_s: float = 1.5) -> tuple[str, np.ndarray, float, float]:
     """Solve the LP relaxation of Hanen & Munier's favourite-child ILP with HiGHS.
 
     Variables: a start time ``s_i ≥ 0`` per group, ``x_e ∈ [0, 1]`` per edge (1: the child
@@ -527,7 +444,7 @@ def favourite_lp(
     status = h.getModelStatus()
     if status != highspy.HighsModelStatus.kOptimal:
         return h.modelStatusToString(status), np.zeros(m), 0.0, elapsed
-    x = np.clip(np.asarray(h.getSolution().col_value)[n : n + m], 0.0, 1.0)
+    x = np.clip(np.asarray(h.getSolution().col_value)[n : n + m], 0.0, 1.0) + 0.0
     makespan = float(np.asarray(h.getSolution().col_value)[mcol]) * scale
     return "optimal", x, makespan, elapsed
 
@@ -546,6 +463,183 @@ def _round_favourites(costs: _Costs, x: np.ndarray) -> tuple[np.ndarray, np.ndar
     return child, parent
 
 
+# ---------------------------------------------------------------------------- schedulers
+# Each returns the finished schedule and the algorithm's own stats; the placers below wrap
+# them. Kept apart so tests can check the schedules themselves (precedence, communication,
+# no overlap on a device).
+Stats = dict[str, Any]
+
+
+def _schedule_m_topo(costs: _Costs) -> tuple[_Schedule, Stats]:
+    acc = costs.acc.tolist()
+    weight = costs.mean_time
+    total = float(weight.sum())
+    share = total / len(acc) if total > 0 else 0.0
+    state = {"k": 0, "done": 0.0}
+
+    def rule(sched: _Schedule, g: int, ready: np.ndarray) -> tuple[int, float]:
+        mid = state["done"] + float(weight[g]) / 2
+        state["done"] += float(weight[g])
+        target = min(int(mid / share), len(acc) - 1) if share > 0 else 0
+        k = max(state["k"], target)
+        while k < len(acc) and sched.free[acc[k]] < costs.memory[g]:
+            k += 1  # does not fit: move on to the next device for good
+        if k < len(acc):
+            state["k"] = k
+            d = acc[k]
+        else:  # past the last accelerator: the memory rule, most free memory first
+            state["k"] = len(acc) - 1
+            elig = sched.eligible(g)
+            d = int(elig[np.argmax(sched.free[elig])])
+        return d, sched.earliest_start(g, d, float(ready[d]))
+
+    sched = _ready_list(costs, costs.topo_pos.astype(np.float64), rule, insertion=False)
+    return sched, {"share_s": share}
+
+
+def _schedule_m_etf(costs: _Costs) -> tuple[_Schedule, Stats]:
+    return _etf(costs), {}
+
+
+def _schedule_m_sct(costs: _Costs) -> tuple[_Schedule, Stats]:
+    try:
+        status, x, lp_makespan, lp_time = favourite_lp(costs)
+    except Exception as exc:  # highspy missing or failing: the documented m-ETF fallback
+        status, x, lp_makespan, lp_time = f"failed: {type(exc).__name__}: {exc}", None, 0.0, 0.0
+    if status != "optimal" or x is None:
+        return _etf(costs), {"lp_status": status, "fallback": "m_etf"}
+    child, parent = _round_favourites(costs, x)
+    sched = _etf(costs, child, parent)
+    has = np.flatnonzero(child >= 0)
+    return sched, {
+        "lp_status": status,
+        "lp_makespan_s": lp_makespan,
+        "lp_time_s": lp_time,
+        "lp_x_min": float(x.min(initial=0.0)),
+        "lp_x_max": float(x.max(initial=0.0)),
+        "lp_fractional_edges": int(np.count_nonzero((x > 1e-6) & (x < 1 - 1e-6))),
+        "favourite_edges": len(has),
+        "favourites_kept_together": int(
+            np.count_nonzero(sched.device[has] == sched.device[child[has]])
+        ),
+    }
+
+
+def _schedule_heft(costs: _Costs) -> tuple[_Schedule, Stats]:
+    rank = costs.upward_rank()
+    return _ready_list(costs, -rank, _eft_rule, insertion=True), {}
+
+
+def _critical_path(costs: _Costs, rank_u: np.ndarray, prio: np.ndarray) -> np.ndarray:
+    """CPOP's critical path as a mask: from the highest-priority entry, follow the
+    successor that realises each group's upward rank (mean communication + its rank_u) to
+    an exit. Every group on it has priority |CP|; a shortcut edge to a group further down
+    the path (same priority) is not followed. Ties: lowest group index. O(V + E)."""
+    on_path = np.zeros(costs.n, dtype=bool)
+    if not costs.n:
+        return on_path
+    entries = np.flatnonzero(np.diff(costs.pred_ptr) == 0)
+    g = int(entries[np.argmax(prio[entries])])
+    while True:
+        on_path[g] = True
+        succ, edges = costs.succs(g)
+        if not len(succ):
+            return on_path
+        tail = costs.mean_comm[edges] + rank_u[succ]
+        g = int(succ[np.lexsort((succ, -tail))[0]])
+
+
+def _schedule_cpop(costs: _Costs) -> tuple[_Schedule, Stats]:
+    rank_u = costs.upward_rank()
+    prio = rank_u + costs.downward_rank()
+    on_path = _critical_path(costs, rank_u, prio)
+    path = np.flatnonzero(on_path)
+    cp_device = int(costs.acc[np.argmin(costs.time[np.ix_(costs.acc, path)].sum(axis=1))])
+
+    def rule(sched: _Schedule, g: int, ready: np.ndarray) -> tuple[int, float]:
+        elig = sched.eligible(g)
+        if on_path[g] and cp_device in elig:
+            return cp_device, sched.earliest_start(g, cp_device, float(ready[cp_device]))
+        return sched.best_finish(g, elig, ready)
+
+    sched = _ready_list(costs, -prio, rule, insertion=True)
+    return sched, {
+        "critical_path_groups": len(path),
+        "critical_path_device": costs.device_names[cp_device],
+    }
+
+
+_SCHEDULERS: dict[str, tuple[str, Callable[[_Costs], tuple[_Schedule, Stats]]]] = {
+    "m_topo": ("m-TOPO", _schedule_m_topo),
+    "m_etf": ("m-ETF", _schedule_m_etf),
+    "m_sct": ("m-SCT", _schedule_m_sct),
+    "heft": ("HEFT", _schedule_heft),
+    "cpop": ("CPOP", _schedule_cpop),
+}
+
+
+def _place(name: str, problem: PlacementProblem) -> tuple[np.ndarray, Stats]:
+    label, scheduler = _SCHEDULERS[name]
+    sched, extra = scheduler(_Costs(problem))
+    return sched.result(label, **extra)
+
+
+# ------------------------------------------------------------------------------ placers
+@register(
+    "m_topo",
+    family=_FAMILY,
+    description="topological order cut into one run per accelerator of about equal compute, "
+    "moving on to the next device when memory runs out",
+    source="Jeon et al., Baechi, SoCC 2020, §4.1 (m-TOPO)",
+)
+def place_m_topo(problem: PlacementProblem, budget_s: float, seed: int):
+    """Baechi's m-TOPO (Jeon et al., SoCC 2020, §4.1).
+
+    Walk the groups in topological order and fill the accelerators one after another, each
+    up to an even share of the total compute (mean over the accelerators): a group goes to
+    the device whose share holds the midpoint of its compute in the running total, never
+    back to an earlier device. A group that does not fit the current device moves the walk
+    on to the next one for good; past the last accelerator, the memory rule picks the
+    eligible device with the most free memory. O(V log V + E · D).
+
+    >>> from meshplace.graph.sources import workload_graph
+    >>> from meshplace.hardware import load_cluster
+    >>> p = PlacementProblem.build(workload_graph("dmcca"), load_cluster("colocrl-2gpu"))
+    >>> devices, stats = place_m_topo(p, 1.0, 0)
+    >>> sorted({p.device_names[d] for d in devices.tolist()}), p.fits(devices)
+    (['gpu0', 'gpu1'], True)
+    """
+    return _place("m_topo", problem)
+
+
+@register(
+    "m_etf",
+    family=_FAMILY,
+    description="earliest task first: repeatedly start the (ready group, device) pair that "
+    "can start soonest, with communication from other devices, within memory",
+    source="Hwang et al., SIAM J. Comput. 1989 (ETF); Jeon et al., Baechi, SoCC 2020, §4.2",
+)
+def place_m_etf(problem: PlacementProblem, budget_s: float, seed: int):
+    """Baechi's m-ETF (Jeon et al., SoCC 2020, §4.2; ETF: Hwang, Chow, Anger & Lee,
+    SIAM J. Comput. 18(2), 1989).
+
+    Each step schedules, among all ready groups and their eligible devices, the pair with
+    the earliest start time: a group's data reaches a device ``latency + bytes /
+    bandwidth`` after each predecessor on another device finishes, and a device is free
+    after its last group (no insertion). Ties go to the higher static level, then the
+    lower group index, the earlier finish and the lower device index. Memory is reserved
+    as groups are placed. O(V² · D) at worst (V groups, D devices).
+
+    >>> from meshplace.graph.sources import workload_graph
+    >>> from meshplace.hardware import load_cluster
+    >>> p = PlacementProblem.build(workload_graph("dmcca"), load_cluster("colocrl-2gpu"))
+    >>> devices, stats = place_m_etf(p, 1.0, 0)
+    >>> len(devices) == p.num_groups, p.fits(devices), stats["algorithm"]
+    (True, True, 'm-ETF')
+    """
+    return _place("m_etf", problem)
+
+
 @register(
     "m_sct",
     family=_FAMILY,
@@ -559,44 +653,25 @@ def place_m_sct(problem: PlacementProblem, budget_s: float, seed: int):
     delays", 1995).
 
     1. Solve the LP relaxation of the favourite-child scheduling ILP with HiGHS
-       (:func:`favourite_lp`) and round: ``x ≥ 0.5`` marks the child as its parent's
-       favourite (at most one each way).
-    2. List-schedule as m-ETF, except that a device whose last group has a ready favourite
-       child is kept for that child (SCT's rule: a favourite child runs right after its
-       parent, on the parent's device, so their edge costs nothing).
+       (:func:`favourite_lp`) and round it: ``x ≥ 0.5`` makes the child its parent's
+       favourite (at most one each way, largest ``x`` first).
+    2. List-schedule as m-ETF, except that a device whose last group has a *ready*
+       favourite child is kept for that child: the child may only go there (if it fits)
+       and no other group may, unless that leaves it no eligible device. So a favourite
+       child runs right after its parent, on the parent's device, and their edge is free.
 
-    If HiGHS is missing or does not reach an optimum, this is m-ETF, and the stats say so
-    (``lp_status``, ``fallback``). O(LP) + O(V² · D).
+    If HiGHS is missing or finds no optimum the result is m-ETF's, and the stats say so
+    (``lp_status``, ``fallback: m_etf``). O(LP) + O(V² · D); the LP has V + E + 1
+    columns and at most E + 2V rows (milliseconds for 256 groups).
 
     >>> from meshplace.graph.sources import workload_graph
     >>> from meshplace.hardware import load_cluster
     >>> p = PlacementProblem.build(workload_graph("dmcca"), load_cluster("colocrl-2gpu"))
     >>> devices, stats = place_m_sct(p, 1.0, 0)
-    >>> stats["lp_status"], p.fits(devices)
-    ('optimal', True)
+    >>> stats["lp_status"], 0 <= stats["lp_x_min"] <= stats["lp_x_max"] <= 1, p.fits(devices)
+    ('optimal', True, True)
     """
-    costs = _costs(problem)
-    try:
-        status, x, lp_makespan, lp_time = favourite_lp(costs)
-    except Exception as exc:  # highspy missing or failing: documented fallback
-        status, x, lp_makespan, lp_time = f"failed: {type(exc).__name__}: {exc}", None, 0.0, 0.0
-    if status != "optimal" or x is None:
-        return _etf(costs).result("m-SCT", lp_status=status, fallback="m_etf")
-    child, parent = _round_favourites(costs, x)
-    sched = _etf(costs, child, parent)
-    return sched.result(
-        "m-SCT",
-        lp_status=status,
-        lp_makespan_s=lp_makespan,
-        lp_time_s=lp_time,
-        lp_x_min=float(x.min(initial=0.0)),
-        lp_x_max=float(x.max(initial=0.0)),
-        lp_fractional_edges=int(np.count_nonzero((x > 1e-6) & (x < 1 - 1e-6))),
-        favourite_edges=int(np.count_nonzero(child >= 0)),
-        favourites_kept_together=int(
-            sum(1 for i, j in enumerate(child.tolist()) if j >= 0 and sched.device[i] == sched.device[j])
-        ),
-    )
+    return _place("m_sct", problem)
 
 
 @register(
@@ -612,9 +687,10 @@ def place_heft(problem: PlacementProblem, budget_s: float, seed: int):
     Priority: upward rank ``rank_u(i) = w̄_i + max_j (c̄_ij + rank_u(j))`` with mean
     compute ``w̄`` over the accelerators and mean communication ``c̄ = L̄ + bytes / B̄``
     (mean latency and bandwidth between distinct accelerators). In decreasing rank order
-    (a topological order), each group goes to the eligible device where it finishes first,
-    starting in the earliest idle gap long enough after its data arrives (insertion
-    policy). O(E · D + V² + V · D) for V groups, E edges and D devices.
+    (a topological order; ties by topological position), each group goes to the eligible
+    device where it finishes first, starting in the earliest idle gap long enough after
+    its data arrives (insertion policy). O(E · D + V² + V · D) for V groups, E edges and
+    D devices.
 
     >>> from meshplace.graph.sources import workload_graph
     >>> from meshplace.hardware import load_cluster
@@ -623,10 +699,7 @@ def place_heft(problem: PlacementProblem, budget_s: float, seed: int):
     >>> len(devices) == p.num_groups, p.fits(devices), stats["memory_fallbacks"]
     (True, True, 0)
     """
-    costs = _costs(problem)
-    rank = costs.upward_rank()
-    sched = _ready_list(costs, -rank, _eft_rule, insertion=True)
-    return sched.result("HEFT")
+    return _place("heft", problem)
 
 
 @register(
@@ -639,9 +712,9 @@ def place_heft(problem: PlacementProblem, budget_s: float, seed: int):
 def place_cpop(problem: PlacementProblem, budget_s: float, seed: int):
     """CPOP (Topcuoglu, Hariri & Wu, IEEE TPDS 13(3), 2002, §4.2).
 
-    Priority ``rank_u + rank_d`` (mean costs as in HEFT). The critical path starts at the
-    entry group of highest priority and follows the highest-priority successor to an exit;
-    the critical-path device is the accelerator minimising the path's total compute. A
+    Priority ``rank_u + rank_d`` (mean costs as in HEFT). The critical path
+    (:func:`_critical_path`) runs from the highest-priority entry group to an exit; the
+    critical-path device is the accelerator that minimises the path's total compute. A
     ready queue releases groups by priority: critical-path groups go to that device (if
     they fit), the others to the eligible device with the earliest finish time (insertion
     policy). O(E · D + V² + V · D).
@@ -653,31 +726,4 @@ def place_cpop(problem: PlacementProblem, budget_s: float, seed: int):
     >>> p.fits(devices), stats["critical_path_groups"] > 0
     (True, True)
     """
-    costs = _costs(problem)
-    prio = costs.upward_rank() + costs.downward_rank()
-    on_path = np.zeros(costs.n, dtype=bool)
-    entries = np.flatnonzero(np.diff(costs.pred_ptr) == 0)
-    cp_device = int(costs.acc[0])
-    if costs.n:
-        g = int(entries[np.argmax(prio[entries])])
-        while True:
-            on_path[g] = True
-            succ = costs.succs(g)[0]
-            if not len(succ):
-                break
-            g = int(succ[np.lexsort((succ, -prio[succ]))[0]])
-        path = np.flatnonzero(on_path)
-        cp_device = int(costs.acc[np.argmin(costs.time[np.ix_(costs.acc, path)].sum(axis=1))])
-
-    def rule(sched: _Schedule, g: int, ready: np.ndarray) -> tuple[int, float]:
-        elig = sched.eligible(g)
-        if on_path[g] and cp_device in elig:
-            return cp_device, sched.earliest_start(g, cp_device, float(ready[cp_device]))
-        return sched.best_finish(g, elig, ready)
-
-    sched = _ready_list(costs, -prio, rule, insertion=True)
-    return sched.result(
-        "CPOP",
-        critical_path_groups=int(on_path.sum()),
-        critical_path_device=problem.device_names[cp_device],
-    )
+    return _place("cpop", problem)
