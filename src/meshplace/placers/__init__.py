@@ -5,7 +5,7 @@ runs one and scores its plan with the simulator. Importing this package register
 built-in placers (one module per family).
 """
 
-from meshplace.placers import baselines, search  # noqa: F401  (registers placers)
+from meshplace.placers import baselines, listsched, search  # noqa: F401  (registers placers)
 from meshplace.placers.base import (
     OpAssignment,
     PlacementProblem,

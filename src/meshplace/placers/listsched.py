@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -274,11 +275,7 @@ def _eft_rule(sched: _Schedule, g: int, ready: np.ndarray) -> tuple[int, float]:
     return sched.best_finish(g, sched.eligible(g), ready)
 
 
-def _etf(
-    costs: _Costs,
-    favourite_child: np.ndarray | None = None,
-    favourite_parent: np.ndarray | None = None,
-) -> _Schedule:
+def _etf(costs: _Costs, favourite_child: np.ndarray | None = None) -> _Schedule:
     """Earliest Task First (Hwang, Chow, Anger & Lee, SIAM J. Comput. 1989): among every
     ready group and eligible device, schedule the pair that can start first (ties: higher
     static level, lower group index, earlier finish, lower device index); no insertion.
@@ -297,7 +294,7 @@ def _etf(
     while ready:
         rows = np.array(ready, dtype=np.int64)
         elig = _eligible(sched.free, costs.memory[rows], costs.is_acc)
-        if favourite_child is not None and favourite_parent is not None:
+        if favourite_child is not None:
             elig = _reserve(sched, rows, elig, favourite_child)
         est = np.where(elig, np.maximum(drt[rows], sched.avail[None, :]), np.inf)
         best = est.min()
@@ -331,7 +328,7 @@ def _reserve(
     if not forced:
         return elig
     out = elig.copy()
-    for k, d in forced:
+    for _, d in forced:
         out[:, d] = False
     for k, d in forced:
         out[k] = False
@@ -341,7 +338,7 @@ def _reserve(
     return out
 
 
-def favourite_lp(costs: _Costs, time_limit_s: float = 1.5) -> tuple[str, np.ndarray, float, float]:
+def favourite_lp(costs: _Costs, time_limit_s: float = 1.0) -> tuple[str, np.ndarray, float, float]:
     """Solve the LP relaxation of Hanen & Munier's favourite-child ILP with HiGHS.
 
     Variables: a start time ``s_i ≥ 0`` per group, ``x_e ∈ [0, 1]`` per edge (1: the child
@@ -444,8 +441,9 @@ def favourite_lp(costs: _Costs, time_limit_s: float = 1.5) -> tuple[str, np.ndar
     status = h.getModelStatus()
     if status != highspy.HighsModelStatus.kOptimal:
         return h.modelStatusToString(status), np.zeros(m), 0.0, elapsed
-    x = np.clip(np.asarray(h.getSolution().col_value)[n : n + m], 0.0, 1.0) + 0.0
-    makespan = float(np.asarray(h.getSolution().col_value)[mcol]) * scale
+    values = np.asarray(h.getSolution().col_value)
+    x = np.clip(values[n : n + m], 0.0, 1.0) + 0.0  # (+ 0.0 turns -0.0 into 0.0)
+    makespan = float(values[mcol]) * scale
     return "optimal", x, makespan, elapsed
 
 
@@ -480,7 +478,8 @@ def _schedule_m_topo(costs: _Costs) -> tuple[_Schedule, Stats]:
     def rule(sched: _Schedule, g: int, ready: np.ndarray) -> tuple[int, float]:
         mid = state["done"] + float(weight[g]) / 2
         state["done"] += float(weight[g])
-        target = min(int(mid / share), len(acc) - 1) if share > 0 else 0
+        # Share k holds the midpoints in (k·share, (k+1)·share]; a boundary goes left.
+        target = min(math.ceil(mid / share) - 1, len(acc) - 1) if share > 0 else 0
         k = max(state["k"], target)
         while k < len(acc) and sched.free[acc[k]] < costs.memory[g]:
             k += 1  # does not fit: move on to the next device for good
@@ -508,8 +507,8 @@ def _schedule_m_sct(costs: _Costs) -> tuple[_Schedule, Stats]:
         status, x, lp_makespan, lp_time = f"failed: {type(exc).__name__}: {exc}", None, 0.0, 0.0
     if status != "optimal" or x is None:
         return _etf(costs), {"lp_status": status, "fallback": "m_etf"}
-    child, parent = _round_favourites(costs, x)
-    sched = _etf(costs, child, parent)
+    child, _ = _round_favourites(costs, x)
+    sched = _etf(costs, child)
     has = np.flatnonzero(child >= 0)
     return sched, {
         "lp_status": status,
