@@ -67,6 +67,7 @@ def get(name: str, *, batch: int | None = None, size: str | None = None) -> Work
             f"Unknown workload {name!r}; choose one of {_choices(_MODULES)}."
         )
     sizes: tuple[str, ...] = module.SIZES
+    size = getattr(module, "SIZE_ALIASES", {}).get(size, size)
     if size is None:
         size = sizes[0]
     elif size not in sizes:

@@ -43,6 +43,8 @@ from torch import nn
 from meshplace.models.base import Workload, token_ids
 
 SIZES: tuple[str, ...] = ("base", "big", "mtf-5b")
+# "5b" is how the Mesh-TensorFlow paper and `meshplace shard` users name mtf-5b.
+SIZE_ALIASES: dict[str, str] = {"5b": "mtf-5b"}
 
 
 @dataclass(frozen=True)
