@@ -105,6 +105,11 @@ def test_a_model_that_fits_no_device_is_one_sentence(capsys, tmp_path) -> None:
     assert err.count("\n") == 1
 
 
+def test_an_empty_graph_has_nothing_to_place() -> None:
+    with pytest.raises(PlacerError, match="has no ops to place"):
+        PlacementProblem.build(OpGraph("empty"), _cluster("colocrl-2gpu"))
+
+
 def test_unknown_placer_lists_the_known_ones(capsys) -> None:
     code = main(["plan", "dmcca", "--cluster", "colocrl-2gpu", "--placer", "gurobi"])
     err = capsys.readouterr().err

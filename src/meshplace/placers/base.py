@@ -67,6 +67,8 @@ class PlacementProblem:
     ) -> None:
         if objective not in OBJECTIVES:
             raise PlacerError(f"unknown objective {objective!r}; allowed: {', '.join(OBJECTIVES)}")
+        if graph.num_ops == 0:
+            raise PlacerError(f"graph {graph.name!r} has no ops to place")
         self.graph = graph
         self.cluster = cluster
         self.objective = objective
