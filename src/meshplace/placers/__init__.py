@@ -5,7 +5,13 @@ runs one and scores its plan with the simulator. Importing this package register
 built-in placers (one module per family).
 """
 
-from meshplace.placers import baselines, listsched, search  # noqa: F401  (registers placers)
+from meshplace.placers import (  # noqa: F401  (importing registers the placers)
+    baselines,
+    listsched,
+    partition,
+    pipeline,
+    search,
+)
 from meshplace.placers.base import (
     OpAssignment,
     PlacementProblem,

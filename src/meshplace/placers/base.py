@@ -10,6 +10,7 @@ Example
 -------
 >>> from meshplace.graph.sources import workload_graph
 >>> from meshplace.hardware import load_cluster
+>>> from meshplace.placers import PlacementProblem, run_placer
 >>> problem = PlacementProblem.build(workload_graph("dmcca"), load_cluster("colocrl-2gpu"))
 >>> result = run_placer("round_robin", problem, budget_s=1.0, seed=0)
 >>> result.placer, result.step_time_s > 0

@@ -62,6 +62,20 @@ def device_speeds(problem: PlacementProblem, devices: list[int]) -> np.ndarray:
     return speed / speed.sum()
 
 
+def useful_parts(weights: np.ndarray) -> int:
+    """``ceil(total / heaviest)``: no part can weigh less than the heaviest vertex, so more
+    parts than this cannot shorten the slowest one and only add communication (and METIS
+    fails to fill them: it reports "too many parts"). At least 1.
+
+    >>> useful_parts(np.array([4.0, 1.0, 1.0, 1.0]))
+    2
+    """
+    heaviest = float(np.max(weights, initial=0.0))
+    if heaviest <= 0:
+        return max(1, len(weights))
+    return max(1, int(np.ceil(float(np.sum(weights)) / heaviest - 1e-9)))
+
+
 def undirected_bytes(problem: PlacementProblem) -> np.ndarray:
     """Dense symmetric ``[groups, groups]`` matrix of bytes between every pair of groups."""
     n = problem.num_groups
@@ -204,7 +218,8 @@ def place_metis(
     * Graph: the group graph made undirected. Vertex weight: the group's seconds on the
       fastest accelerator, scaled to integers summing to ~10⁶ (each ≥ 1). Edge weight:
       bytes between the groups, scaled to integers summing to ~10⁷ (each ≥ 1).
-    * k = number of accelerators (at most the number of groups); target part weights are
+    * k = number of accelerators, capped by :func:`useful_parts` (on a cluster with more
+      accelerators than the groups can fill, the fastest k); target part weights are
       proportional to each accelerator's speed (equal on a homogeneous cluster); METIS' own
       3 % imbalance tolerance; the best cut of 8 METIS runs (``ncuts``), its random
       generator seeded with ``seed`` (deterministic).
@@ -225,13 +240,15 @@ def place_metis(
     """
     acc = accelerators(problem)
     n = problem.num_groups
-    k = min(len(acc), n)
+    ref = reference_device(problem, acc)
+    t = problem.group_time[ref]
+    k = min(len(acc), n, useful_parts(t))
+    # The k fastest accelerators (all of them on a homogeneous cluster), in ring order.
+    fastest = sorted(acc, key=lambda d: (problem.group_time[d].sum(), d))[:k]
+    devices = problem.cluster.ring_order(fastest)
     stats: dict[str, Any] = {"parts": k}
     if k <= 1:
-        return _finish(problem, np.full(n, acc[0], dtype=np.int64), acc, stats)
-    devices = problem.cluster.ring_order(acc)[:k] if k < len(acc) else acc
-    ref = reference_device(problem, devices)
-    t = problem.group_time[ref]
+        return _finish(problem, np.full(n, devices[0], dtype=np.int64), acc, stats)
     vweights = np.maximum(1, np.rint(t / max(t.sum(), 1e-30) * _VERTEX_SCALE)).astype(np.int64)
 
     adjacency = undirected_bytes(problem)
@@ -285,7 +302,8 @@ def fm_bisect(
     random vertex, heaviest edges first; Karypis & Kumar 1998, §3). Each is refined by
     Fiduccia–Mattheyses passes (Fiduccia & Mattheyses, DAC 1982): move the unlocked vertex
     of highest gain whose move keeps the balance, lock it, and keep the best prefix of the
-    pass. The smallest cut wins (then the best balance, then the first start).
+    pass. The smallest cut among the balanced results wins (then the best balance, then
+    the first start); if none is balanced, the least unbalanced.
     O(starts · passes · V²) with a dense adjacency matrix.
 
     >>> a = np.array([[0, 9, 1, 0], [9, 0, 0, 1], [1, 0, 0, 9], [0, 1, 9, 0]], float)
@@ -299,13 +317,13 @@ def fm_bisect(
     candidates = [_prefix_start(w, target)]
     for _ in range(starts):
         candidates.append(_growing_start(adjacency, w, target, rng))
-    best: tuple[float, float, int] | None = None
+    best: tuple[float, float, float, int] | None = None
     best_side = candidates[0]
     for idx, side in enumerate(candidates):
         side = _fm_refine(adjacency, w, side, target, tolerance * total)
         cut = float(adjacency[side == 0][:, side == 1].sum())
         imbalance = abs(float(w[side == 0].sum()) - target)
-        key = (cut, imbalance, idx)
+        key = (max(0.0, imbalance - tolerance * total), cut, imbalance, idx)
         if best is None or key < best:
             best, best_side = key, side
     if n and not (best_side == 0).any() and fraction > 0:
@@ -415,8 +433,9 @@ def place_mincut(
     down to one part per accelerator — ColocRL's MinCut baseline (Mirhoseini et al., ICML
     2017, §4).
 
-    The accelerators, in ring order (so that halves are near each other: GPUs under one
-    PCIe switch stay together), are split into a first half of ⌊k/2⌋ and a second of
+    The accelerators (capped like ``metis`` by :func:`useful_parts`: the fastest k), in
+    ring order (so that halves are near each other: GPUs under one PCIe switch stay
+    together), are split into a first half of ⌊k/2⌋ and a second of
     ⌈k/2⌉; the groups are bisected by :func:`fm_bisect` so that each side's compute (seconds
     on the fastest accelerator) is proportional to its devices' speed — this handles
     non-powers of two — and each side recurses on its own devices. Vertex weights are
@@ -435,9 +454,11 @@ def place_mincut(
     """
     acc = accelerators(problem)
     n = problem.num_groups
-    devices = problem.cluster.ring_order(acc)
-    ref = reference_device(problem, devices)
+    ref = reference_device(problem, acc)
     weights = problem.group_time[ref]
+    k = min(len(acc), max(n, 1), useful_parts(weights))
+    fastest = sorted(acc, key=lambda d: (problem.group_time[d].sum(), d))[:k]
+    devices = problem.cluster.ring_order(fastest)
     speed = dict(zip(devices, device_speeds(problem, devices).tolist()))
     adjacency = undirected_bytes(problem)
     rng = np.random.default_rng(seed)
