@@ -12,8 +12,12 @@ of memory. ``anneal`` does that over co-location-group placements:
   transfer), to a random device — alone or together with the groups it is co-located with
   (its backward ops' groups, its parameter's update groups), which a backward pass needs
   to follow its forward pass without paying transfers — or swap the devices of two groups;
-* **acceptance**: Metropolis with a temperature that falls geometrically from 5 % of the
-  seed's score to 0.01 % of it over the run;
+* **granularity**: two walks with half the simulations each — first over the problem's
+  co-location groups, then over a grouping up to 4× finer (``FINE_GROUPS_FACTOR``), because
+  coarse groups cut from a topological order lump parallel branches together and a
+  simulator-scored search can afford more units once the coarse structure is right;
+* **acceptance**: Metropolis with a temperature that falls geometrically from 0.5 % of the
+  seed's score to 0.001 % of it (a good seed is rarely improved by a hot random walk);
 * **budget**: the walk stops after a number of simulations fixed by the budget and the
   graph size (as many as fill 60 % of it at 3 M simulated ops/s), so a seed reproduces
   the plan exactly; the wall-clock budget is also enforced as a hard stop (only a machine
@@ -39,31 +43,39 @@ import time
 
 import numpy as np
 
+from meshplace.graph.groups import group_ops
 from meshplace.placers.base import OpAssignment, PlacementProblem, register, registry
 from meshplace.placers.baselines import accelerators
 
-SEED_PLACERS = ("expert", "single", "m_etf", "heft", "m_sct", "metis", "pipeline")
+SEED_PLACERS = ("expert", "single", "m_etf", "heft", "cpop", "m_sct", "metis", "mincut", "pipeline")
 # Simulated ops per second assumed when turning the budget into a number of simulations:
 # benchmarks/simulator_speed.py measures 2.4-4 M on random op placements and group-level
 # plans (fewer transfers) run faster, so most machines finish well inside the budget.
 SIMULATED_OPS_PER_SECOND = 3.0e6
+# Metropolis temperature, as a fraction of the seed's score, at the start and the end.
+HOT = 0.005
+COLD = 1e-5
+# The walk's groups: up to this many times the problem's (see place_anneal).
+FINE_GROUPS_FACTOR = 4
 
 
-def _group_majority(problem: PlacementProblem, op_devices: np.ndarray) -> np.ndarray:
+def _group_majority(
+    problem: PlacementProblem, group_of: np.ndarray, n_groups: int, op_devices: np.ndarray
+) -> np.ndarray:
     """The device running most of each group's time under an op-level placement."""
-    n_dev = problem.num_devices
     weight = problem.simulator.op_times(op_devices) + 1e-12
-    votes = np.zeros((problem.num_groups, n_dev))
-    np.add.at(votes, (problem.group_of, op_devices), weight)
+    votes = np.zeros((n_groups, problem.num_devices))
+    np.add.at(votes, (group_of, op_devices), weight)
     return votes.argmax(axis=1).astype(np.int64)
 
 
-def _colocation_partners(problem: PlacementProblem) -> list[np.ndarray]:
+def _colocation_partners(
+    problem: PlacementProblem, group_of: np.ndarray, n_groups: int
+) -> list[np.ndarray]:
     """For each group, the other groups holding its ops' forward ops, backward ops or
     co-location-key partners."""
     graph = problem.graph
-    group_of = problem.group_of
-    links: list[set[int]] = [set() for _ in range(problem.num_groups)]
+    links: list[set[int]] = [set() for _ in range(n_groups)]
     by_key: dict[str, set[int]] = {}
     for i, o in enumerate(graph.ops):
         g = int(group_of[i])
@@ -113,18 +125,61 @@ def place_anneal(problem: PlacementProblem, budget_s: float, seed: int):
     assert best_ops is not None
     seed_score = best_score
 
-    current = _group_majority(problem, best_ops)
-    current_score = problem.score(problem.evaluate(current))
-    if current_score < best_score:
-        best_ops, best_score = problem.expand(current), current_score
-
     # A fixed number of simulations for a given budget and graph (not "until the clock
     # runs out"), so the same seed reproduces the same plan.
     n_ops = max(problem.graph.num_ops, 1)
-    evaluations = max(1, int(0.6 * budget_s * SIMULATED_OPS_PER_SECOND / n_ops))
+    evaluations = max(2, int(0.6 * budget_s * SIMULATED_OPS_PER_SECOND / n_ops))
+    deadline = start + 0.97 * budget_s  # hard stop on a machine slower than assumed
+    # Two walks, half the simulations each: first over the problem's groups (few units, fast
+    # to converge), then over a finer grouping (coarse groups cut from a topological order
+    # lump parallel branches, such as Inception's towers, together).
+    fine = group_ops(problem.graph, FINE_GROUPS_FACTOR * problem.num_groups)
+    walks = [(problem.group_of, problem.num_groups), (fine.group_of, fine.num_groups)]
+    graphs = [problem.group_graph, None]
+    stats: dict = {"seed_placer": seed_name, "seed_score_s": seed_score, "walks": []}
+    stopped_at_deadline = False
+    for k, (group_of, n_groups) in enumerate(walks):
+        group_graph = graphs[k] or fine.group_graph()
+        best_ops, best_score, walk = _walk(
+            problem,
+            group_of,
+            n_groups,
+            group_graph,
+            best_ops,
+            best_score,
+            evaluations // 2,
+            rng,
+            deadline,
+        )
+        stats["walks"].append(walk)
+        stopped_at_deadline |= walk["stopped_at_deadline"]
+    stats.update(
+        best_score_s=best_score,
+        planned_simulations=evaluations,
+        stopped_at_deadline=stopped_at_deadline,
+    )
+    return OpAssignment(best_ops), stats
+
+
+def _walk(
+    problem: PlacementProblem,
+    group_of: np.ndarray,
+    n_groups: int,
+    group_graph,
+    best_ops: np.ndarray,
+    best_score: float,
+    evaluations: int,
+    rng: np.random.Generator,
+    deadline: float,
+) -> tuple[np.ndarray, float, dict]:
+    """One Metropolis walk over the groups ``group_of``, starting from ``best_ops``."""
+    current = _group_majority(problem, group_of, n_groups, best_ops)
+    current_score = problem.score(problem.evaluate_ops(current[group_of]))
+    if current_score < best_score:
+        best_ops, best_score = current[group_of], current_score
     acc = np.array(accelerators(problem), dtype=np.int64)
     devices = np.arange(problem.num_devices, dtype=np.int64)
-    ga = problem.group_graph.arrays()
+    ga = group_graph.arrays()
     neighbours = [
         np.concatenate(
             [
@@ -132,13 +187,12 @@ def place_anneal(problem: PlacementProblem, budget_s: float, seed: int):
                 ga.pred_idx[ga.pred_ptr[g] : ga.pred_ptr[g + 1]],
             ]
         )
-        for g in range(problem.num_groups)
+        for g in range(n_groups)
     ]
-    partners = _colocation_partners(problem)
-    t_hot = 0.05 * current_score
-    t_cold = 1e-4 * current_score
+    partners = _colocation_partners(problem, group_of, n_groups)
+    t_hot = HOT * current_score
+    t_cold = COLD * current_score
     accepted = 0
-    deadline = start + 0.97 * budget_s  # hard stop on a machine slower than assumed
     done = 0
     stopped_at_deadline = False
     for it in range(evaluations):
@@ -148,7 +202,7 @@ def place_anneal(problem: PlacementProblem, budget_s: float, seed: int):
         temperature = t_hot * (t_cold / t_hot) ** (it / max(evaluations - 1, 1))
         proposal = current.copy()
         move = rng.random()
-        g = int(rng.integers(problem.num_groups))
+        g = int(rng.integers(n_groups))
         if move < 0.45 and len(neighbours[g]):
             proposal[g] = current[int(rng.choice(neighbours[g]))]
         elif move < 0.85:
@@ -159,11 +213,11 @@ def place_anneal(problem: PlacementProblem, budget_s: float, seed: int):
                 # backward ops, its forward op, its parameter's updates).
                 proposal[partners[g]] = proposal[g]
         else:
-            h = int(rng.integers(problem.num_groups))
+            h = int(rng.integers(n_groups))
             proposal[g], proposal[h] = current[h], current[g]
         if np.array_equal(proposal, current):
             continue
-        score = problem.score(problem.evaluate(proposal))
+        score = problem.score(problem.evaluate_ops(proposal[group_of]))
         done += 1
         if score < current_score or rng.random() < math.exp(
             -(score - current_score) / max(temperature, 1e-300)
@@ -171,14 +225,12 @@ def place_anneal(problem: PlacementProblem, budget_s: float, seed: int):
             current, current_score = proposal, score
             accepted += 1
             if score < best_score:
-                best_ops, best_score = problem.expand(current), score
-    stats = {
-        "seed_placer": seed_name,
-        "seed_score_s": seed_score,
-        "best_score_s": best_score,
+                best_ops, best_score = current[group_of], score
+    walk = {
+        "groups": n_groups,
         "proposals_scored": done,
         "accepted": accepted,
-        "planned_simulations": evaluations,
+        "best_score_s": best_score,
         "stopped_at_deadline": stopped_at_deadline,
     }
-    return OpAssignment(best_ops), stats
+    return best_ops, best_score, walk
