@@ -116,6 +116,17 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--objective", default="step", choices=["step", "throughput"])
     s.add_argument("--trace", help="write a Chrome trace (opens in Perfetto) to this file")
     s.add_argument("--json", action="store_true", help="print a JSON object")
+
+    from meshplace.mesh.cli import add_shard_arguments
+
+    sh = sub.add_parser(
+        "shard",
+        help="search a Mesh-TensorFlow layout of a model on a device mesh",
+        description="Search mesh shapes and layout rules (which named tensor dimension each "
+        "mesh axis splits), with and without weight-update sharding, for the fastest layout "
+        "that fits in memory; print its cost breakdown, memory per device and runner-ups.",
+    )
+    add_shard_arguments(sh)
     return parser
 
 
@@ -130,6 +141,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_cluster(args)
         if args.command == "plan":
             return _cmd_plan(args)
+        if args.command == "shard":
+            from meshplace.mesh.cli import cmd_shard
+
+            return cmd_shard(args)
         if args.command == "simulate":
             return _cmd_simulate(args)
     except InputError as exc:

@@ -128,6 +128,45 @@ def _ready_pop(heap, base, size, priority):
     return top, size
 
 
+@njit(cache=True, inline="always")
+def _start_next(
+    d,
+    now,
+    heap,
+    base,
+    hsize,
+    priority,
+    op_time,
+    time_scale,
+    op_start,
+    op_end,
+    busy,
+    busy_time,
+    live,
+    peak,
+    out_bytes,
+    ev_t,
+    ev_s,
+    ev_k,
+    ev_i,
+    n_ev,
+    seq,
+):
+    """Device ``d`` starts its highest-priority ready op at ``now``: allocate its output,
+    mark the device busy and schedule the op's completion. Returns (events, next seq)."""
+    u, hsize[d] = _ready_pop(heap, base[d], hsize[d], priority)
+    dur = op_time[u] * time_scale
+    op_start[u] = now
+    op_end[u] = now + dur
+    busy[d] = True
+    busy_time[d] += dur
+    live[d] += out_bytes[u]
+    if live[d] > peak[d]:
+        peak[d] = live[d]
+    n_ev = _ev_push(ev_t, ev_s, ev_k, ev_i, n_ev, now + dur, seq, OP_DONE, u)
+    return n_ev, seq + 1
+
+
 @njit(cache=True)
 def simulate_kernel(
     n_dev,
@@ -239,17 +278,29 @@ def simulate_kernel(
     now = 0.0
     for d in range(n_dev):
         if hsize[d] > 0:
-            u, hsize[d] = _ready_pop(heap, base[d], hsize[d], priority)
-            dur = op_time[u] * time_scale
-            op_start[u] = now
-            op_end[u] = now + dur
-            busy[d] = True
-            busy_time[d] += dur
-            live[d] += out_bytes[u]
-            if live[d] > peak[d]:
-                peak[d] = live[d]
-            n_ev = _ev_push(ev_t, ev_s, ev_k, ev_i, n_ev, now + dur, seq, OP_DONE, u)
-            seq += 1
+            n_ev, seq = _start_next(
+                d,
+                now,
+                heap,
+                base,
+                hsize,
+                priority,
+                op_time,
+                time_scale,
+                op_start,
+                op_end,
+                busy,
+                busy_time,
+                live,
+                peak,
+                out_bytes,
+                ev_t,
+                ev_s,
+                ev_k,
+                ev_i,
+                n_ev,
+                seq,
+            )
 
     makespan = 0.0
     while n_ev > 0:
@@ -326,17 +377,29 @@ def simulate_kernel(
                         hsize[d] = _ready_push(heap, base[d], hsize[d], priority, v)
         # the device that just freed up, or received data, starts its next ready op
         if not busy[d] and hsize[d] > 0:
-            u, hsize[d] = _ready_pop(heap, base[d], hsize[d], priority)
-            dur = op_time[u] * time_scale
-            op_start[u] = now
-            op_end[u] = now + dur
-            busy[d] = True
-            busy_time[d] += dur
-            live[d] += out_bytes[u]
-            if live[d] > peak[d]:
-                peak[d] = live[d]
-            n_ev = _ev_push(ev_t, ev_s, ev_k, ev_i, n_ev, now + dur, seq, OP_DONE, u)
-            seq += 1
+            n_ev, seq = _start_next(
+                d,
+                now,
+                heap,
+                base,
+                hsize,
+                priority,
+                op_time,
+                time_scale,
+                op_start,
+                op_end,
+                busy,
+                busy_time,
+                live,
+                peak,
+                out_bytes,
+                ev_t,
+                ev_s,
+                ev_k,
+                ev_i,
+                n_ev,
+                seq,
+            )
 
     return (
         makespan,
