@@ -18,8 +18,11 @@ run: $(STAMP)
 	$(BIN)/meshplace workloads
 	$(BIN)/meshplace plan nmt --cluster colocrl-4gpu --placer all \
 		--out out/nmt.plan.json --result out/nmt.result.json
+	$(BIN)/meshplace report out/nmt.result.json --html out/nmt.html
 
 test: $(STAMP)
+	# The report test opens a report in headless Chromium (Debian's package).
+	command -v chromium >/dev/null || (apt-get update && apt-get install -y --no-install-recommends chromium)
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/ruff format --check src tests benchmarks
 	$(BIN)/python -m pytest -n 2 --dist loadfile

@@ -91,6 +91,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--out", help="write the best plan to this file")
     p.add_argument("--result", help="write every placer's result as JSON to this file")
+    p.add_argument("--html", help="write a self-contained HTML report to this file")
     p.add_argument("--json", action="store_true", help="print a JSON object")
 
     c = sub.add_parser(
@@ -127,6 +128,17 @@ def _parser() -> argparse.ArgumentParser:
         "that fits in memory; print its cost breakdown, memory per device and runner-ups.",
     )
     add_shard_arguments(sh)
+
+    from meshplace.report.cli import add_report_arguments
+
+    rp = sub.add_parser(
+        "report",
+        help="write a self-contained HTML report of a plan, shard or benchmark result",
+        description="Charts of a `plan --result`, `shard --json` or benchmarks/results JSON "
+        "as one HTML file (inline SVG, no network): placer comparison, timeline, memory, "
+        "placement; layout and collectives; scaling curves.",
+    )
+    add_report_arguments(rp)
     return parser
 
 
@@ -141,6 +153,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_cluster(args)
         if args.command == "plan":
             return _cmd_plan(args)
+        if args.command == "report":
+            from meshplace.report.cli import cmd_report
+
+            return cmd_report(args)
         if args.command == "shard":
             from meshplace.mesh.cli import cmd_shard
 
@@ -292,6 +308,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             on_done=lambda _: progress.advance(task),
         )
     report = plan_report(problem, results, args)
+    if args.html:
+        from meshplace.report.cli import write_plan_report
+
+        write_plan_report(problem, results, report, args)
     if args.out and report["best"] is not None:
         from meshplace.plan.placement import save_plan
         from meshplace.planning import best_plan
