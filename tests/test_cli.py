@@ -157,3 +157,13 @@ def test_console_script_exit_code_without_traceback(tmp_path) -> None:
     assert proc.returncode == 2
     assert "has a cycle: a -> b -> a" in proc.stderr or "has a cycle: b -> a -> b" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_report_command_bad_input_exits_2(capsys, tmp_path) -> None:
+    (tmp_path / "other.json").write_text(json.dumps({"hello": 1}))
+    for target in (tmp_path / "missing.json", tmp_path / "other.json"):
+        code = main(["report", str(target)])
+        err = capsys.readouterr().err
+        assert code == 2
+        assert err.startswith("meshplace: error: ") and err.count("\n") == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other.json"]
