@@ -139,6 +139,26 @@ def _parser() -> argparse.ArgumentParser:
         "placement; layout and collectives; scaling curves.",
     )
     add_report_arguments(rp)
+
+    from meshplace.profile.cli import add_profile_arguments
+    from meshplace.runtime.cli import add_run_arguments
+
+    pf = sub.add_parser(
+        "profile",
+        help="leveled profile (model / module / op) of a training step on this machine",
+        description="Time a model's training step at the model, module and op levels, each "
+        "in a run with only that level and the ones above enabled; tables, profile JSON and "
+        "a Chrome trace.",
+    )
+    add_profile_arguments(pf)
+    rn = sub.add_parser(
+        "run",
+        help="execute a plan on local worker processes: measured vs predicted step time",
+        description="Split the training step by device, run each device as a worker process "
+        "(torch.distributed, gloo), and compare the measured step time with the simulator's "
+        "prediction on the calibrated local cluster.",
+    )
+    add_run_arguments(rn)
     return parser
 
 
@@ -153,6 +173,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_cluster(args)
         if args.command == "plan":
             return _cmd_plan(args)
+        if args.command == "profile":
+            from meshplace.profile.cli import cmd_profile
+
+            return cmd_profile(args)
+        if args.command == "run":
+            from meshplace.runtime.cli import cmd_run
+
+            return cmd_run(args)
         if args.command == "report":
             from meshplace.report.cli import cmd_report
 

@@ -1,0 +1,389 @@
+"""Calibrate the cost model on this machine and build the ``local`` cluster.
+
+Three measurements (all single-threaded, like the runtime's workers):
+
+* **Device**: peak float32 FLOP/s from a repeated 384x384 matmul, memory bandwidth from a
+  64 MiB copy, and dispatch overhead from a one-element add.
+* **Ops**: every op of a traced training step timed *in situ* — the whole fx graph run by a
+  timing interpreter with real inputs of the captured shapes, ``reps`` times after a warm-up,
+  median per op (a view node's time is charged to the op whose tensor it views). Times are
+  keyed by an op *signature* (kind, exact operator, output shapes and dtypes, FLOPs, bytes
+  read) and attached to any graph with the same signatures as ``measured_time[kind]``.
+* **Link**: gloo ping-pong between two processes (:mod:`meshplace.profile.link`).
+
+From the op times, :func:`fit_cost_model` fits the launch overhead (median time of ops whose
+roofline time is negligible) and, per op kind, one scale ``r`` such that
+``t ≈ launch + r · max(flops/peak, bytes/bandwidth)`` (median of ratios: it minimises the
+median relative error); efficiencies are ``1/r`` clipped to (0, 1]. This is the roofline
+(Williams et al., CACM 2009) with measured per-kind efficiencies, as across-stack profiling
+(Li et al., XSP, IPDPS 2020) recommends over datasheet peaks.
+
+Example
+-------
+>>> spec = local_device_spec(peak=2e10, bandwidth=1e10, launch=3e-6)
+>>> c = local_cluster(spec, bandwidth=1e9, latency=1e-4)
+>>> c.device_names, round(c.transfer_time(0, 1, 1e6), 4)
+(['cpu0', 'cpu1'], 0.0011)
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils._pytree import tree_flatten
+
+from meshplace.cost.compute import DEFAULT_EFFICIENCY, NON_KERNEL_KINDS, CostModel
+from meshplace.graph.ir import Op, OpGraph
+from meshplace.hardware import Cluster, Device, DeviceSpec, Link
+
+LOCAL_KIND = "local-cpu"
+# CPU time a gloo message costs each end, as a multiple of the measured one-way latency.
+# On a small host (loopback TCP, one core per worker) a send and a receive occupy the
+# worker's core; 1.6 was fitted once on the ``mlp`` model's placements (not on the models
+# the fidelity benchmark reports). See docs/runtime.md.
+MESSAGE_CPU_FACTOR = 1.6
+
+
+# ------------------------------------------------------------------ device
+def _median_time(fn: Any, reps: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_device(threads: int = 1) -> dict[str, float]:
+    """Peak float32 FLOP/s, memory bandwidth (bytes/s) and per-op dispatch time (s) of this
+    CPU with ``threads`` intra-op threads. ~1 s."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        n = 384
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        out = torch.empty(n, n)
+        t_mm = _median_time(lambda: torch.mm(a, b, out=out), 7)
+        big = torch.empty(16 * 2**20)  # 64 MiB
+        dst = torch.empty_like(big)
+        t_copy = _median_time(lambda: dst.copy_(big), 5, 1)
+        x, y = torch.ones(1), torch.ones(1)
+        t_launch = _median_time(lambda: torch.add(x, y), 200, 20)
+    finally:
+        torch.set_num_threads(old)
+    return {
+        "peak_flops": 2 * n**3 / t_mm,
+        "memory_bandwidth": 2 * big.numel() * 4 / t_copy,
+        "launch_overhead_s": t_launch,
+    }
+
+
+def local_device_spec(peak: float, bandwidth: float, launch: float) -> DeviceSpec:
+    """The ``local-cpu`` device spec (one worker = one CPU thread)."""
+    return DeviceSpec(
+        kind=LOCAL_KIND,
+        description="this machine's CPU, one thread per worker (measured)",
+        peak_flops={"float32": float(peak), "float64": float(peak) / 2},
+        memory_bandwidth=float(bandwidth),
+        memory_bytes=8 * 2**30,
+        launch_overhead_s=float(launch),
+        source="measured by meshplace.profile.calibrate (matmul, copy, 1-element add)",
+        category="cpu",
+    )
+
+
+def local_cluster(
+    spec: DeviceSpec,
+    bandwidth: float,
+    latency: float,
+    devices: int = 2,
+    meta: Mapping[str, Any] | None = None,
+) -> Cluster:
+    """The ``local`` cluster: ``devices`` workers ``cpu0``… of ``spec``, every pair joined
+    by a direct link of the measured bandwidth and latency (loopback TCP through gloo)."""
+    devs = [Device(f"cpu{i}", LOCAL_KIND, spec, host="localhost") for i in range(devices)]
+    links = [
+        Link(f"lo{i}-{j}", f"cpu{i}", f"cpu{j}", float(bandwidth), float(latency), "loopback")
+        for i in range(devices)
+        for j in range(devices)
+        if i != j
+    ]
+    return Cluster(
+        "local",
+        devs,
+        links,
+        topology="custom",
+        source="measured on this machine by meshplace.profile.calibrate",
+        meta=dict(meta or {}),
+    )
+
+
+# ------------------------------------------------------------------ ops
+def signature(op: Op) -> str:
+    """The key measured times are stored under: kind, operator, output shapes and dtypes,
+    FLOPs and bytes read (which pin the input shapes for a given operator)."""
+    shapes = ";".join("x".join(map(str, s)) for s in op.output_shapes)
+    return (
+        f"{op.kind}|{op.target}|{shapes}|{','.join(op.output_dtypes)}|"
+        f"{op.flops:.0f}|{op.bytes_read:.0f}"
+    )
+
+
+@dataclass
+class OpTimes:
+    """Measured seconds per op signature on one device kind."""
+
+    device_kind: str
+    times: dict[str, float] = field(default_factory=dict)
+
+    def attach(self, graph: OpGraph) -> int:
+        """Set ``measured_time[device_kind]`` on every op of ``graph`` whose signature was
+        measured; returns how many ops matched. O(ops)."""
+        hits = 0
+        for op in graph.ops:
+            if op.kind in NON_KERNEL_KINDS:
+                continue
+            t = self.times.get(signature(op))
+            if t is not None:
+                op.measured_time[self.device_kind] = t
+                hits += 1
+        return hits
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"device_kind": self.device_kind, "times": self.times}
+
+
+def time_step_ops(step: Any, reps: int = 5, warmup: int = 1, threads: int = 1) -> np.ndarray:
+    """Seconds per OpGraph op of a :class:`~meshplace.runtime.program.TracedStep`, timed in
+    situ: the fx graph is interpreted node by node with real tensors, each node timed;
+    median over ``reps`` runs after ``warmup``, rescaled so the ops sum to the median step
+    total. Views are charged to their owner op.
+    Cost: (reps + warmup) training steps."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        nodes = list(step.gm.graph.nodes)
+        params, bufs, states, inputs = step.initial_state()
+        values = [*params, *bufs, *states, *inputs]
+        samples = np.zeros((reps, step.graph.num_ops))
+        owner = [step.node_op.get(n.name, -1) for n in nodes]
+        pos = {n: i for i, n in enumerate(nodes)}
+        for r in range(warmup + reps):
+            env: list[Any] = [None] * len(nodes)
+            k = 0
+            acc = np.zeros(step.graph.num_ops)
+            last = time.perf_counter()
+            for i, node in enumerate(nodes):
+                # the time since the previous node ended: the call plus the interpreter's
+                # own per-node work, which the runtime's workers pay too
+                if node.op == "placeholder":
+                    env[i] = values[k]
+                    k += 1
+                elif node.op == "call_function":
+                    args = torch.fx.node.map_arg(node.args, lambda a, env=env: env[pos[a]])
+                    kwargs = torch.fx.node.map_arg(node.kwargs, lambda a, env=env: env[pos[a]])
+                    env[i] = node.target(*args, **kwargs)
+                now = time.perf_counter()
+                if owner[i] >= 0:
+                    acc[owner[i]] += now - last
+                last = now
+            if r >= warmup:
+                samples[r - warmup] = acc
+    finally:
+        torch.set_num_threads(old)
+    out = np.median(samples, axis=0)
+    # Noise is right-skewed, so the sum of per-op medians undershoots the typical step;
+    # rescale so the ops add up to the median step total (the split among ops is kept).
+    total = float(np.median(samples.sum(axis=1)))
+    if out.sum() > 0:
+        out *= total / float(out.sum())
+    kinds = [o.kind for o in step.graph.ops]
+    out[[i for i, k in enumerate(kinds) if k in NON_KERNEL_KINDS]] = 0.0
+    return out
+
+
+def op_times_table(graph: OpGraph, seconds: np.ndarray, device_kind: str = LOCAL_KIND) -> OpTimes:
+    """An :class:`OpTimes` from per-op seconds (ops with one signature: their median)."""
+    by_sig: dict[str, list[float]] = {}
+    for op, t in zip(graph.ops, seconds.tolist()):
+        if op.kind not in NON_KERNEL_KINDS:
+            by_sig.setdefault(signature(op), []).append(t)
+    return OpTimes(device_kind, {s: float(statistics.median(v)) for s, v in by_sig.items()})
+
+
+# ------------------------------------------------------------------ fitting
+def fit_cost_model(
+    graph: OpGraph, seconds: np.ndarray, spec: DeviceSpec
+) -> tuple[CostModel, dict[str, Any]]:
+    """Fit launch overhead and per-kind efficiencies to measured op times (see module doc).
+
+    Returns the :class:`CostModel` (``use_measured`` left on) and a report: per kind the
+    number of ops, the fitted efficiency and the median absolute percentage error of the
+    fitted roofline on those ops.
+
+    >>> from meshplace.graph.ir import Op, OpGraph
+    >>> g = OpGraph("g")
+    >>> for i in range(4):
+    ...     _ = g.add_op(Op(f"m{i}", "matmul", flops=1e6 * (i + 1), output_dtypes=["float32"]))
+    >>> spec = local_device_spec(peak=1e10, bandwidth=1e10, launch=1e-6)
+    >>> cm, rep = fit_cost_model(g, np.array([1e-6 + 2e-4 * (i + 1) for i in range(4)]), spec)
+    >>> round(cm.efficiency["matmul"][0], 3)
+    0.5
+    """
+    ops = graph.ops
+    arrays = graph.arrays()
+    kernel = np.array([o.kind not in NON_KERNEL_KINDS for o in ops])
+    peak = np.array([spec.peak(o.output_dtypes[0] if o.output_dtypes else "float32") for o in ops])
+    x_c = arrays.flops / peak
+    x_m = arrays.bytes_accessed / spec.memory_bandwidth
+    x = np.maximum(x_c, x_m)
+    t = np.asarray(seconds, dtype=float)
+    tiny = kernel & (x < 0.05 * np.maximum(t, 1e-12)) & (t > 0)
+    launch = float(np.median(t[tiny])) if tiny.any() else spec.launch_overhead_s
+    efficiency: dict[str, tuple[float, float]] = {}
+    report: dict[str, Any] = {"launch_overhead_s": launch, "kinds": {}}
+    for kind in sorted({o.kind for o in ops if o.kind not in NON_KERNEL_KINDS}):
+        sel = kernel & np.array([o.kind == kind for o in ops]) & (x > 0)
+        big = sel & (t > launch)
+        if not big.any():
+            continue
+        r = float(np.median((t[big] - launch) / x[big]))
+        e = float(np.clip(1.0 / max(r, 1e-9), 1e-4, 1.0))
+        efficiency[kind] = (e, e)
+        pred = launch + x[sel] * max(r, 1.0)
+        err = float(np.median(np.abs(pred - t[sel]) / np.maximum(t[sel], 1e-12)))
+        report["kinds"][kind] = {"ops": int(sel.sum()), "efficiency": e, "median_error": err}
+    base = dict(DEFAULT_EFFICIENCY)
+    base.update(efficiency)
+    cm = CostModel(efficiency=base, launch_overhead={LOCAL_KIND: launch})
+    return cm, report
+
+
+# ------------------------------------------------------------------ all together
+@dataclass
+class Calibration:
+    """Everything calibration measured: the cluster, the fitted cost model, op times."""
+
+    cluster: Cluster
+    cost_model: CostModel
+    op_times: OpTimes
+    device: dict[str, float]
+    link: dict[str, Any]
+    fit: dict[str, Any]
+
+    @property
+    def message_cpu_s(self) -> float:
+        """CPU seconds one message costs each end (:data:`MESSAGE_CPU_FACTOR` x latency)."""
+        return MESSAGE_CPU_FACTOR * float(self.link["latency"])
+
+    def predict(self, graph: OpGraph, devices: list[str]) -> float:
+        """Predicted step time of ``devices`` (one per op) on the calibrated cluster."""
+        return predict_step(graph, self.cluster, self.cost_model, devices, self.message_cpu_s)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "device": self.device,
+            "link": {k: v for k, v in self.link.items()},
+            "fit": self.fit,
+            "op_times": self.op_times.to_dict(),
+        }
+
+
+def calibrate(
+    step: Any,
+    *,
+    reps: int = 5,
+    link: dict[str, Any] | None = None,
+    device: dict[str, float] | None = None,
+) -> Calibration:
+    """Measure the device, time ``step``'s ops in situ, measure the link (unless given),
+    fit the cost model and attach the op times to ``step.graph``. Spawns two processes for
+    the link (~2 s) unless ``link`` is given."""
+    from meshplace.profile.link import measure_link
+
+    device = device or measure_device()
+    link = link or measure_link()
+    seconds = time_step_ops(step, reps=reps)
+    spec = local_device_spec(device["peak_flops"], device["memory_bandwidth"], 0.0)
+    cost_model, fit = fit_cost_model(step.graph, seconds, spec)
+    spec = spec.with_overrides(launch_overhead_s=fit["launch_overhead_s"])
+    table = op_times_table(step.graph, seconds)
+    table.attach(step.graph)
+    cluster = local_cluster(
+        spec,
+        link["bandwidth"],
+        link["latency"],
+        meta={
+            "calibrated": True,
+            "efficiency": {k: v[0] for k, v in cost_model.efficiency.items()},
+        },
+    )
+    fit["ops_timed"] = int(np.count_nonzero(seconds))
+    fit["step_sum_s"] = float(seconds.sum())
+    return Calibration(cluster, cost_model, table, device, link, fit)
+
+
+def flatten_values(value: Any) -> list[torch.Tensor]:
+    """Tensor leaves of a nested value (helper shared with the profiler)."""
+    return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+
+
+# ------------------------------------------------------------------ prediction
+def predict_step(
+    graph: OpGraph,
+    cluster: Cluster,
+    cost_model: CostModel,
+    devices: list[str],
+    message_cpu_s: float = 0.0,
+) -> float:
+    """Simulated step time of ``devices`` (one device name per op) on ``cluster``.
+
+    ``message_cpu_s`` charges the CPU cost of a message on this testbed, where a gloo send
+    or receive over loopback TCP occupies the worker's core: each op pays it once per other
+    device that reads its output (the send) and once per other device it reads from (the
+    receive). The simulator itself charges links only. O(ops + edges) plus one simulation.
+    """
+    from meshplace.sim.simulator import Simulator
+
+    if message_cpu_s > 0:
+        g = _with_message_costs(graph, cluster, cost_model, devices, message_cpu_s)
+    else:
+        g = graph
+    sim = Simulator(g, cluster, cost_model)
+    return float(sim.simulate(sim.placement_of(devices)).step_time_s)
+
+
+def _with_message_costs(
+    graph: OpGraph, cluster: Cluster, cost_model: CostModel, devices: list[str], cost: float
+) -> OpGraph:
+    import copy
+
+    kinds = {d.kind: d.spec for d in cluster.devices}
+    base = cost_model.op_times(graph, kinds)
+    kind_of = {d.name: d.kind for d in cluster.devices}
+    extra = np.zeros(graph.num_ops)
+    arrays = graph.arrays()
+    sends: set[tuple[int, str]] = set()
+    recvs: set[tuple[int, str]] = set()
+    for s, d in zip(arrays.edge_src.tolist(), arrays.edge_dst.tolist()):
+        if devices[s] != devices[d]:
+            sends.add((s, devices[d]))
+            recvs.add((d, devices[s]))
+    for s, _ in sends:
+        extra[s] += cost
+    for d, _ in recvs:
+        extra[d] += cost
+    g = copy.deepcopy(graph)
+    for i, op in enumerate(g.ops):
+        if extra[i] > 0 or op.kind not in NON_KERNEL_KINDS:
+            kind = kind_of[devices[i]]
+            op.measured_time = {**op.measured_time, kind: float(base[kind][i] + extra[i])}
+    return g

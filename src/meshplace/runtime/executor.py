@@ -1,0 +1,609 @@
+"""Execute a placement for real: one worker process per device, send/recv between them.
+
+Design (docs/runtime.md):
+
+* Every worker re-traces the model from its picklable :class:`ModelSpec` (make_fx is
+  deterministic, so fx node names agree) and owns the parameters, buffers, optimizer state
+  and inputs of the ops placed on it.
+* An fx node runs on the device of the OpGraph op that owns it; a view node runs where the
+  tensor it views was produced, so what crosses devices is exactly the (view) tensor the
+  consumer reads.
+* Workers walk the fx graph in the same global order. A value needed on another device is
+  sent with a non-blocking ``isend`` as soon as it is produced and received with a blocking
+  ``recv`` at its first use. Tags are the producer's position in the graph, so messages
+  match regardless of arrival order. Deadlock freedom: by induction on the global order,
+  the producer of any awaited value never waits on anything later than it.
+* Forward, backward and the optimizer update are one traced graph; a new parameter value
+  computed on another device than the parameter's owner travels back at the end of the step.
+* Step time: every worker stamps ``time.perf_counter()`` (CLOCK_MONOTONIC, shared by the
+  processes of one host) after a barrier and after its last send completed; a step is
+  ``max(end) - min(start)``; the result is the median over the steps after warm-up.
+
+Faults: each worker publishes (current node, state, progress counter) in shared memory. The
+driver ends the run when a worker raises (its message comes back over a queue), exits
+(non-zero exit code) or makes no progress for ``hang_timeout`` seconds, and names the worker
+and the op; every worker is then terminated, killed if needed, and joined.
+
+Cost: O(nodes) Python dispatch per step per worker plus the tensors' compute and transfer.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import statistics
+import tempfile
+import time
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from meshplace.errors import InputError
+from meshplace.runtime.program import ModelSpec, TracedStep, trace_step
+
+# worker states published in shared memory
+_SETUP, _COMPUTE, _RECV, _SYNC, _DONE = 0, 1, 2, 3, 4
+_STATE_NAMES = {
+    _SETUP: "setting up",
+    _COMPUTE: "computing",
+    _RECV: "waiting to receive",
+    _SYNC: "synchronizing",
+    _DONE: "done",
+}
+
+
+class WorkerFailure(RuntimeError):
+    """A worker crashed, raised or hung; the message is one sentence naming it and the op."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    """A fault to inject (tests): ``kind`` is ``raise``, ``exit`` or ``hang``; it fires when
+    the worker owning op ``op`` is about to run it at step ``step``."""
+
+    op: str
+    kind: str = "raise"
+    step: int = 0
+
+
+@dataclass
+class RunResult:
+    """What a run measured. Times in seconds."""
+
+    step_times: list[float]
+    warmup: int
+    losses: list[float]
+    devices: list[str]
+    params: dict[str, torch.Tensor] | None = None
+    bytes_sent: int = 0
+    messages: int = 0
+    worker_busy: list[float] = field(default_factory=list)
+    worker_wait: list[float] = field(default_factory=list)
+
+    @property
+    def step_time_s(self) -> float:
+        """Median step time after warm-up."""
+        timed = self.step_times[self.warmup :] or self.step_times
+        return float(statistics.median(timed))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "devices": self.devices,
+            "steps": len(self.step_times),
+            "warmup": self.warmup,
+            "step_time_s": self.step_time_s,
+            "step_times_s": self.step_times,
+            "losses": self.losses,
+            "bytes_sent_per_step": self.bytes_sent,
+            "messages_per_step": self.messages,
+        }
+
+
+# ------------------------------------------------------------------ planning
+@dataclass
+class _Schedule:
+    """Per-node device and consumer devices, computed identically in every process."""
+
+    names: list[str]
+    device: list[int]
+    consumers: list[list[int]]
+
+
+def _schedule(step: TracedStep, op_device: Sequence[int]) -> _Schedule:
+    nodes = list(step.gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    device = [0] * len(nodes)
+    for i, n in enumerate(nodes):
+        op = step.node_op.get(n.name)
+        if op is not None:
+            device[i] = int(op_device[op])
+        else:  # output node, or an orphan: follow the first input
+            ins = [a for a in n.all_input_nodes]
+            device[i] = device[pos[ins[0]]] if ins else 0
+    consumers: list[list[int]] = [[] for _ in nodes]
+    for i, n in enumerate(nodes):
+        if n.op == "output":
+            continue
+        for a in n.all_input_nodes:
+            j = pos[a]
+            if device[j] != device[i] and device[i] not in consumers[j]:
+                consumers[j].append(device[i])
+    for c in consumers:
+        c.sort()
+    return _Schedule([n.name for n in nodes], device, consumers)
+
+
+# ------------------------------------------------------------------ worker
+def _leaves(value: Any) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+
+
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    if t.dtype == torch.bool:
+        t = t.to(torch.uint8)
+    return t.contiguous()
+
+
+def _empty_like_meta(v: Any) -> torch.Tensor:
+    dtype = torch.uint8 if v.dtype == torch.bool else v.dtype
+    return torch.empty(tuple(v.shape), dtype=dtype)
+
+
+def _worker(
+    rank: int,
+    world: int,
+    spec: ModelSpec,
+    op_device: list[int],
+    steps: int,
+    store_path: str,
+    status: Any,
+    results: Any,
+    fault: Fault | None,
+    want_params: bool,
+    threads: int,
+    timeout_s: float,
+    traced: TracedStep | None = None,
+) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    try:
+        step = traced if traced is not None else trace_step(spec)
+        sched = _schedule(step, op_device)
+        store = dist.FileStore(store_path, world)
+        dist.init_process_group(
+            "gloo",
+            store=store,
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        _run_worker(rank, step, sched, steps, status, results, fault, want_params)
+        dist.destroy_process_group()
+    except BaseException as exc:  # report one sentence, then exit non-zero
+        where = _sched_name(status[3 * rank], locals())
+        results.put(("error", rank, where, f"{type(exc).__name__}: {exc}".splitlines()[0]))
+        results.put(("trace", rank, traceback.format_exc()))
+        time.sleep(0.2)
+        os._exit(1)
+
+
+def _sched_name(idx: int, scope: dict) -> str:
+    """Name of the node being run (or ``setup`` before the schedule exists)."""
+    sched = scope.get("sched")
+    return sched.names[idx] if sched is not None and idx < len(sched.names) else "setup"
+
+
+def _run_worker(
+    rank: int,
+    step: TracedStep,
+    sched: _Schedule,
+    steps: int,
+    status: Any,
+    results: Any,
+    fault: Fault | None,
+    want_params: bool,
+) -> None:
+    import torch.distributed as dist
+
+    nodes = list(step.gm.graph.nodes)
+    params, bufs, states, inputs = step.initial_state()
+    n_p, n_b, n_s = len(params), len(bufs), len(states)
+    placeholder_values: list[Any] = [*params, *bufs, *states, *inputs]
+    ph_index = {n.name: k for k, n in enumerate(nodes) if n.op == "placeholder"}
+    ph_order = [n.name for n in nodes if n.op == "placeholder"]
+    ph_pos = {name: i for i, name in enumerate(ph_order)}
+    del ph_index
+    output = nodes[-1]
+    out_nodes = tree_flatten(output.args[0])[0]
+    loss_node, new_param_nodes = out_nodes[0], out_nodes[1:]
+    # Which parameter each new value replaces: its update op names the parameter.
+    pidx = {n: i for i, n in enumerate(step.param_names)}
+    updates: list[tuple[int, int]] = []  # (node position, param index)
+    pos = {n: i for i, n in enumerate(nodes)}
+    for nn in new_param_nodes:
+        pname = (nn.meta.get("custom") or {}).get("param")
+        if pname in pidx:
+            updates.append((pos[nn], pidx[pname]))
+    param_node_pos = {i: pos[n] for i, n in enumerate(nodes[:n_p])}
+    mine = [i for i, d in enumerate(sched.device) if d == rank]
+    # (position, node, positions of its remote inputs | None for a placeholder); outputs skipped
+    program = [
+        (
+            i,
+            nodes[i],
+            None
+            if nodes[i].op == "placeholder"
+            else [pos[a] for a in nodes[i].all_input_nodes if sched.device[pos[a]] != rank],
+        )
+        for i in mine
+        if nodes[i].op in ("placeholder", "call_function")
+    ]
+    fault_pos = sched.names.index(fault.op) if fault is not None and fault.op in sched.names else -1
+    base = 3 * rank
+    records: list[tuple[float, float, float | None, float]] = []
+    bytes_sent = messages = 0
+
+    wait = [0.0]
+
+    def recv(j: int, env: dict) -> None:
+        status[base + 1] = _RECV
+        tw = time.perf_counter()
+        val = nodes[j].meta.get("val")
+        flat, spec_ = tree_flatten(val)
+        out = []
+        for k, leaf in enumerate(flat):
+            if isinstance(leaf, torch.Tensor):
+                buf = _empty_like_meta(leaf)
+                dist.recv(buf, src=sched.device[j], tag=j * 16 + k)
+                if leaf.dtype == torch.bool:
+                    buf = buf.bool()
+                stride = tuple(leaf.stride())
+                if buf.dim() and stride != tuple(buf.stride()) and 0 not in stride:
+                    # same memory layout as on the producer, so kernels round alike
+                    laid = torch.empty_strided(tuple(leaf.shape), leaf.stride(), dtype=buf.dtype)
+                    buf = laid.copy_(buf)
+                out.append(buf)
+            else:
+                out.append(leaf)
+        env[j] = tree_unflatten(out, spec_) if not isinstance(val, torch.Tensor) else out[0]
+        wait[0] += time.perf_counter() - tw
+        status[base + 1] = _COMPUTE
+
+    for s in range(steps):
+        env: dict[int, Any] = {}
+        pending: list[Any] = []
+        keep: list[torch.Tensor] = []
+        status[base + 2] = s + 1
+        status[base + 1] = _SYNC
+        dist.barrier()
+        t0 = time.perf_counter()
+        status[base + 1] = _COMPUTE
+        for i, node, ins in program:
+            status[base] = i  # the one shared-memory write per node
+            if ins is None:
+                value = placeholder_values[ph_pos[node.name]]
+            else:
+                for j in ins:
+                    if j not in env:
+                        recv(j, env)
+                if i == fault_pos and s == fault.step:
+                    _inject(fault)
+                args = torch.fx.node.map_arg(node.args, lambda a, env=env: env[pos[a]])
+                kwargs = torch.fx.node.map_arg(node.kwargs, lambda a, env=env: env[pos[a]])
+                value = node.target(*args, **kwargs)
+            env[i] = value
+            for d in sched.consumers[i]:
+                for k, leaf in enumerate(tree_flatten(value)[0]):
+                    if isinstance(leaf, torch.Tensor):
+                        w = _wire(leaf)
+                        keep.append(w)
+                        pending.append(dist.isend(w, dst=d, tag=i * 16 + k))
+                        if s == 0:
+                            bytes_sent += w.numel() * w.element_size()
+                            messages += 1
+        # New parameter values: to the parameter's owner.
+        for upos, p in updates:
+            owner = sched.device[param_node_pos[p]]
+            if sched.device[upos] == rank and owner != rank:
+                w = _wire(env[upos])
+                keep.append(w)
+                pending.append(dist.isend(w, dst=owner, tag=(len(nodes) + p) * 16))
+        for upos, p in updates:
+            owner = sched.device[param_node_pos[p]]
+            if owner != rank:
+                continue
+            if sched.device[upos] == rank:
+                new = env[upos]
+            else:
+                status[base + 1] = _RECV
+                new = torch.empty_like(placeholder_values[p])
+                dist.recv(new, src=sched.device[upos], tag=(len(nodes) + p) * 16)
+            placeholder_values[p] = new.detach()
+        status[base + 1] = _SYNC
+        for w in pending:
+            w.wait()
+        t1 = time.perf_counter()
+        loss_pos = pos[loss_node]
+        loss = float(env[loss_pos]) if sched.device[loss_pos] == rank else None
+        records.append((t0, t1, loss, t1 - t0 - wait[0], wait[0]))
+        wait[0] = 0.0
+    status[base + 1] = _DONE
+    dist.barrier()
+    params_out = None
+    if want_params:
+        params_out = {
+            step.param_names[p]: placeholder_values[p].detach().numpy().copy()
+            for p in range(n_p)
+            if sched.device[param_node_pos[p]] == rank
+        }
+    del n_b, n_s
+    results.put(("ok", rank, records, params_out, bytes_sent, messages))
+
+
+def _inject(fault: Fault) -> None:
+    if fault.kind == "exit":
+        os._exit(3)
+    if fault.kind == "hang":
+        time.sleep(3600)
+    raise RuntimeError(f"injected fault in op {fault.op!r}")
+
+
+# ------------------------------------------------------------------ driver
+def run_placement(
+    spec: ModelSpec,
+    devices: Sequence[str],
+    steps: int = 5,
+    *,
+    warmup: int = 1,
+    step: TracedStep | None = None,
+    fault: Fault | None = None,
+    want_params: bool = False,
+    threads: int = 1,
+    hang_timeout: float = 20.0,
+    setup_timeout: float = 120.0,
+    start_method: str = "spawn",
+) -> RunResult:
+    """Run ``steps`` training steps of ``spec`` with op *i* on ``devices[i]`` (device names,
+    one per OpGraph op; the distinct names, sorted, become worker ranks).
+
+    ``start_method="spawn"`` (default) starts clean interpreters that re-trace the model;
+    ``"fork"`` (POSIX only) shares the traced step with the workers and starts in
+    milliseconds — fine on CPU with one thread per worker, unsafe once CUDA is initialised.
+
+    Raises :class:`WorkerFailure` (one sentence naming the worker and op) when a worker
+    raises, exits or makes no progress for ``hang_timeout`` seconds, and
+    :class:`~meshplace.errors.InputError` for bad arguments. No worker outlives the call.
+    """
+    if steps < 1:
+        raise InputError(f"steps must be a positive integer, got {steps}")
+    step = step or trace_step(spec)
+    if len(devices) != step.graph.num_ops:
+        raise InputError(
+            f"the placement names {len(devices)} devices but graph {step.graph.name!r} has "
+            f"{step.graph.num_ops} ops"
+        )
+    names = sorted(set(devices))
+    rank_of = {d: r for r, d in enumerate(names)}
+    op_device = [rank_of[d] for d in devices]
+    world = len(names)
+    if fault is not None and fault.op not in {n.name for n in step.gm.graph.nodes}:
+        raise InputError(f"fault names op {fault.op!r}, which the traced graph does not have")
+
+    if start_method not in ("spawn", "fork"):
+        raise InputError(f"start_method must be 'spawn' or 'fork', got {start_method!r}")
+    ctx = mp.get_context(start_method)
+    status = ctx.Array("q", 3 * world, lock=False)
+    results = ctx.Queue()
+    tmp = tempfile.mkdtemp(prefix="meshplace-run-")
+    store_path = os.path.join(tmp, "store")
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(
+                r,
+                world,
+                spec,
+                op_device,
+                steps,
+                store_path,
+                status,
+                results,
+                fault,
+                want_params,
+                threads,
+                max(hang_timeout, 5.0) * 4,
+                step if start_method == "fork" else None,
+            ),
+            daemon=True,
+            name=f"meshplace-worker-{r}",
+        )
+        for r in range(world)
+    ]
+    node_names = [n.name for n in step.gm.graph.nodes]
+    try:
+        for p in procs:
+            p.start()
+        ok = _collect(procs, status, results, world, names, node_names, hang_timeout, setup_timeout)
+    except WorkerFailure as exc:
+        exc.pids = [p.pid for p in procs if p.pid is not None]  # type: ignore[attr-defined]
+        raise
+    finally:
+        _stop(procs)
+        try:
+            os.remove(store_path)
+            os.rmdir(tmp)
+        except OSError:
+            pass
+    return _assemble(ok, names, steps, warmup, want_params)
+
+
+def _collect(
+    procs: list,
+    status: Any,
+    results: Any,
+    world: int,
+    names: list[str],
+    node_names: list[str],
+    hang_timeout: float,
+    setup_timeout: float,
+) -> dict[int, tuple]:
+    ok: dict[int, tuple] = {}
+    errors: dict[int, tuple[str, str]] = {}
+    last = [-1] * world
+    last_change = time.monotonic()
+    while len(ok) < world:
+        try:
+            msg = results.get(timeout=0.05)
+        except queue.Empty:
+            msg = None
+        if msg is not None:
+            if msg[0] == "ok":
+                ok[msg[1]] = msg
+            elif msg[0] == "error":
+                errors[msg[1]] = (msg[2], msg[3])
+                _diagnose(procs, status, results, names, node_names, errors)
+            continue
+        if any(p.exitcode not in (None, 0) for r, p in enumerate(procs) if r not in ok):
+            _diagnose(procs, status, results, names, node_names, errors)
+        now = time.monotonic()
+        progress = [(status[3 * r], status[3 * r + 2]) for r in range(world)]
+        if progress != last:
+            last = progress
+            last_change = now
+            continue
+        in_setup = all(status[3 * r + 2] == 0 for r in range(world))
+        limit = setup_timeout if in_setup else hang_timeout
+        if now - last_change > limit:
+            if in_setup:
+                raise WorkerFailure(
+                    f"the workers did not start within {limit:g} s (tracing or rendezvous hung)"
+                )
+            stuck = [r for r in range(world) if status[3 * r + 1] == _COMPUTE] or list(range(world))
+            r = stuck[0]
+            raise WorkerFailure(
+                f"worker {r} ({names[r]}) hung: no progress for {limit:g} s while "
+                f"{_STATE_NAMES.get(int(status[3 * r + 1]), 'running')} op "
+                f"{node_names[status[3 * r]]!r}"
+            )
+    return ok
+
+
+_COMM_WORDS = ("connection", "gloo", "closed", "timed out", "timeout", "distbackenderror", "peer")
+
+
+def _diagnose(
+    procs: list,
+    status: Any,
+    results: Any,
+    names: list[str],
+    node_names: list[str],
+    errors: dict[int, tuple[str, str]],
+) -> None:
+    """Find the worker that failed first and raise :class:`WorkerFailure` naming it.
+
+    A worker that loses a peer fails too (its receive errors out), so wait a moment, gather
+    every report and exit code, and prefer, in order: an error that is not a communication
+    error, a worker that died without a report (``os._exit``, a signal), any error."""
+    deadline = time.monotonic() + 0.5
+    while time.monotonic() < deadline:
+        try:
+            m = results.get(timeout=0.05)
+        except queue.Empty:
+            continue
+        if m[0] == "error":
+            errors[m[1]] = (m[2], m[3])
+    for r, (where, text) in sorted(errors.items()):
+        if not any(w in text.lower() for w in _COMM_WORDS):
+            raise WorkerFailure(f"worker {r} ({names[r]}) failed in op {where!r}: {text}")
+    for r, p in enumerate(procs):
+        if p.exitcode not in (None, 0) and r not in errors:
+            op = node_names[status[3 * r]] if status[3 * r + 2] else "setup"
+            raise WorkerFailure(
+                f"worker {r} ({names[r]}) exited with code {p.exitcode} while running op {op!r}"
+            )
+    if errors:
+        r, (where, text) = sorted(errors.items())[0]
+        raise WorkerFailure(f"worker {r} ({names[r]}) failed in op {where!r}: {text}")
+
+
+def _stop(procs: list) -> None:
+    """Terminate, then kill, then join every worker: no orphans."""
+    procs = [p for p in procs if p.pid is not None]  # started ones only
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + 3.0
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join(2.0)
+
+
+def _assemble(
+    ok: dict[int, tuple], names: list[str], steps: int, warmup: int, want_params: bool
+) -> RunResult:
+    step_times, losses, busy = [], [], [0.0] * len(names)
+    for s in range(steps):
+        t0 = min(ok[r][2][s][0] for r in ok)
+        t1 = max(ok[r][2][s][1] for r in ok)
+        step_times.append(t1 - t0)
+        loss = next((ok[r][2][s][2] for r in ok if ok[r][2][s][2] is not None), float("nan"))
+        losses.append(loss)
+    waits = [0.0] * len(names)
+    for r in ok:
+        busy[r] = statistics.median(rec[3] for rec in ok[r][2][warmup:] or ok[r][2])
+        waits[r] = statistics.median(rec[4] for rec in ok[r][2][warmup:] or ok[r][2])
+    params: dict[str, torch.Tensor] | None = None
+    if want_params:
+        params = {}
+        for r in sorted(ok):
+            params.update({k: torch.from_numpy(v) for k, v in (ok[r][3] or {}).items()})
+    return RunResult(
+        step_times=step_times,
+        warmup=min(warmup, max(0, steps - 1)),
+        losses=losses,
+        devices=names,
+        params=params,
+        bytes_sent=sum(ok[r][4] for r in ok),
+        messages=sum(ok[r][5] for r in ok),
+        worker_busy=busy,
+        worker_wait=waits,
+    )
+
+
+def run_reference(
+    step: TracedStep, steps: int, threads: int = 1
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Run the unplaced traced step in this process (``threads`` intra-op threads, like the
+    workers, so reductions round alike): losses per step and final parameters."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return _reference(step, steps)
+    finally:
+        torch.set_num_threads(old)
+
+
+def _reference(step: TracedStep, steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    params, bufs, states, inputs = step.initial_state()
+    losses = []
+    index = {n: i for i, n in enumerate(step.param_names)}
+    out_nodes = tree_flatten(list(step.gm.graph.nodes)[-1].args[0])[0]
+    order = [index[(n.meta.get("custom") or {}).get("param")] for n in out_nodes[1:]]
+    for _ in range(steps):
+        flat = tree_flatten(step.gm(params, bufs, states, inputs))[0]
+        loss, new = flat[0], flat[1:]
+        losses.append(float(loss))
+        for k, t in zip(order, new):
+            params[k] = t.detach()
+    return losses, {n: params[i] for n, i in index.items()}

@@ -1,0 +1,132 @@
+"""Profiling and calibration: leveled profiler, op timing, fitting, local cluster, CLI."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from meshplace.errors import InputError
+from meshplace.graph.capture import capture
+from meshplace.hardware import cluster_from_yaml, cluster_to_yaml
+from meshplace.profile import (
+    calibrate,
+    fit_cost_model,
+    format_tables,
+    local_cluster,
+    local_device_spec,
+    predict_step,
+    profile_model,
+    signature,
+    time_step_ops,
+)
+from meshplace.profile.calibrate import op_times_table
+from meshplace.profile.cli import add_profile_arguments, cmd_profile
+from meshplace.profile.link import fit_link, measure_link
+from meshplace.profile.profiler import parse_levels, trimmed_mean
+from meshplace.runtime.program import MLP, ModelSpec, trace_step
+
+FAKE_LINK = {"bandwidth": 1e9, "latency": 1e-4, "samples": []}
+FAKE_DEVICE = {"peak_flops": 5e10, "memory_bandwidth": 1e10, "launch_overhead_s": 2e-6}
+
+
+def test_levels_and_trimmed_mean() -> None:
+    assert parse_levels("op") == ["model", "module", "op"]
+    assert parse_levels("model") == ["model"]
+    with pytest.raises(InputError):
+        parse_levels("kernel,bogus")
+    assert trimmed_mean([5.0]) == 5.0
+    assert trimmed_mean([1, 2, 3, 4, 1000]) == 3.0
+
+
+def test_profile_levels_tables_and_trace(tmp_path) -> None:
+    torch.manual_seed(0)
+    model = MLP()
+    inputs = [torch.randn(8, 16), torch.randn(8, 4)]
+    prof = profile_model(model, inputs, name="mlp", runs=2, device=FAKE_DEVICE)
+    assert prof.levels == ["model", "module", "op"]
+    assert set(prof.overhead_s) == {"module", "op"}
+    assert all(v > 0 for v in prof.step_s.values())
+    assert "addmm" in prof.ops and prof.ops["addmm"]["flops"] > 0
+    assert prof.modules["fc1"]["forward_s"] > 0 and prof.modules["fc1"]["flops"] > 0
+    assert prof.modules["MLP"]["flops"] >= prof.modules["fc1"]["flops"]
+    assert prof.kinds["matmul"]["intensity"] > 0
+    text = format_tables(prof)
+    assert "overhead" in text and "addmm" in text and "roofline" in text
+    prof.save(tmp_path / "p.json", tmp_path / "p.trace.json")
+    data = json.loads((tmp_path / "p.json").read_text())
+    assert data["format"] == "meshplace.profile" and data["version"] == 1
+    trace = json.loads((tmp_path / "p.trace.json").read_text())
+    assert any(e.get("ph") == "X" and e.get("tid") == 1 for e in trace["traceEvents"])
+    only_model = profile_model(model, inputs, levels=["model"], runs=1)
+    assert only_model.levels == ["model"] and not only_model.ops
+
+
+def test_calibration_fits_and_attaches_by_signature() -> None:
+    step = trace_step(ModelSpec("mlp", batch=8))
+    seconds = time_step_ops(step, reps=3)
+    kernel = [o.kind not in ("parameter", "input", "buffer") for o in step.graph.ops]
+    assert all(t > 0 for t, k in zip(seconds, kernel) if k)
+    assert all(t == 0 for t, k in zip(seconds, kernel) if not k)
+    spec = local_device_spec(FAKE_DEVICE["peak_flops"], FAKE_DEVICE["memory_bandwidth"], 0.0)
+    cm, report = fit_cost_model(step.graph, seconds, spec)
+    assert report["launch_overhead_s"] > 0
+    assert all(0 < e <= 1 for e, _ in cm.efficiency.values())
+    # the same model captured by meshplace.graph.capture has the same signatures
+    torch.manual_seed(0)
+    graph = capture(MLP(), (torch.zeros(8, 16), torch.zeros(8, 4)), training=True)
+    table = op_times_table(step.graph, seconds)
+    assert table.attach(graph) == sum(kernel)
+    assert {signature(o) for o in graph.ops} == {signature(o) for o in step.graph.ops}
+    assert all("local-cpu" in o.measured_time for o, k in zip(graph.ops, kernel) if k)
+
+
+def test_calibrate_local_cluster_and_prediction() -> None:
+    step = trace_step(ModelSpec("mlp", batch=8))
+    cal = calibrate(step, reps=3, link=FAKE_LINK, device=FAKE_DEVICE)
+    c = cal.cluster
+    assert c.name == "local" and c.device_names == ["cpu0", "cpu1"]
+    assert c.path_bandwidth(0, 1) == pytest.approx(1e9)
+    again = cluster_from_yaml(cluster_to_yaml(c))
+    assert again.device_names == c.device_names
+    assert again.devices[0].spec.launch_overhead_s == pytest.approx(
+        c.devices[0].spec.launch_overhead_s
+    )
+    n = step.graph.num_ops
+    single = predict_step(step.graph, c, cal.cost_model, ["cpu0"] * n)
+    measured = sum(o.measured_time.get("local-cpu", 0.0) for o in step.graph.ops)
+    assert single == pytest.approx(measured, rel=1e-6)
+    split = ["cpu0" if i < n // 2 else "cpu1" for i in range(n)]
+    assert cal.predict(step.graph, split) > predict_step(step.graph, c, cal.cost_model, split)
+    assert json.dumps(cal.to_dict())
+
+
+def test_local_cluster_shape() -> None:
+    spec = local_device_spec(1e10, 1e10, 1e-6)
+    c = local_cluster(spec, 2e9, 5e-5, devices=3)
+    assert len(c) == 3 and len(c.links) == 6
+
+
+def test_link_fit_and_measure() -> None:
+    bw, lat = fit_link([(0, 2e-5), (1e6, 2e-5 + 5e-4), (4e6, 2e-5 + 2e-3)])
+    assert bw == pytest.approx(2e9, rel=1e-6) and lat == pytest.approx(2e-5, rel=1e-6)
+    link = measure_link(sizes=(4, 1 << 16, 1 << 20), reps=3)
+    assert link["bandwidth"] > 0 and link["latency"] >= 0 and len(link["samples"]) == 3
+
+
+def test_profile_cli(tmp_path, capsys) -> None:
+    parser = argparse.ArgumentParser()
+    add_profile_arguments(parser)
+    out = tmp_path / "prof.json"
+    args = parser.parse_args(["mlp", "--runs", "1", "--out", str(out)])
+    assert cmd_profile(args) == 0
+    text = capsys.readouterr().out
+    assert "top" in text and out.exists() and (tmp_path / "prof.trace.json").exists()
+    with pytest.raises(InputError):
+        cmd_profile(parser.parse_args(["mlp", "--levels", "kernel2"]))
+    with pytest.raises(InputError):
+        cmd_profile(parser.parse_args(["no-such-model", "--out", str(out)]))
+    assert np.isfinite(json.loads(out.read_text())["step_s"]["model"])

@@ -1,0 +1,166 @@
+"""Real execution of placements: correctness against the unplaced step, and faults."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from meshplace.errors import InputError
+from meshplace.runtime import Fault, ModelSpec, WorkerFailure, run_placement, run_reference
+from meshplace.runtime.program import trace_step
+
+STEPS = 3
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # pragma: no cover - someone else's process reused the pid
+        return True
+    return True
+
+
+def _placements(n: int, ops) -> dict[str, list[str]]:
+    half = ["cpu0" if i < n // 2 else "cpu1" for i in range(n)]
+    alternate = ["cpu0" if i % 2 == 0 else "cpu1" for i in range(n)]
+    # by phase: forward on one worker, backward and update on the other
+    phase = ["cpu0" if o.phase == "forward" else "cpu1" for o in ops]
+    return {"half": half, "alternate": alternate, "phase": phase}
+
+
+@pytest.mark.parametrize("name", ["mlp", "dmcca-small"])
+def test_placed_matches_unplaced(name: str) -> None:
+    spec = ModelSpec(name, batch=4)
+    step = trace_step(spec)
+    ref_losses, ref_params = run_reference(step, STEPS)
+    placements = _placements(step.graph.num_ops, step.graph.ops)
+    chosen = ["half", "alternate"] if name == "mlp" else ["phase"]
+    for key in chosen:
+        # spawn (clean interpreters that re-trace) once; fork (fast) otherwise
+        method = "spawn" if key == "half" else "fork"
+        res = run_placement(
+            spec, placements[key], STEPS, step=step, want_params=True, start_method=method
+        )
+        assert res.devices == ["cpu0", "cpu1"]
+        assert res.losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6), key
+        assert res.params is not None and set(res.params) == set(ref_params)
+        for pname, value in ref_params.items():
+            torch.testing.assert_close(res.params[pname], value, rtol=1e-5, atol=1e-6)
+        assert res.messages > 0 and len(res.step_times) == STEPS and res.step_time_s > 0
+
+
+def test_nmt_small_placed_matches_unplaced() -> None:
+    spec = ModelSpec("nmt-small", batch=2, size="tiny")
+    step = trace_step(spec)
+    ref_losses, ref_params = run_reference(step, 2)
+    n = step.graph.num_ops
+    # encoder modules on one worker, the rest on the other
+    devices = ["cpu1" if o.module.startswith("encoder") else "cpu0" for o in step.graph.ops]
+    assert len(set(devices)) == 2 and n == len(devices)
+    res = run_placement(spec, devices, 2, step=step, want_params=True, start_method="fork")
+    assert res.losses == pytest.approx(ref_losses, rel=1e-5)
+    for pname, value in ref_params.items():
+        torch.testing.assert_close(res.params[pname], value, rtol=1e-4, atol=1e-5)
+
+
+def _fault_run(kind: str, hang_timeout: float = 20.0) -> tuple[WorkerFailure, float]:
+    spec = ModelSpec("mlp", batch=4)
+    step = trace_step(spec)
+    n = step.graph.num_ops
+    devices = ["cpu0" if i < n // 2 else "cpu1" for i in range(n)]
+    target = next(
+        o.name
+        for o, d in zip(step.graph.ops, devices)
+        if d == "cpu1" and o.kind not in ("parameter", "input", "buffer")
+    )
+    t0 = time.monotonic()
+    with pytest.raises(WorkerFailure) as info:
+        run_placement(
+            spec,
+            devices,
+            3,
+            step=step,
+            fault=Fault(target, kind),
+            hang_timeout=hang_timeout,
+            start_method="fork",
+        )
+    elapsed = time.monotonic() - t0
+    msg = str(info.value)
+    assert "worker 1 (cpu1)" in msg and repr(target) in msg, msg
+    assert "\n" not in msg
+    pids = info.value.pids  # type: ignore[attr-defined]
+    assert len(pids) == 2 and not any(_alive(p) for p in pids)
+    return info.value, elapsed
+
+
+def test_worker_exception_is_reported() -> None:
+    exc, _ = _fault_run("raise")
+    assert "injected fault" in str(exc)
+
+
+def test_worker_crash_is_reported() -> None:
+    exc, _ = _fault_run("exit")
+    assert "exited with code 3" in str(exc)
+
+
+def test_worker_hang_is_reported() -> None:
+    exc, elapsed = _fault_run("hang", hang_timeout=2.0)
+    assert "hung" in str(exc)
+    assert elapsed < 30
+
+
+def test_bad_arguments() -> None:
+    spec = ModelSpec("mlp")
+    step = trace_step(spec)
+    with pytest.raises(InputError):
+        run_placement(spec, ["cpu0"], 1, step=step)
+    with pytest.raises(InputError):
+        run_placement(spec, ["cpu0"] * step.graph.num_ops, 0, step=step)
+    with pytest.raises(InputError):
+        trace_step(ModelSpec("no-such-model"))
+
+
+def test_run_cli_prints_measured_and_predicted(tmp_path, capsys) -> None:
+    import argparse
+    import json
+
+    from meshplace.plan.placement import Plan, save_plan
+    from meshplace.runtime.cli import add_run_arguments, cmd_run
+
+    step = trace_step(ModelSpec("mlp"))
+    n = step.graph.num_ops
+    # device names of another cluster: mapped onto the two local workers
+    plan = Plan.from_devices(
+        step.graph, "colocrl-2gpu", ["gpu0"] * (n // 2) + ["gpu1"] * (n - n // 2)
+    )
+    path = tmp_path / "plan.json"
+    save_plan(plan, path)
+    parser = argparse.ArgumentParser()
+    add_run_arguments(parser)
+    args = parser.parse_args(
+        [
+            "--plan",
+            str(path),
+            "--graph",
+            "mlp",
+            "--steps",
+            "4",
+            "--warmup",
+            "1",
+            "--json",
+            "--cluster-out",
+            str(tmp_path / "local.yaml"),
+        ]
+    )
+    assert cmd_run(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["measured_step_s"] > 0 and out["predicted_step_s"] > 0
+    assert out["run"]["devices"] == ["cpu0", "cpu1"]
+    assert (tmp_path / "local.yaml").exists()
+    with pytest.raises(InputError):
+        cmd_run(parser.parse_args(["--graph", "mlp"]))
