@@ -35,6 +35,7 @@ import math
 import operator
 import traceback
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -273,18 +274,56 @@ def capture(
     Raises:
         CaptureError: one sentence naming the construct that could not be traced.
     """
+    return capture_step(
+        module, example_inputs, training, name=name, optimizer=optimizer, dims=dims, meta=meta
+    ).graph
+
+
+@dataclass
+class CapturedStep:
+    """A capture that keeps the executable trace: what the runtime needs to run a plan.
+
+    Attributes:
+        graph: the OpGraph (identical to :func:`capture`'s).
+        gm: the traced fx GraphModule; its placeholders are (parameters, buffers, optimizer
+            state, inputs), flattened in that order.
+        node_op: fx node name → index of the OpGraph op that owns it (views and tuple
+            indexing map to the op that produced the tensor they alias).
+        param_names, buffer_names: names in placeholder order; ``n_state`` optimizer state
+            tensors per parameter.
+    """
+
+    graph: OpGraph
+    gm: torch.fx.GraphModule
+    node_op: dict[str, int]
+    param_names: list[str]
+    buffer_names: list[str]
+    n_state: int
+
+
+def capture_step(
+    module: torch.nn.Module,
+    example_inputs: Sequence[Any],
+    training: bool = True,
+    *,
+    name: str | None = None,
+    optimizer: str = "adam",
+    dims: dict[str, int] | None = None,
+    meta: dict[str, Any] | None = None,
+) -> CapturedStep:
+    """:func:`capture`, also returning the fx trace and which op owns each fx node."""
     if optimizer not in OPTIMIZERS:
         raise CaptureError(f"unknown optimizer {optimizer!r}; allowed: {', '.join(OPTIMIZERS)}")
     if not isinstance(module, torch.nn.Module):
         raise CaptureError(f"capture needs a torch.nn.Module, got {type(module).__name__}")
     if not isinstance(example_inputs, tuple | list):
         example_inputs = (example_inputs,)
-    dims = dict(dims or {})
-
     was_training = module.training
     module.train(training)
     try:
-        return _capture(module, tuple(example_inputs), training, name, optimizer, dims, meta)
+        return _capture(
+            module, tuple(example_inputs), training, name, optimizer, dict(dims or {}), meta
+        )
     finally:
         module.train(was_training)
 
@@ -297,7 +336,7 @@ def _capture(
     optimizer: str,
     dims: dict[str, int],
     meta: dict[str, Any] | None,
-) -> OpGraph:
+) -> CapturedStep:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.func import functional_call
 
@@ -364,7 +403,8 @@ def _capture(
         **(meta or {}),
     }
     graph = OpGraph(name or type(module).__name__, meta=graph_meta)
-    _Converter(graph, dims, n_state).run(
+    converter = _Converter(graph, dims, n_state)
+    converter.run(
         gm,
         trainable,
         buffers,
@@ -372,7 +412,20 @@ def _capture(
         input_names,
         frozen_names={n for n, _ in frozen},
     )
-    return graph
+    node_op = {n.name: idx for n, (idx, _) in converter.source.items()}
+    for node in gm.graph.nodes:  # aliases of non-tensors: follow their first input
+        if node.op == "call_function" and node.name not in node_op:
+            first = next(
+                (
+                    a
+                    for a in tree_flatten((node.args, node.kwargs))[0]
+                    if isinstance(a, torch.fx.Node)
+                ),
+                None,
+            )
+            if first is not None and first.name in node_op:
+                node_op[node.name] = node_op[first.name]
+    return CapturedStep(graph, gm, node_op, param_names, [n for n, _ in buffers], n_state)
 
 
 def _input_names(module: torch.nn.Module, n: int) -> list[str]:

@@ -34,9 +34,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.fx.traceback as fx_traceback
-from torch.fx.experimental.proxy_tensor import make_fx
-from torch.utils._pytree import tree_flatten
 
 from meshplace.errors import InputError
 from meshplace.graph.ir import OpGraph
@@ -312,84 +309,9 @@ def trace_step(spec: ModelSpec) -> TracedStep:
 
 
 def _trace(model: torch.nn.Module, example: tuple, name: str, spec: ModelSpec) -> tuple:
-    """The body of ``capture._capture`` (training mode), keeping ``gm`` and the node map."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.func import functional_call
-
-    optimizer = spec.optimizer
-    all_params = list(model.named_parameters())
-    trainable = [(n, p) for n, p in all_params if p.requires_grad]
-    frozen = [(n, p) for n, p in all_params if not p.requires_grad]
-    buffers = list(model.named_buffers()) + frozen
-    n_state = _cap._STATE_TENSORS[optimizer]
-    if not trainable:
-        raise RuntimeInputError(f"{type(model).__name__} has no trainable parameters to run")
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
-
-    def fake(t: Any, grad: bool = False) -> Any:
-        if not isinstance(t, torch.Tensor):
-            return t
-        with fake_mode:
-            out = torch.empty(tuple(t.shape), dtype=t.dtype, device="cpu")
-        return out.requires_grad_(grad) if grad else out
-
-    f_params = [fake(p, grad=True) for _, p in trainable]
-    f_buffers = [fake(b) for _, b in buffers]
-    f_states = [fake(p) for _, p in trainable for _ in range(n_state)]
-    f_inputs = [fake(x) for x in example]
-    param_names = [n for n, _ in trainable]
-    buffer_names = [n for n, _ in buffers]
-
-    def step(params: list, bufs: list, states: list, inputs: list) -> Any:
-        tensors = {**dict(zip(param_names, params)), **dict(zip(buffer_names, bufs))}
-        with _cap._BackwardTagger():
-            with fx_traceback.annotate({"phase": "forward"}):
-                out = functional_call(model, tensors, tuple(inputs), strict=False)
-                loss = _cap._as_loss(out)
-            with fx_traceback.annotate({"phase": "backward"}):
-                grads = torch.autograd.grad(loss, params, allow_unused=True)
-        new_params = []
-        for i, (pname, p, g) in enumerate(zip(param_names, params, grads)):
-            if g is None:
-                continue
-            state = states[i * n_state : (i + 1) * n_state]
-            with fx_traceback.annotate({"phase": "update", "param": pname}):
-                new_params.append(_cap._optimizer_update(optimizer, p.detach(), g, state))
-        return loss, new_params
-
-    try:
-        with fx_traceback.preserve_node_meta(), _cap._ModulePaths(model):
-            gm = make_fx(step, tracing_mode="fake")(f_params, f_buffers, f_states, f_inputs)
-    except InputError:
-        raise
-    except Exception as exc:  # any tracing failure becomes one sentence
-        raise _cap.CaptureError(_cap._describe_failure(exc)) from None
-
-    graph = OpGraph(
-        name,
-        meta={"training": True, "optimizer": optimizer, "runtime": True},
+    """:func:`meshplace.graph.capture.capture_step` in training mode: the same OpGraph as
+    ``capture()``, plus the executable fx graph and which op owns each fx node."""
+    step = _cap.capture_step(
+        model, example, training=True, name=name, optimizer=spec.optimizer, meta={"runtime": True}
     )
-    conv = _cap._Converter(graph, {}, n_state)
-    conv.run(
-        gm,
-        trainable,
-        buffers,
-        len(example),
-        _cap._input_names(model, len(example)),
-        frozen_names={n for n, _ in frozen},
-    )
-    node_op = {n.name: idx for n, (idx, _) in conv.source.items()}
-    # Nodes the converter skipped (aliases of non-tensors): follow their first input.
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.name not in node_op:
-            first = next(
-                (
-                    a
-                    for a in tree_flatten((node.args, node.kwargs))[0]
-                    if isinstance(a, torch.fx.Node)
-                ),
-                None,
-            )
-            if first is not None and first.name in node_op:
-                node_op[node.name] = node_op[first.name]
-    return graph, gm, node_op, param_names, buffer_names, n_state
+    return step.graph, step.gm, step.node_op, step.param_names, step.buffer_names, step.n_state
