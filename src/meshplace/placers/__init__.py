@@ -5,6 +5,7 @@ runs one and scores its plan with the simulator. Importing this package register
 built-in placers (one module per family).
 """
 
+from meshplace import learn  # noqa: F401  (registers the learned placer "rl")
 from meshplace.placers import (  # noqa: F401  (importing registers the placers)
     baselines,
     listsched,

@@ -1,0 +1,29 @@
+"""Learned placement: the gymnasium environment and ColocRL's ``rl`` placer.
+
+* :mod:`meshplace.learn.features` — fixed-width group features and batched scoring;
+* :mod:`meshplace.learn.env` — :class:`PlacementEnv`, registered with gymnasium as
+  ``meshplace/DevicePlacement-v0``;
+* :mod:`meshplace.learn.policy` — ColocRL's seq2seq LSTM policy with attention;
+* :mod:`meshplace.learn.rl` — REINFORCE training (:func:`train_rl`, checkpoints, resume)
+  and the ``rl`` placer.
+
+Importing this package registers the ``rl`` placer and the gymnasium environment (both
+idempotently). See ``docs/learn.md``.
+"""
+
+from meshplace.learn.env import ENV_ID, PlacementEnv, register_env
+from meshplace.learn.features import FEATURE_NAMES, group_features, score_batch
+from meshplace.learn.rl import RLConfig, RLResult, planned_updates, train_rl
+
+__all__ = [
+    "ENV_ID",
+    "FEATURE_NAMES",
+    "PlacementEnv",
+    "RLConfig",
+    "RLResult",
+    "group_features",
+    "planned_updates",
+    "register_env",
+    "score_batch",
+    "train_rl",
+]

@@ -1,0 +1,321 @@
+"""The ``rl`` placer: ColocRL's policy trained with REINFORCE, with checkpoints and resume.
+
+Mirhoseini et al., "Device Placement Optimization with Reinforcement Learning", ICML 2017,
+§3: a seq2seq policy (:class:`meshplace.learn.policy.Seq2SeqPolicy`) samples placements of
+the co-location groups; each is scored by its step time (here the simulator's, with
+:meth:`PlacementProblem.score`'s OOM penalty), the reward is ``R = −√score``, and the policy
+follows the REINFORCE gradient ``∇ E[R] ≈ 1/K Σₖ (Rₖ − b) ∇ log π(aₖ)`` with ``b`` an
+exponential moving average of the rewards (decay 0.9), ``K`` placements sampled per update,
+and Adam.
+
+Hyper-parameters (:class:`RLConfig`): ``K = 16`` samples per update (ColocRL samples
+several placements per policy and averages them; its exact count is not reproduced here),
+hidden size 64 (the paper: 256; smaller to run on CPU), Adam learning rate 3e-3 (our
+choice), baseline decay 0.9 (as in the brief for this placer); gradient norm clipped at 1.
+
+**Budget.** Like ``anneal``, the time budget becomes a fixed number of policy updates from
+the graph size, so a seed reproduces its plan: an update is assumed to cost
+``UPDATE_OVERHEAD_S + POLICY_S_PER_GROUP · G · H/64`` seconds of policy work (measured on
+one CPU thread: ~0.07 s for 251 groups, hidden 64, 16 samples) plus ``K`` simulations at
+``SIMULATED_OPS_PER_SECOND`` (3 M ops/s), and updates fill 60 % of the budget. A hard stop
+at 97 % of the budget ends training early on a machine slower than assumed; the stats say
+so (``stopped_at_deadline``), and only then does the plan depend on timing. Training runs
+on one torch thread (faster for these small matrices, and bit-reproducible).
+
+**Result.** The best placement ever sampled (or the policy's greedy one, scored at the end),
+so the plan is never worse than any sample; ``stats["learning_curve"]`` holds the best step
+time after every update against simulator evaluations and wall time.
+
+**Checkpoints.** :func:`train_rl` with ``checkpoint=PATH`` saves the policy, the optimizer,
+the baseline, the sampling generator's state, the best plan and the curve every
+``checkpoint_every`` updates (``torch.save`` to a temp file + ``os.replace``: atomic); with
+``resume=True`` it continues from that file and ends with the plan an uninterrupted run
+with the same seed and budget would have ended with.
+
+Complexity: O(updates × (K · G · (H² + G·H) + K · (V + E) log V)).
+
+Example
+-------
+>>> from meshplace.graph.sources import workload_graph
+>>> from meshplace.hardware import load_cluster
+>>> from meshplace.placers.base import PlacementProblem
+>>> p = PlacementProblem.build(workload_graph("dmcca"), load_cluster("colocrl-2gpu"))
+>>> out = train_rl(p, budget_s=5.0, seed=0, updates=3)
+>>> out.group_devices.shape == (p.num_groups,), out.stats["updates"]
+(True, 3)
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from meshplace.learn.features import NUM_FEATURES, group_features, score_and_step_batch
+from meshplace.learn.policy import Seq2SeqPolicy
+from meshplace.placers.base import PlacementProblem, PlacerError, register
+
+SIMULATED_OPS_PER_SECOND = 3.0e6  # as anneal assumes (benchmarks/simulator_speed.py)
+UPDATE_OVERHEAD_S = 0.02
+POLICY_S_PER_GROUP = 2.5e-4  # per group per update, 16 samples, hidden 64, one thread
+BUDGET_SHARE = 0.6
+DEADLINE_SHARE = 0.97
+CHECKPOINT_FORMAT = "meshplace.rl-checkpoint v1"
+
+
+@dataclass(frozen=True)
+class RLConfig:
+    """Hyper-parameters of :func:`train_rl` (see the module docstring for sources)."""
+
+    hidden: int = 64
+    samples: int = 16
+    learning_rate: float = 3e-3
+    baseline_decay: float = 0.9
+    max_grad_norm: float = 1.0
+    checkpoint_every: int = 20
+
+
+@dataclass
+class RLResult:
+    """What :func:`train_rl` returns: the best plan (a device per group) and its stats."""
+
+    group_devices: np.ndarray
+    best_score_s: float
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+def planned_updates(problem: PlacementProblem, budget_s: float, config: RLConfig) -> int:
+    """The number of policy updates ``budget_s`` buys on ``problem`` (at least 1).
+
+    >>> from meshplace.graph.sources import workload_graph
+    >>> from meshplace.hardware import load_cluster
+    >>> p = PlacementProblem.build(workload_graph("dmcca"), load_cluster("colocrl-2gpu"))
+    >>> planned_updates(p, 10.0, RLConfig()) > planned_updates(p, 1.0, RLConfig())
+    True
+    """
+    per_update = (
+        UPDATE_OVERHEAD_S
+        + POLICY_S_PER_GROUP * problem.num_groups * (config.samples / 16) * (config.hidden / 64)
+        + config.samples * problem.graph.num_ops / SIMULATED_OPS_PER_SECOND
+    )
+    return max(1, int(BUDGET_SHARE * budget_s / per_update))
+
+
+def _fingerprint(problem: PlacementProblem, seed: int, updates: int, config: RLConfig) -> dict:
+    return {
+        "graph": problem.graph.name,
+        "ops": problem.graph.num_ops,
+        "groups": problem.num_groups,
+        "devices": problem.num_devices,
+        "seed": seed,
+        "updates": updates,
+        "config": asdict(config),
+    }
+
+
+def _save_checkpoint(path: Path, state: dict[str, Any]) -> None:
+    """``torch.save`` to a temp file in the same folder, then an atomic rename."""
+    folder = path.parent if str(path.parent) else Path(".")
+    if not folder.is_dir():
+        raise PlacerError(f"{path}: cannot write a checkpoint there, folder does not exist")
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def train_rl(
+    problem: PlacementProblem,
+    budget_s: float,
+    seed: int,
+    *,
+    config: RLConfig | None = None,
+    updates: int | None = None,
+    checkpoint: str | Path | None = None,
+    resume: bool = False,
+    stop_after: int | None = None,
+) -> RLResult:
+    """Train ColocRL's policy on ``problem`` and return the best placement seen.
+
+    Args:
+        problem: the placement problem (its groups are the policy's sequence).
+        budget_s: seconds; fixes the number of updates (:func:`planned_updates`) unless
+            ``updates`` is given, and is enforced as a hard wall-clock stop.
+        seed: seeds the policy's initial weights and the sampling generator.
+        config: hyper-parameters (:class:`RLConfig`).
+        updates: train for exactly this many updates instead of the budget's number.
+        checkpoint: file to save training state to every ``config.checkpoint_every``
+            updates and at the end.
+        resume: continue from ``checkpoint`` if it exists (same problem, seed, updates
+            and config, else :class:`PlacerError`).
+        stop_after: stop (after checkpointing) once this session has done this many
+            updates — a deliberate interruption, for tests of resuming.
+
+    Returns:
+        :class:`RLResult` with the best group placement and stats (``evaluations``,
+        ``best_score_s``, ``best_step_time_s``, ``updates``, ``planned_updates``,
+        ``stopped_at_deadline``, ``learning_curve``...).
+    """
+    if not budget_s > 0:
+        raise PlacerError(f"the time budget must be positive seconds, got {budget_s}")
+    config = config or RLConfig()
+    start = time.perf_counter()
+    deadline = start + DEADLINE_SHARE * budget_s
+    total = int(updates) if updates is not None else planned_updates(problem, budget_s, config)
+    path = Path(checkpoint) if checkpoint is not None else None
+    fingerprint = _fingerprint(problem, seed, total, config)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        features = torch.from_numpy(group_features(problem))
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            policy = Seq2SeqPolicy(NUM_FEATURES, problem.num_devices, config.hidden)
+        optimizer = torch.optim.Adam(policy.parameters(), lr=config.learning_rate)
+        generator = torch.Generator().manual_seed(seed)
+        baseline: float | None = None
+        done = 0
+        evaluations = 0
+        wall_before = 0.0
+        best = np.zeros(problem.num_groups, dtype=np.int64)
+        best_score, best_step = math.inf, math.inf
+        curve: dict[str, list[float]] = {"evaluations": [], "best_step_time_s": [], "wall_s": []}
+        resumed_from = None
+        if resume and path is not None and path.exists():
+            state = torch.load(path, weights_only=True)
+            if state.get("format") != CHECKPOINT_FORMAT or state["fingerprint"] != fingerprint:
+                raise PlacerError(
+                    f"{path}: checkpoint is for another problem, seed, budget or config "
+                    f"({state.get('fingerprint')}), not {fingerprint}"
+                )
+            policy.load_state_dict(state["policy"])
+            optimizer.load_state_dict(state["optimizer"])
+            generator.set_state(state["generator"])
+            baseline = state["baseline"]
+            done = resumed_from = int(state["done"])
+            evaluations = int(state["evaluations"])
+            wall_before = float(state["wall_s"])
+            best = np.array(state["best"], dtype=np.int64)
+            best_score, best_step = float(state["best_score_s"]), float(state["best_step_s"])
+            curve = {k: list(v) for k, v in state["learning_curve"].items()}
+
+        def save() -> None:
+            if path is None:
+                return
+            _save_checkpoint(
+                path,
+                {
+                    "format": CHECKPOINT_FORMAT,
+                    "fingerprint": fingerprint,
+                    "policy": policy.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "generator": generator.get_state(),
+                    "baseline": baseline,
+                    "done": done,
+                    "evaluations": evaluations,
+                    "wall_s": wall_before + time.perf_counter() - start,
+                    "best": best.tolist(),
+                    "best_score_s": best_score,
+                    "best_step_s": best_step,
+                    "learning_curve": curve,
+                },
+            )
+
+        stopped_at_deadline = False
+        session = 0
+        while done < total:
+            if time.perf_counter() > deadline and (session > 0 or done > 0):
+                stopped_at_deadline = True
+                break
+            if stop_after is not None and session >= stop_after:
+                break
+            actions = policy.sample(features, config.samples, generator)
+            plans = actions.numpy()
+            before = problem.evaluations
+            # Repeats within a batch are simulated once; no cache across updates, so the
+            # evaluation count (the learning curve's x axis) survives a resume exactly.
+            scores, steps, _ = score_and_step_batch(problem, plans)
+            evaluations += problem.evaluations - before
+            k = int(np.argmin(scores))
+            if scores[k] < best_score:
+                best, best_score, best_step = plans[k].copy(), float(scores[k]), float(steps[k])
+            rewards = -np.sqrt(scores)
+            mean_reward = float(rewards.mean())
+            if baseline is None:
+                baseline = mean_reward
+            advantage = torch.from_numpy(rewards - baseline).float()
+            loss = -(advantage * policy.log_prob(features, actions)).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(policy.parameters(), config.max_grad_norm)
+            optimizer.step()
+            baseline = config.baseline_decay * baseline + (1 - config.baseline_decay) * mean_reward
+            done += 1
+            session += 1
+            curve["evaluations"].append(float(evaluations))
+            curve["best_step_time_s"].append(best_step)
+            curve["wall_s"].append(wall_before + time.perf_counter() - start)
+            if path is not None and (done % config.checkpoint_every == 0 or done == total):
+                save()
+        if path is not None and session and done % config.checkpoint_every and done < total:
+            save()  # an interrupted session leaves its latest state behind
+
+        finished = done >= total
+        greedy_score = None
+        if finished:
+            greedy = policy.greedy(features).numpy()[None, :]
+            before = problem.evaluations
+            g_score, g_step, _ = score_and_step_batch(problem, greedy)
+            evaluations += problem.evaluations - before
+            greedy_score = float(g_score[0])
+            if g_score[0] < best_score:
+                best, best_score, best_step = greedy[0].copy(), float(g_score[0]), float(g_step[0])
+    finally:
+        torch.set_num_threads(threads)
+
+    stats: dict[str, Any] = {
+        "evaluations": evaluations,
+        "best_score_s": best_score,
+        "best_step_time_s": best_step,
+        "greedy_score_s": greedy_score,
+        "updates": done,
+        "planned_updates": total,
+        "finished": finished,
+        "samples_per_update": config.samples,
+        "hidden": config.hidden,
+        "learning_rate": config.learning_rate,
+        "baseline_decay": config.baseline_decay,
+        "baseline": baseline,
+        "stopped_at_deadline": stopped_at_deadline,
+        "resumed_from_update": resumed_from,
+        "learning_curve": curve,
+    }
+    return RLResult(best, best_score, stats)
+
+
+@register(
+    "rl",
+    family="learned",
+    description="ColocRL: seq2seq LSTM policy with attention over co-location groups, "
+    "trained by REINFORCE on the simulated step time",
+    source="Mirhoseini et al., Device Placement Optimization with RL, ICML 2017, §3",
+    uses_budget=True,
+)
+def place_rl(problem: PlacementProblem, budget_s: float, seed: int):
+    out = train_rl(problem, budget_s, seed)
+    return out.group_devices, out.stats
