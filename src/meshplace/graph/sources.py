@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib.util
 import sys
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -86,7 +87,8 @@ def workload_graph(
     )
 
 
-def _graph_from_python(spec: str, *, training: bool, optimizer: str) -> OpGraph:
+def load_build_function(spec: str) -> Callable[[], Any]:
+    """The function named by ``FILE.py:FUNCTION``, imported from that file."""
     path_text, _, fn_name = spec.rpartition(":") if ".py:" in spec else (spec, "", "")
     if not fn_name:
         raise InputError(f"{spec}: name the build function as FILE.py:FUNCTION")
@@ -108,8 +110,15 @@ def _graph_from_python(spec: str, *, training: bool, optimizer: str) -> OpGraph:
     fn = getattr(module, fn_name, None)
     if not callable(fn):
         raise InputError(f"{path}: has no function named {fn_name!r}")
+    return fn
+
+
+def _graph_from_python(spec: str, *, training: bool, optimizer: str) -> OpGraph:
+    fn = load_build_function(spec)
     try:
-        graph = capture_callable(fn, training=training, optimizer=optimizer, name=path.stem)
+        graph = capture_callable(
+            fn, training=training, optimizer=optimizer, name=Path(spec.rpartition(":")[0]).stem
+        )
     except CaptureError as exc:
         raise CaptureError(f"{spec}: {exc}") from None
     graph.meta.setdefault("workload", spec)

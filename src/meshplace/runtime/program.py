@@ -26,8 +26,6 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import math
-import sys
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -186,24 +184,9 @@ def known_models() -> list[str]:
 
 
 def _from_python(spec: str) -> tuple[torch.nn.Module, tuple]:
-    path_text, _, fn_name = spec.rpartition(":")
-    path = Path(path_text)
-    if not path.is_file():
-        raise RuntimeInputError(f"{path}: no such Python file")
-    name = f"meshplace_run_{uuid.uuid4().hex}"
-    loader = importlib.util.spec_from_file_location(name, path)
-    if loader is None or loader.loader is None:
-        raise RuntimeInputError(f"{path}: cannot be imported as a Python module")
-    module = importlib.util.module_from_spec(loader)
-    sys.modules[name] = module
-    try:
-        loader.loader.exec_module(module)
-    finally:
-        sys.modules.pop(name, None)
-    fn = getattr(module, fn_name, None)
-    if not callable(fn):
-        raise RuntimeInputError(f"{path}: has no function named {fn_name!r}")
-    model, inputs = fn()
+    from meshplace.graph.sources import load_build_function
+
+    model, inputs = load_build_function(spec)()
     return model, tuple(inputs) if isinstance(inputs, tuple | list) else (inputs,)
 
 
