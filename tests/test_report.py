@@ -256,3 +256,19 @@ def test_chromium_renders_reports(nmt: dict, shard_result: dict, tmp_path: Path)
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert shot.stat().st_size > 10_000
+
+
+def test_a_learned_placer_s_learning_curve_reaches_the_report() -> None:
+    from meshplace.graph.sources import workload_graph
+    from meshplace.hardware import load_cluster
+    from meshplace.placers import PlacementProblem
+    from meshplace.planning import plan_report, run_placers
+
+    problem = PlacementProblem.build(workload_graph("dmcca"), load_cluster("colocrl-2gpu"))
+    results = run_placers(problem, ["rl"], budget_s=2.0, seed=0)
+    report = plan_report(problem, results, None)
+    (curve,) = report["learning_curves"]
+    assert curve["placer"] == "rl"
+    assert len(curve["evaluations"]) == len(curve["best_step_time_s"]) > 0
+    assert curve["best_step_time_s"] == sorted(curve["best_step_time_s"], reverse=True)
+    _check_charts(render_html(report), (*PLAN_CHARTS, "chart-learning"))

@@ -77,6 +77,17 @@ def plan_report(problem: PlacementProblem, results: list[PlacerResult], args: An
         "best": best.placer if best else None,
         "out": getattr(args, "out", None),
     }
+    curves = [
+        {
+            "placer": r.placer,
+            "evaluations": list(r.stats["learning_curve"]["evaluations"]),
+            "best_step_time_s": list(r.stats["learning_curve"]["best_step_time_s"]),
+        }
+        for r in results
+        if "learning_curve" in r.stats
+    ]
+    if curves:  # learned placers: the report draws best step time against evaluations
+        out["learning_curves"] = curves
     if best is not None:
         out["best_plan"] = best_plan_details(problem, best)
     return out
