@@ -917,14 +917,9 @@ def _conv_head(b: ProgramBuilder, x: str, classes: int) -> None:
     b.reduce("loss", logits, ["classes"], stats=0, flops_per=4, eff="softmax", drop=True)
 
 
-def resnet50(
-    dims: Mapping[str, int], *, optimizer: str = "lars", name: str = "resnet50", act_bytes: int = 2
-) -> Program:
-    """ResNet-50 v1.5 (He et al. 2016, Table 1; stride on the 3x3 conv) in NHWC named
-    dimensions: 53 convolutions with batch norm, global pooling, the classifier. ``dims``
-    needs batch, height, width, classes (channels 3 assumed). O(blocks) ops."""
-    d = _need(dims, ("batch", "height", "width", "classes"))
-    b = ProgramBuilder(name, act_bytes=act_bytes)
+def _image_stem(b: ProgramBuilder, d: Mapping[str, int]):
+    """The ResNet stem shared by the conv nets: RGB images, 7x7/2 conv + BN + ReLU, 3x3/2
+    max pool (He et al. 2016, Table 1)."""
     with b.block("stem"):
         x = b.input(
             "images",
@@ -936,7 +931,18 @@ def resnet50(
             ],
         )
         x = _conv_bn(b, "conv1", x, 64, 7, 2)
-        x = b.pool("maxpool", x, kernel=3, stride=2)
+        return b.pool("maxpool", x, kernel=3, stride=2)
+
+
+def resnet50(
+    dims: Mapping[str, int], *, optimizer: str = "lars", name: str = "resnet50", act_bytes: int = 2
+) -> Program:
+    """ResNet-50 v1.5 (He et al. 2016, Table 1; stride on the 3x3 conv) in NHWC named
+    dimensions: 53 convolutions with batch norm, global pooling, the classifier. ``dims``
+    needs batch, height, width, classes (channels 3 assumed). O(blocks) ops."""
+    d = _need(dims, ("batch", "height", "width", "classes"))
+    b = ProgramBuilder(name, act_bytes=act_bytes)
+    x = _image_stem(b, d)
     cin = 64
     for stage, (blocks, width) in enumerate(zip((3, 4, 6, 3), (64, 128, 256, 512))):
         for i in range(blocks):
@@ -979,18 +985,7 @@ def detection(
     d = dict(DETECTION_DIMS)
     d.update(dims or {})
     b = ProgramBuilder(name, act_bytes=act_bytes)
-    with b.block("stem"):
-        x = b.input(
-            "images",
-            [
-                ("batch", d["batch"]),
-                ("height", d["height"]),
-                ("width", d["width"]),
-                ("channels", 3),
-            ],
-        )
-        x = _conv_bn(b, "conv1", x, 64, 7, 2)
-        x = b.pool("maxpool", x, kernel=3, stride=2)
+    x = _image_stem(b, d)
     cin = 64
     for stage, width in enumerate((64, 128, 256, 512)):
         for i in range(2):
