@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -93,6 +95,23 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--result", help="write every placer's result as JSON to this file")
     p.add_argument("--html", help="write a self-contained HTML report to this file")
     p.add_argument("--json", action="store_true", help="print a JSON object")
+    p.add_argument(
+        "--checkpoint-dir",
+        help="learned placers save their training state here (DIR/<placer>.ckpt) at intervals",
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue learned placers from their checkpoints in --checkpoint-dir "
+        "(same model, cluster, seed and budget end with the same plan)",
+    )
+    p.add_argument(
+        "--finetune",
+        type=float,
+        metavar="SECONDS",
+        help="let the pretrained gnn policy train this many seconds on the model after "
+        "placing it zero-shot (default: zero-shot only)",
+    )
 
     c = sub.add_parser(
         "cluster",
@@ -304,15 +323,23 @@ def _cmd_workloads(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from rich.progress import Progress
+    from rich.progress import Progress, TextColumn
 
     from meshplace.graph.sources import graph_for
     from meshplace.hardware import load_cluster
-    from meshplace.placers.base import PlacementProblem, PlacerError, resolve
+    from meshplace.placers.base import PlacementProblem, PlacerError, PlacerOptions, resolve
     from meshplace.planning import plan_report, run_placers
 
     if not args.budget > 0:
         raise PlacerError(f"--budget must be positive seconds, got {args.budget}")
+    if args.finetune is not None and not args.finetune >= 0:
+        raise PlacerError(f"--finetune must be non-negative seconds, got {args.finetune}")
+    if args.resume and not args.checkpoint_dir:
+        raise PlacerError("--resume needs --checkpoint-dir, the folder holding the checkpoints")
+    if args.checkpoint_dir and not Path(args.checkpoint_dir).is_dir():
+        if Path(args.checkpoint_dir).exists():
+            raise PlacerError(f"--checkpoint-dir {args.checkpoint_dir} is not a folder")
+        Path(args.checkpoint_dir).mkdir(parents=True)
     names = resolve(args.placer)
     cluster = load_cluster(args.cluster)
     err = Console(stderr=True)
@@ -321,19 +348,50 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     with _status(err, "grouping and preparing the simulator…"):
         problem = PlacementProblem.build(graph, cluster, args.objective, args.groups)
     problem.check_fits_somewhere()
-    with Progress(console=err, transient=True) as progress:
-        task = progress.add_task("placing", total=len(names))
+    with Progress(
+        *Progress.get_default_columns(),
+        TextColumn("{task.fields[best]}"),
+        console=err,
+        transient=True,
+    ) as progress:
+        task = progress.add_task("placing", total=len(names), best="")
+        training: dict[str, Any] = {}
 
         def tick(name: str) -> None:
             progress.update(task, description=f"placing with {name}")
+            training["name"] = name
 
+        def trained(done: int, total: int, best_s: float) -> None:
+            # a learned placer's own bar: its updates and the best step time so far
+            if "task" not in training:
+                training["task"] = progress.add_task(training["name"], total=total, best="")
+            progress.update(
+                training["task"],
+                description=f"training {training['name']}",
+                completed=done,
+                total=total,
+                best=f"best {best_s * 1e3:,.1f} ms" if math.isfinite(best_s) else "",
+            )
+
+        def finished(_: Any) -> None:
+            progress.advance(task)
+            if "task" in training:
+                progress.remove_task(training.pop("task"))
+
+        options = PlacerOptions(
+            checkpoint_dir=Path(args.checkpoint_dir) if args.checkpoint_dir else None,
+            resume=args.resume,
+            finetune_s=args.finetune,
+            progress=trained,
+        )
         results = run_placers(
             problem,
             names,
             args.budget,
             args.seed,
             on_start=tick,
-            on_done=lambda _: progress.advance(task),
+            on_done=finished,
+            options=options,
         )
     report = plan_report(problem, results, args)
     if args.html:

@@ -20,6 +20,7 @@ import numpy as np
 
 from meshplace.placers.base import (
     PlacementProblem,
+    PlacerOptions,
     PlacerResult,
     best_result,
     run_placer,
@@ -36,15 +37,18 @@ def run_placers(
     seed: int,
     on_start: Callable[[str], None] | None = None,
     on_done: Callable[[PlacerResult], None] | None = None,
+    options: PlacerOptions | None = None,
 ) -> list[PlacerResult]:
     """Run each placer in ``names`` (plus the ``single`` and ``expert`` references, which
-    the speed-ups are measured against) and return their results in that order."""
+    the speed-ups are measured against) and return their results in that order.
+
+    ``options`` (checkpoints, resume, fine-tuning, progress) go to the learned placers."""
     todo = list(dict.fromkeys([*names, *REFERENCES]))
     results = []
     for name in todo:
         if on_start:
             on_start(name)
-        result = run_placer(name, problem, budget_s, seed)
+        result = run_placer(name, problem, budget_s, seed, options)
         results.append(result)
         if on_done:
             on_done(result)

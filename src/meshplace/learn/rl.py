@@ -60,7 +60,13 @@ import torch
 
 from meshplace.learn.features import NUM_FEATURES, group_features, score_and_step_batch
 from meshplace.learn.policy import Seq2SeqPolicy
-from meshplace.placers.base import PlacementProblem, PlacerError, register
+from meshplace.placers.base import (
+    PlacementProblem,
+    PlacerError,
+    PlacerOptions,
+    ProgressFn,
+    register,
+)
 
 SIMULATED_OPS_PER_SECOND = 3.0e6  # as anneal assumes (benchmarks/simulator_speed.py)
 UPDATE_OVERHEAD_S = 0.02
@@ -148,6 +154,7 @@ def train_rl(
     checkpoint: str | Path | None = None,
     resume: bool = False,
     stop_after: int | None = None,
+    progress: ProgressFn | None = None,
 ) -> RLResult:
     """Train ColocRL's policy on ``problem`` and return the best placement seen.
 
@@ -164,6 +171,7 @@ def train_rl(
             and config, else :class:`PlacerError`).
         stop_after: stop (after checkpointing) once this session has done this many
             updates — a deliberate interruption, for tests of resuming.
+        progress: called after every update with ``(done, total, best step time)``.
 
     Returns:
         :class:`RLResult` with the best group placement and stats (``evaluations``,
@@ -270,6 +278,8 @@ def train_rl(
             curve["evaluations"].append(float(evaluations))
             curve["best_step_time_s"].append(best_step)
             curve["wall_s"].append(wall_before + time.perf_counter() - start)
+            if progress is not None:
+                progress(done, total, best_step)
             if path is not None and (done % config.checkpoint_every == 0 or done == total):
                 save()
         if path is not None and session and done % config.checkpoint_every and done < total:
@@ -315,7 +325,15 @@ def train_rl(
     "trained by REINFORCE on the simulated step time",
     source="Mirhoseini et al., Device Placement Optimization with RL, ICML 2017, §3",
     uses_budget=True,
+    takes_options=True,
 )
-def place_rl(problem: PlacementProblem, budget_s: float, seed: int):
-    out = train_rl(problem, budget_s, seed)
+def place_rl(problem: PlacementProblem, budget_s: float, seed: int, options: PlacerOptions):
+    out = train_rl(
+        problem,
+        budget_s,
+        seed,
+        checkpoint=options.checkpoint("rl"),
+        resume=options.resume,
+        progress=options.progress,
+    )
     return out.group_devices, out.stats

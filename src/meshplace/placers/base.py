@@ -22,6 +22,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -163,7 +164,33 @@ def _op_memory(graph: OpGraph, sim: Simulator) -> np.ndarray:
 
 
 # ----------------------------------------------------------------- registry
-PlaceFn = Callable[[PlacementProblem, float, int], "np.ndarray | OpAssignment"]
+PlaceFn = Callable[..., "np.ndarray | OpAssignment | tuple"]
+ProgressFn = Callable[[int, int, float], None]
+"""``progress(done, total, best_step_time_s)``: a learned placer's training progress."""
+
+
+@dataclass(frozen=True)
+class PlacerOptions:
+    """Run-time options for placers that train (``family="learned"``); others ignore them.
+
+    Attributes:
+        checkpoint_dir: folder where a training placer keeps its checkpoint
+            (``<checkpoint_dir>/<placer>.ckpt``, rewritten atomically at intervals).
+        resume: continue from that checkpoint if it exists; the run then ends with the plan
+            an uninterrupted run with the same seed and budget would have ended with.
+        finetune_s: seconds a pretrained policy (``gnn``) may train on this graph after
+            placing it zero-shot; ``None`` or 0 = zero-shot only.
+        progress: called after every training update with ``(done, total, best step time)``.
+    """
+
+    checkpoint_dir: Path | None = None
+    resume: bool = False
+    finetune_s: float | None = None
+    progress: ProgressFn | None = None
+
+    def checkpoint(self, placer: str) -> Path | None:
+        """The checkpoint file for ``placer`` (``None`` without a checkpoint folder)."""
+        return None if self.checkpoint_dir is None else Path(self.checkpoint_dir) / f"{placer}.ckpt"
 
 
 @dataclass(frozen=True)
@@ -174,18 +201,30 @@ class PlacerSpec:
     description: str
     source: str
     uses_budget: bool = False
+    takes_options: bool = False
 
 
 _REGISTRY: dict[str, PlacerSpec] = {}
 
 
 def register(
-    name: str, family: str, description: str, source: str, uses_budget: bool = False
+    name: str,
+    family: str,
+    description: str,
+    source: str,
+    uses_budget: bool = False,
+    takes_options: bool = False,
 ) -> Callable[[PlaceFn], PlaceFn]:
-    """Decorator adding a placer to the registry under ``name``."""
+    """Decorator adding a placer to the registry under ``name``.
+
+    A placer is called ``fn(problem, budget_s, seed)``, or, with ``takes_options=True``,
+    ``fn(problem, budget_s, seed, options)`` with a :class:`PlacerOptions`.
+    """
 
     def wrap(fn: PlaceFn) -> PlaceFn:
-        _REGISTRY[name] = PlacerSpec(name, fn, family, description, source, uses_budget)
+        _REGISTRY[name] = PlacerSpec(
+            name, fn, family, description, source, uses_budget, takes_options
+        )
         return fn
 
     return wrap
@@ -256,14 +295,26 @@ class PlacerResult:
         }
 
 
-def run_placer(name: str, problem: PlacementProblem, budget_s: float, seed: int) -> PlacerResult:
-    """Run placer ``name`` on ``problem`` and score its plan with the simulator."""
+def run_placer(
+    name: str,
+    problem: PlacementProblem,
+    budget_s: float,
+    seed: int,
+    options: PlacerOptions | None = None,
+) -> PlacerResult:
+    """Run placer ``name`` on ``problem`` and score its plan with the simulator.
+
+    ``options`` reach only placers registered with ``takes_options=True`` (the learned ones).
+    """
     if not budget_s > 0:
         raise PlacerError(f"the time budget must be positive seconds, got {budget_s}")
     spec = registry()[resolve([name])[0]]
     problem.evaluations = 0
     start = time.perf_counter()
-    out = spec.fn(problem, budget_s, seed)
+    if spec.takes_options:
+        out = spec.fn(problem, budget_s, seed, options or PlacerOptions())
+    else:
+        out = spec.fn(problem, budget_s, seed)
     elapsed = time.perf_counter() - start
     stats: dict[str, Any] = {}
     if isinstance(out, tuple):
