@@ -163,6 +163,43 @@ def _op_memory(graph: OpGraph, sim: Simulator) -> np.ndarray:
     return mem + kept
 
 
+class LearningCurve:
+    """The best step time found so far against simulator evaluations and wall seconds.
+
+    Search and learned placers record a point whenever they want (every update, or every
+    improvement); :meth:`to_dict` is what they put in ``stats["learning_curve"]`` and what
+    ``benchmarks/learned.py`` and the HTML report plot.
+
+    >>> class _P:
+    ...     evaluations = 0
+    >>> problem = _P()
+    >>> curve = LearningCurve(problem)
+    >>> problem.evaluations = 5
+    >>> curve.record(0.5)
+    >>> curve.to_dict()["evaluations"], curve.to_dict()["best_step_time_s"]
+    ([5.0], [0.5])
+    """
+
+    def __init__(self, problem: Any, start: float | None = None) -> None:
+        self.problem = problem
+        self.start = time.perf_counter() if start is None else start
+        self.evaluations: list[float] = []
+        self.best_step_time_s: list[float] = []
+        self.wall_s: list[float] = []
+
+    def record(self, best_step_time_s: float) -> None:
+        self.evaluations.append(float(self.problem.evaluations))
+        self.best_step_time_s.append(float(best_step_time_s))
+        self.wall_s.append(time.perf_counter() - self.start)
+
+    def to_dict(self) -> dict[str, list[float]]:
+        return {
+            "evaluations": list(self.evaluations),
+            "best_step_time_s": list(self.best_step_time_s),
+            "wall_s": list(self.wall_s),
+        }
+
+
 # ----------------------------------------------------------------- registry
 PlaceFn = Callable[..., "np.ndarray | OpAssignment | tuple"]
 ProgressFn = Callable[[int, int, float], None]

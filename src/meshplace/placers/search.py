@@ -44,7 +44,13 @@ import time
 import numpy as np
 
 from meshplace.graph.groups import group_ops
-from meshplace.placers.base import OpAssignment, PlacementProblem, register, registry
+from meshplace.placers.base import (
+    LearningCurve,
+    OpAssignment,
+    PlacementProblem,
+    register,
+    registry,
+)
 from meshplace.placers.baselines import accelerators
 
 SEED_PLACERS = ("expert", "single", "m_etf", "heft", "cpop", "m_sct", "metis", "mincut", "pipeline")
@@ -102,6 +108,7 @@ def _colocation_partners(
 )
 def place_anneal(problem: PlacementProblem, budget_s: float, seed: int):
     start = time.perf_counter()
+    curve = LearningCurve(problem, start)
     rng = np.random.default_rng(seed)
     known = registry()
     seed_share = 0.3 * budget_s
@@ -119,9 +126,11 @@ def place_anneal(problem: PlacementProblem, budget_s: float, seed: int):
             if isinstance(out, OpAssignment)
             else problem.expand(np.asarray(out, np.int64))
         )
-        score = problem.score(problem.evaluate_ops(ops))
+        sim = problem.evaluate_ops(ops)
+        score = problem.score(sim)
         if score < best_score:
-            best_ops, best_score, seed_name = ops, score, name
+            best_ops, best_score, seed_name, best_step = ops, score, name, sim.step_time_s
+            curve.record(best_step)
     assert best_ops is not None
     seed_score = best_score
 
@@ -150,13 +159,16 @@ def place_anneal(problem: PlacementProblem, budget_s: float, seed: int):
             evaluations // 2,
             rng,
             deadline,
+            curve,
         )
         stats["walks"].append(walk)
         stopped_at_deadline |= walk["stopped_at_deadline"]
+    curve.record(curve.best_step_time_s[-1])
     stats.update(
         best_score_s=best_score,
         planned_simulations=evaluations,
         stopped_at_deadline=stopped_at_deadline,
+        learning_curve=curve.to_dict(),
     )
     return OpAssignment(best_ops), stats
 
@@ -171,12 +183,16 @@ def _walk(
     evaluations: int,
     rng: np.random.Generator,
     deadline: float,
+    curve: LearningCurve,
 ) -> tuple[np.ndarray, float, dict]:
-    """One Metropolis walk over the groups ``group_of``, starting from ``best_ops``."""
+    """One Metropolis walk over the groups ``group_of``, starting from ``best_ops``; every
+    improvement of the best plan is a point on ``curve``."""
     current = _group_majority(problem, group_of, n_groups, best_ops)
-    current_score = problem.score(problem.evaluate_ops(current[group_of]))
+    sim = problem.evaluate_ops(current[group_of])
+    current_score = problem.score(sim)
     if current_score < best_score:
         best_ops, best_score = current[group_of], current_score
+        curve.record(sim.step_time_s)
     acc = np.array(accelerators(problem), dtype=np.int64)
     devices = np.arange(problem.num_devices, dtype=np.int64)
     ga = group_graph.arrays()
@@ -217,7 +233,8 @@ def _walk(
             proposal[g], proposal[h] = current[h], current[g]
         if np.array_equal(proposal, current):
             continue
-        score = problem.score(problem.evaluate_ops(proposal[group_of]))
+        sim = problem.evaluate_ops(proposal[group_of])
+        score = problem.score(sim)
         done += 1
         if score < current_score or rng.random() < math.exp(
             -(score - current_score) / max(temperature, 1e-300)
@@ -226,6 +243,7 @@ def _walk(
             accepted += 1
             if score < best_score:
                 best_ops, best_score = current[group_of], score
+                curve.record(sim.step_time_s)
     walk = {
         "groups": n_groups,
         "proposals_scored": done,
@@ -234,3 +252,65 @@ def _walk(
         "stopped_at_deadline": stopped_at_deadline,
     }
     return best_ops, best_score, walk
+
+
+@register(
+    "random_search",
+    family="search",
+    description="uniformly random group placements on the accelerators, scored by the "
+    "simulator; the best one wins (the budget fixes how many)",
+    source="Bergstra & Bengio, Random Search for Hyper-Parameter Optimization, JMLR 2012; "
+    "the search baseline of Addanki et al., Placeto, NeurIPS 2019, §5",
+    uses_budget=True,
+)
+def place_random_search(problem: PlacementProblem, budget_s: float, seed: int):
+    """Random search: the reference a learned or annealing search must beat per simulation.
+
+    Samples placements of the co-location groups uniformly over the accelerators (the
+    ``random`` baseline, many times), scores them in batches of 64 and keeps the best. Like
+    ``anneal``, the budget buys a fixed number of simulations (60 % of it at
+    :data:`SIMULATED_OPS_PER_SECOND`), so a seed reproduces the plan.
+
+    Complexity: O(samples × (V + E) log V).
+
+    >>> from meshplace.graph.sources import workload_graph
+    >>> from meshplace.hardware import load_cluster
+    >>> from meshplace.placers.base import run_placer
+    >>> p = PlacementProblem.build(workload_graph("dmcca"), load_cluster("colocrl-2gpu"))
+    >>> r = run_placer("random_search", p, 1.0, 0)
+    >>> r.evaluations == r.stats["simulations"], r.value <= r.stats["first_score_s"]
+    (True, True)
+    """
+    start = time.perf_counter()
+    curve = LearningCurve(problem, start)
+    rng = np.random.default_rng(seed)
+    acc = np.array(accelerators(problem), dtype=np.int64)
+    n_ops = max(problem.graph.num_ops, 1)
+    total = max(1, int(0.6 * budget_s * SIMULATED_OPS_PER_SECOND / n_ops))
+    deadline = start + 0.97 * budget_s
+    best = acc[rng.integers(0, len(acc), problem.num_groups)]
+    best_score, first_score = math.inf, math.inf
+    done, stopped_at_deadline = 0, False
+    while done < total:
+        if done and time.perf_counter() > deadline:
+            stopped_at_deadline = True
+            break
+        batch = acc[rng.integers(0, len(acc), (min(64, total - done), problem.num_groups))]
+        for plan in batch:
+            sim = problem.evaluate(plan)
+            score = problem.score(sim)
+            first_score = min(first_score, score) if done == 0 else first_score
+            done += 1
+            if score < best_score:
+                best, best_score = plan, score
+                curve.record(sim.step_time_s)
+    curve.record(curve.best_step_time_s[-1])
+    stats = {
+        "planned_simulations": total,
+        "simulations": done,
+        "first_score_s": first_score,
+        "best_score_s": best_score,
+        "stopped_at_deadline": stopped_at_deadline,
+        "learning_curve": curve.to_dict(),
+    }
+    return best, stats
