@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from meshplace.cost.compute import CostModel
 from meshplace.errors import InputError
 from meshplace.graph.capture import capture
 from meshplace.hardware import cluster_from_yaml, cluster_to_yaml
@@ -23,14 +24,15 @@ from meshplace.profile import (
     signature,
     time_step_ops,
 )
-from meshplace.profile.calibrate import op_times_table
+from meshplace.profile.calibrate import op_times_table, time_ops_in_worker
 from meshplace.profile.cli import add_profile_arguments, cmd_profile
-from meshplace.profile.link import fit_link, measure_link
+from meshplace.profile.link import fit_affine, fit_link, measure_link, measure_message_cost
 from meshplace.profile.profiler import parse_levels, trimmed_mean
 from meshplace.runtime.program import MLP, ModelSpec, trace_step
 
 FAKE_LINK = {"bandwidth": 1e9, "latency": 1e-4, "samples": []}
 FAKE_DEVICE = {"peak_flops": 5e10, "memory_bandwidth": 1e10, "launch_overhead_s": 2e-6}
+FAKE_MESSAGES = {"send_s": 2e-5, "send_s_per_byte": 2e-10, "recv_s": 1e-5, "recv_s_per_byte": 2e-10}
 
 
 def test_levels_and_trimmed_mean() -> None:
@@ -86,7 +88,8 @@ def test_calibration_fits_and_attaches_by_signature() -> None:
 
 def test_calibrate_local_cluster_and_prediction() -> None:
     step = trace_step(ModelSpec("mlp", batch=8))
-    cal = calibrate(step, reps=3, link=FAKE_LINK, device=FAKE_DEVICE)
+    cal = calibrate(step, reps=3, link=FAKE_LINK, device=FAKE_DEVICE, messages=FAKE_MESSAGES)
+    assert cal.cost_model.message_cpu["local-cpu"] == (2e-5, 2e-10, 1e-5, 2e-10)
     c = cal.cluster
     assert c.name == "local" and c.device_names == ["cpu0", "cpu1"]
     assert c.path_bandwidth(0, 1) == pytest.approx(1e9)
@@ -100,8 +103,27 @@ def test_calibrate_local_cluster_and_prediction() -> None:
     measured = sum(o.measured_time.get("local-cpu", 0.0) for o in step.graph.ops)
     assert single == pytest.approx(measured, rel=1e-6)
     split = ["cpu0" if i < n // 2 else "cpu1" for i in range(n)]
-    assert cal.predict(step.graph, split) > predict_step(step.graph, c, cal.cost_model, split)
+    free = CostModel(cal.cost_model.efficiency, launch_overhead=cal.cost_model.launch_overhead)
+    assert cal.predict(step.graph, split) > predict_step(step.graph, c, free, split)
     assert json.dumps(cal.to_dict())
+
+
+def test_op_times_in_the_worker_regime() -> None:
+    step = trace_step(ModelSpec("mlp", batch=8))
+    seconds = time_ops_in_worker(step, reps=3, warmup=1)
+    kernel = [o.kind not in ("parameter", "input", "buffer") for o in step.graph.ops]
+    assert all(t > 0 for t, k in zip(seconds, kernel) if k)
+    assert all(t == 0 for t, k in zip(seconds, kernel) if not k)
+    # the worker's loop costs at least what a bare interpreter does, per node
+    assert seconds.sum() > 0.5 * time_step_ops(step, reps=3).sum()
+
+
+def test_message_cost_fit_and_measure() -> None:
+    assert fit_affine([(0, 1e-5), (1e6, 1e-5 + 1e-4)]) == pytest.approx((1e-5, 1e-10))
+    assert fit_affine([(4, 2e-5), (1e6, 1e-5)])[1] == 0.0  # never a negative slope
+    m = measure_message_cost(sizes=(4, 1 << 16), iters=20, kernels=5)
+    assert all(m[k] >= 0 for k in ("send_s", "send_s_per_byte", "recv_s", "recv_s_per_byte"))
+    assert len(m["samples"]) == 2 and len(m["wall_samples"]) == 2
 
 
 def test_local_cluster_shape() -> None:

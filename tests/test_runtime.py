@@ -123,6 +123,30 @@ def test_bad_arguments() -> None:
         run_placement(spec, ["cpu0"] * step.graph.num_ops, 0, step=step)
     with pytest.raises(InputError):
         trace_step(ModelSpec("no-such-model"))
+    with pytest.raises(InputError):  # no spec: only a forked, already traced step runs
+        run_placement(None, ["cpu0"] * step.graph.num_ops, 1, step=step, start_method="spawn")
+
+
+def test_timeline_covers_every_node_and_receive() -> None:
+    spec = ModelSpec("mlp", batch=4)
+    step = trace_step(spec)
+    n = step.graph.num_ops
+    devices = ["cpu0" if i < n // 2 else "cpu1" for i in range(n)]
+    res = run_placement(None, devices, 2, step=step, start_method="fork", timeline=True)
+    assert res.timelines is not None and len(res.timelines) == 2
+    nodes = list(step.gm.graph.nodes)
+    computed, receives = set(), 0
+    for steps in res.timelines:
+        assert len(steps) == 2
+        spans = steps[-1]
+        assert all(0 <= a <= b for _, a, b in spans)
+        computed |= {i for i, _, _ in spans if i >= 0}
+        received = [-1 - i for i, _, _ in spans if i < 0]
+        assert len(received) == len(set(received))  # one wait per remote value
+        receives += len(received)
+    assert receives > 0
+    runnable = {i for i, x in enumerate(nodes) if x.op in ("placeholder", "call_function")}
+    assert computed == runnable
 
 
 def test_run_cli_prints_measured_and_predicted(tmp_path, capsys) -> None:

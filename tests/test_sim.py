@@ -235,3 +235,70 @@ def test_measured_times_win_over_the_roofline_by_kind_then_category() -> None:
     assert cpu[0] == 2.0 and cpu[1] == 3.0  # the xeon's category is "cpu"
     k80 = cluster.device("gpu0").spec
     assert gpu[2] == pytest.approx(1e12 / (k80.peak("float32") * 0.7) + k80.launch_overhead_s)
+
+
+def _two_cpu_cluster():
+    from meshplace.profile.calibrate import local_cluster, local_device_spec
+
+    return local_cluster(local_device_spec(1e10, 1e10, 0.0), bandwidth=1e9, latency=1e-4)
+
+
+def test_host_staged_messages_occupy_both_ends() -> None:
+    from meshplace.cost.compute import CostModel
+
+    g = OpGraph("chain")
+    for name in ("a", "b", "c"):
+        _ = g.add_op(Op(name, "matmul", output_dtypes=["float32"]))
+        g.ops[-1].measured_time["local-cpu"] = 1e-3
+    g.add_edge("a", "b", 1e6)
+    g.add_edge("b", "c", 8.0)
+    cluster = _two_cpu_cluster()
+    place = ["cpu0", "cpu1", "cpu1"]
+    plain = Simulator(g, cluster)
+    base = plain.simulate(plain.placement_of(place))
+    # link only: 3 ms of ops + 0.1 ms latency + 1 ms of bytes, nothing on the devices
+    assert base.step_time_s == pytest.approx(3e-3 + 1e-4 + 1e-3)
+    cm = CostModel(message_cpu={"local-cpu": (2e-5, 1e-10, 3e-5, 2e-10)})
+    sim = Simulator(g, cluster, cm)
+    r = sim.simulate(sim.placement_of(place))
+    send, recv = 2e-5 + 1e-10 * 1e6, 3e-5 + 2e-10 * 1e6
+    assert r.step_time_s == pytest.approx(base.step_time_s + send + recv)
+    assert r.busy_s.tolist() == pytest.approx([1e-3 + send, 2e-3 + recv])
+    # one device: no messages, so the costs change nothing
+    one = sim.simulate(sim.placement_of(["cpu0"] * 3))
+    assert one.step_time_s == pytest.approx(3e-3)
+
+
+def test_in_order_devices_wait_for_the_next_op_in_program_order() -> None:
+    # a (cpu0) -> b (cpu1); c (cpu1) is independent but comes after b in priority order
+    g = OpGraph("order")
+    for name in ("a", "b", "c"):
+        _ = g.add_op(Op(name, "matmul", output_dtypes=["float32"]))
+        g.ops[-1].measured_time["local-cpu"] = 1e-3
+    g.add_edge("a", "b", 8.0)
+    cluster = _two_cpu_cluster()
+    place = ["cpu0", "cpu1", "cpu1"]
+    free = Simulator(g, cluster)
+    strict = Simulator(g, cluster, in_order=True)
+    r_free = free.simulate(free.placement_of(place))
+    r_strict = strict.simulate(strict.placement_of(place))
+    # out of order, cpu1 runs c while a's output travels; in order it idles, then b, c
+    assert r_free.op_start[2] == 0.0
+    assert r_strict.op_start[2] == pytest.approx(r_strict.op_end[1])
+    assert r_strict.step_time_s == pytest.approx(1e-3 + 1e-4 + 8e-9 + 2e-3)
+    assert r_free.step_time_s < r_strict.step_time_s
+
+
+@_hypo
+@given(_scenario())
+def test_in_order_single_device_is_the_sum_and_never_beats_the_lower_bound(scenario) -> None:
+    graph, cname, rnd = scenario
+    sim = Simulator(graph, _cluster(cname), in_order=True)
+    placement = np.array([rnd.randrange(sim.num_devices) for _ in graph.ops], dtype=np.int64)
+    r = sim.simulate(placement)
+    assert r.step_time_s >= r.lower_bound_s * (1 - 1e-9)
+    assert np.all(r.op_end >= r.op_start)
+    one = np.zeros(graph.num_ops, dtype=np.int64)
+    assert sim.simulate(one).step_time_s == pytest.approx(
+        sim.op_times(one).sum(), rel=1e-9, abs=1e-15
+    )

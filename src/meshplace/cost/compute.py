@@ -12,6 +12,13 @@ For op *i* on a device of kind *k*:
   profile replaces them with measured ones;
 * ops that are not kernels (``parameter``, ``buffer``, ``input``) take no time.
 
+``message_cpu`` (per device kind; empty by default) says what a message costs the *compute*
+of its two ends when devices have no DMA engine between them — CPU worker processes over
+loopback TCP, where the kernel's TCP path and the transport's threads run on the workers'
+cores: ``(send_s, send_s_per_byte, recv_s, recv_s_per_byte)``, measured by
+:func:`meshplace.profile.link.measure_message_cost`. The simulator adds it to the ops at
+the two ends of each transfer; GPUs with copy engines leave it empty.
+
 Example
 -------
 >>> from meshplace.graph.ir import Op, OpGraph
@@ -74,6 +81,8 @@ class CostModel:
         fallback: efficiency for kinds not in ``efficiency``.
         launch_overhead: device kind → seconds, overriding the device spec's value.
         use_measured: prefer ``Op.measured_time`` when the graph has one for the kind.
+        message_cpu: device kind → (send s, send s/byte, receive s, receive s/byte) of
+            compute a message costs its ends (host-staged transfers); absent: none.
     """
 
     efficiency: dict[str, tuple[float, float]] = field(
@@ -82,6 +91,7 @@ class CostModel:
     fallback: tuple[float, float] = FALLBACK_EFFICIENCY
     launch_overhead: dict[str, float] = field(default_factory=dict)
     use_measured: bool = True
+    message_cpu: dict[str, tuple[float, float, float, float]] = field(default_factory=dict)
 
     def op_times(self, graph: OpGraph, kinds: Mapping[str, DeviceLike]) -> dict[str, np.ndarray]:
         """Seconds per op for each device kind in ``kinds`` (kind → spec). O(V · kinds)."""

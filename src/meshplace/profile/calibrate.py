@@ -1,15 +1,25 @@
 """Calibrate the cost model on this machine and build the ``local`` cluster.
 
-Three measurements (all single-threaded, like the runtime's workers):
+Four measurements (all single-threaded, like the runtime's workers):
 
 * **Device**: peak float32 FLOP/s from a repeated 384x384 matmul, memory bandwidth from a
   64 MiB copy, and dispatch overhead from a one-element add.
-* **Ops**: every op of a traced training step timed *in situ* — the whole fx graph run by a
-  timing interpreter with real inputs of the captured shapes, ``reps`` times after a warm-up,
-  median per op (a view node's time is charged to the op whose tensor it views). Times are
+* **Ops**: every op of a traced training step timed *in the regime the workers run it*:
+  :func:`time_ops_in_worker` runs the step on one runtime worker process (the executor's
+  own interpreter loop, one thread) with its per-node timeline on, ``reps`` steps after a
+  warm-up, median per op; a node's span runs from the previous node's end, so the
+  interpreter's per-node dispatch work is charged to the ops (a view node's time to the op
+  whose tensor it views). :func:`time_step_ops` is the same in this process. Times are
   keyed by an op *signature* (kind, exact operator, output shapes and dtypes, FLOPs, bytes
   read) and attached to any graph with the same signatures as ``measured_time[kind]``.
 * **Link**: gloo ping-pong between two processes (:mod:`meshplace.profile.link`).
+* **Messages**: the CPU a gloo message costs its sender and its receiver on this host
+  (:func:`meshplace.profile.link.measure_message_cost`), which becomes the cost model's
+  ``message_cpu`` for the ``local-cpu`` kind: workers are processes on shared cores with
+  no DMA engine between them, so a transfer is not free for their compute.
+
+Predictions (:meth:`Calibration.predict`) simulate with ``in_order=True``: a worker walks
+the graph in one global order and blocks on a receive even when later nodes are ready.
 
 From the op times, :func:`fit_cost_model` fits the launch overhead (median time of ops whose
 roofline time is negligible) and, per op kind, one scale ``r`` such that
@@ -43,11 +53,6 @@ from meshplace.graph.ir import Op, OpGraph
 from meshplace.hardware import Cluster, Device, DeviceSpec, Link
 
 LOCAL_KIND = "local-cpu"
-# CPU time a gloo message costs each end, as a multiple of the measured one-way latency.
-# On a small host (loopback TCP, one core per worker) a send and a receive occupy the
-# worker's core; 1.6 was fitted once on the ``mlp`` model's placements (not on the models
-# the fidelity benchmark reports). See docs/runtime.md.
-MESSAGE_CPU_FACTOR = 1.6
 
 
 # ------------------------------------------------------------------ device
@@ -210,6 +215,42 @@ def time_step_ops(step: Any, reps: int = 5, warmup: int = 1, threads: int = 1) -
     return out
 
 
+def time_ops_in_worker(step: Any, reps: int = 5, warmup: int = 2) -> np.ndarray:
+    """Seconds per OpGraph op of a traced step, timed on a runtime worker: the step runs
+    ``warmup + reps`` times on one forked worker process (one intra-op thread) of
+    :func:`meshplace.runtime.executor.run_placement` with its timeline on; each fx node's
+    span (from the previous node's end: dispatch included) is charged to the op owning it;
+    median per op over the timed steps, rescaled so the ops add up to the median step (the
+    worker's per-step work outside the nodes, spread over the ops). Non-kernel ops get 0.
+    Cost: ``warmup + reps`` steps plus a fork (~0.1 s)."""
+    from meshplace.runtime.executor import run_placement
+
+    run = run_placement(
+        None,
+        ["cpu0"] * step.graph.num_ops,
+        warmup + reps,
+        warmup=warmup,
+        step=step,
+        start_method="fork",
+        timeline=True,
+    )
+    assert run.timelines is not None
+    names = [n.name for n in step.gm.graph.nodes]
+    owner = [step.node_op.get(name, -1) for name in names]
+    samples = np.zeros((reps, step.graph.num_ops))
+    for r, spans in enumerate(run.timelines[0][warmup:]):
+        for node, start, end in spans:
+            if node >= 0 and owner[node] >= 0:
+                samples[r, owner[node]] += end - start
+    out = np.median(samples, axis=0)
+    total = float(np.median(run.step_times[warmup:]))
+    if out.sum() > 0:
+        out *= total / float(out.sum())
+    kinds = [o.kind for o in step.graph.ops]
+    out[[i for i, k in enumerate(kinds) if k in NON_KERNEL_KINDS]] = 0.0
+    return out
+
+
 def op_times_table(graph: OpGraph, seconds: np.ndarray, device_kind: str = LOCAL_KIND) -> OpTimes:
     """An :class:`OpTimes` from per-op seconds (ops with one signature: their median)."""
     by_sig: dict[str, list[float]] = {}
@@ -279,20 +320,20 @@ class Calibration:
     link: dict[str, Any]
     fit: dict[str, Any]
 
-    @property
-    def message_cpu_s(self) -> float:
-        """CPU seconds one message costs each end (:data:`MESSAGE_CPU_FACTOR` x latency)."""
-        return MESSAGE_CPU_FACTOR * float(self.link["latency"])
+    messages: dict[str, Any] = field(default_factory=dict)
 
     def predict(self, graph: OpGraph, devices: list[str]) -> float:
-        """Predicted step time of ``devices`` (one per op) on the calibrated cluster."""
-        return predict_step(graph, self.cluster, self.cost_model, devices, self.message_cpu_s)
+        """Predicted step time of ``devices`` (one per op) on the calibrated cluster: the
+        cost model charges each message's measured CPU to its two ends, and workers run
+        their nodes in the one global order (``in_order``)."""
+        return predict_step(graph, self.cluster, self.cost_model, devices, in_order=True)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "device": self.device,
             "link": {k: v for k, v in self.link.items()},
             "fit": self.fit,
+            "messages": self.messages,
             "op_times": self.op_times.to_dict(),
         }
 
@@ -303,17 +344,28 @@ def calibrate(
     reps: int = 5,
     link: dict[str, Any] | None = None,
     device: dict[str, float] | None = None,
+    messages: dict[str, Any] | None = None,
+    in_worker: bool = True,
 ) -> Calibration:
-    """Measure the device, time ``step``'s ops in situ, measure the link (unless given),
-    fit the cost model and attach the op times to ``step.graph``. Spawns two processes for
-    the link (~2 s) unless ``link`` is given."""
-    from meshplace.profile.link import measure_link
+    """Measure the device, time ``step``'s ops (on a forked runtime worker, or in this
+    process with ``in_worker=False``), measure the link and the message CPU cost (unless
+    given), fit the cost model and attach the op times to ``step.graph``. Starts two
+    processes for the link and two for the messages (~1-2 s each) unless given."""
+    from meshplace.profile.link import measure_link, measure_message_cost
 
     device = device or measure_device()
     link = link or measure_link()
-    seconds = time_step_ops(step, reps=reps)
+    if messages is None:
+        messages = measure_message_cost()
+    seconds = time_ops_in_worker(step, reps=reps) if in_worker else time_step_ops(step, reps)
     spec = local_device_spec(device["peak_flops"], device["memory_bandwidth"], 0.0)
     cost_model, fit = fit_cost_model(step.graph, seconds, spec)
+    cost_model.message_cpu[LOCAL_KIND] = (
+        float(messages["send_s"]),
+        float(messages["send_s_per_byte"]),
+        float(messages["recv_s"]),
+        float(messages["recv_s_per_byte"]),
+    )
     spec = spec.with_overrides(launch_overhead_s=fit["launch_overhead_s"])
     table = op_times_table(step.graph, seconds)
     table.attach(step.graph)
@@ -324,11 +376,12 @@ def calibrate(
         meta={
             "calibrated": True,
             "efficiency": {k: v[0] for k, v in cost_model.efficiency.items()},
+            "message_cpu": list(cost_model.message_cpu[LOCAL_KIND]),
         },
     )
     fit["ops_timed"] = int(np.count_nonzero(seconds))
     fit["step_sum_s"] = float(seconds.sum())
-    return Calibration(cluster, cost_model, table, device, link, fit)
+    return Calibration(cluster, cost_model, table, device, link, fit, messages)
 
 
 def flatten_values(value: Any) -> list[torch.Tensor]:
@@ -342,48 +395,13 @@ def predict_step(
     cluster: Cluster,
     cost_model: CostModel,
     devices: list[str],
-    message_cpu_s: float = 0.0,
+    *,
+    in_order: bool = False,
 ) -> float:
-    """Simulated step time of ``devices`` (one device name per op) on ``cluster``.
-
-    ``message_cpu_s`` charges the CPU cost of a message on this testbed, where a gloo send
-    or receive over loopback TCP occupies the worker's core: each op pays it once per other
-    device that reads its output (the send) and once per other device it reads from (the
-    receive). The simulator itself charges links only. O(ops + edges) plus one simulation.
-    """
+    """Simulated step time of ``devices`` (one device name per op) on ``cluster`` with
+    ``cost_model`` (whose ``message_cpu`` charges messages to the workers' compute);
+    ``in_order`` as in :class:`~meshplace.sim.simulator.Simulator`. One simulation."""
     from meshplace.sim.simulator import Simulator
 
-    if message_cpu_s > 0:
-        g = _with_message_costs(graph, cluster, cost_model, devices, message_cpu_s)
-    else:
-        g = graph
-    sim = Simulator(g, cluster, cost_model)
+    sim = Simulator(graph, cluster, cost_model, in_order=in_order)
     return float(sim.simulate(sim.placement_of(devices)).step_time_s)
-
-
-def _with_message_costs(
-    graph: OpGraph, cluster: Cluster, cost_model: CostModel, devices: list[str], cost: float
-) -> OpGraph:
-    import copy
-
-    kinds = {d.kind: d.spec for d in cluster.devices}
-    base = cost_model.op_times(graph, kinds)
-    kind_of = {d.name: d.kind for d in cluster.devices}
-    extra = np.zeros(graph.num_ops)
-    arrays = graph.arrays()
-    sends: set[tuple[int, str]] = set()
-    recvs: set[tuple[int, str]] = set()
-    for s, d in zip(arrays.edge_src.tolist(), arrays.edge_dst.tolist()):
-        if devices[s] != devices[d]:
-            sends.add((s, devices[d]))
-            recvs.add((d, devices[s]))
-    for s, _ in sends:
-        extra[s] += cost
-    for d, _ in recvs:
-        extra[d] += cost
-    g = copy.deepcopy(graph)
-    for i, op in enumerate(g.ops):
-        if extra[i] > 0 or op.kind not in NON_KERNEL_KINDS:
-            kind = kind_of[devices[i]]
-            op.measured_time = {**op.measured_time, kind: float(base[kind][i] + extra[i])}
-    return g

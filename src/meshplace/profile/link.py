@@ -1,8 +1,17 @@
-"""Measure the local inter-worker link: gloo send/recv ping-pong between two processes.
+"""Measure the local inter-worker link: gloo ping-pong, and what a message costs the CPUs.
 
-A message of ``n`` bytes takes ``latency + n / bandwidth`` (the Hockney model, as the
-cluster's links assume); both are fitted by least squares to the median one-way time
-(half a round trip) of a few sizes. Cost: two spawned processes, ~1-2 s.
+* :func:`measure_link` — a message of ``n`` bytes takes ``latency + n / bandwidth`` (the
+  Hockney model, as the cluster's links assume); both are fitted by least squares to the
+  median one-way time (half a round trip) of a few sizes. Cost: two processes,
+  ~1-2 s.
+* :func:`measure_message_cost` — on a host without a DMA engine between workers (CPU
+  processes over loopback TCP) a message is not free for the two ends: the sender's
+  ``isend`` runs the kernel's TCP path (on loopback, the receive side's too), and gloo's
+  event-loop threads take CPU from the compute threads on a small host. Both workers run
+  the runtime's pattern — a loop of small kernels, one ``isend`` per iteration on one side,
+  receives posted up front on the other — and each process's extra CPU time per iteration
+  over the same loop without messages is what a message costs that end, fitted as
+  ``a + b · bytes`` per end. Cost: two processes, ~1 s.
 
 >>> bw, lat = fit_link([(0, 1e-5), (1e6, 1e-5 + 1e-3)])
 >>> round(bw / 1e9, 6), round(lat * 1e6, 6)
@@ -73,12 +82,24 @@ def _pingpong(rank: int, store_path: str, sizes: Sequence[int], reps: int, out: 
     dist.destroy_process_group()
 
 
+def safe_start_method() -> str:
+    """``fork`` (starts in milliseconds, imports nothing again) unless CUDA is initialised
+    in this process, where only ``spawn`` is safe."""
+    if os.name != "posix" or (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return "spawn"
+    return "fork"
+
+
 def measure_link(
-    sizes: Sequence[int] = SIZES, reps: int = 20, timeout: float = 60.0
+    sizes: Sequence[int] = SIZES,
+    reps: int = 20,
+    timeout: float = 60.0,
+    start_method: str | None = None,
 ) -> dict[str, Any]:
-    """Ping-pong between two spawned gloo workers; returns ``bandwidth``, ``latency`` and the
-    ``samples``. Raises ``RuntimeError`` if the workers do not finish within ``timeout``."""
-    ctx = mp.get_context("spawn")
+    """Ping-pong between two gloo worker processes; returns ``bandwidth``, ``latency`` and
+    the ``samples``. ``start_method`` defaults to :func:`safe_start_method`. Raises
+    ``RuntimeError`` if the workers do not finish within ``timeout``."""
+    ctx = mp.get_context(start_method or safe_start_method())
     out = ctx.Queue()
     tmp = tempfile.mkdtemp(prefix="meshplace-link-")
     path = os.path.join(tmp, "store")
@@ -104,3 +125,139 @@ def measure_link(
             pass
     bw, lat = fit_link(samples)
     return {"bandwidth": bw, "latency": lat, "samples": samples}
+
+
+# ------------------------------------------------------------------ message CPU cost
+MESSAGE_SIZES = (4, 65536, 1 << 20)
+
+
+def fit_affine(samples: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """``(a, b)`` with ``y ≈ a + b·x``, least squares on the relative error (weights
+    ``1/max(y, tiny)``), both clipped at 0 (a cost is never negative).
+
+    >>> a, b = fit_affine([(0, 2e-5), (1e6, 2e-5 + 1e-3)])
+    >>> round(a * 1e6, 6), round(b * 1e9, 6)
+    (20.0, 1.0)
+    """
+    x = np.array([s[0] for s in samples], dtype=float)
+    y = np.array([max(s[1], 0.0) for s in samples], dtype=float)
+    w = 1.0 / np.maximum(y, 1e-7)
+    m = np.vstack([np.ones_like(x), x]).T * w[:, None]
+    (a, b), *_ = np.linalg.lstsq(m, y * w, rcond=None)
+    if b < 0:  # no per-byte cost: the mean of the fixed cost alone
+        return max(float(np.median(y)), 0.0), 0.0
+    if a < 0:  # no fixed cost: the slope through the origin
+        return 0.0, max(float(np.median(y[x > 0] / x[x > 0])) if (x > 0).any() else 0.0, 0.0)
+    return float(a), float(b)
+
+
+def _spin(x: torch.Tensor, y: torch.Tensor, kernels: int) -> None:
+    for _ in range(kernels):
+        torch.add(x, y)
+
+
+def _message_worker(
+    rank: int, store_path: str, sizes: Sequence[int], iters: int, kernels: int, out: Any
+) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    store = dist.FileStore(store_path, 2)
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60)
+    )
+    x, y = torch.ones(64), torch.ones(64)
+    res: dict[int, list[tuple[float, float]]] = {}
+    for n in (0, *sizes):  # 0: the same loop without messages (the baseline)
+        res[n] = []
+        for rep in range(4):  # the first round warms this size up
+            bufs = [torch.zeros(max(1, n // 4)) for _ in range(iters)] if n else []
+            dist.barrier()
+            works = []
+            if n and rank == 1:  # receives posted up front, as the runtime's workers do
+                works = [dist.irecv(bufs[i], 0, tag=i) for i in range(iters)]
+            c0 = time.process_time()  # CPU of every thread of this process (gloo's too)
+            t0 = time.perf_counter()
+            for i in range(iters):
+                _spin(x, y, kernels)
+                if n and rank == 0:
+                    works.append(dist.isend(bufs[i], 1, tag=i))
+            wall = time.perf_counter() - t0
+            for w in works:  # waiting for the wire is the link's time, not counted here
+                w.wait()
+            cpu = time.process_time() - c0
+            if rep:
+                res[n].append((wall / iters, cpu / iters))
+    out.put((rank, res))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def measure_message_cost(
+    sizes: Sequence[int] = MESSAGE_SIZES,
+    iters: int = 100,
+    kernels: int = 40,
+    timeout: float = 60.0,
+    start_method: str | None = None,
+) -> dict[str, Any]:
+    """What a message costs the compute of its sender and its receiver on this host, in
+    the runtime's pattern (module doc): ``send_s`` + ``send_s_per_byte`` · bytes and
+    ``recv_s`` + ``recv_s_per_byte`` · bytes. Each size's cost is the process CPU time
+    (every thread: the compute thread, gloo's, the kernel's TCP path in system time) per
+    loop iteration with a message minus that without, median over three rounds; waiting
+    for the wire costs no CPU and is the link's part (latency and bandwidth). ``samples``
+    holds ``(bytes, send_s, recv_s)`` per size; ``wall_samples`` the compute thread's
+    wall-clock slowdown, for reference: on an idle host it is at most the CPU cost (gloo's
+    threads may run on a free core), on a host loaded by other processes it also holds the
+    time the scheduler gives the core away, which is no property of the message.
+    ``start_method`` defaults to :func:`safe_start_method`. Raises ``RuntimeError`` if the
+    workers do not finish in ``timeout``.
+    """
+    ctx = mp.get_context(start_method or safe_start_method())
+    out = ctx.Queue()
+    tmp = tempfile.mkdtemp(prefix="meshplace-msg-")
+    path = os.path.join(tmp, "store")
+    procs = [
+        ctx.Process(
+            target=_message_worker, args=(r, path, list(sizes), iters, kernels, out), daemon=True
+        )
+        for r in range(2)
+    ]
+    try:
+        for p in procs:
+            p.start()
+        got = dict(out.get(timeout=timeout) for _ in range(2))
+        for p in procs:
+            p.join(10)
+    finally:
+        for p in procs:
+            if p.pid is not None and p.is_alive():
+                p.kill()
+                p.join(2)
+        try:
+            os.remove(path)
+            os.rmdir(tmp)
+        except OSError:
+            pass
+
+    def per_size(col: int) -> list[tuple[float, float, float]]:
+        base = [statistics.median(v[col] for v in got[r][0]) for r in range(2)]
+        rows = []
+        for n in sizes:
+            cost = [statistics.median(v[col] for v in got[r][n]) - base[r] for r in range(2)]
+            rows.append((float(n), max(cost[0], 0.0), max(cost[1], 0.0)))
+        return rows
+
+    wall_samples, samples = per_size(0), per_size(1)
+    send = fit_affine([(n, s) for n, s, _ in samples])
+    recv = fit_affine([(n, r) for n, _, r in samples])
+    return {
+        "send_s": send[0],
+        "send_s_per_byte": send[1],
+        "recv_s": recv[0],
+        "recv_s_per_byte": recv[1],
+        "samples": samples,
+        "wall_samples": wall_samples,
+    }

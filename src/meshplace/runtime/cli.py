@@ -103,7 +103,10 @@ def cmd_run(args: argparse.Namespace) -> int:
             "device": cal.device,
             "link": {"bandwidth": cal.link["bandwidth"], "latency": cal.link["latency"]},
             "launch_overhead_s": cal.fit["launch_overhead_s"],
-            "message_cpu_s": cal.message_cpu_s,
+            "message_cpu": {
+                k: cal.messages[k]
+                for k in ("send_s", "send_s_per_byte", "recv_s", "recv_s_per_byte")
+            },
         },
     }
     if args.json:

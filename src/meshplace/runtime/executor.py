@@ -84,6 +84,12 @@ class RunResult:
     messages: int = 0
     worker_busy: list[float] = field(default_factory=list)
     worker_wait: list[float] = field(default_factory=list)
+    #: with ``timeline=True``: per worker, per step, ``(node, start_s, end_s)`` relative to
+    #: the step's start (the earliest worker's); ``node`` is the fx node's position, or
+    #: ``-1 - j`` for the wait on the value of node ``j`` from another worker. A computed
+    #: node's span runs from the previous event's end, so the interpreter's own per-node
+    #: work is included, as in :func:`meshplace.profile.calibrate.time_step_ops`.
+    timelines: list[list[list[tuple[int, float, float]]]] | None = None
 
     @property
     def step_time_s(self) -> float:
@@ -169,6 +175,7 @@ def _worker(
     threads: int,
     timeout_s: float,
     traced: TracedStep | None = None,
+    timeline: bool = False,
 ) -> None:
     import datetime
 
@@ -186,7 +193,7 @@ def _worker(
             world_size=world,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
-        _run_worker(rank, step, sched, steps, status, results, fault, want_params)
+        _run_worker(rank, step, sched, steps, status, results, fault, want_params, timeline)
         dist.destroy_process_group()
     except BaseException as exc:  # report one sentence, then exit non-zero
         where = _sched_name(status[3 * rank], locals())
@@ -211,6 +218,7 @@ def _run_worker(
     results: Any,
     fault: Fault | None,
     want_params: bool,
+    timeline: bool = False,
 ) -> None:
     import torch.distributed as dist
 
@@ -253,27 +261,59 @@ def _run_worker(
     bytes_sent = messages = 0
 
     wait = [0.0]
-
-    def recv(j: int, env: dict) -> None:
-        status[base + 1] = _RECV
-        tw = time.perf_counter()
+    # Every remote value this worker reads, with the leaf buffers to receive it into. gloo
+    # is a rendezvous protocol: a send moves no data until the receiver has posted the
+    # matching receive. Posting every receive with ``irecv`` right after the step's barrier
+    # lets each transfer run as soon as its producer sends, overlapping with compute here.
+    remote = sorted({j for _, _, ins in program if ins for j in ins})
+    leaf_meta: dict[int, tuple[Any, list[Any]]] = {}
+    for j in remote:
         val = nodes[j].meta.get("val")
         flat, spec_ = tree_flatten(val)
+        leaf_meta[j] = (spec_, flat)
+    owned_updates = [
+        (upos, p)
+        for upos, p in updates
+        if sched.device[param_node_pos[p]] == rank and sched.device[upos] != rank
+    ]
+
+    def post_receives() -> tuple[dict[int, list], dict[int, Any]]:
+        posted: dict[int, list] = {}
+        for j in remote:
+            _, flat = leaf_meta[j]
+            works = []
+            for k, leaf in enumerate(flat):
+                if isinstance(leaf, torch.Tensor):
+                    buf = _empty_like_meta(leaf)
+                    works.append((buf, dist.irecv(buf, src=sched.device[j], tag=j * 16 + k)))
+                else:
+                    works.append((leaf, None))
+            posted[j] = works
+        upd: dict[int, Any] = {}
+        for upos, p in owned_updates:
+            buf = torch.empty_like(placeholder_values[p])
+            upd[p] = (buf, dist.irecv(buf, src=sched.device[upos], tag=(len(nodes) + p) * 16))
+        return posted, upd
+
+    def recv(j: int, env: dict, posted: dict[int, list]) -> None:
+        status[base + 1] = _RECV
+        tw = time.perf_counter()
+        spec_, flat = leaf_meta[j]
         out = []
-        for k, leaf in enumerate(flat):
-            if isinstance(leaf, torch.Tensor):
-                buf = _empty_like_meta(leaf)
-                dist.recv(buf, src=sched.device[j], tag=j * 16 + k)
-                if leaf.dtype == torch.bool:
-                    buf = buf.bool()
-                stride = tuple(leaf.stride())
-                if buf.dim() and stride != tuple(buf.stride()) and 0 not in stride:
-                    # same memory layout as on the producer, so kernels round alike
-                    laid = torch.empty_strided(tuple(leaf.shape), leaf.stride(), dtype=buf.dtype)
-                    buf = laid.copy_(buf)
-                out.append(buf)
-            else:
+        for leaf, (buf, work) in zip(flat, posted.pop(j)):
+            if work is None:
                 out.append(leaf)
+                continue
+            work.wait()
+            if leaf.dtype == torch.bool:
+                buf = buf.bool()
+            stride = tuple(leaf.stride())
+            if buf.dim() and stride != tuple(buf.stride()) and 0 not in stride:
+                # same memory layout as on the producer, so kernels round alike
+                laid = torch.empty_strided(tuple(leaf.shape), leaf.stride(), dtype=buf.dtype)
+                buf = laid.copy_(buf)
+            out.append(buf)
+        val = nodes[j].meta.get("val")
         env[j] = tree_unflatten(out, spec_) if not isinstance(val, torch.Tensor) else out[0]
         wait[0] += time.perf_counter() - tw
         status[base + 1] = _COMPUTE
@@ -287,6 +327,8 @@ def _run_worker(
         dist.barrier()
         t0 = time.perf_counter()
         status[base + 1] = _COMPUTE
+        posted, upd = post_receives()
+        events: list[tuple[int, float, float]] | None = [] if timeline else None
         for i, node, ins in program:
             status[base] = i  # the one shared-memory write per node
             if ins is None:
@@ -294,7 +336,12 @@ def _run_worker(
             else:
                 for j in ins:
                     if j not in env:
-                        recv(j, env)
+                        if events is not None:
+                            tr = time.perf_counter()
+                            recv(j, env, posted)
+                            events.append((-1 - j, tr, time.perf_counter()))
+                        else:
+                            recv(j, env, posted)
                 if i == fault_pos and s == fault.step:
                     _inject(fault)
                 args = torch.fx.node.map_arg(node.args, lambda a, env=env: env[pos[a]])
@@ -310,6 +357,8 @@ def _run_worker(
                         if s == 0:
                             bytes_sent += w.numel() * w.element_size()
                             messages += 1
+            if events is not None:
+                events.append((i, 0.0, time.perf_counter()))
         # New parameter values: to the parameter's owner.
         for upos, p in updates:
             owner = sched.device[param_node_pos[p]]
@@ -325,8 +374,8 @@ def _run_worker(
                 new = env[upos]
             else:
                 status[base + 1] = _RECV
-                new = torch.empty_like(placeholder_values[p])
-                dist.recv(new, src=sched.device[upos], tag=(len(nodes) + p) * 16)
+                new, work = upd[p]
+                work.wait()
             placeholder_values[p] = new.detach()
         status[base + 1] = _SYNC
         for w in pending:
@@ -334,7 +383,7 @@ def _run_worker(
         t1 = time.perf_counter()
         loss_pos = pos[loss_node]
         loss = float(env[loss_pos]) if sched.device[loss_pos] == rank else None
-        records.append((t0, t1, loss, t1 - t0 - wait[0], wait[0]))
+        records.append((t0, t1, loss, t1 - t0 - wait[0], wait[0], events))
         wait[0] = 0.0
     status[base + 1] = _DONE
     dist.barrier()
@@ -359,7 +408,7 @@ def _inject(fault: Fault) -> None:
 
 # ------------------------------------------------------------------ driver
 def run_placement(
-    spec: ModelSpec,
+    spec: ModelSpec | None,
     devices: Sequence[str],
     steps: int = 5,
     *,
@@ -371,6 +420,7 @@ def run_placement(
     hang_timeout: float = 20.0,
     setup_timeout: float = 120.0,
     start_method: str = "spawn",
+    timeline: bool = False,
 ) -> RunResult:
     """Run ``steps`` training steps of ``spec`` with op *i* on ``devices[i]`` (device names,
     one per OpGraph op; the distinct names, sorted, become worker ranks).
@@ -378,6 +428,8 @@ def run_placement(
     ``start_method="spawn"`` (default) starts clean interpreters that re-trace the model;
     ``"fork"`` (POSIX only) shares the traced step with the workers and starts in
     milliseconds — fine on CPU with one thread per worker, unsafe once CUDA is initialised.
+    ``timeline=True`` records every node's span in every worker (``RunResult.timelines``).
+    ``spec`` may be ``None`` when ``step`` is given and the workers are forked.
 
     Raises :class:`WorkerFailure` (one sentence naming the worker and op) when a worker
     raises, exits or makes no progress for ``hang_timeout`` seconds, and
@@ -385,6 +437,8 @@ def run_placement(
     """
     if steps < 1:
         raise InputError(f"steps must be a positive integer, got {steps}")
+    if spec is None and (step is None or start_method != "fork"):
+        raise InputError("run_placement needs a ModelSpec unless a traced step is forked")
     step = step or trace_step(spec)
     if len(devices) != step.graph.num_ops:
         raise InputError(
@@ -422,6 +476,7 @@ def run_placement(
                 threads,
                 max(hang_timeout, 5.0) * 4,
                 step if start_method == "fork" else None,
+                timeline,
             ),
             daemon=True,
             name=f"meshplace-worker-{r}",
@@ -563,6 +618,18 @@ def _assemble(
     for r in ok:
         busy[r] = statistics.median(rec[3] for rec in ok[r][2][warmup:] or ok[r][2])
         waits[r] = statistics.median(rec[4] for rec in ok[r][2][warmup:] or ok[r][2])
+    timelines = None
+    if any(ok[r][2] and ok[r][2][0][5] is not None for r in ok):
+        timelines = [[] for _ in names]
+        for s in range(steps):
+            t0 = min(ok[r][2][s][0] for r in ok)
+            for r in sorted(ok):
+                rec = ok[r][2][s]
+                spans, last = [], rec[0]
+                for node, start, end in rec[5]:
+                    spans.append((node, (start if node < 0 else last) - t0, end - t0))
+                    last = end
+                timelines[r].append(spans)
     params: dict[str, torch.Tensor] | None = None
     if want_params:
         params = {}
@@ -578,6 +645,7 @@ def _assemble(
         messages=sum(ok[r][5] for r in ok),
         worker_busy=busy,
         worker_wait=waits,
+        timelines=timelines,
     )
 
 

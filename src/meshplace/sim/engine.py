@@ -21,6 +21,17 @@ event-driven simulator, Addanki et al., NeurIPS 2019):
   consumer has finished and every transfer of it has completed; a received copy is
   allocated when its transfer starts and freed after its last consumer there finishes.
 
+Two options model hosts whose workers are CPU processes (both off by default, which is the
+model above, bit for bit):
+
+* **host-staged messages** (``msg_cpu``, per device: send seconds, send seconds per byte,
+  receive seconds, receive seconds per byte): with no DMA engine between devices, a
+  transfer also occupies the sending device's compute (added to the producing op) and the
+  receiving device's (added to the first op there that reads it, in priority order);
+* **in-order execution** (``in_order``): a device runs its ops strictly in priority order,
+  waiting for the next one's inputs even when a later op is ready, as an interpreter that
+  walks the graph in one global order does (``meshplace.runtime``).
+
 Complexity: O((V + E) log V) per simulation, no Python objects in the loop.
 """
 
@@ -138,6 +149,7 @@ def _start_next(
     priority,
     op_time,
     time_scale,
+    nxt,
     op_start,
     op_end,
     busy,
@@ -155,6 +167,7 @@ def _start_next(
     """Device ``d`` starts its highest-priority ready op at ``now``: allocate its output,
     mark the device busy and schedule the op's completion. Returns (events, next seq)."""
     u, hsize[d] = _ready_pop(heap, base[d], hsize[d], priority)
+    nxt[d] += 1
     dur = op_time[u] * time_scale
     op_start[u] = now
     op_end[u] = now + dur
@@ -187,10 +200,13 @@ def simulate_kernel(
     link_bw,
     link_lat,
     time_scale,
+    msg_cpu,
+    in_order,
 ):
     """Simulate one step. Returns per-op start/end, the transfers, per-device busy time and
     peak memory, and per-link busy time and bytes. ``time_scale`` multiplies every
-    duration (op and transfer), which the scaling property tests use."""
+    duration (op and transfer), which the scaling property tests use. ``msg_cpu``
+    (``[n_dev, 4]``, zeros: off) and ``in_order`` are the options in the module doc."""
     n = placement.shape[0]
     n_edges = edge_bytes.shape[0]
     n_links = link_bw.shape[0]
@@ -202,6 +218,7 @@ def simulate_kernel(
     x_dev = np.empty(n_edges, np.int64)
     x_bytes = np.empty(n_edges, np.float64)
     x_cons = np.zeros(n_edges, np.int64)
+    x_first = np.empty(n_edges, np.int64)
     x_ptr = np.zeros(n + 1, np.int64)
     mark = np.full(n_dev, -1, np.int64)
     slot = np.zeros(n_dev, np.int64)
@@ -222,13 +239,24 @@ def simulate_kernel(
                     x_src[n_x] = u
                     x_dev[n_x] = dv
                     x_bytes[n_x] = edge_bytes[e]
+                    x_first[n_x] = v
                     n_x += 1
                 t = slot[dv]
+                if priority[v] < priority[x_first[t]]:
+                    x_first[t] = v
                 if edge_bytes[e] > x_bytes[t]:
                     x_bytes[t] = edge_bytes[e]
                 x_cons[t] += 1
                 edge_xfer[e] = t
     x_ptr[n] = n_x
+
+    # host-staged messages: each end's CPU time joins an op's duration
+    op_dur = op_time.copy()
+    for x in range(n_x):
+        du = placement[x_src[x]]
+        dv = x_dev[x]
+        op_dur[x_src[x]] += msg_cpu[du, 0] + msg_cpu[du, 1] * x_bytes[x]
+        op_dur[x_first[x]] += msg_cpu[dv, 2] + msg_cpu[dv, 3] * x_bytes[x]
 
     rem_local = np.empty(n, np.int64)
     for u in range(n):
@@ -249,6 +277,18 @@ def simulate_kernel(
         acc += per_dev[d]
     heap = np.empty(n, np.int64)
     hsize = np.zeros(n_dev, np.int64)
+    # each device's ops in priority order (in-order execution starts only the next one)
+    dev_seq = np.empty(n, np.int64)
+    fill = np.zeros(n_dev, np.int64)
+    by_priority = np.empty(n, np.int64)
+    for u in range(n):
+        by_priority[priority[u]] = u
+    for k in range(n):
+        u = by_priority[k]
+        d = placement[u]
+        dev_seq[base[d] + fill[d]] = u
+        fill[d] += 1
+    nxt = np.zeros(n_dev, np.int64)
 
     cap = n + n_x + 1
     ev_t = np.empty(cap, np.float64)
@@ -277,7 +317,7 @@ def simulate_kernel(
 
     now = 0.0
     for d in range(n_dev):
-        if hsize[d] > 0:
+        if hsize[d] > 0 and (not in_order or heap[base[d]] == dev_seq[base[d] + nxt[d]]):
             n_ev, seq = _start_next(
                 d,
                 now,
@@ -285,8 +325,9 @@ def simulate_kernel(
                 base,
                 hsize,
                 priority,
-                op_time,
+                op_dur,
                 time_scale,
+                nxt,
                 op_start,
                 op_end,
                 busy,
@@ -376,7 +417,11 @@ def simulate_kernel(
                     if deps[v] == 0:
                         hsize[d] = _ready_push(heap, base[d], hsize[d], priority, v)
         # the device that just freed up, or received data, starts its next ready op
-        if not busy[d] and hsize[d] > 0:
+        if (
+            not busy[d]
+            and hsize[d] > 0
+            and (not in_order or heap[base[d]] == dev_seq[base[d] + nxt[d]])
+        ):
             n_ev, seq = _start_next(
                 d,
                 now,
@@ -384,8 +429,9 @@ def simulate_kernel(
                 base,
                 hsize,
                 priority,
-                op_time,
+                op_dur,
                 time_scale,
+                nxt,
                 op_start,
                 op_end,
                 busy,

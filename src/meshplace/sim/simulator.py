@@ -123,8 +123,20 @@ class SimResult:
 class Simulator:
     """Precomputes everything about (graph, cluster) that does not depend on the plan."""
 
-    def __init__(self, graph: OpGraph, cluster: Any, cost_model: CostModel | None = None) -> None:
+    def __init__(
+        self,
+        graph: OpGraph,
+        cluster: Any,
+        cost_model: CostModel | None = None,
+        *,
+        in_order: bool = False,
+    ) -> None:
+        """``in_order``: each device runs its ops strictly in topological-priority order
+        (an interpreter's fixed program order) instead of starting any ready op; the
+        cost model's ``message_cpu`` charges transfers to the devices' compute
+        (:mod:`meshplace.sim.engine`). Both default to the original model."""
         self.graph = graph
+        self.in_order = bool(in_order)
         self.cluster = cluster
         self.cost_model = cost_model or CostModel()
         a = graph.arrays()
@@ -143,6 +155,12 @@ class Simulator:
         kind_pos = {k: i for i, k in enumerate(kinds)}
         self.device_kind_index = np.array([kind_pos[k] for k in self.device_kinds], np.int64)
         self.memory_capacity = np.array([float(d.spec.memory_bytes) for d in devices])
+        # per device: CPU seconds a message costs it (send, per byte, receive, per byte)
+        self.msg_cpu = np.zeros((len(devices), 4))
+        for i, dev in enumerate(devices):
+            cost = self.cost_model.message_cpu.get(dev.kind)
+            if cost is not None:
+                self.msg_cpu[i] = cost
 
         self.priority = np.empty(n, np.int64)
         self.priority[a.topo_order] = np.arange(n)
@@ -238,6 +256,8 @@ class Simulator:
             self.link_bw,
             self.link_lat,
             float(time_scale),
+            self.msg_cpu,
+            self.in_order,
         )
         throughput = float(max(busy.max(initial=0.0), link_busy.max(initial=0.0)))
         return SimResult(
