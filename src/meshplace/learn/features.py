@@ -196,3 +196,81 @@ def score_and_step_batch(
             memo[key] = hit
         scores[i], steps[i], ooms[i] = hit
     return scores, steps, ooms
+
+
+STRUCTURE_NAMES: tuple[str, ...] = (
+    "layer_position",
+    *(f"layer_{f}{k}" for k in (1, 2, 4) for f in ("sin", "cos")),
+    "topo_position",
+    "pred_offset",
+    "succ_offset",
+)
+"""Columns of :func:`structure_features`."""
+
+
+def layer_key(module: str) -> str:
+    """The layer an op belongs to: its module path cut to four components (so
+    ``encoder.lstm.0.fw.gates`` and ``encoder.lstm.0.fw`` are one layer, and the two
+    directions of a bidirectional LSTM are two).
+
+    >>> layer_key("encoder.lstm.0.fw.gates"), layer_key("decoder.attention")
+    ('encoder.lstm.0.fw', 'decoder.attention')
+    """
+    return ".".join(module.split(".")[:4])
+
+
+def structure_features(problem: PlacementProblem) -> np.ndarray:
+    """``[num_groups, len(STRUCTURE_NAMES)]`` float32: where each group sits in the model.
+
+    ColocRL embeds each op's adjacency (the ops it reads and feeds) beside its type and
+    shape, which is what lets its policy tell the same cell of two LSTM layers apart; the
+    kind and cost columns of :func:`group_features` cannot. These columns carry it:
+
+    * ``layer_position`` — the rank of the group's majority layer (:func:`layer_key` of its
+      ops' modules, ops without a module ignored) among the model's layers ordered by first
+      appearance in topological order, scaled to ``[0, 1]``; with ``sin``/``cos`` of
+      ``π · k · position`` for k = 1, 2, 4 so that nearby layers are separable;
+    * ``topo_position`` — the group's index in the group graph's topological order over
+      the number of groups;
+    * ``pred_offset`` / ``succ_offset`` — the mean topological position of its predecessor /
+      successor groups minus its own (0 where it has none), so long-range edges (an encoder
+      state feeding attention at every decoder step) stand out.
+
+    Complexity: O(V + E).
+
+    >>> from meshplace.graph.sources import workload_graph
+    >>> from meshplace.hardware import load_cluster
+    >>> p = PlacementProblem.build(workload_graph("dmcca"), load_cluster("colocrl-2gpu"))
+    >>> x = structure_features(p)
+    >>> x.shape == (p.num_groups, len(STRUCTURE_NAMES)), bool(np.isfinite(x).all())
+    (True, True)
+    """
+    n = problem.num_groups
+    graph = problem.graph
+    order = graph.arrays().topo_order
+    layers: dict[str, int] = {}
+    layer_of_op = np.full(graph.num_ops, -1, dtype=np.int64)
+    for i in order.tolist():
+        module = graph.ops[i].module
+        if module:
+            layer_of_op[i] = layers.setdefault(layer_key(module), len(layers))
+    counts = np.zeros((n, max(len(layers), 1)))
+    known = layer_of_op >= 0
+    np.add.at(counts, (problem.group_of[known], layer_of_op[known]), 1.0)
+    position = counts.argmax(axis=1) / max(len(layers) - 1, 1)
+    columns = [position]
+    for k in (1, 2, 4):
+        columns += [np.sin(np.pi * k * position), np.cos(np.pi * k * position)]
+
+    ga = problem.group_graph.arrays()
+    topo = np.empty(n)
+    topo[ga.topo_order] = np.arange(n) / max(n - 1, 1)
+
+    def mean_offset(ptr: np.ndarray, idx: np.ndarray) -> np.ndarray:
+        deg = np.diff(ptr)
+        owner = np.repeat(np.arange(n), deg)
+        total = np.bincount(owner, weights=topo[idx], minlength=n)
+        return np.where(deg > 0, total / np.maximum(deg, 1) - topo, 0.0)
+
+    columns += [topo, mean_offset(ga.pred_ptr, ga.pred_idx), mean_offset(ga.succ_ptr, ga.succ_idx)]
+    return np.stack(columns, axis=1).astype(np.float32)

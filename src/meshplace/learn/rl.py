@@ -58,7 +58,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from meshplace.learn.features import NUM_FEATURES, group_features, score_and_step_batch
+from meshplace.learn.features import (
+    NUM_FEATURES,
+    STRUCTURE_NAMES,
+    group_features,
+    score_and_step_batch,
+    structure_features,
+)
 from meshplace.learn.policy import Seq2SeqPolicy
 from meshplace.placers.base import (
     PlacementProblem,
@@ -86,6 +92,9 @@ class RLConfig:
     baseline_decay: float = 0.9
     max_grad_norm: float = 1.0
     checkpoint_every: int = 20
+    entropy_weight: float = 0.0
+    normalize_advantage: bool = False
+    structure: bool = True
 
 
 @dataclass
@@ -190,10 +199,14 @@ def train_rl(
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        features = torch.from_numpy(group_features(problem))
+        columns = [group_features(problem)]
+        if config.structure:
+            columns.append(structure_features(problem))
+        features = torch.from_numpy(np.concatenate(columns, axis=1))
+        n_features = NUM_FEATURES + (len(STRUCTURE_NAMES) if config.structure else 0)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            policy = Seq2SeqPolicy(NUM_FEATURES, problem.num_devices, config.hidden)
+            policy = Seq2SeqPolicy(n_features, problem.num_devices, config.hidden)
         optimizer = torch.optim.Adam(policy.parameters(), lr=config.learning_rate)
         generator = torch.Generator().manual_seed(seed)
         baseline: float | None = None
@@ -267,7 +280,10 @@ def train_rl(
             if baseline is None:
                 baseline = mean_reward
             advantage = torch.from_numpy(rewards - baseline).float()
-            loss = -(advantage * policy.log_prob(features, actions)).mean()
+            if config.normalize_advantage:
+                advantage = advantage / (float(rewards.std()) + 1e-8)
+            logp, entropy = policy.log_prob_entropy(features, actions)
+            loss = -(advantage * logp).mean() - config.entropy_weight * entropy
             optimizer.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(policy.parameters(), config.max_grad_norm)
