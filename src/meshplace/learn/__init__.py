@@ -13,11 +13,14 @@ idempotently). See ``docs/learn.md``.
 
 from meshplace.learn.env import ENV_ID, PlacementEnv, register_env
 from meshplace.learn.features import FEATURE_NAMES, group_features, score_batch
+from meshplace.learn.hrl import HRLConfig, HRLResult, train_hrl
 from meshplace.learn.rl import RLConfig, RLResult, planned_updates, train_rl
 
 __all__ = [
     "ENV_ID",
     "FEATURE_NAMES",
+    "HRLConfig",
+    "HRLResult",
     "PlacementEnv",
     "RLConfig",
     "RLResult",
@@ -25,5 +28,6 @@ __all__ = [
     "planned_updates",
     "register_env",
     "score_batch",
+    "train_hrl",
     "train_rl",
 ]

@@ -1,0 +1,219 @@
+"""The ``hrl`` placer: the hierarchical planner (Grouper + Placer), checkpoints and resume."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from meshplace.cli import main
+from meshplace.graph.ir import Op, OpGraph
+from meshplace.graph.sources import workload_graph
+from meshplace.hardware import load_cluster
+from meshplace.learn import HRLConfig, train_hrl
+from meshplace.learn.hrl import (
+    _OpTable,
+    group_embedding_size,
+    group_embeddings,
+    op_feature_names,
+    op_features,
+    sample_groups,
+    score_ops_batch,
+)
+from meshplace.placers import PlacementProblem, PlacerError, PlacerOptions, registry, run_placer
+
+SMALL = HRLConfig(checkpoint_every=3)
+
+
+@functools.cache
+def _problem(workload: str, cluster: str) -> PlacementProblem:
+    return PlacementProblem.build(workload_graph(workload), load_cluster(cluster))
+
+
+def _synthetic(n_forward: int) -> OpGraph:
+    """A forward chain with skip edges and its backward chain: ``2 · n_forward − 1`` ops."""
+    g = OpGraph(f"synthetic-{2 * n_forward - 1}")
+    shape = [64, 256]
+    nbytes = 64 * 256 * 4
+    g.add_op(Op("x", "input", output_shapes=[shape]))
+    for i in range(1, n_forward):
+        kind = "matmul" if i % 3 == 0 else "elementwise"
+        g.add_op(Op(f"f{i}", kind, flops=2e7 if i % 3 == 0 else 1e5, output_shapes=[shape]))
+        g.add_edge(f"f{i - 1}" if i > 1 else "x", f"f{i}", nbytes)
+        if i > 4:
+            g.add_edge(f"f{i - 4}", f"f{i}", nbytes)
+    prev = f"f{n_forward - 1}"
+    for i in range(n_forward - 1, 0, -1):
+        kind = "matmul" if i % 3 == 0 else "elementwise"
+        g.add_op(
+            Op(
+                f"b{i}",
+                kind,
+                phase="backward",
+                flops=2e7 if i % 3 == 0 else 1e5,
+                output_shapes=[shape],
+                forward_op=f"f{i}",
+            )
+        )
+        g.add_edge(prev, f"b{i}", nbytes)
+        g.add_edge(f"f{i}", f"b{i}", nbytes)
+        prev = f"b{i}"
+    return g
+
+
+def test_features_and_group_embeddings_are_finite_and_consistent() -> None:
+    problem = _problem("dmcca", "colocrl-2gpu")
+    x = op_features(problem)
+    assert x.shape == (problem.graph.num_ops, len(op_feature_names()))
+    assert np.isfinite(x).all()
+    anchor = x[:, op_feature_names().index("anchor")]
+    assert anchor.min() >= 0 and anchor.max() <= 1
+    table = _OpTable(problem, x)
+    groups = np.random.default_rng(0).integers(0, 7, size=(3, problem.graph.num_ops))
+    e = group_embeddings(table, groups, 7)
+    assert e.shape == (3, 7, group_embedding_size(7)) and np.isfinite(e).all()
+    # Row k of a batch equals the embedding of grouping k alone.
+    np.testing.assert_array_equal(e[1], group_embeddings(table, groups[1:2], 7)[0])
+    # Inverse-CDF sampling draws groups in range, and a one-hot distribution exactly.
+    logp = torch.log_softmax(torch.randn(50, 7), dim=1)
+    drawn = sample_groups(logp, 4, torch.Generator().manual_seed(0))
+    assert drawn.shape == (4, 50) and int(drawn.min()) >= 0 and int(drawn.max()) < 7
+    sure = torch.full((5, 7), -1e9)
+    sure[torch.arange(5), torch.tensor([0, 6, 3, 3, 1])] = 0.0
+    drawn = sample_groups(torch.log_softmax(sure, 1), 2, torch.Generator().manual_seed(1))
+    assert drawn.tolist() == [[0, 6, 3, 3, 1]] * 2
+
+
+def test_hrl_returns_a_valid_deterministic_op_plan() -> None:
+    problem = _problem("dmcca", "colocrl-4gpu")
+    spec = registry()["hrl"]
+    assert spec.family == "learned" and spec.uses_budget and spec.takes_options
+    first = run_placer("hrl", problem, 3.0, seed=0)
+    again = run_placer("hrl", problem, 3.0, seed=0)
+    assert first.op_devices.shape == (problem.graph.num_ops,)
+    assert first.op_devices.min() >= 0 and first.op_devices.max() < problem.num_devices
+    stats = first.stats
+    assert stats["evaluations"] == first.evaluations > 0
+    assert problem.score(first.sim) == pytest.approx(stats["best_score_s"])
+    assert stats["groups"] == min(256, 20 * problem.num_devices)
+    curve = stats["learning_curve"]
+    assert len(curve["evaluations"]) == len(curve["best_step_time_s"]) == len(curve["wall_s"])
+    assert len(curve["evaluations"]) == stats["updates"] >= 1
+    assert np.all(np.diff(curve["evaluations"]) > 0) and np.all(np.diff(curve["wall_s"]) >= 0)
+    assert np.all(np.diff(curve["best_step_time_s"]) <= 0)
+    if not (stats["stopped_at_deadline"] or again.stats["stopped_at_deadline"]):
+        assert stats["updates"] == stats["planned_updates"]
+        assert np.array_equal(first.op_devices, again.op_devices)
+        assert again.stats["learning_curve"]["best_step_time_s"] == curve["best_step_time_s"]
+    # Batched op-level scoring equals one-by-one evaluation and counts distinct plans.
+    plans = np.stack([first.op_devices, first.op_devices, np.zeros_like(first.op_devices)])
+    before = problem.evaluations
+    scores, steps, ooms = score_ops_batch(problem, plans)
+    assert problem.evaluations - before == 2
+    assert scores[0] == scores[1] == problem.score(problem.evaluate_ops(plans[0]))
+    assert steps[2] == problem.evaluate_ops(plans[2]).step_time_s and not ooms.any()
+
+
+def _curves_equal(a: dict, b: dict) -> None:
+    assert a["evaluations"] == b["evaluations"]
+    assert a["best_step_time_s"] == b["best_step_time_s"]
+
+
+def test_interrupted_training_resumes_to_the_same_plan(tmp_path: Path) -> None:
+    problem = _problem("dmcca", "colocrl-2gpu")
+    full = train_hrl(problem, 60.0, 5, updates=8, config=SMALL)
+    ckpt = tmp_path / "hrl.pt"
+    part = train_hrl(problem, 60.0, 5, updates=8, config=SMALL, checkpoint=ckpt, stop_after=4)
+    assert part.stats["updates"] == 4 and not part.stats["finished"] and ckpt.exists()
+    resumed = train_hrl(problem, 60.0, 5, updates=8, config=SMALL, checkpoint=ckpt, resume=True)
+    assert resumed.stats["resumed_from_update"] == 4 and resumed.stats["updates"] == 8
+    assert np.array_equal(resumed.op_devices, full.op_devices)
+    assert resumed.best_score_s == full.best_score_s
+    assert resumed.stats["greedy_score_s"] == full.stats["greedy_score_s"]
+    _curves_equal(resumed.stats["learning_curve"], full.stats["learning_curve"])
+    # A checkpoint from another seed (or problem, budget, config) is refused.
+    with pytest.raises(PlacerError, match="checkpoint is for another"):
+        train_hrl(problem, 60.0, 6, updates=8, config=SMALL, checkpoint=ckpt, resume=True)
+
+
+_TRAIN_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    from meshplace.graph.sources import workload_graph
+    from meshplace.hardware import load_cluster
+    from meshplace.learn import HRLConfig, train_hrl
+    from meshplace.placers import PlacementProblem
+
+    p = PlacementProblem.build(workload_graph("dmcca"), load_cluster("colocrl-2gpu"))
+    train_hrl(p, 600.0, 7, updates=60, config=HRLConfig(checkpoint_every=2),
+              checkpoint=sys.argv[1])
+    """
+)
+
+
+def test_training_killed_with_sigkill_resumes_to_the_same_plan(tmp_path: Path) -> None:
+    ckpt = tmp_path / "killed.pt"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _TRAIN_SCRIPT, str(ckpt)],
+        stdout=subprocess.DEVNULL,
+        env={**os.environ, "PYTHONHASHSEED": "0"},
+    )
+    try:
+        deadline = time.monotonic() + 90
+        while not ckpt.exists() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.02)
+        time.sleep(0.1)  # let it get a checkpoint or two further
+        assert proc.poll() is None, "training ended before it could be killed"
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL and ckpt.exists()
+    problem = _problem("dmcca", "colocrl-2gpu")
+    config = HRLConfig(checkpoint_every=2)
+    resumed = train_hrl(problem, 600.0, 7, updates=60, config=config, checkpoint=ckpt, resume=True)
+    assert 0 < resumed.stats["resumed_from_update"] < 60
+    full = train_hrl(problem, 600.0, 7, updates=60, config=config)
+    assert np.array_equal(resumed.op_devices, full.op_devices)
+    assert resumed.best_score_s == full.best_score_s
+    _curves_equal(resumed.stats["learning_curve"], full.stats["learning_curve"])
+
+
+def test_a_10k_op_graph_trains_without_hand_made_groups() -> None:
+    graph = _synthetic(5001)
+    assert graph.num_ops >= 10_000
+    problem = PlacementProblem.build(graph, load_cluster("colocrl-4gpu"))
+    out = train_hrl(problem, 120.0, 0, updates=2)
+    assert out.op_devices.shape == (graph.num_ops,) and out.stats["updates"] == 2
+    assert out.stats["groups"] == 100 and np.isfinite(out.best_score_s)
+    wall = out.stats["learning_curve"]["wall_s"]
+    assert wall[1] - wall[0] < 5.0  # one update (16 samples and simulations) is quick
+
+
+def test_progress_is_reported_after_every_update() -> None:
+    problem = _problem("dmcca", "colocrl-2gpu")
+    seen: list[tuple[int, int, float]] = []
+    result = run_placer("hrl", problem, 2.0, 0, PlacerOptions(progress=lambda *a: seen.append(a)))
+    assert [d for d, _, _ in seen] == list(range(1, result.stats["updates"] + 1))
+    assert all(t == result.stats["planned_updates"] for _, t, _ in seen)
+    best = [b for _, _, b in seen]
+    assert best == sorted(best, reverse=True) and best[-1] >= result.step_time_s
+
+
+def test_meshplace_plan_runs_hrl(tmp_path: Path, capsys) -> None:
+    result = tmp_path / "result.json"
+    argv = ["plan", "dmcca", "--cluster", "colocrl-2gpu", "--placer", "hrl", "--budget", "3"]
+    assert main([*argv, "--result", str(result), "--checkpoint-dir", str(tmp_path)]) == 0
+    assert "hrl" in capsys.readouterr().out
+    row = next(r for r in json.loads(result.read_text())["results"] if r["placer"] == "hrl")
+    assert row["step_time_s"] > 0 and row["stats"]["updates"] >= 1
+    assert (tmp_path / "hrl.ckpt").exists()
