@@ -92,8 +92,8 @@ class RLConfig:
     baseline_decay: float = 0.9
     max_grad_norm: float = 1.0
     checkpoint_every: int = 20
-    entropy_weight: float = 0.0
-    normalize_advantage: bool = False
+    entropy_weight: float = 0.02
+    normalize_advantage: bool = True
     structure: bool = True
 
 
