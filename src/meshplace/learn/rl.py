@@ -12,6 +12,11 @@ Hyper-parameters (:class:`RLConfig`): ``K = 16`` samples per update (ColocRL sam
 several placements per policy and averages them; its exact count is not reproduced here),
 hidden size 64 (the paper: 256; smaller to run on CPU), Adam learning rate 3e-3 (our
 choice), baseline decay 0.9 (as in the brief for this placer); gradient norm clipped at 1.
+Two additions of ours, because plain REINFORCE collapses to a near-deterministic policy
+within ~75 updates on NMT (0.570 s on ``colocrl-4gpu``, where it then stays): advantages
+are divided by the batch's reward standard deviation, and an entropy bonus (weight 0.02)
+keeps the policy exploring (0.496 s after 1,500 updates). ``structure_features`` (layer
+position, topological offsets of neighbours) stand in for ColocRL's adjacency embedding.
 
 **Budget.** Like ``anneal``, the time budget becomes a fixed number of policy updates from
 the graph size, so a seed reproduces its plan: an update is assumed to cost
