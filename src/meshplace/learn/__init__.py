@@ -13,18 +13,22 @@ idempotently). See ``docs/learn.md``.
 
 from meshplace.learn.env import ENV_ID, PlacementEnv, register_env
 from meshplace.learn.features import FEATURE_NAMES, group_features, score_batch
+from meshplace.learn.gnn import GNNConfig, GNNPolicy, load_weights
 from meshplace.learn.hrl import HRLConfig, HRLResult, train_hrl
 from meshplace.learn.rl import RLConfig, RLResult, planned_updates, train_rl
 
 __all__ = [
     "ENV_ID",
     "FEATURE_NAMES",
+    "GNNConfig",
+    "GNNPolicy",
     "HRLConfig",
     "HRLResult",
     "PlacementEnv",
     "RLConfig",
     "RLResult",
     "group_features",
+    "load_weights",
     "planned_updates",
     "register_env",
     "score_batch",
