@@ -152,3 +152,58 @@ def test_profile_cli(tmp_path, capsys) -> None:
     with pytest.raises(InputError):
         cmd_profile(parser.parse_args(["no-such-model", "--out", str(out)]))
     assert np.isfinite(json.loads(out.read_text())["step_s"]["model"])
+
+
+def test_profiles_side_by_side_from_two_thread_counts(tmp_path) -> None:
+    from meshplace.profile.profiler import (
+        ProfileError,
+        compare_profiles,
+        load_profiles,
+        save_profiles,
+    )
+
+    torch.manual_seed(0)
+    inputs = [torch.randn(8, 16), torch.randn(8, 4)]
+    one = profile_model(MLP(), inputs, name="mlp", runs=1, on="cpu", threads=1)
+    two = profile_model(MLP(), inputs, name="mlp", runs=1, on="cpu", threads=2)
+    assert one.device["name"] == "cpu" and one.device["threads"] == 1
+    assert two.device["threads"] == 2 and two.label == "cpu (2 threads)"
+    text = compare_profiles([one, two])
+    assert "A: cpu (1 thread)" in text and "B: cpu (2 threads)" in text and "B/A" in text
+    assert "op kind" in text and "addmm" in text and "fc1" in text
+    save_profiles([one, two], tmp_path / "both.json")
+    back = load_profiles(tmp_path / "both.json")
+    assert [p.device["threads"] for p in back] == [1, 2]
+    assert back[0].kinds == json.loads(json.dumps(one.kinds))
+    (tmp_path / "bad.json").write_text('{"format": "other"}')
+    with pytest.raises(ProfileError):
+        load_profiles(tmp_path / "bad.json")
+    with pytest.raises(ProfileError):  # no CUDA activity to read on a CPU
+        profile_model(MLP(), inputs, levels=["kernel"], runs=1, on="cpu")
+
+
+def test_profile_cli_devices_and_compare(tmp_path, capsys) -> None:
+    parser = argparse.ArgumentParser()
+    add_profile_arguments(parser)
+    a, b, both = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "both.json"
+    for path, threads in ((a, "1"), (b, "2")):
+        args = ["mlp", "--devices", "cpu", "--threads", threads, "--runs", "1", "--out"]
+        assert cmd_profile(parser.parse_args([*args, str(path)])) == 0
+    capsys.readouterr()
+    assert cmd_profile(parser.parse_args(["--compare", str(a), str(b), "--out", str(both)])) == 0
+    text = capsys.readouterr().out
+    assert "cpu (1 thread) [a.json]" in text and "cpu (2 threads) [b.json]" in text
+    assert json.loads(both.read_text())["format"] == "meshplace.profiles"
+    assert cmd_profile(parser.parse_args(["--compare", str(both), "--json"])) == 0
+    assert len(json.loads(capsys.readouterr().out)["profiles"]) == 2
+    for bad in (
+        ["--compare", str(tmp_path / "missing.json")],
+        ["mlp", "--compare", str(a)],
+        [],
+        ["mlp", "--devices", "cuda:7"],
+        ["mlp", "--devices", "cpu,cpu"],
+        ["mlp", "--devices", "cpu", "--levels", "kernel"],
+        ["mlp", "--threads", "0"],
+    ):
+        with pytest.raises(InputError):
+            cmd_profile(parser.parse_args(bad))

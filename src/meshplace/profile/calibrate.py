@@ -56,32 +56,41 @@ LOCAL_KIND = "local-cpu"
 
 
 # ------------------------------------------------------------------ device
-def _median_time(fn: Any, reps: int, warmup: int = 2) -> float:
+def _median_time(fn: Any, reps: int, warmup: int = 2, sync: Any = None) -> float:
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(reps):
+        if sync is not None:
+            sync()
         t0 = time.perf_counter()
         fn()
+        if sync is not None:
+            sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
 
-def measure_device(threads: int = 1) -> dict[str, float]:
-    """Peak float32 FLOP/s, memory bandwidth (bytes/s) and per-op dispatch time (s) of this
-    CPU with ``threads`` intra-op threads. ~1 s."""
+def measure_device(threads: int = 1, device: str = "cpu") -> dict[str, float]:
+    """Peak float32 FLOP/s, memory bandwidth (bytes/s) and per-op dispatch time (s) of
+    ``device``: this CPU with ``threads`` intra-op threads (~1 s), or a GPU ``cuda:i``
+    (each timing between ``torch.cuda.synchronize`` calls, so it is execution time; a
+    4096² matmul and a 256 MiB copy, since small ones would not fill a GPU)."""
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
+    sync = (lambda: torch.cuda.synchronize(dev)) if cuda else None
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        n = 384
-        a, b = torch.randn(n, n), torch.randn(n, n)
-        out = torch.empty(n, n)
-        t_mm = _median_time(lambda: torch.mm(a, b, out=out), 7)
-        big = torch.empty(16 * 2**20)  # 64 MiB
+        n = 4096 if cuda else 384
+        a, b = torch.randn(n, n, device=dev), torch.randn(n, n, device=dev)
+        out = torch.empty(n, n, device=dev)
+        t_mm = _median_time(lambda: torch.mm(a, b, out=out), 7, sync=sync)
+        big = torch.empty((64 if cuda else 16) * 2**20, device=dev)  # 256 / 64 MiB
         dst = torch.empty_like(big)
-        t_copy = _median_time(lambda: dst.copy_(big), 5, 1)
-        x, y = torch.ones(1), torch.ones(1)
-        t_launch = _median_time(lambda: torch.add(x, y), 200, 20)
+        t_copy = _median_time(lambda: dst.copy_(big), 5, 1, sync=sync)
+        x, y = torch.ones(1, device=dev), torch.ones(1, device=dev)
+        t_launch = _median_time(lambda: torch.add(x, y), 200, 20, sync=sync)
     finally:
         torch.set_num_threads(old)
     return {
