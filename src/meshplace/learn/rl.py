@@ -52,9 +52,6 @@ Example
 
 from __future__ import annotations
 
-import math
-import os
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -71,6 +68,8 @@ from meshplace.learn.features import (
     structure_features,
 )
 from meshplace.learn.policy import Seq2SeqPolicy
+from meshplace.learn.training import TrainingRun
+from meshplace.learn.training import save_checkpoint as _save_checkpoint  # noqa: F401
 from meshplace.placers.base import (
     PlacementProblem,
     PlacerError,
@@ -140,24 +139,6 @@ def _fingerprint(problem: PlacementProblem, seed: int, updates: int, config: RLC
     }
 
 
-def _save_checkpoint(path: Path, state: dict[str, Any]) -> None:
-    """``torch.save`` to a temp file in the same folder, then an atomic rename."""
-    folder = path.parent if str(path.parent) else Path(".")
-    if not folder.is_dir():
-        raise PlacerError(f"{path}: cannot write a checkpoint there, folder does not exist")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def train_rl(
     problem: PlacementProblem,
     budget_s: float,
@@ -214,72 +195,36 @@ def train_rl(
             policy = Seq2SeqPolicy(n_features, problem.num_devices, config.hidden)
         optimizer = torch.optim.Adam(policy.parameters(), lr=config.learning_rate)
         generator = torch.Generator().manual_seed(seed)
+        stateful = {"policy": policy, "optimizer": optimizer, "generator": generator}
+        run = TrainingRun(
+            problem,
+            total=total,
+            fingerprint=fingerprint,
+            fmt=CHECKPOINT_FORMAT,
+            best=np.zeros(problem.num_groups, dtype=np.int64),
+            path=path,
+            checkpoint_every=config.checkpoint_every,
+            progress=progress,
+        )
         baseline: float | None = None
-        done = 0
-        evaluations = 0
-        wall_before = 0.0
-        best = np.zeros(problem.num_groups, dtype=np.int64)
-        best_score, best_step = math.inf, math.inf
-        curve: dict[str, list[float]] = {"evaluations": [], "best_step_time_s": [], "wall_s": []}
-        resumed_from = None
-        if resume and path is not None and path.exists():
-            state = torch.load(path, weights_only=True)
-            if state.get("format") != CHECKPOINT_FORMAT or state["fingerprint"] != fingerprint:
-                raise PlacerError(
-                    f"{path}: checkpoint is for another problem, seed, budget or config "
-                    f"({state.get('fingerprint')}), not {fingerprint}"
-                )
-            policy.load_state_dict(state["policy"])
-            optimizer.load_state_dict(state["optimizer"])
-            generator.set_state(state["generator"])
-            baseline = state["baseline"]
-            done = resumed_from = int(state["done"])
-            evaluations = int(state["evaluations"])
-            wall_before = float(state["wall_s"])
-            best = np.array(state["best"], dtype=np.int64)
-            best_score, best_step = float(state["best_score_s"]), float(state["best_step_s"])
-            curve = {k: list(v) for k, v in state["learning_curve"].items()}
-
-        def save() -> None:
-            if path is None:
-                return
-            _save_checkpoint(
-                path,
-                {
-                    "format": CHECKPOINT_FORMAT,
-                    "fingerprint": fingerprint,
-                    "policy": policy.state_dict(),
-                    "optimizer": optimizer.state_dict(),
-                    "generator": generator.get_state(),
-                    "baseline": baseline,
-                    "done": done,
-                    "evaluations": evaluations,
-                    "wall_s": wall_before + time.perf_counter() - start,
-                    "best": best.tolist(),
-                    "best_score_s": best_score,
-                    "best_step_s": best_step,
-                    "learning_curve": curve,
-                },
-            )
+        if resume:
+            scalars = run.resume(stateful)
+            if scalars is not None:
+                baseline = scalars["baseline"]
 
         stopped_at_deadline = False
-        session = 0
-        while done < total:
-            if time.perf_counter() > deadline and (session > 0 or done > 0):
+        while run.done < total:
+            if time.perf_counter() > deadline and (run.session > 0 or run.done > 0):
                 stopped_at_deadline = True
                 break
-            if stop_after is not None and session >= stop_after:
+            if stop_after is not None and run.session >= stop_after:
                 break
             actions = policy.sample(features, config.samples, generator)
             plans = actions.numpy()
-            before = problem.evaluations
             # Repeats within a batch are simulated once; no cache across updates, so the
             # evaluation count (the learning curve's x axis) survives a resume exactly.
-            scores, steps, _ = score_and_step_batch(problem, plans)
-            evaluations += problem.evaluations - before
-            k = int(np.argmin(scores))
-            if scores[k] < best_score:
-                best, best_score, best_step = plans[k].copy(), float(scores[k]), float(steps[k])
+            scores, steps, _ = run.count(lambda p=plans: score_and_step_batch(problem, p))
+            run.offer(plans, scores, steps)
             rewards = -np.sqrt(scores)
             mean_reward = float(rewards.mean())
             if baseline is None:
@@ -294,49 +239,30 @@ def train_rl(
             torch.nn.utils.clip_grad_norm_(policy.parameters(), config.max_grad_norm)
             optimizer.step()
             baseline = config.baseline_decay * baseline + (1 - config.baseline_decay) * mean_reward
-            done += 1
-            session += 1
-            curve["evaluations"].append(float(evaluations))
-            curve["best_step_time_s"].append(best_step)
-            curve["wall_s"].append(wall_before + time.perf_counter() - start)
-            if progress is not None:
-                progress(done, total, best_step)
-            if path is not None and (done % config.checkpoint_every == 0 or done == total):
-                save()
-        if path is not None and session and done % config.checkpoint_every and done < total:
-            save()  # an interrupted session leaves its latest state behind
+            run.finish_update(stateful, {"baseline": baseline})
+        run.end_session(stateful, {"baseline": baseline})
 
-        finished = done >= total
         greedy_score = None
-        if finished:
+        if run.finished:
             greedy = policy.greedy(features).numpy()[None, :]
-            before = problem.evaluations
-            g_score, g_step, _ = score_and_step_batch(problem, greedy)
-            evaluations += problem.evaluations - before
+            g_score, g_step, _ = run.count(lambda: score_and_step_batch(problem, greedy))
             greedy_score = float(g_score[0])
-            if g_score[0] < best_score:
-                best, best_score, best_step = greedy[0].copy(), float(g_score[0]), float(g_step[0])
+            run.offer(greedy, g_score, g_step)
     finally:
         torch.set_num_threads(threads)
 
     stats: dict[str, Any] = {
-        "evaluations": evaluations,
-        "best_score_s": best_score,
-        "best_step_time_s": best_step,
+        **run.stats(),
         "greedy_score_s": greedy_score,
-        "updates": done,
-        "planned_updates": total,
-        "finished": finished,
         "samples_per_update": config.samples,
         "hidden": config.hidden,
         "learning_rate": config.learning_rate,
         "baseline_decay": config.baseline_decay,
+        "entropy_weight": config.entropy_weight,
         "baseline": baseline,
         "stopped_at_deadline": stopped_at_deadline,
-        "resumed_from_update": resumed_from,
-        "learning_curve": curve,
     }
-    return RLResult(best, best_score, stats)
+    return RLResult(run.best, run.best_score, stats)
 
 
 @register(
