@@ -121,9 +121,9 @@ def test_op_times_in_the_worker_regime() -> None:
 def test_message_cost_fit_and_measure() -> None:
     assert fit_affine([(0, 1e-5), (1e6, 1e-5 + 1e-4)]) == pytest.approx((1e-5, 1e-10))
     assert fit_affine([(4, 2e-5), (1e6, 1e-5)])[1] == 0.0  # never a negative slope
-    m = measure_message_cost(sizes=(4, 1 << 16), iters=20, kernels=5)
+    m = measure_message_cost(sizes=(4, 1 << 16), iters=20, kernels=5, rounds=2)
     assert all(m[k] >= 0 for k in ("send_s", "send_s_per_byte", "recv_s", "recv_s_per_byte"))
-    assert len(m["samples"]) == 2 and len(m["wall_samples"]) == 2
+    assert len(m["samples"]) == 2 and len(m["cpu_samples"]) == 2
 
 
 def test_local_cluster_shape() -> None:
@@ -207,3 +207,26 @@ def test_profile_cli_devices_and_compare(tmp_path, capsys) -> None:
     ):
         with pytest.raises(InputError):
             cmd_profile(parser.parse_args(bad))
+
+
+def test_runtime_message_costs_count_the_executors_messages() -> None:
+    from meshplace.profile.calibrate import runtime_message_costs
+    from meshplace.runtime import run_placement
+
+    step = trace_step(ModelSpec("mlp", batch=4))
+    n = step.graph.num_ops
+    unit = {"send_s": 1.0, "send_s_per_byte": 0.0, "recv_s": 0.0, "recv_s_per_byte": 0.0}
+    assert not runtime_message_costs(step, np.zeros(n, dtype=np.int64), unit).any()
+    split = np.array([0 if i < n // 2 else 1 for i in range(n)])
+    run = run_placement(None, [f"cpu{d}" for d in split], 1, step=step, start_method="fork")
+    sends = runtime_message_costs(step, split, unit).sum()
+    updates = sends - run.messages  # new parameter values sent back to their owners
+    assert run.messages > 0 and 0 <= updates <= len(step.param_names)
+    recv = dict(unit, send_s=0.0, recv_s=1.0)
+    assert runtime_message_costs(step, split, recv).sum() == sends
+    cal = calibrate(step, reps=2, link=FAKE_LINK, device=FAKE_DEVICE, messages=FAKE_MESSAGES)
+    devices = [f"cpu{d}" for d in split]
+    # the exact runtime messages cost at least what one message per transfer would
+    assert cal.predict(step.graph, devices) >= 0.99 * predict_step(
+        step.graph, cal.cluster, cal.cost_model, devices, in_order=True
+    )

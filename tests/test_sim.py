@@ -302,3 +302,17 @@ def test_in_order_single_device_is_the_sum_and_never_beats_the_lower_bound(scena
     assert sim.simulate(one).step_time_s == pytest.approx(
         sim.op_times(one).sum(), rel=1e-9, abs=1e-15
     )
+
+
+def test_extra_time_is_added_for_one_simulation_only() -> None:
+    g = OpGraph("pair")
+    for name in ("a", "b"):
+        _ = g.add_op(Op(name, "matmul", output_dtypes=["float32"]))
+        g.ops[-1].measured_time["local-cpu"] = 1e-3
+    g.add_edge("a", "b", 8.0)
+    sim = Simulator(g, _two_cpu_cluster())
+    place = sim.placement_of(["cpu0", "cpu0"])
+    assert sim.simulate(place, extra_time=np.array([0.0, 5e-4])).step_time_s == pytest.approx(
+        2.5e-3
+    )
+    assert sim.simulate(place).step_time_s == pytest.approx(2e-3)

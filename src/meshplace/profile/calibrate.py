@@ -330,12 +330,29 @@ class Calibration:
     fit: dict[str, Any]
 
     messages: dict[str, Any] = field(default_factory=dict)
+    step: Any = None
 
     def predict(self, graph: OpGraph, devices: list[str]) -> float:
-        """Predicted step time of ``devices`` (one per op) on the calibrated cluster: the
-        cost model charges each message's measured CPU to its two ends, and workers run
-        their nodes in the one global order (``in_order``)."""
-        return predict_step(graph, self.cluster, self.cost_model, devices, in_order=True)
+        """Predicted step time of ``devices`` (one per op) on the calibrated cluster, with
+        workers that run their nodes in the one global order (``in_order``). Messages cost
+        their measured CPU at both ends: for the calibrated step's own graph, exactly the
+        runtime's messages (:func:`runtime_message_costs`: one per fx value and leaf and
+        consuming worker, views included); for any other graph, one per transfer (the cost
+        model's ``message_cpu``)."""
+        if self.step is None or graph is not self.step.graph or not self.messages:
+            return predict_step(graph, self.cluster, self.cost_model, devices, in_order=True)
+        from meshplace.sim.simulator import Simulator
+
+        free = CostModel(
+            self.cost_model.efficiency,
+            self.cost_model.fallback,
+            self.cost_model.launch_overhead,
+            self.cost_model.use_measured,
+        )
+        sim = Simulator(graph, self.cluster, free, in_order=True)
+        placement = sim.placement_of(devices)
+        extra = runtime_message_costs(self.step, placement, self.messages)
+        return float(sim.simulate(placement, extra_time=extra).step_time_s)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -390,7 +407,7 @@ def calibrate(
     )
     fit["ops_timed"] = int(np.count_nonzero(seconds))
     fit["step_sum_s"] = float(seconds.sum())
-    return Calibration(cluster, cost_model, table, device, link, fit, messages)
+    return Calibration(cluster, cost_model, table, device, link, fit, messages, step)
 
 
 def flatten_values(value: Any) -> list[torch.Tensor]:
@@ -399,6 +416,56 @@ def flatten_values(value: Any) -> list[torch.Tensor]:
 
 
 # ------------------------------------------------------------------ prediction
+def runtime_message_costs(step: Any, placement: np.ndarray, messages: Mapping[str, Any]) -> Any:
+    """Seconds of message CPU per OpGraph op when the runtime executes ``step`` with op
+    *i* on worker ``placement[i]``: from the executor's own schedule, every fx value sent
+    to every other worker that reads it costs ``send_s + send_s_per_byte · bytes`` per
+    tensor leaf to the op that produces it, and ``recv_s + recv_s_per_byte · bytes`` to
+    the op of the first node on the receiving worker that reads it; new parameter values
+    sent back to their owner count likewise. O(fx nodes + fx edges)."""
+    from meshplace.runtime.executor import _schedule
+
+    sched = _schedule(step, [int(d) for d in placement])
+    nodes = list(step.gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    owner = [step.node_op.get(n.name, -1) for n in nodes]
+    a_s, b_s = float(messages["send_s"]), float(messages["send_s_per_byte"])
+    a_r, b_r = float(messages["recv_s"]), float(messages["recv_s_per_byte"])
+    extra = np.zeros(step.graph.num_ops)
+
+    def leaves(i: int) -> list[float]:
+        flat = tree_flatten(nodes[i].meta.get("val"))[0]
+        return [float(t.numel() * t.element_size()) for t in flat if isinstance(t, torch.Tensor)]
+
+    first_reader: dict[tuple[int, int], int] = {}
+    for i, n in enumerate(nodes):
+        if n.op == "output":
+            continue
+        for a in n.all_input_nodes:
+            j = pos[a]
+            if sched.device[j] != sched.device[i]:
+                first_reader.setdefault((j, sched.device[i]), i)
+    for (j, _dev), i in first_reader.items():
+        sizes = leaves(j)
+        if owner[j] >= 0:
+            extra[owner[j]] += sum(a_s + b_s * b for b in sizes)
+        if owner[i] >= 0:
+            extra[owner[i]] += sum(a_r + b_r * b for b in sizes)
+    out_nodes = tree_flatten(nodes[-1].args[0])[0][1:]
+    pidx = {name: k for k, name in enumerate(step.param_names)}
+    for nn in out_nodes:
+        p = pidx.get((nn.meta.get("custom") or {}).get("param"))
+        if p is None:
+            continue
+        u = pos[nn]
+        if sched.device[u] != sched.device[p] and owner[u] >= 0:
+            b = sum(leaves(u))
+            extra[owner[u]] += a_s + b_s * b
+            if owner[p] >= 0:
+                extra[owner[p]] += a_r + b_r * b
+    return extra
+
+
 def predict_step(
     graph: OpGraph,
     cluster: Cluster,

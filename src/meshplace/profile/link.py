@@ -8,8 +8,11 @@
   processes over loopback TCP) a message is not free for the two ends: the sender's
   ``isend`` runs the kernel's TCP path (on loopback, the receive side's too), and gloo's
   event-loop threads take CPU from the compute threads on a small host. Both workers run
-  the runtime's pattern — a loop of small kernels, one ``isend`` per iteration on one side,
-  receives posted up front on the other — and each process's extra CPU time per iteration
+  the runtime's pattern with the runtime's own message code
+  (:func:`meshplace.runtime.executor.send_value`, ``post_receive``, ``finish_receive``) —
+  a loop of small kernels, one message sent per iteration on one side, receives posted up
+  front and finished a few iterations later on the other — and each end's wall-clock
+  slowdown per iteration
   over the same loop without messages is what a message costs that end, fitted as
   ``a + b · bytes`` per end. Cost: two processes, ~1 s.
 
@@ -157,11 +160,19 @@ def _spin(x: torch.Tensor, y: torch.Tensor, kernels: int) -> None:
 
 
 def _message_worker(
-    rank: int, store_path: str, sizes: Sequence[int], iters: int, kernels: int, out: Any
+    rank: int,
+    store_path: str,
+    sizes: Sequence[int],
+    iters: int,
+    kernels: int,
+    rounds: int,
+    out: Any,
 ) -> None:
     import datetime
 
     import torch.distributed as dist
+
+    from meshplace.runtime.executor import finish_receive, post_receive, send_value
 
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, 2)
@@ -169,27 +180,40 @@ def _message_worker(
         "gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60)
     )
     x, y = torch.ones(64), torch.ones(64)
+    lag = 4  # the receiver finishes message i - lag in iteration i: normally arrived by then
     res: dict[int, list[tuple[float, float]]] = {}
-    for n in (0, *sizes):  # 0: the same loop without messages (the baseline)
-        res[n] = []
-        for rep in range(4):  # the first round warms this size up
-            bufs = [torch.zeros(max(1, n // 4)) for _ in range(iters)] if n else []
-            dist.barrier()
-            works = []
-            if n and rank == 1:  # receives posted up front, as the runtime's workers do
-                works = [dist.irecv(bufs[i], 0, tag=i) for i in range(iters)]
-            c0 = time.process_time()  # CPU of every thread of this process (gloo's too)
-            t0 = time.perf_counter()
-            for i in range(iters):
-                _spin(x, y, kernels)
-                if n and rank == 0:
-                    works.append(dist.isend(bufs[i], 1, tag=i))
-            wall = time.perf_counter() - t0
-            for w in works:  # waiting for the wire is the link's time, not counted here
-                w.wait()
-            cpu = time.process_time() - c0
-            if rep:
-                res[n].append((wall / iters, cpu / iters))
+    for n in sizes:
+        # iterations long enough for the wire (~1 GB/s assumed at worst), so the receiver
+        # rarely waits; the baseline loop of this size is the same without messages
+        spin = kernels * max(1, -(-n // 65536))
+        example = torch.zeros(max(1, n // 4))
+        for with_messages in (False, True):
+            key = n if with_messages else -n - 1
+            res[key] = []
+            for rep in range(rounds + 1):  # the first round warms up
+                dist.barrier()
+                keep: list[torch.Tensor] = []
+                pending: list[Any] = []
+                c0 = time.process_time()  # every thread of this process (gloo's too)
+                t0 = time.perf_counter()
+                posted = []
+                if with_messages and rank == 1:  # posted up front, as the workers do
+                    posted = [post_receive(example, 0, i * 16) for i in range(iters)]
+                for i in range(iters):
+                    _spin(x, y, spin)
+                    if with_messages and rank == 0:
+                        send_value(example, 1, i * 16, keep, pending)
+                    elif with_messages and i >= lag:
+                        finish_receive(example, posted[i - lag])
+                wall = time.perf_counter() - t0
+                if with_messages and rank == 1:
+                    for i in range(max(0, iters - lag), iters):
+                        finish_receive(example, posted[i])
+                for w in pending:
+                    w.wait()
+                cpu = time.process_time() - c0
+                if rep:
+                    res[key].append((wall / iters, cpu / iters))
     out.put((rank, res))
     dist.barrier()
     dist.destroy_process_group()
@@ -199,19 +223,25 @@ def measure_message_cost(
     sizes: Sequence[int] = MESSAGE_SIZES,
     iters: int = 100,
     kernels: int = 40,
+    rounds: int = 5,
     timeout: float = 60.0,
     start_method: str | None = None,
 ) -> dict[str, Any]:
     """What a message costs the compute of its sender and its receiver on this host, in
     the runtime's pattern (module doc): ``send_s`` + ``send_s_per_byte`` · bytes and
-    ``recv_s`` + ``recv_s_per_byte`` · bytes. Each size's cost is the process CPU time
-    (every thread: the compute thread, gloo's, the kernel's TCP path in system time) per
-    loop iteration with a message minus that without, median over three rounds; waiting
-    for the wire costs no CPU and is the link's part (latency and bandwidth). ``samples``
-    holds ``(bytes, send_s, recv_s)`` per size; ``wall_samples`` the compute thread's
-    wall-clock slowdown, for reference: on an idle host it is at most the CPU cost (gloo's
-    threads may run on a free core), on a host loaded by other processes it also holds the
-    time the scheduler gives the core away, which is no property of the message.
+    ``recv_s`` + ``recv_s_per_byte`` · bytes. Each size's cost is the mean wall time per
+    loop iteration with a message minus that without (median over ``rounds``): the time
+    the end's compute thread loses — the ``isend`` call, CPU taken by gloo's event-loop
+    thread and the kernel's TCP path, waits for gloo's per-peer lock while that thread
+    holds it, hand-offs between threads on shared cores — in the regime the workers run
+    in (two busy single-threaded processes), through the executor's own send and receive
+    code. Waiting for the wire is excluded as far as possible (each receive is finished
+    ``lag`` iterations after its send, and iterations are long enough for the message's
+    bytes; the link's latency and bandwidth model the wire).
+    ``samples`` holds ``(bytes, send_s, recv_s)`` per size and ``cpu_samples`` the same in
+    process CPU time (every thread), which is lower where the loss is waiting rather than
+    work; on a host loaded by other jobs the wall cost also holds the scheduler slices the
+    worker loses, so calibrate on an otherwise idle host.
     ``start_method`` defaults to :func:`safe_start_method`. Raises ``RuntimeError`` if the
     workers do not finish in ``timeout``.
     """
@@ -221,7 +251,9 @@ def measure_message_cost(
     path = os.path.join(tmp, "store")
     procs = [
         ctx.Process(
-            target=_message_worker, args=(r, path, list(sizes), iters, kernels, out), daemon=True
+            target=_message_worker,
+            args=(r, path, list(sizes), iters, kernels, rounds, out),
+            daemon=True,
         )
         for r in range(2)
     ]
@@ -243,14 +275,17 @@ def measure_message_cost(
             pass
 
     def per_size(col: int) -> list[tuple[float, float, float]]:
-        base = [statistics.median(v[col] for v in got[r][0]) for r in range(2)]
         rows = []
         for n in sizes:
-            cost = [statistics.median(v[col] for v in got[r][n]) - base[r] for r in range(2)]
+            cost = [
+                statistics.median(v[col] for v in got[r][n])
+                - statistics.median(v[col] for v in got[r][-n - 1])
+                for r in range(2)
+            ]
             rows.append((float(n), max(cost[0], 0.0), max(cost[1], 0.0)))
         return rows
 
-    wall_samples, samples = per_size(0), per_size(1)
+    samples, cpu_samples = per_size(0), per_size(1)
     send = fit_affine([(n, s) for n, s, _ in samples])
     recv = fit_affine([(n, r) for n, _, r in samples])
     return {
@@ -259,5 +294,5 @@ def measure_message_cost(
         "recv_s": recv[0],
         "recv_s_per_byte": recv[1],
         "samples": samples,
-        "wall_samples": wall_samples,
+        "cpu_samples": cpu_samples,
     }

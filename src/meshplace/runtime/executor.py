@@ -161,6 +161,61 @@ def _empty_like_meta(v: Any) -> torch.Tensor:
     return torch.empty(tuple(v.shape), dtype=dtype)
 
 
+# The three message paths of a worker, shared with the message-cost micro-benchmark
+# (meshplace.profile.link.measure_message_cost) so that it times exactly this code.
+def send_value(
+    value: Any, dst: int, tag: int, keep: list[torch.Tensor], pending: list[Any]
+) -> tuple[int, int]:
+    """``isend`` every tensor leaf of ``value`` to rank ``dst`` (tags ``tag + k``), keeping
+    the wire tensors alive in ``keep`` and the works in ``pending``; (messages, bytes)."""
+    import torch.distributed as dist
+
+    messages = nbytes = 0
+    for k, leaf in enumerate(tree_flatten(value)[0]):
+        if isinstance(leaf, torch.Tensor):
+            w = _wire(leaf)
+            keep.append(w)
+            pending.append(dist.isend(w, dst=dst, tag=tag + k))
+            messages += 1
+            nbytes += w.numel() * w.element_size()
+    return messages, nbytes
+
+
+def post_receive(example: Any, src: int, tag: int) -> list[tuple[Any, Any]]:
+    """``irecv`` every tensor leaf of a value shaped like ``example`` (fx ``meta["val"]``)
+    from rank ``src``: ``(buffer, work)`` per leaf (``(leaf, None)`` for a non-tensor)."""
+    import torch.distributed as dist
+
+    works: list[tuple[Any, Any]] = []
+    for k, leaf in enumerate(tree_flatten(example)[0]):
+        if isinstance(leaf, torch.Tensor):
+            buf = _empty_like_meta(leaf)
+            works.append((buf, dist.irecv(buf, src=src, tag=tag + k)))
+        else:
+            works.append((leaf, None))
+    return works
+
+
+def finish_receive(example: Any, posted: list[tuple[Any, Any]]) -> Any:
+    """Wait for the leaves :func:`post_receive` posted and rebuild the value, each tensor
+    laid out with the producer's strides (so kernels take the same code path)."""
+    flat, spec_ = tree_flatten(example)
+    out = []
+    for leaf, (buf, work) in zip(flat, posted):
+        if work is None:
+            out.append(leaf)
+            continue
+        work.wait()
+        if leaf.dtype == torch.bool:
+            buf = buf.bool()
+        stride = tuple(leaf.stride())
+        if buf.dim() and stride != tuple(buf.stride()) and 0 not in stride:
+            laid = torch.empty_strided(tuple(leaf.shape), leaf.stride(), dtype=buf.dtype)
+            buf = laid.copy_(buf)
+        out.append(buf)
+    return tree_unflatten(out, spec_) if not isinstance(example, torch.Tensor) else out[0]
+
+
 def _worker(
     rank: int,
     world: int,
@@ -266,11 +321,7 @@ def _run_worker(
     # matching receive. Posting every receive with ``irecv`` right after the step's barrier
     # lets each transfer run as soon as its producer sends, overlapping with compute here.
     remote = sorted({j for _, _, ins in program if ins for j in ins})
-    leaf_meta: dict[int, tuple[Any, list[Any]]] = {}
-    for j in remote:
-        val = nodes[j].meta.get("val")
-        flat, spec_ = tree_flatten(val)
-        leaf_meta[j] = (spec_, flat)
+    examples = {j: nodes[j].meta.get("val") for j in remote}
     owned_updates = [
         (upos, p)
         for upos, p in updates
@@ -278,17 +329,7 @@ def _run_worker(
     ]
 
     def post_receives() -> tuple[dict[int, list], dict[int, Any]]:
-        posted: dict[int, list] = {}
-        for j in remote:
-            _, flat = leaf_meta[j]
-            works = []
-            for k, leaf in enumerate(flat):
-                if isinstance(leaf, torch.Tensor):
-                    buf = _empty_like_meta(leaf)
-                    works.append((buf, dist.irecv(buf, src=sched.device[j], tag=j * 16 + k)))
-                else:
-                    works.append((leaf, None))
-            posted[j] = works
+        posted = {j: post_receive(examples[j], sched.device[j], j * 16) for j in remote}
         upd: dict[int, Any] = {}
         for upos, p in owned_updates:
             buf = torch.empty_like(placeholder_values[p])
@@ -298,23 +339,7 @@ def _run_worker(
     def recv(j: int, env: dict, posted: dict[int, list]) -> None:
         status[base + 1] = _RECV
         tw = time.perf_counter()
-        spec_, flat = leaf_meta[j]
-        out = []
-        for leaf, (buf, work) in zip(flat, posted.pop(j)):
-            if work is None:
-                out.append(leaf)
-                continue
-            work.wait()
-            if leaf.dtype == torch.bool:
-                buf = buf.bool()
-            stride = tuple(leaf.stride())
-            if buf.dim() and stride != tuple(buf.stride()) and 0 not in stride:
-                # same memory layout as on the producer, so kernels round alike
-                laid = torch.empty_strided(tuple(leaf.shape), leaf.stride(), dtype=buf.dtype)
-                buf = laid.copy_(buf)
-            out.append(buf)
-        val = nodes[j].meta.get("val")
-        env[j] = tree_unflatten(out, spec_) if not isinstance(val, torch.Tensor) else out[0]
+        env[j] = finish_receive(examples[j], posted.pop(j))
         wait[0] += time.perf_counter() - tw
         status[base + 1] = _COMPUTE
 
@@ -349,14 +374,10 @@ def _run_worker(
                 value = node.target(*args, **kwargs)
             env[i] = value
             for d in sched.consumers[i]:
-                for k, leaf in enumerate(tree_flatten(value)[0]):
-                    if isinstance(leaf, torch.Tensor):
-                        w = _wire(leaf)
-                        keep.append(w)
-                        pending.append(dist.isend(w, dst=d, tag=i * 16 + k))
-                        if s == 0:
-                            bytes_sent += w.numel() * w.element_size()
-                            messages += 1
+                m, b = send_value(value, d, i * 16, keep, pending)
+                if s == 0:
+                    messages += m
+                    bytes_sent += b
             if events is not None:
                 events.append((i, 0.0, time.perf_counter()))
         # New parameter values: to the parameter's owner.

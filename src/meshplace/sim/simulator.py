@@ -211,9 +211,15 @@ class Simulator:
 
     # -------------------------------------------------------------- simulation
     def simulate(
-        self, placement: np.ndarray, objective: str = "step", time_scale: float = 1.0
+        self,
+        placement: np.ndarray,
+        objective: str = "step",
+        time_scale: float = 1.0,
+        extra_time: np.ndarray | None = None,
     ) -> SimResult:
-        """Simulate one step under ``placement`` (device index per op)."""
+        """Simulate one step under ``placement`` (device index per op). ``extra_time``
+        (seconds per op, optional) is added to the ops' times for this simulation only —
+        e.g. the exact message costs of a runtime whose messages the graph does not show."""
         if objective not in OBJECTIVES:
             raise InputError(f"unknown objective {objective!r}; allowed: {', '.join(OBJECTIVES)}")
         placement = np.ascontiguousarray(placement, dtype=np.int64)
@@ -240,7 +246,9 @@ class Simulator:
         ) = simulate_kernel(
             self.num_devices,
             placement,
-            self.op_times(placement),
+            self.op_times(placement)
+            if extra_time is None
+            else self.op_times(placement) + extra_time,
             self.priority,
             a.succ_ptr,
             a.succ_idx,
