@@ -188,3 +188,51 @@ def test_run_cli_prints_measured_and_predicted(tmp_path, capsys) -> None:
     assert (tmp_path / "local.yaml").exists()
     with pytest.raises(InputError):
         cmd_run(parser.parse_args(["--graph", "mlp"]))
+
+
+def _eager_adam(step, steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Eager training with the traced step's Adam rule (capture's ``_optimizer_update``:
+    m ← 0.9·m + 0.1·g, v ← 0.999·v + 0.001·g², p ← p − 1e-3·m / (√v + 1e-8)), moments
+    kept from step to step, on one thread like the workers."""
+    from torch.func import functional_call
+
+    params, bufs, _, inputs = step.initial_state()
+    names = step.param_names
+    m = [torch.zeros_like(p) for p in params]
+    v = [torch.zeros_like(p) for p in params]
+    losses = []
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for _ in range(steps):
+            leaves = [p.detach().requires_grad_(True) for p in params]
+            tensors = {**dict(zip(step.buffer_names, bufs)), **dict(zip(names, leaves))}
+            loss = functional_call(step.model, tensors, tuple(inputs), strict=False)
+            grads = torch.autograd.grad(loss, leaves)
+            losses.append(float(loss.detach()))
+            with torch.no_grad():
+                for i, g in enumerate(grads):
+                    m[i] = m[i].mul(0.9).add(g, alpha=0.1)
+                    v[i] = v[i].mul(0.999).addcmul(g, g, value=0.001)
+                    params[i] = params[i].addcdiv(m[i], v[i].sqrt().add(1e-8), value=-1e-3)
+    finally:
+        torch.set_num_threads(old)
+    return losses, dict(zip(names, params))
+
+
+def test_adam_moments_carry_across_steps_like_eager_adam() -> None:
+    spec = ModelSpec("mlp", batch=4)
+    step = trace_step(spec)
+    assert len(step.state_nodes) == 2 * len(step.param_names)  # m and v per parameter
+    steps = 4
+    eager_losses, eager_params = _eager_adam(step, steps)
+    ref_losses, ref_params = run_reference(step, steps)
+    n = step.graph.num_ops
+    alternate = ["cpu0" if i % 2 == 0 else "cpu1" for i in range(n)]
+    res = run_placement(None, alternate, steps, step=step, want_params=True, start_method="fork")
+    for losses in (ref_losses, res.losses):
+        assert losses == pytest.approx(eager_losses, rel=1e-5, abs=1e-6)
+    assert res.params is not None
+    for pname, value in eager_params.items():
+        torch.testing.assert_close(ref_params[pname], value, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(res.params[pname], value, rtol=1e-5, atol=1e-6)

@@ -296,7 +296,13 @@ def _run_worker(
         pname = (nn.meta.get("custom") or {}).get("param")
         if pname in pidx:
             updates.append((pos[nn], pidx[pname]))
-    param_node_pos = {i: pos[n] for i, n in enumerate(nodes[:n_p])}
+    # Optimizer state (Adam's moments): the node computing its next value replaces it too.
+    by_name = {n.name: i for i, n in enumerate(nodes)}
+    for k, name in enumerate(step.state_nodes):
+        updates.append((by_name[name], n_p + n_b + k))
+    ph_nodes = [i for i, n in enumerate(nodes) if n.op == "placeholder"]
+    # placeholder index -> node position (parameters first, then buffers, states, inputs)
+    param_node_pos = dict(enumerate(ph_nodes))
     mine = [i for i, d in enumerate(sched.device) if d == rank]
     # (position, node, positions of its remote inputs | None for a placeholder); outputs skipped
     program = [
@@ -380,7 +386,7 @@ def _run_worker(
                     bytes_sent += b
             if events is not None:
                 events.append((i, 0.0, time.perf_counter()))
-        # New parameter values: to the parameter's owner.
+        # New parameter and optimizer-state values: to the owner of the placeholder.
         for upos, p in updates:
             owner = sched.device[param_node_pos[p]]
             if sched.device[upos] == rank and owner != rank:
@@ -415,7 +421,7 @@ def _run_worker(
             for p in range(n_p)
             if sched.device[param_node_pos[p]] == rank
         }
-    del n_b, n_s
+    del n_s
     results.put(("ok", rank, records, params_out, bytes_sent, messages))
 
 
@@ -687,12 +693,26 @@ def _reference(step: TracedStep, steps: int) -> tuple[list[float], dict[str, tor
     params, bufs, states, inputs = step.initial_state()
     losses = []
     index = {n: i for i, n in enumerate(step.param_names)}
-    out_nodes = tree_flatten(list(step.gm.graph.nodes)[-1].args[0])[0]
+    nodes = list(step.gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    out_nodes = tree_flatten(nodes[-1].args[0])[0]
     order = [index[(n.meta.get("custom") or {}).get("param")] for n in out_nodes[1:]]
+    by_name = {n.name: i for i, n in enumerate(nodes)}
+    state_pos = [by_name[name] for name in step.state_nodes]
     for _ in range(steps):
-        flat = tree_flatten(step.gm(params, bufs, states, inputs))[0]
-        loss, new = flat[0], flat[1:]
-        losses.append(float(loss))
-        for k, t in zip(order, new):
-            params[k] = t.detach()
+        # the graph node by node (as the workers walk it), keeping every value: the new
+        # optimizer state is read from its nodes, since the step does not return it
+        values = iter([*params, *bufs, *states, *inputs])
+        env: list[Any] = [None] * len(nodes)
+        for i, node in enumerate(nodes):
+            if node.op == "placeholder":
+                env[i] = next(values)
+            elif node.op == "call_function":
+                args = torch.fx.node.map_arg(node.args, lambda a, env=env: env[pos[a]])
+                kwargs = torch.fx.node.map_arg(node.kwargs, lambda a, env=env: env[pos[a]])
+                env[i] = node.target(*args, **kwargs)
+        losses.append(float(env[pos[out_nodes[0]]]))
+        for k, nn in zip(order, out_nodes[1:]):
+            params[k] = env[pos[nn]].detach()
+        states = [env[j].detach() for j in state_pos]
     return losses, {n: params[i] for n, i in index.items()}

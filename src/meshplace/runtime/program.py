@@ -245,6 +245,9 @@ class TracedStep:
         param_names / buffer_names: the order of the ``params`` / ``buffers`` lists.
         n_state: optimizer-state tensors per parameter.
         model / inputs: the model (real parameters) and its example inputs.
+        state_nodes: for each optimizer-state tensor (in ``states`` order), the fx node
+            computing its value after the step (:func:`new_state_nodes`), so the runtime
+            carries Adam's moments (or momentum) from step to step.
     """
 
     graph: OpGraph
@@ -255,6 +258,7 @@ class TracedStep:
     n_state: int
     model: torch.nn.Module
     inputs: list[Any] = field(default_factory=list)
+    state_nodes: list[str] = field(default_factory=list)
 
     def initial_state(self) -> tuple[list, list, list, list]:
         """Fresh ``(params, buffers, states, inputs)`` lists (copies) for ``gm``."""
@@ -288,7 +292,42 @@ def trace_step(spec: ModelSpec) -> TracedStep:
     inputs = real_inputs(example, spec.seed)
     model.train(True)
     graph, gm, node_op, pnames, bnames, n_state = _trace(model, tuple(inputs), name, spec)
-    return TracedStep(graph, gm, node_op, pnames, bnames, n_state, model, inputs)
+    states = new_state_nodes(gm, len(pnames), len(bnames), n_state)
+    return TracedStep(graph, gm, node_op, pnames, bnames, n_state, model, inputs, states)
+
+
+def new_state_nodes(gm: torch.fx.GraphModule, n_params: int, n_bufs: int, n_state: int) -> list:
+    """The fx node computing each optimizer-state tensor's next value.
+
+    The traced step reads the state (``capture``'s ``_optimizer_update``: Adam's
+    ``m.mul(β1).add(g, …)`` and ``v.mul(β2).addcmul(g, g, …)``, momentum's
+    ``buf.mul(μ).add(g)``) but returns only the loss and new parameters. Each state's new
+    value is the node two steps down its chain: the state placeholder's only user is a
+    ``mul`` reading it first, whose only user (reading the ``mul`` first) is the new
+    state. Raises :class:`RuntimeInputError` if a state does not follow that pattern.
+    O(nodes).
+    """
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    state_ph = placeholders[n_params + n_bufs : n_params + n_bufs + n_params * n_state]
+    out = []
+    for ph in state_ph:
+        users = list(ph.users)
+        mul = users[0] if len(users) == 1 else None
+        nxt = list(mul.users) if mul is not None else []
+        ok = (
+            mul is not None
+            and getattr(mul.target, "__name__", "").startswith("mul")
+            and mul.args[0] is ph
+            and len(nxt) == 1
+            and nxt[0].args[0] is mul
+        )
+        if not ok:
+            raise RuntimeInputError(
+                f"optimizer state {ph.name!r} is not updated as m.mul(b).add(...) in the "
+                "traced step; the runtime cannot carry it across steps"
+            )
+        out.append(nxt[0].name)
+    return out
 
 
 def _trace(model: torch.nn.Module, example: tuple, name: str, spec: ModelSpec) -> tuple:
