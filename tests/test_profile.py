@@ -210,7 +210,7 @@ def test_profile_cli_devices_and_compare(tmp_path, capsys) -> None:
 
 
 def test_runtime_message_costs_count_the_executors_messages() -> None:
-    from meshplace.profile.calibrate import runtime_message_costs
+    from meshplace.profile.calibrate import runtime_message_costs, runtime_update_messages
     from meshplace.runtime import run_placement
 
     step = trace_step(ModelSpec("mlp", batch=4))
@@ -220,8 +220,12 @@ def test_runtime_message_costs_count_the_executors_messages() -> None:
     split = np.array([0 if i < n // 2 else 1 for i in range(n)])
     run = run_placement(None, [f"cpu{d}" for d in split], 1, step=step, start_method="fork")
     sends = runtime_message_costs(step, split, unit).sum()
-    updates = sends - run.messages  # new parameter values sent back to their owners
-    assert run.messages > 0 and 0 <= updates <= len(step.param_names)
+    assert sends == run.messages > 0  # one per fx value, leaf and consuming worker
+    # new parameters and Adam moments computed away from their owner go back at the end
+    updates = runtime_update_messages(step, split)
+    assert 0 < len(updates) <= 3 * len(step.param_names)
+    assert all(src != dst and b > 0 for src, dst, b in updates)
+    assert runtime_update_messages(step, np.zeros(n, dtype=np.int64)) == []
     recv = dict(unit, send_s=0.0, recv_s=1.0)
     assert runtime_message_costs(step, split, recv).sum() == sends
     cal = calibrate(step, reps=2, link=FAKE_LINK, device=FAKE_DEVICE, messages=FAKE_MESSAGES)

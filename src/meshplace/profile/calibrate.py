@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -337,8 +337,10 @@ class Calibration:
         workers that run their nodes in the one global order (``in_order``). Messages cost
         their measured CPU at both ends: for the calibrated step's own graph, exactly the
         runtime's messages (:func:`runtime_message_costs`: one per fx value and leaf and
-        consuming worker, views included); for any other graph, one per transfer (the cost
-        model's ``message_cpu``)."""
+        consuming worker, views included) and the exchange of new parameter and optimizer
+        state values that ends each step (:func:`end_of_step`), which the OpGraph has no
+        edges for; for any other graph, one per transfer (the cost model's
+        ``message_cpu``)."""
         if self.step is None or graph is not self.step.graph or not self.messages:
             return predict_step(graph, self.cluster, self.cost_model, devices, in_order=True)
         from meshplace.sim.simulator import Simulator
@@ -352,7 +354,12 @@ class Calibration:
         sim = Simulator(graph, self.cluster, free, in_order=True)
         placement = sim.placement_of(devices)
         extra = runtime_message_costs(self.step, placement, self.messages)
-        return float(sim.simulate(placement, extra_time=extra).step_time_s)
+        res = sim.simulate(placement, extra_time=extra)
+        device_end = np.zeros(sim.num_devices)
+        np.maximum.at(device_end, placement, res.op_end)
+        updates = runtime_update_messages(self.step, placement)
+        bandwidth, latency = float(self.link["bandwidth"]), float(self.link["latency"])
+        return end_of_step(device_end, updates, self.messages, latency, bandwidth)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -421,8 +428,9 @@ def runtime_message_costs(step: Any, placement: np.ndarray, messages: Mapping[st
     *i* on worker ``placement[i]``: from the executor's own schedule, every fx value sent
     to every other worker that reads it costs ``send_s + send_s_per_byte · bytes`` per
     tensor leaf to the op that produces it, and ``recv_s + recv_s_per_byte · bytes`` to
-    the op of the first node on the receiving worker that reads it; new parameter values
-    sent back to their owner count likewise. O(fx nodes + fx edges)."""
+    the op of the first node on the receiving worker that reads it. (New parameter and
+    state values sent back to their owners end the step: :func:`runtime_update_messages`.)
+    O(fx nodes + fx edges)."""
     from meshplace.runtime.executor import _schedule
 
     sched = _schedule(step, [int(d) for d in placement])
@@ -451,19 +459,69 @@ def runtime_message_costs(step: Any, placement: np.ndarray, messages: Mapping[st
             extra[owner[j]] += sum(a_s + b_s * b for b in sizes)
         if owner[i] >= 0:
             extra[owner[i]] += sum(a_r + b_r * b for b in sizes)
-    out_nodes = tree_flatten(nodes[-1].args[0])[0][1:]
-    pidx = {name: k for k, name in enumerate(step.param_names)}
-    for nn in out_nodes:
-        p = pidx.get((nn.meta.get("custom") or {}).get("param"))
-        if p is None:
-            continue
-        u = pos[nn]
-        if sched.device[u] != sched.device[p] and owner[u] >= 0:
-            b = sum(leaves(u))
-            extra[owner[u]] += a_s + b_s * b
-            if owner[p] >= 0:
-                extra[owner[p]] += a_r + b_r * b
     return extra
+
+
+def runtime_update_messages(step: Any, placement: np.ndarray) -> list[tuple[int, int, float]]:
+    """The messages that end the runtime's step: every new parameter and optimizer-state
+    value computed away from its owner's worker is sent there after the sender's last
+    node. ``(sender worker, owner worker, bytes)`` each, in the executor's order. O(nodes).
+    """
+    from meshplace.runtime.executor import _schedule
+
+    sched = _schedule(step, [int(d) for d in placement])
+    nodes = list(step.gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    by_name = {n.name: i for i, n in enumerate(nodes)}
+    placeholders = [i for i, n in enumerate(nodes) if n.op == "placeholder"]
+    pidx = {name: k for k, name in enumerate(step.param_names)}
+    pairs = []  # (node computing the new value, placeholder it replaces)
+    for nn in tree_flatten(nodes[-1].args[0])[0][1:]:
+        p = pidx.get((nn.meta.get("custom") or {}).get("param"))
+        if p is not None:
+            pairs.append((pos[nn], placeholders[p]))
+    first_state = len(step.param_names) + len(step.buffer_names)
+    for k, name in enumerate(step.state_nodes):
+        pairs.append((by_name[name], placeholders[first_state + k]))
+    out = []
+    for u, ph in pairs:
+        if sched.device[u] != sched.device[ph]:
+            val = nodes[u].meta.get("val")
+            out.append((sched.device[u], sched.device[ph], float(val.numel() * val.element_size())))
+    return out
+
+
+def end_of_step(
+    device_end: Sequence[float],
+    updates: Sequence[tuple[int, int, float]],
+    messages: Mapping[str, Any],
+    latency: float,
+    bandwidth: float,
+) -> float:
+    """When the step ends once every worker has sent its new parameter and state values
+    to their owners (after its last op, ``device_end``) and each owner has received them:
+    each sender pays ``send_s + send_s_per_byte · bytes`` per message in turn, a message
+    then takes ``latency + bytes / bandwidth`` on a link that carries one at a time, and
+    each owner pays the receive cost per message in arrival order. O(messages log).
+
+    >>> cost = {"send_s": 1.0, "send_s_per_byte": 0.0, "recv_s": 2.0, "recv_s_per_byte": 0.0}
+    >>> end_of_step([10.0, 3.0], [(0, 1, 100.0)], cost, latency=1.0, bandwidth=100.0)
+    15.0
+    """
+    t = [float(x) for x in device_end]
+    a_s, b_s = float(messages["send_s"]), float(messages["send_s_per_byte"])
+    a_r, b_r = float(messages["recv_s"]), float(messages["recv_s_per_byte"])
+    link_free: dict[tuple[int, int], float] = {}
+    arrivals: list[tuple[float, int, float]] = []
+    for src, dst, nbytes in updates:
+        t[src] += a_s + b_s * nbytes
+        start = max(t[src], link_free.get((src, dst), 0.0))
+        link_free[(src, dst)] = start + nbytes / bandwidth
+        arrivals.append((start + latency + nbytes / bandwidth, dst, nbytes))
+    done = list(t)
+    for arrive, dst, nbytes in sorted(arrivals):
+        done[dst] = max(done[dst], arrive) + a_r + b_r * nbytes
+    return max(done) if done else 0.0
 
 
 def predict_step(
