@@ -234,3 +234,12 @@ def test_runtime_message_costs_count_the_executors_messages() -> None:
     assert cal.predict(step.graph, devices) >= 0.99 * predict_step(
         step.graph, cal.cluster, cal.cost_model, devices, in_order=True
     )
+
+
+def test_kernel_level_reader_finds_no_gpu_kernels_on_a_cpu() -> None:
+    from meshplace.profile.profiler import _kernel_profiler, _kernel_times
+
+    prof = _kernel_profiler()
+    with prof:
+        torch.mm(torch.randn(8, 8), torch.randn(8, 8))
+    assert _kernel_times(prof) == {}

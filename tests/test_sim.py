@@ -316,3 +316,22 @@ def test_extra_time_is_added_for_one_simulation_only() -> None:
         2.5e-3
     )
     assert sim.simulate(place).step_time_s == pytest.approx(2e-3)
+
+
+def test_an_explicit_execution_order_sets_the_priority() -> None:
+    from meshplace.errors import InputError
+
+    g = OpGraph("fan")
+    for name in ("a", "b", "c"):
+        _ = g.add_op(Op(name, "matmul", output_dtypes=["float32"]))
+        g.ops[-1].measured_time["local-cpu"] = 1e-3
+    g.add_edge("a", "b", 8.0)
+    g.add_edge("a", "c", 8.0)
+    cluster = _two_cpu_cluster()
+    sim = Simulator(g, cluster, in_order=True, order=np.array([0, 2, 1]))
+    r = sim.simulate(sim.placement_of(["cpu0"] * 3))
+    assert r.op_start[2] < r.op_start[1]  # c runs before b, as the order says
+    with pytest.raises(InputError):
+        Simulator(g, cluster, order=np.array([1, 0, 2]))  # b before its input a
+    with pytest.raises(InputError):
+        Simulator(g, cluster, order=np.array([0, 0, 1]))

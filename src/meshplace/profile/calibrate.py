@@ -351,7 +351,8 @@ class Calibration:
             self.cost_model.launch_overhead,
             self.cost_model.use_measured,
         )
-        sim = Simulator(graph, self.cluster, free, in_order=True)
+        order = runtime_order(self.step)
+        sim = Simulator(graph, self.cluster, free, in_order=True, order=order)
         placement = sim.placement_of(devices)
         extra = runtime_message_costs(self.step, placement, self.messages)
         res = sim.simulate(placement, extra_time=extra)
@@ -423,6 +424,18 @@ def flatten_values(value: Any) -> list[torch.Tensor]:
 
 
 # ------------------------------------------------------------------ prediction
+def runtime_order(step: Any) -> np.ndarray:
+    """The OpGraph ops in the order the runtime's workers execute them: by the position of
+    each op's first fx node (a topological order, since the fx graph is one). O(nodes)."""
+    n = step.graph.num_ops
+    first = np.full(n, np.iinfo(np.int64).max, dtype=np.int64)
+    for i, node in enumerate(step.gm.graph.nodes):
+        op = step.node_op.get(node.name)
+        if op is not None and i < first[op]:
+            first[op] = i
+    return np.argsort(first, kind="stable")
+
+
 def runtime_message_costs(step: Any, placement: np.ndarray, messages: Mapping[str, Any]) -> Any:
     """Seconds of message CPU per OpGraph op when the runtime executes ``step`` with op
     *i* on worker ``placement[i]``: from the executor's own schedule, every fx value sent

@@ -480,9 +480,11 @@ def _kernel_profiler() -> Any:
 def _kernel_times(prof: Any) -> dict[str, tuple[int, float]]:
     """GPU kernel name → (calls, seconds of device time) from a finished torch.profiler."""
     out: dict[str, tuple[int, float]] = {}
+    from torch.autograd import DeviceType
+
     for ev in prof.events():
-        if str(getattr(ev, "device_type", "")).endswith("CUDA"):
-            us = float(getattr(ev, "device_time", getattr(ev, "cuda_time", 0.0)) or 0.0)
+        if ev.device_type == DeviceType.CUDA:  # a kernel (or memcpy) on the GPU's timeline
+            us = float(ev.time_range.elapsed_us())
             calls, total = out.get(ev.name, (0, 0.0))
             out[ev.name] = (calls + 1, total + us / 1e6)
     return out

@@ -130,11 +130,14 @@ class Simulator:
         cost_model: CostModel | None = None,
         *,
         in_order: bool = False,
+        order: np.ndarray | None = None,
     ) -> None:
-        """``in_order``: each device runs its ops strictly in topological-priority order
-        (an interpreter's fixed program order) instead of starting any ready op; the
-        cost model's ``message_cpu`` charges transfers to the devices' compute
-        (:mod:`meshplace.sim.engine`). Both default to the original model."""
+        """``in_order``: each device runs its ops strictly in priority order (an
+        interpreter's fixed program order) instead of starting any ready op; ``order``
+        (op indices, a topological order) replaces the graph's topological order as the
+        priority — e.g. the order a runtime executes the ops in; the cost model's
+        ``message_cpu`` charges transfers to the devices' compute
+        (:mod:`meshplace.sim.engine`). All default to the original model."""
         self.graph = graph
         self.in_order = bool(in_order)
         self.cluster = cluster
@@ -163,7 +166,17 @@ class Simulator:
                 self.msg_cpu[i] = cost
 
         self.priority = np.empty(n, np.int64)
-        self.priority[a.topo_order] = np.arange(n)
+        if order is None:
+            self.priority[a.topo_order] = np.arange(n)
+        else:
+            order = np.asarray(order, dtype=np.int64)
+            if order.shape != (n,) or not np.array_equal(np.sort(order), np.arange(n)):
+                raise InputError(f"an execution order must list each of the {n} ops once")
+            self.priority[order] = np.arange(n)
+            if np.any(self.priority[a.edge_src] >= self.priority[a.edge_dst]):
+                raise InputError(
+                    "the execution order is not topological: an op runs before its input"
+                )
         kinds_of_ops = [o.kind for o in graph.ops]
         resident_kind = np.array([k in ("parameter", "buffer") for k in kinds_of_ops], bool)
         is_input = np.array([k == "input" for k in kinds_of_ops], bool)
