@@ -1,12 +1,16 @@
 """Fidelity of the simulator on this machine: measured vs predicted step time of many plans.
 
 For small configurations of several reference models (``meshplace.runtime.program``'s
-``*-small`` models), the local machine is calibrated once per model (device, in-situ op
-times, gloo link), each placer in :data:`PLACERS` places the graph on the calibrated
-``local`` cluster (2 CPU workers), and every distinct placement is run for real
-(``run_placement``, 1 thread per worker) and simulated. Reported per model and overall:
-median absolute percentage error and Kendall's tau-b between the measured and predicted
-rankings (computed here, O(n^2) pairs).
+``*-small`` models), the local machine is calibrated once per model (device, op times on a
+runtime worker, gloo link, message cost), each placer in :data:`PLACERS` places the graph
+on the calibrated ``local`` cluster (2 CPU workers), and every distinct placement is run
+for real
+(``run_placement``, 1 thread per worker) and simulated (``Calibration.predict``: the
+runtime's messages at their measured cost, in-order workers, the end-of-step exchange;
+docs/runtime.md). The load average is recorded before and after, since other jobs on the
+host distort multi-worker runs. Reported per model and overall: median absolute
+percentage error and Kendall's tau-b between the measured and predicted rankings
+(computed here, O(n^2) pairs).
 
 Usage: ``python benchmarks/fidelity.py [--models a,b] [--steps N] [--out results/fidelity.json]``
 """
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -118,6 +123,9 @@ def run_model(name: str, steps: int, budget: float) -> dict:
         "model": name,
         "ops": step.graph.num_ops,
         "link": {"bandwidth": cal.link["bandwidth"], "latency": cal.link["latency"]},
+        "message_cpu": {
+            k: cal.messages[k] for k in ("send_s", "send_s_per_byte", "recv_s", "recv_s_per_byte")
+        },
         "placements": rows,
         "median_abs_error": statistics.median(abs(r["error"]) for r in rows) if rows else None,
         "kendall_tau": kendall_tau(meas, pred) if len(rows) > 1 else None,
@@ -132,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "fidelity.json"))
     args = parser.parse_args(argv)
     t0 = time.time()
+    load_before = os.getloadavg()
     results = []
     for name in args.models.split(","):
         print(f"{name}:", file=sys.stderr)
@@ -144,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         ),
         "placements": len(rows),
         "seconds": time.time() - t0,
+        "load_average_before": load_before,
+        "load_average_after": os.getloadavg(),
     }
     print(f"\n{'model':20} {'plans':>5} {'median |err|':>13} {'tau':>6}")
     for m in results:
@@ -155,6 +166,12 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{'overall':20} {overall['placements']:5d} {100 * overall['median_abs_error']:12.1f}% "
         f"{overall['kendall_tau_mean']:6.2f} (mean tau)"
+    )
+    print(
+        "load average (1, 5, 15 min) before "
+        + ", ".join(f"{x:.2f}" for x in overall["load_average_before"])
+        + "; after "
+        + ", ".join(f"{x:.2f}" for x in overall["load_average_after"])
     )
     Path(args.out).write_text(json.dumps({"models": results, "overall": overall}, indent=1))
     return 0
