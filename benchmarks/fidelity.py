@@ -4,8 +4,7 @@ For small configurations of several reference models (``meshplace.runtime.progra
 ``*-small`` models), the local machine is calibrated once per model (device, op times on a
 runtime worker, gloo link, message cost), each placer in :data:`PLACERS` places the graph
 on the calibrated ``local`` cluster (2 CPU workers), and every distinct placement is run
-for real
-(``run_placement``, 1 thread per worker) and simulated (``Calibration.predict``: the
+for real (``run_placement``, 1 thread per worker) and simulated (``Calibration.predict``: the
 runtime's messages at their measured cost, in-order workers, the end-of-step exchange;
 docs/runtime.md). The load average is recorded before and after, since other jobs on the
 host distort multi-worker runs. Reported per model and overall: median absolute
