@@ -21,12 +21,14 @@ from meshplace.graph.ir import Op, OpGraph
 from meshplace.graph.sources import workload_graph
 from meshplace.hardware import load_cluster
 from meshplace.learn import HRLConfig, train_hrl
+from meshplace.learn.features import layer_key
 from meshplace.learn.hrl import (
     _OpTable,
     group_embedding_size,
     group_embeddings,
     op_feature_names,
     op_features,
+    op_layer,
     sample_groups,
     score_ops_batch,
 )
@@ -76,8 +78,19 @@ def test_features_and_group_embeddings_are_finite_and_consistent() -> None:
     x = op_features(problem)
     assert x.shape == (problem.graph.num_ops, len(op_feature_names()))
     assert np.isfinite(x).all()
-    anchor = x[:, op_feature_names().index("anchor")]
-    assert anchor.min() >= 0 and anchor.max() <= 1
+    for name in ("anchor", "layer", "depth"):
+        column = x[:, op_feature_names().index(name)]
+        assert column.min() >= 0 and column.max() <= 1, name
+    # Ops of one module share a layer; a backward op takes its forward op's.
+    layer = op_layer(problem)
+    graph = problem.graph
+    by_module: dict[str, set[float]] = {}
+    for i, op in enumerate(graph.ops):
+        if op.module:
+            by_module.setdefault(layer_key(op.module), set()).add(float(layer[i]))
+        if op.forward_op and not op.module:
+            assert layer[i] == layer[graph.index(op.forward_op)]
+    assert len(by_module) > 1 and all(len(v) == 1 for v in by_module.values())
     table = _OpTable(problem, x)
     groups = np.random.default_rng(0).integers(0, 7, size=(3, problem.graph.num_ops))
     e = group_embeddings(table, groups, 7)

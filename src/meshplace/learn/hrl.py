@@ -18,30 +18,47 @@ networks are trained together with REINFORCE on the simulated step time:
 kind (one-hot over :data:`meshplace.learn.features.KINDS`), the phase, ``log10(1 + x)/12``
 of FLOPs, bytes accessed, output bytes and parameter bytes, ``log2(1 + d)/16`` of the first
 output's first four dimensions and the number of outputs, ``log2(1 + degree)/8`` of in-
-and out-degree, the op's longest-path depth over the deepest op's, and its *anchor* — the
-depth of the forward op it belongs to (a backward op's ``forward_op``; a parameter's or
-input's first consumer; an update op's producers) — both raw and as sinusoidal encodings
-(Vaswani et al. 2017) at :data:`ANCHOR_FREQUENCIES`, so one linear layer can cut the model
-into depth bands. The paper embeds the op type, output shapes and the (topological) indices
-of adjacent ops; the anchor plays the part of those adjacency indices.
+and out-degree, the op's longest-path depth over the deepest op's, and its *anchor*
+(:func:`op_anchor`): where the forward op it belongs to lies in the model (a backward op's
+``forward_op``, a parameter's or input's first consumer, an update op's producers), as a
+rank in ``[0, 1]``; and its *layer* (:func:`op_layer`): the rank of its module path's
+layer (:func:`meshplace.learn.features.layer_key`, as ``rl``'s structure features) in
+order of appearance. Both raw and as sinusoidal encodings (Vaswani et al. 2017) at
+:data:`ANCHOR_FREQUENCIES` and :data:`LAYER_FREQUENCIES` × π, weighted by
+:data:`ANCHOR_WEIGHT` and :data:`LAYER_WEIGHT`, so that one layer of the network can cut
+the model into bands of equal op count, or into its layers. The paper embeds the op type,
+output shapes and the topological indices of adjacent ops; anchor and layer play the part
+of those indices (TensorFlow op names carry the layer as a name scope; the paper does not
+feed names to the Grouper). On NMT the layer columns matter: without them the best plan
+after a 60 s budget is 0.518 s (2-layer) and 0.843 s (4-layer) instead of the results in
+``docs/learn.md``.
 
 **Group embeddings** (:func:`group_embeddings`, per sampled grouping, as in the paper's
 released code ``tensorflow/python/grappler/hierarchical_controller.py``): the group's
 out- and in-edge counts to every other group (``2N`` columns, each row over its maximum
 + 1), the share of its ops of each kind and phase, log FLOPs, output bytes, parameter bytes
-and op count, and its ops' mean anchor and depth (so the Placer can order the groups along
-the model). No gradient flows through the embeddings: the Grouper learns only through its
-own log-probability term, as in the paper.
+and op count, and its ops' mean anchor, depth and layer. The Placer reads the groups ordered by
+mean anchor, empty groups last (:func:`placer_order`; ColocRL reads its groups in
+topological order). No gradient flows through the embeddings: the Grouper learns only
+through its own log-probability term, as in the paper.
 
-Hyper-parameters (:class:`HRLConfig`; the paper's released defaults in brackets):
-``N = min(256, 20 × devices)`` groups [the same]; Grouper hidden size 64 [64] with a tanh
-(the released code has no non-linearity between its two matrices); Placer hidden size 64
-[512, bi-LSTM encoder; smaller and uni-directional to run on CPU]; ``K = 16`` samples per
-update [one per controller, several controllers]; Adam, learning rate 1e-2 [0.1, decayed
-×0.95 every 50 steps after 400: 0.1 diverged to single-device plans within a few dozen
-updates here]; baseline decay 0.9 [0.9]; gradient norm clip 1 [1]; no logit noise [0.5 × the
-logits' norm for the first 750 steps: with 16 samples per update the sampling itself
-explores enough on our budgets].
+Hyper-parameters (:class:`HRLConfig`; the released code's defaults in brackets):
+
+* ``N = min(256, 20 × devices)`` groups [the same]; Grouper hidden size 64 [64], tanh [no
+  non-linearity between the two matrices];
+* Grouper output layer initialised at 100 × PyTorch's default [Glorot uniform]: with the
+  default, every op's group is near-uniform over ``N``, the first plans scatter ops over
+  all devices (2.4 s steps on NMT where one GPU takes 0.78 s) and REINFORCE collapses onto
+  one or two devices; scaled up, ops with similar features (nearby anchors) start in the
+  same group and the first plans are already coherent;
+* Placer hidden size 64 [512, bi-LSTM encoder]: smaller and uni-directional to run on CPU;
+* ``K = 16`` (grouping, placement) samples per update [one per controller];
+* Adam, learning rate 3e-3 [0.1, decayed ×0.95 every 50 steps after 400]: 0.1 collapsed
+  to a single-device greedy policy within a few updates here;
+* an entropy bonus 0.1 × (mean per-op Grouper entropy + mean per-group Placer entropy)
+  [no entropy term; noise of 0.5 × the logits' norm for the first 750 steps]: the same
+  role, exploration, in a form that is deterministic given the sampling generator;
+* baseline decay 0.9 [0.9]; gradient norm clip 1 [1]; reward ``−√score`` [``sqrt``].
 
 **Budget, determinism, result, checkpoints**: exactly as :mod:`meshplace.learn.rl` — the
 budget becomes a fixed number of updates (:func:`planned_updates`: a measured policy cost
@@ -78,7 +95,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from meshplace.learn.features import KINDS, kind_index
+from meshplace.learn.features import KINDS, kind_index, layer_key
 from meshplace.learn.policy import Seq2SeqPolicy
 from meshplace.learn.rl import _save_checkpoint
 from meshplace.placers.base import (
@@ -92,17 +109,19 @@ from meshplace.placers.base import (
 
 SIMULATED_OPS_PER_SECOND = 3.0e6  # as anneal and rl assume (benchmarks/simulator_speed.py)
 UPDATE_OVERHEAD_S = 0.02
-GROUPER_S_PER_OP = 4.0e-6  # per op per update, 16 samples: Grouper, sampling, embeddings
-PLACER_S_PER_GROUP = 6.0e-4  # per group per update, 16 samples, hidden 64, one thread
+GROUPER_S_PER_OP = 8.0e-6  # per op per update, 16 samples: Grouper, sampling, embeddings, grad
+PLACER_S_PER_GROUP = 8.0e-4  # per group per update, 16 samples, hidden 64, one thread
 BUDGET_SHARE = 0.6
 DEADLINE_SHARE = 0.97
 CHECKPOINT_FORMAT = "meshplace.hrl-checkpoint v1"
 ANCHOR_FREQUENCIES = (0.5, 1.0, 2.0, 4.0)
 ANCHOR_WEIGHT = 4.0
+LAYER_FREQUENCIES = (1.0, 2.0, 4.0, 8.0)
+LAYER_WEIGHT = 4.0
 SHAPE_DIMS = 4
 _PHASES = 3
-_COUNT_COLUMN = -3  # group_embeddings: log op count, then mean anchor, then mean depth
-_ANCHOR_COLUMN = -2
+_COUNT_COLUMN = -4  # group_embeddings: log op count, mean anchor, mean depth, mean layer
+_ANCHOR_COLUMN = -3
 
 
 @dataclass(frozen=True)
@@ -200,9 +219,56 @@ def op_anchor(problem: PlacementProblem) -> tuple[np.ndarray, np.ndarray]:
     return depth, mid_rank / max(n - 1, 1)
 
 
+def op_layer(problem: PlacementProblem) -> np.ndarray:
+    """Each op's layer position in ``[0, 1]``: the rank of its layer
+    (:func:`meshplace.learn.features.layer_key` of its module path, the same key ``rl``'s
+    structure features use) among the model's layers in order of first appearance along
+    the topological order, over the number of layers − 1.
+
+    An op without a module takes its ``forward_op``'s layer, else the mean of its producers'
+    (else consumers'), else 0.5; a graph without module paths gets 0.5 everywhere. O(V + E).
+    """
+    graph = problem.graph
+    a = graph.arrays()
+    n = graph.num_ops
+    rank: dict[str, int] = {}
+    layer = np.full(n, np.nan)
+    for i in a.topo_order.tolist():
+        module = graph.ops[i].module
+        if module:
+            layer[i] = rank.setdefault(layer_key(module), len(rank))
+    layer /= max(len(rank) - 1, 1)
+    linked = [
+        i
+        for i, op in enumerate(graph.ops)
+        if np.isnan(layer[i]) and op.forward_op is not None and op.forward_op in graph
+    ]
+    for i in linked:
+        layer[i] = layer[graph.index(graph.ops[i].forward_op)]
+    for _ in range(3):
+        missing = np.flatnonzero(np.isnan(layer))
+        if not len(missing):
+            break
+        for i in missing.tolist():
+            for ptr, idx in ((a.pred_ptr, a.pred_idx), (a.succ_ptr, a.succ_idx)):
+                vals = layer[idx[ptr[i] : ptr[i + 1]]]
+                vals = vals[~np.isnan(vals)]
+                if len(vals):
+                    layer[i] = float(vals.mean())
+                    break
+    for i in linked:  # a forward op filled from its neighbours passes its layer on
+        layer[i] = layer[graph.index(graph.ops[i].forward_op)]
+    return np.nan_to_num(layer, nan=0.5)
+
+
 def op_feature_names() -> tuple[str, ...]:
     """Column names of :func:`op_features`."""
-    sinus = [f"{fn}(anchor*{f:g}pi)" for f in ANCHOR_FREQUENCIES for fn in ("sin", "cos")]
+    sinus = [
+        f"{fn}({x}*{f:g}pi)"
+        for x, freqs in (("anchor", ANCHOR_FREQUENCIES), ("layer", LAYER_FREQUENCIES))
+        for f in freqs
+        for fn in ("sin", "cos")
+    ]
     return (
         *(f"kind:{k}" for k in KINDS),
         "phase:forward",
@@ -218,6 +284,7 @@ def op_feature_names() -> tuple[str, ...]:
         "log_out_degree",
         "depth",
         "anchor",
+        "layer",
         *sinus,
     )
 
@@ -240,8 +307,12 @@ def op_features(problem: PlacementProblem) -> np.ndarray:
     def log10s(x: np.ndarray) -> np.ndarray:
         return np.log10(1.0 + np.maximum(x, 0.0)) / 12.0
 
-    angles = np.pi * anchor[:, None] * np.asarray(ANCHOR_FREQUENCIES)[None, :]
-    sinus = ANCHOR_WEIGHT * np.stack([np.sin(angles), np.cos(angles)], axis=2).reshape(n, -1)
+    layer = op_layer(problem)
+
+    def sinusoids(x: np.ndarray, freqs: tuple[float, ...], weight: float) -> np.ndarray:
+        angles = np.pi * x[:, None] * np.asarray(freqs)[None, :]
+        return weight * np.stack([np.sin(angles), np.cos(angles)], axis=2).reshape(n, -1)
+
     columns = [
         np.eye(len(KINDS))[kinds],
         np.eye(_PHASES)[a.phase.astype(np.int64)],
@@ -255,7 +326,9 @@ def op_features(problem: PlacementProblem) -> np.ndarray:
         (np.log2(1.0 + np.diff(a.succ_ptr)) / 8.0)[:, None],
         depth[:, None],
         anchor[:, None],
-        sinus,
+        layer[:, None],
+        sinusoids(anchor, ANCHOR_FREQUENCIES, ANCHOR_WEIGHT),
+        sinusoids(layer, LAYER_FREQUENCIES, LAYER_WEIGHT),
     ]
     return np.concatenate(columns, axis=1).astype(np.float32)
 
@@ -278,13 +351,14 @@ class _OpTable:
         names = op_feature_names()
         self.depth = features[:, names.index("depth")].astype(np.float64)
         self.anchor = features[:, names.index("anchor")].astype(np.float64)
+        self.layer = features[:, names.index("layer")].astype(np.float64)
         self.src = a.edge_src
         self.dst = a.edge_dst
 
 
 def group_embedding_size(num_groups: int) -> int:
     """Width of :func:`group_embeddings`' rows for ``num_groups`` groups."""
-    return 2 * num_groups + len(KINDS) + _PHASES + 6
+    return 2 * num_groups + len(KINDS) + _PHASES + 7
 
 
 def group_embeddings(table: _OpTable, groupings: np.ndarray, num_groups: int) -> np.ndarray:
@@ -326,6 +400,7 @@ def group_embeddings(table: _OpTable, groupings: np.ndarray, num_groups: int) ->
             log10s(count, 4.0),
             per_group(table.anchor)[..., None] / denom,
             per_group(table.depth)[..., None] / denom,
+            per_group(table.layer)[..., None] / denom,
         ],
         axis=2,
     )
