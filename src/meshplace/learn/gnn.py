@@ -28,7 +28,12 @@ Architecture (:class:`GNNPolicy`, hidden ``H``)::
                                  ⊕ mean_{g→s} ReLU(W_b[hʳ_s ⊕ e_gs])]))   (R rounds)
     u_d = MLP(y_d)                            y_d: device features
     c = W_c[mean_g h_g ⊕ max_g h_g ⊕ mean_d u_d ⊕ z]   z: graph scalars
-    logit(g, d) = w₃ · ReLU(W₂ ReLU(A h_g + B u_d + C c + D s_{g,d}))   s: decoding state
+    logit(g, d) = w₃ · ReLU(W₂ ReLU(A h_g + B u_d + C c + D s_{g,d})) + w_p · s_{g,d}
+                                              s: decoding state (10 features)
+
+``w_p`` is a linear path initialised as a soft HEFT rule (−8 on the log relative
+earliest-finish-time gap, +1 on "earliest finish here", −2 on "memory overflows"), so PPO
+starts from a list scheduler rather than from a uniform policy.
 
 Invalid choices are masked: a device whose memory (``problem.group_memory`` summed) would
 overflow while another still has room. Decoding is sequential (topological), so sampling
@@ -37,10 +42,15 @@ gradients (PPO) is one batched pass, because the state features do not depend on
 weights and are recorded while sampling.
 
 **Zero-shot** (:func:`zero_shot`): the greedy decode plus ``ZERO_SHOT_SAMPLES − 1``
-sampled placements, each simulated once; the best is returned (``stats["samples"]``).
-**Fine-tuning** (``--finetune SECONDS``): PPO on this one graph from the pretrained
-weights; the budget becomes a fixed number of updates (like ``rl``), the result is the
-best plan seen (never worse than zero-shot), with checkpoints and exact resume.
+sampled placements, each simulated once; the best is returned. The placer does this twice,
+on the problem's groups and on a grouping up to ``FINE_GROUPS_FACTOR`` (4) times finer, as
+``anneal`` walks both (coarse groups cut from a topological order lump parallel branches,
+such as Inception's towers, together), and keeps the better (``stats["samples"]``,
+``stats["granularities"]``).
+**Fine-tuning** (``--finetune SECONDS``): PPO on this one graph (at the grouping that won
+zero-shot) from the pretrained weights; the budget becomes a fixed number of updates
+(like ``rl``), the result is the best plan seen (never worse than zero-shot), with
+checkpoints and exact resume.
 
 Complexity: encoding O(R · (G + E_g) · H²); decoding K placements O(G · K · (P·D + D·H²))
 for P predecessors per group; plus one simulation per distinct placement,
@@ -68,11 +78,14 @@ from typing import Any
 
 import numpy as np
 import torch
+from numba import njit
 from torch import nn
 
+from meshplace.graph.groups import group_ops
 from meshplace.learn.features import NUM_FEATURES, group_features
 from meshplace.learn.rl import _save_checkpoint
 from meshplace.placers.base import (
+    OpAssignment,
     PlacementProblem,
     PlacerError,
     PlacerOptions,
@@ -83,8 +96,9 @@ from meshplace.placers.base import (
 WEIGHTS_FORMAT = "meshplace.gnn-weights v1"
 CHECKPOINT_FORMAT = "meshplace.gnn-checkpoint v1"
 DEFAULT_WEIGHTS = Path(__file__).parent / "weights" / "gnn.pt"
-ZERO_SHOT_SAMPLES = 16
-ZERO_SHOT_WORK = 2_000_000  # samples x groups x devices at most
+ZERO_SHOT_SAMPLES = 32  # per grouping (the problem's and a finer one)
+FINE_GROUPS_FACTOR = 4
+ZERO_SHOT_WORK = 1_000_000  # samples x groups x devices at most
 EXTRA_NODE_FEATURES = 6
 NODE_FEATURES = NUM_FEATURES + EXTRA_NODE_FEATURES
 EDGE_FEATURES = 2
@@ -136,8 +150,9 @@ class ProblemInputs:
     device_x: torch.Tensor  # [D, DEVICE_FEATURES]
     graph_x: torch.Tensor  # [GRAPH_FEATURES]
     order: np.ndarray  # topological order of the groups
-    preds: list[np.ndarray]  # predecessors per group
-    pred_bytes: list[np.ndarray]
+    pred_ptr: np.ndarray  # CSR predecessors of each group in the group graph
+    pred_idx: np.ndarray
+    pred_bytes: np.ndarray  # bytes on each of those edges
     group_time: np.ndarray  # [D, G]
     group_memory: np.ndarray  # [G]
     capacity: np.ndarray  # [D]
@@ -231,11 +246,6 @@ def problem_inputs(problem: PlacementProblem) -> ProblemInputs:
         ],
         dtype=np.float32,
     )
-    preds = [ga.pred_idx[ga.pred_ptr[g] : ga.pred_ptr[g + 1]].astype(np.int64) for g in range(n)]
-    pred_bytes = [
-        ga.edge_bytes[ga.pred_edge[ga.pred_ptr[g] : ga.pred_ptr[g + 1]]].astype(np.float64)
-        for g in range(n)
-    ]
     return ProblemInputs(
         node_x=torch.from_numpy(node_x),
         edge_src=torch.from_numpy(src),
@@ -244,8 +254,9 @@ def problem_inputs(problem: PlacementProblem) -> ProblemInputs:
         device_x=torch.from_numpy(device_x),
         graph_x=torch.from_numpy(graph_x),
         order=order,
-        preds=preds,
-        pred_bytes=pred_bytes,
+        pred_ptr=ga.pred_ptr.astype(np.int64),
+        pred_idx=ga.pred_idx.astype(np.int64),
+        pred_bytes=ga.edge_bytes[ga.pred_edge].astype(np.float64),
         group_time=gt,
         group_memory=problem.group_memory.astype(np.float64),
         capacity=capacity,
@@ -327,18 +338,133 @@ class Rollout:
     group_devices: np.ndarray  # [K, G] device per group (group index order)
 
 
-def _head_numpy(policy: GNNPolicy) -> tuple[np.ndarray, ...]:
-    def a(t: torch.Tensor) -> np.ndarray:
-        return t.detach().double().numpy()
+@njit(cache=True)
+def _state_step(
+    g: int,
+    slot: int,
+    frac: float,
+    pred_ptr: np.ndarray,
+    pred_idx: np.ndarray,
+    pred_bytes: np.ndarray,
+    group_time: np.ndarray,
+    group_memory: np.ndarray,
+    capacity: np.ndarray,
+    latency: np.ndarray,
+    inv_bw: np.ndarray,
+    unit: float,
+    dev: np.ndarray,
+    finish: np.ndarray,
+    avail: np.ndarray,
+    load: np.ndarray,
+    mem: np.ndarray,
+    state: np.ndarray,
+    masks: np.ndarray,
+    eft: np.ndarray,
+) -> None:
+    """The decoding state features of group ``g`` on every device, for every sample."""
+    k_n, d_n = avail.shape
+    t_min = 1e-9
+    t_low = group_time[0, g]
+    for d in range(d_n):
+        t_low = min(t_low, group_time[d, g])
+    t_min = max(t_low, 1e-9)
+    lo, hi = pred_ptr[g], pred_ptr[g + 1]
+    b_sum = 0.0
+    for e in range(lo, hi):
+        b_sum += pred_bytes[e]
+    b_sum = max(b_sum, 1.0)
+    ready = np.zeros(d_n)
+    comm = np.zeros(d_n)
+    for k in range(k_n):
+        ready[:] = 0.0
+        comm[:] = 0.0
+        for e in range(lo, hi):
+            p = pred_idx[e]
+            src = dev[k, p]
+            f = finish[k, p]
+            b = pred_bytes[e]
+            for d in range(d_n):
+                arrive = f + latency[src, d] + b * inv_bw[src, d]
+                if arrive > ready[d]:
+                    ready[d] = arrive
+            comm[src] += b
+        best = np.inf
+        r_min = np.inf
+        all_over = True
+        for d in range(d_n):
+            eft[k, d] = max(avail[k, d], ready[d]) + group_time[d, g]
+            best = min(best, eft[k, d])
+            r_min = min(r_min, ready[d])
+            if (mem[k, d] + group_memory[g]) / capacity[d] <= 1.0:
+                all_over = False
+        for d in range(d_n):
+            gap = eft[k, d] - best
+            mem_after = (mem[k, d] + group_memory[g]) / capacity[d]
+            over = mem_after > 1.0
+            masks[k, slot, d] = over and not all_over
+            s = state[k, slot, d]
+            s[0] = min(gap / unit, FEATURE_CLIP)
+            s[1] = min(np.log1p(gap / t_min) / 4.0, FEATURE_CLIP)
+            s[2] = min((ready[d] - r_min) / unit, FEATURE_CLIP)
+            s[3] = min(load[k, d] / unit, FEATURE_CLIP)
+            s[4] = comm[d] / b_sum
+            s[5] = min(mem_after, 2.0)
+            s[6] = 1.0 if over else 0.0
+            s[7] = 1.0 if eft[k, d] <= best else 0.0
+            s[8] = min(np.log10(max(group_time[d, g], t_min) / t_min) / 3.0, FEATURE_CLIP)
+            s[9] = frac
 
-    return (
-        a(policy.head_state.weight.T),
-        a(policy.head_hidden.weight.T),
-        a(policy.head_hidden.bias),
-        a(policy.head_out.weight[0]),
-        float(policy.head_out.bias.detach()[0]),
-        a(policy.head_prior.weight[0]),
-    )
+
+@njit(cache=True)
+def _choose_step(
+    g: int,
+    step: int,
+    slot: int,
+    logits: np.ndarray,
+    uniforms: np.ndarray,
+    greedy_rows: int,
+    group_time: np.ndarray,
+    group_memory: np.ndarray,
+    masks: np.ndarray,
+    eft: np.ndarray,
+    actions: np.ndarray,
+    dev: np.ndarray,
+    finish: np.ndarray,
+    avail: np.ndarray,
+    load: np.ndarray,
+    mem: np.ndarray,
+) -> None:
+    """Sample (or, for the first ``greedy_rows`` samples, take the most likely) device for
+    group ``g`` from masked logits, and update the decoding state."""
+    k_n, d_n = logits.shape
+    for k in range(k_n):
+        top = -np.inf
+        arg = 0
+        for d in range(d_n):
+            if not masks[k, slot, d] and logits[k, d] > top:
+                top = logits[k, d]
+                arg = d
+        choice = arg
+        if k >= greedy_rows:
+            total = 0.0
+            for d in range(d_n):
+                if not masks[k, slot, d]:
+                    total += np.exp(logits[k, d] - top)
+            u = uniforms[k, step] * total
+            acc = 0.0
+            for d in range(d_n):
+                if not masks[k, slot, d]:
+                    acc += np.exp(logits[k, d] - top)
+                    choice = d
+                    if acc > u:
+                        break
+        actions[k, step] = choice
+        dev[k, g] = choice
+        end = eft[k, choice]
+        finish[k, g] = end
+        avail[k, choice] = end
+        load[k, choice] += group_time[choice, g]
+        mem[k, choice] += group_memory[g]
 
 
 def decode(
@@ -347,17 +473,38 @@ def decode(
     samples: int,
     rng: np.random.Generator,
     greedy_rows: int = 0,
-    static: np.ndarray | None = None,
+    static: torch.Tensor | None = None,
     record: bool = True,
 ) -> Rollout:
     """Decode ``samples`` placements group by group in topological order (the first
     ``greedy_rows`` take the most likely device, the rest sample), tracking per sample each
-    device's ready time, load and memory. No gradients; O(G · K · (P·D + D·H²)).
+    device's ready time, load and memory. No gradients; O(G · K · (P·D + D·H²)); the state
+    and sampling loops are compiled with numba, the head's matrix products are BLAS calls.
     ``record=False`` keeps no per-step state or masks (zero-shot needs none)."""
-    if static is None:
-        with torch.no_grad():
-            static = policy.static_scores(x).double().numpy()
-    w_state, w_hid, b_hid, w_out, b_out, w_prior = _head_numpy(policy)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny products: one thread is fastest and reproducible
+    try:
+        return _decode(policy, x, samples, rng, greedy_rows, static, record)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _decode(
+    policy: GNNPolicy,
+    x: ProblemInputs,
+    samples: int,
+    rng: np.random.Generator,
+    greedy_rows: int,
+    static: torch.Tensor | None,
+    record: bool,
+) -> Rollout:
+    with torch.no_grad():
+        static_t = policy.static_scores(x) if static is None else static
+        w_lin = torch.cat([policy.head_state.weight.T, policy.head_prior.weight.T], dim=1)
+        w_hid = policy.head_hidden.weight.T.contiguous()
+        b_hid = policy.head_hidden.bias
+        w_out = policy.head_out.weight[0]
+        b_out = float(policy.head_out.bias[0])
     order = x.order
     n, nd, k = len(order), x.group_time.shape[0], samples
     dev = np.zeros((k, n), dtype=np.int64)
@@ -365,68 +512,29 @@ def decode(
     avail = np.zeros((k, nd))
     load = np.zeros((k, nd))
     mem = np.zeros((k, nd))
+    eft = np.zeros((k, nd))
     state = np.zeros((k, n if record else 1, nd, STATE_FEATURES), dtype=np.float32)
     masks = np.zeros((k, n if record else 1, nd), dtype=bool)
     actions = np.zeros((k, n), dtype=np.int64)
-    rows = np.arange(k)
-    dev_ids = np.arange(nd)
     unit = max(x.balanced_s, 1e-12)
     uniforms = rng.random((k, n))
+    hid = policy.config.hidden
     for step, g in enumerate(order.tolist()):
-        t_g = x.group_time[:, g]
-        t_min = max(float(t_g.min()), 1e-9)
-        p, b = x.preds[g], x.pred_bytes[g]
-        if len(p):
-            pd = dev[:, p]  # [K, P]
-            arrive = (
-                finish[:, p][:, :, None] + x.latency[pd] + b[None, :, None] * x.inv_bandwidth[pd]
-            )
-            ready = arrive.max(axis=1)
-            comm = ((pd[:, :, None] == dev_ids) * b[None, :, None]).sum(axis=1) / max(
-                float(b.sum()), 1.0
-            )
-        else:
-            ready = np.zeros((k, nd))
-            comm = np.zeros((k, nd))
-        eft = np.maximum(avail, ready) + t_g
-        best = eft.min(axis=1, keepdims=True)
-        mem_after = (mem + x.group_memory[g]) / x.capacity
-        over = mem_after > 1.0
-        mask = over & ~over.all(axis=1, keepdims=True)
-        s = state[:, step if record else 0]
-        s[..., 0] = np.minimum((eft - best) / unit, FEATURE_CLIP)
-        s[..., 1] = np.minimum(np.log1p((eft - best) / t_min) / 4.0, FEATURE_CLIP)
-        s[..., 2] = np.minimum((ready - ready.min(axis=1, keepdims=True)) / unit, FEATURE_CLIP)
-        s[..., 3] = np.minimum(load / unit, FEATURE_CLIP)
-        s[..., 4] = comm
-        s[..., 5] = np.minimum(mem_after, 2.0)
-        s[..., 6] = over
-        s[..., 7] = eft <= best
-        s[..., 8] = np.minimum(np.log10(np.maximum(t_g, t_min) / t_min) / 3.0, FEATURE_CLIP)
-        s[..., 9] = step / n
-        masks[:, step if record else 0] = mask
-        z = np.maximum(static[g][None] + s.astype(np.float64) @ w_state, 0.0)
-        z = np.maximum(z @ w_hid + b_hid, 0.0)
-        logit = z @ w_out + b_out + s.astype(np.float64) @ w_prior
-        logit = np.where(mask, -np.inf, logit)
-        logit -= logit.max(axis=1, keepdims=True)
-        prob = np.exp(logit)
-        prob /= prob.sum(axis=1, keepdims=True)
-        choice = (prob.cumsum(axis=1) < uniforms[:, step : step + 1]).sum(axis=1)
-        choice = np.minimum(choice, nd - 1)
-        if greedy_rows:
-            choice[:greedy_rows] = logit[:greedy_rows].argmax(axis=1)
-        # A sampled index past the last allowed device (rounding) falls back to the best.
-        bad = mask[rows, choice]
-        if bad.any():
-            choice[bad] = logit[bad].argmax(axis=1)
-        actions[:, step] = choice
-        dev[:, g] = choice
-        end = eft[rows, choice]
-        finish[:, g] = end
-        avail[rows, choice] = end
-        load[rows, choice] += t_g[choice]
-        mem[rows, choice] += x.group_memory[g]
+        slot = step if record else 0
+        _state_step(
+            g, slot, step / n, x.pred_ptr, x.pred_idx, x.pred_bytes, x.group_time,
+            x.group_memory, x.capacity, x.latency, x.inv_bandwidth, unit,
+            dev, finish, avail, load, mem, state, masks, eft,
+        )  # fmt: skip
+        with torch.no_grad():
+            lin = torch.from_numpy(state[:, slot]).reshape(k * nd, -1) @ w_lin  # [K·D, H+1]
+            z = torch.relu(lin[:, :hid].reshape(k, nd, hid) + static_t[g])
+            z = torch.relu(torch.addmm(b_hid, z.reshape(k * nd, hid), w_hid))
+            logits = (z @ w_out + lin[:, hid]).reshape(k, nd).double().numpy() + b_out
+        _choose_step(
+            g, step, slot, logits, uniforms, greedy_rows, x.group_time, x.group_memory,
+            masks, eft, actions, dev, finish, avail, load, mem,
+        )  # fmt: skip
     return Rollout(actions, state, masks, dev)
 
 
@@ -606,10 +714,12 @@ def finetune(
     resume: bool = False,
     stop_after: int | None = None,
     progress: ProgressFn | None = None,
+    first: GNNResult | None = None,
 ) -> GNNResult:
-    """Zero-shot, then PPO on ``problem`` alone from ``policy``'s weights (modified in
-    place) for ``updates`` updates (default: what ``budget_s`` buys); returns the best plan
-    seen, so never worse than zero-shot. Checkpoints and resume as in
+    """Zero-shot (or ``first``, a :func:`zero_shot` result already computed), then PPO on
+    ``problem`` alone from ``policy``'s weights (modified in place) for ``updates`` updates
+    (default: what ``budget_s`` buys); returns the best plan seen, so never worse than
+    zero-shot. Checkpoints and resume as in
     :func:`meshplace.learn.rl.train_rl` (a resumed run ends with the uninterrupted plan)."""
     if not budget_s > 0:
         raise PlacerError(f"the time budget must be positive seconds, got {budget_s}")
@@ -632,7 +742,8 @@ def finetune(
             "config": asdict(config),
             "weights": weights_fingerprint(policy),
         }
-        first = zero_shot(problem, policy, seed, inputs=x)
+        if first is None:
+            first = zero_shot(problem, policy, seed, inputs=x)
         zs = first.stats
         best, best_score, best_step = (
             first.group_devices,
@@ -744,24 +855,51 @@ def finetune(
 )
 def place_gnn(
     problem: PlacementProblem, budget_s: float, seed: int, options: PlacerOptions
-) -> tuple[np.ndarray, dict[str, Any]]:
+) -> tuple[OpAssignment, dict[str, Any]]:
     """Zero-shot placement with the shipped weights; PPO fine-tuning for
     ``options.finetune_s`` seconds when given (the best plan seen is returned)."""
     policy, training = load_weights()
     finetune_s = float(options.finetune_s or 0.0)
+    start = time.perf_counter()
+    # Zero-shot at the problem's grouping and at one up to 4x finer (as anneal walks
+    # both: coarse groups cut from a topological order lump parallel branches together).
+    candidates = [problem]
+    fine = group_ops(problem.graph, FINE_GROUPS_FACTOR * problem.num_groups)
+    if fine.num_groups > problem.num_groups:
+        candidates.append(
+            PlacementProblem(
+                problem.graph, problem.cluster, problem.objective, fine, problem.simulator
+            )
+        )
+    shots = [zero_shot(c, policy, seed) for c in candidates]
+    pick = min(range(len(shots)), key=lambda i: (shots[i].best_score_s, i))
+    chosen, first = candidates[pick], shots[pick]
+    zs = {
+        **first.stats,
+        "samples": sum(z.stats["samples"] for z in shots),
+        "evaluations": sum(z.stats["evaluations"] for z in shots),
+        "zero_shot_s": time.perf_counter() - start,
+        "zero_shot_groups": chosen.num_groups,
+        "granularities": [
+            {"groups": c.num_groups, "step_time_s": z.stats["zero_shot_step_time_s"]}
+            for c, z in zip(candidates, shots)
+        ],
+    }
+    first.stats = zs
     if finetune_s > 0:
         out = finetune(
-            problem,
+            chosen,
             policy,
             finetune_s,
             seed,
             checkpoint=options.checkpoint("gnn"),
             resume=options.resume,
             progress=options.progress,
+            first=first,
         )
+        out.stats["zero_shot_s"] = zs["zero_shot_s"]
     else:
-        out = zero_shot(problem, policy, seed)
-        zs = out.stats
+        out = first
         out.stats = {
             **zs,
             "best_score_s": out.best_score_s,
@@ -773,8 +911,10 @@ def place_gnn(
                 "wall_s": [zs["zero_shot_s"]],
             },
         }
+    for c in candidates[1:]:
+        problem.evaluations += c.evaluations  # simulations on the finer grouping count too
     out.stats["weights_updates"] = training.get("updates")
-    return out.group_devices, out.stats
+    return OpAssignment(chosen.expand(out.group_devices)), out.stats
 
 
 __all__ = [
