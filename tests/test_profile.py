@@ -243,3 +243,12 @@ def test_kernel_level_reader_finds_no_gpu_kernels_on_a_cpu() -> None:
     with prof:
         torch.mm(torch.randn(8, 8), torch.randn(8, 8))
     assert _kernel_times(prof) == {}
+
+
+def test_message_cost_inside_the_models_step() -> None:
+    from meshplace.profile.link import measure_message_cost_in_step
+
+    step = trace_step(ModelSpec("mlp", batch=4))
+    m = measure_message_cost_in_step(step, sizes=(4, 4096), messages=10, rounds=1)
+    assert all(m[k] >= 0 for k in ("send_s", "send_s_per_byte", "recv_s", "recv_s_per_byte"))
+    assert len(m["samples"]) == 2 and m["messages_per_step"] >= 10

@@ -296,3 +296,163 @@ def measure_message_cost(
         "samples": samples,
         "cpu_samples": cpu_samples,
     }
+
+
+# ------------------------------------------------------------------ in the model's own step
+def _interpret(step: Any, values: list[Any], hook: Any) -> None:
+    """Run ``step``'s fx graph node by node (as a worker does); ``hook(k)`` after the k-th
+    computed node."""
+    nodes = list(step.gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    env: list[Any] = [None] * len(nodes)
+    it = iter(values)
+    k = 0
+    for i, node in enumerate(nodes):
+        if node.op == "placeholder":
+            env[i] = next(it)
+        elif node.op == "call_function":
+            args = torch.fx.node.map_arg(node.args, lambda a, env=env: env[pos[a]])
+            kwargs = torch.fx.node.map_arg(node.kwargs, lambda a, env=env: env[pos[a]])
+            env[i] = node.target(*args, **kwargs)
+            hook(k)
+            k += 1
+
+
+def _step_message_worker(
+    rank: int,
+    store_path: str,
+    step: Any,
+    sizes: Sequence[int],
+    messages: int,
+    rounds: int,
+    out: Any,
+) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    from meshplace.runtime.executor import finish_receive, post_receive, send_value
+
+    torch.set_num_threads(1)
+    store = dist.FileStore(store_path, 2)
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60)
+    )
+    params, bufs, states, inputs = step.initial_state()
+    values = [*params, *bufs, *states, *inputs]
+    computed = sum(1 for n in step.gm.graph.nodes if n.op == "call_function")
+    every = max(1, computed // messages)
+    res: dict[int, list[float]] = {}
+    for n in sizes:
+        example = torch.zeros(max(1, n // 4))
+        for with_messages in (False, True):
+            key = n if with_messages else -n - 1
+            res[key] = []
+            for rep in range(rounds + 1):  # the first round warms up
+                dist.barrier()
+                keep: list[torch.Tensor] = []
+                pending: list[Any] = []
+                c0 = time.process_time()  # every thread of this process (gloo's too)
+                count = computed // every if with_messages else 0
+                posted = [post_receive(example, 0, i * 16) for i in range(count)] if rank else []
+
+                done: set[int] = set()
+
+                def hook(
+                    k: int,
+                    count=count,
+                    posted=posted,
+                    keep=keep,
+                    pending=pending,
+                    x=example,
+                    done=done,
+                ) -> None:
+                    if not count or k % every:
+                        return
+                    i = k // every  # send message i; finish message i - 1 (sent a while ago)
+                    if rank == 0 and i < count:
+                        send_value(x, 1, i * 16, keep, pending)
+                    elif rank == 1 and 0 < i <= count:
+                        finish_receive(x, posted[i - 1])
+                        done.add(i - 1)
+
+                _interpret(step, values, hook)
+                for i in range(count if rank == 1 else 0):
+                    if i not in done:  # a gloo work is waited for once only
+                        finish_receive(example, posted[i])
+                for w in pending:
+                    w.wait()
+                cpu = time.process_time() - c0
+                if rep:
+                    res[key].append(cpu / max(count, 1))
+    out.put((rank, res, computed // every))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def measure_message_cost_in_step(
+    step: Any,
+    sizes: Sequence[int] = (4, 65536, 1 << 18),
+    messages: int = 40,
+    rounds: int = 5,
+    timeout: float = 120.0,
+) -> dict[str, Any]:
+    """What a message costs each worker *inside the model's own training step*: two forked
+    processes each run ``step`` on one thread, node by node as a worker does; one sends
+    about ``messages`` messages spread evenly over its nodes, through the executor's own
+    code (``send_value``), and the other has posted the receives up front and finishes each
+    one message-interval after its send position (``finish_receive``). Each end's extra
+    process CPU time per message over the same step without messages (median of
+    ``rounds``) is its cost, fitted as ``a + b · bytes`` — the same result keys as
+    :func:`measure_message_cost`. Unlike that isolated loop it sees what a message does to
+    the model's own kernels (caches, the event-loop thread between them); CPU time, so
+    waiting for the wire is not counted. Uses fork (the step is shared, not re-traced).
+    Cost: ``2 · (rounds + 1) · len(sizes)`` training steps in each process."""
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    tmp = tempfile.mkdtemp(prefix="meshplace-msg-")
+    path = os.path.join(tmp, "store")
+    procs = [
+        ctx.Process(
+            target=_step_message_worker,
+            args=(r, path, step, list(sizes), messages, rounds, out),
+            daemon=True,
+        )
+        for r in range(2)
+    ]
+    try:
+        for p in procs:
+            p.start()
+        got = {}
+        for _ in range(2):
+            rank, res, count = out.get(timeout=timeout)
+            got[rank] = res
+        for p in procs:
+            p.join(10)
+    finally:
+        for p in procs:
+            if p.pid is not None and p.is_alive():
+                p.kill()
+                p.join(2)
+        try:
+            os.remove(path)
+            os.rmdir(tmp)
+        except OSError:
+            pass
+    rows = []
+    for n in sizes:
+        cost = [
+            statistics.median(got[r][n]) - statistics.median(got[r][-n - 1]) / max(count, 1)
+            for r in range(2)
+        ]
+        rows.append((float(n), max(cost[0], 0.0), max(cost[1], 0.0)))
+    send = fit_affine([(n, s) for n, s, _ in rows])
+    recv = fit_affine([(n, r) for n, _, r in rows])
+    return {
+        "send_s": send[0],
+        "send_s_per_byte": send[1],
+        "recv_s": recv[0],
+        "recv_s_per_byte": recv[1],
+        "samples": rows,
+        "messages_per_step": count,
+    }
