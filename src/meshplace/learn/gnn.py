@@ -6,7 +6,7 @@ trained once with PPO across a family of graphs and clusters
 (:mod:`meshplace.learn.train_gnn`); the weights ship in the package
 (``learn/weights/gnn.pt``). Sources followed:
 
-* **Placeto** (Addanki et al., NeurIPS 2019, §3.2): graph embeddings by message passing
+* **Placeto** (Addanki et al., NeurIPS 2019, §3): graph embeddings by message passing
   over the DAG in both directions (parent → child and child → parent aggregations), so
   one set of weights generalises to graphs it never saw;
 * **GDP** (Zhou et al., "GDP: Generalized Device Placement for Dataflow Graphs", 2019,
@@ -110,8 +110,8 @@ FEATURE_CLIP = 4.0
 # Fine-tuning budget -> updates (measured on one CPU thread, see docs/learn.md).
 SIMULATED_OPS_PER_SECOND = 3.0e6
 UPDATE_OVERHEAD_S = 0.01
-DECODE_S_PER_GROUP = 2.0e-4  # a decoding step for 16 samples on 5 devices
-PPO_S_PER_GROUP_PASS = 1.4e-4  # a batched log-prob pass: per group, 16 samples, 5 devices
+DECODE_S_PER_GROUP = 1.5e-4  # a decoding step for 16 samples on 5 devices
+PPO_S_PER_GROUP_PASS = 1.2e-4  # a batched log-prob pass: per group, 16 samples, 5 devices
 BUDGET_SHARE = 0.6
 DEADLINE_SHARE = 0.97
 
@@ -126,8 +126,10 @@ class GNNConfig:
 
 @dataclass(frozen=True)
 class PPOConfig:
-    """PPO hyper-parameters (Schulman et al. 2017, Table 3 for clip, epochs, learning-rate
-    scale; GDP, Zhou et al. 2019 §4, for PPO over a family of graphs)."""
+    """PPO hyper-parameters: clip 0.2 (Schulman et al. 2017, §6.1 and Table 3), entropy
+    bonus 0.01 (their Table 5), gradient-norm clip 0.5 (OpenAI baselines' PPO2 default);
+    2 epochs and learning rate 1e-3 are our choices for a short CPU training (see
+    docs/learn.md). GDP (Zhou et al. 2019) trains its graph policy with PPO too."""
 
     samples: int = 16
     epochs: int = 2
@@ -586,8 +588,8 @@ def ppo_update(
 
 def advantages(scores: np.ndarray) -> np.ndarray:
     """Per-sample advantages from scores (seconds, lower is better): ``−log score``,
-    normalised over the samples of one problem (their mean is the baseline, as in
-    POMO, Kwon et al., NeurIPS 2020, §4.2, and GRPO-style group normalisation)."""
+    normalised over the samples of one problem (their mean is the baseline: the shared
+    baseline of POMO, Kwon et al., NeurIPS 2020)."""
     r = -np.log(np.maximum(scores, 1e-12))
     return (r - r.mean()) / (r.std() + 1e-8)
 
