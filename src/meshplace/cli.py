@@ -164,10 +164,12 @@ def _parser() -> argparse.ArgumentParser:
 
     pf = sub.add_parser(
         "profile",
-        help="leveled profile (model / module / op) of a training step on this machine",
-        description="Time a model's training step at the model, module and op levels, each "
-        "in a run with only that level and the ones above enabled; tables, profile JSON and "
-        "a Chrome trace.",
+        help="leveled profile (model / module / op / kernel) of a training step on this "
+        "machine's devices side by side, or --compare saved profiles",
+        description="Time a model's training step at the model, module, op and (on CUDA) "
+        "kernel levels, each in a run with only that level and the ones above enabled, on "
+        "every local device (--devices) side by side; tables, profile JSON and a Chrome "
+        "trace per device. --compare puts saved profiles (from any machine) side by side.",
     )
     add_profile_arguments(pf)
     rn = sub.add_parser(

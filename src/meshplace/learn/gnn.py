@@ -83,7 +83,7 @@ from torch import nn
 
 from meshplace.graph.groups import group_ops
 from meshplace.learn.features import NUM_FEATURES, group_features
-from meshplace.learn.rl import _save_checkpoint
+from meshplace.learn.training import TrainingRun, save_checkpoint
 from meshplace.placers.base import (
     OpAssignment,
     PlacementProblem,
@@ -599,7 +599,7 @@ def save_weights(
     path: str | Path, policy: GNNPolicy, training: dict[str, Any] | None = None
 ) -> None:
     """Write ``{format, config, state_dict, training}`` with ``torch.save`` (atomic)."""
-    _save_checkpoint(
+    save_checkpoint(
         Path(path),
         {
             "format": WEIGHTS_FORMAT,
@@ -747,102 +747,57 @@ def finetune(
         if first is None:
             first = zero_shot(problem, policy, seed, inputs=x)
         zs = first.stats
-        best, best_score, best_step = (
-            first.group_devices,
-            first.best_score_s,
-            zs["zero_shot_step_time_s"],
+        optimizer = torch.optim.Adam(policy.parameters(), lr=config.learning_rate)
+        stateful = {"policy": policy, "optimizer": optimizer}
+        run = TrainingRun(
+            problem,
+            total=total,
+            fingerprint=fingerprint,
+            fmt=CHECKPOINT_FORMAT,
+            best=first.group_devices,
+            path=path,
+            checkpoint_every=config.checkpoint_every,
+            progress=progress,
+            start=start,
         )
-        evaluations = int(zs["evaluations"])
-        curve: dict[str, list[float]] = {
-            "evaluations": [float(evaluations)],
-            "best_step_time_s": [best_step],
+        # The zero-shot plan is where fine-tuning starts: the curve's first point.
+        run.best_score, run.best_step = first.best_score_s, zs["zero_shot_step_time_s"]
+        run.evaluations = int(zs["evaluations"])
+        run.curve = {
+            "evaluations": [float(run.evaluations)],
+            "best_step_time_s": [run.best_step],
             "wall_s": [zs["zero_shot_s"]],
         }
-        optimizer = torch.optim.Adam(policy.parameters(), lr=config.learning_rate)
-        done, wall_before, resumed_from = 0, 0.0, None
-        if resume and path is not None and path.exists():
-            state = torch.load(path, weights_only=True)
-            if state.get("format") != CHECKPOINT_FORMAT or state["fingerprint"] != fingerprint:
-                raise PlacerError(
-                    f"{path}: checkpoint is for another problem, seed, budget, config or "
-                    f"weights ({state.get('fingerprint')}), not {fingerprint}"
-                )
-            policy.load_state_dict(state["policy"])
-            optimizer.load_state_dict(state["optimizer"])
-            done = resumed_from = int(state["done"])
-            evaluations = int(state["evaluations"])
-            wall_before = float(state["wall_s"])
-            best = np.array(state["best"], dtype=np.int64)
-            best_score, best_step = float(state["best_score_s"]), float(state["best_step_s"])
-            curve = {k: list(v) for k, v in state["learning_curve"].items()}
-
-        def save() -> None:
-            if path is None:
-                return
-            _save_checkpoint(
-                path,
-                {
-                    "format": CHECKPOINT_FORMAT,
-                    "fingerprint": fingerprint,
-                    "policy": policy.state_dict(),
-                    "optimizer": optimizer.state_dict(),
-                    "done": done,
-                    "evaluations": evaluations,
-                    "wall_s": wall_before + time.perf_counter() - start,
-                    "best": best.tolist(),
-                    "best_score_s": best_score,
-                    "best_step_s": best_step,
-                    "learning_curve": curve,
-                },
-            )
+        if resume:
+            run.resume(stateful)
 
         policy.train()
         stopped_at_deadline = False
-        session = 0
-        while done < total:
-            if time.perf_counter() > deadline and (session > 0 or done > 0):
+        while run.done < total:
+            if time.perf_counter() > deadline and (run.session > 0 or run.done > 0):
                 stopped_at_deadline = True
                 break
-            if stop_after is not None and session >= stop_after:
+            if stop_after is not None and run.session >= stop_after:
                 break
-            rng = np.random.default_rng([seed, 1 + done])
+            rng = np.random.default_rng([seed, 1 + run.done])
             rollout = decode(policy, x, config.samples, rng)
-            before = problem.evaluations
-            scores, steps = _score(problem, rollout.group_devices)
-            evaluations += problem.evaluations - before
-            k = int(np.argmin(scores))
-            if scores[k] < best_score:
-                best = rollout.group_devices[k].copy()
-                best_score, best_step = float(scores[k]), float(steps[k])
+            scores, steps = run.count(lambda r=rollout: _score(problem, r.group_devices))
+            run.offer(rollout.group_devices, scores, steps)
             ppo_update(policy, optimizer, [(x, rollout, advantages(scores))], config)
-            done += 1
-            session += 1
-            curve["evaluations"].append(float(evaluations))
-            curve["best_step_time_s"].append(best_step)
-            curve["wall_s"].append(wall_before + time.perf_counter() - start)
-            if progress is not None:
-                progress(done, total, best_step)
-            if path is not None and (done % config.checkpoint_every == 0 or done == total):
-                save()
-        if path is not None and session and done % config.checkpoint_every and done < total:
-            save()
+            run.finish_update(stateful)
+        run.end_session(stateful, {})
         policy.eval()
     finally:
         torch.set_num_threads(threads)
     stats: dict[str, Any] = {
         **zs,
-        "evaluations": evaluations,
-        "best_score_s": best_score,
-        "best_step_time_s": best_step,
-        "finetune_updates": done,
-        "planned_updates": total,
-        "finished": done >= total,
+        **run.stats(),
+        "finetune_updates": run.done,
         "stopped_at_deadline": stopped_at_deadline,
-        "resumed_from_update": resumed_from,
         "ppo": asdict(config),
-        "learning_curve": curve,
     }
-    return GNNResult(best, best_score, stats)
+    stats.pop("updates")
+    return GNNResult(run.best, run.best_score, stats)
 
 
 @register(

@@ -67,7 +67,7 @@ per op and per group plus ``K`` simulations at 3 M ops/s, filling 60 % of the bu
 hard stop at 97 % of it (``stats["stopped_at_deadline"]``), one torch thread, the best plan
 ever sampled or the greedy decode of the final policy (argmax group per op, then the
 Placer's greedy devices), a learning curve with one point per update, and checkpoints
-written with :func:`meshplace.learn.rl._save_checkpoint` from which ``resume=True`` ends
+written by :class:`meshplace.learn.training.TrainingRun`, from which ``resume=True`` ends
 with the plan, best score and curve of an uninterrupted run.
 
 Complexity per update: Grouper O(V·F·H_g + V·N) (one matmul over all ops), K group
@@ -86,7 +86,6 @@ Example
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -98,7 +97,7 @@ from torch import nn
 
 from meshplace.learn.features import KINDS, kind_index, layer_key
 from meshplace.learn.policy import Seq2SeqPolicy
-from meshplace.learn.rl import _save_checkpoint
+from meshplace.learn.training import TrainingRun
 from meshplace.placers.base import (
     OpAssignment,
     PlacementProblem,
@@ -634,61 +633,29 @@ def train_hrl(
             policy = HierarchicalPolicy(feats.shape[1], n_groups, problem.num_devices, config)
         optimizer = torch.optim.Adam(policy.parameters(), lr=config.learning_rate)
         generator = torch.Generator().manual_seed(seed)
+        stateful = {"policy": policy, "optimizer": optimizer, "generator": generator}
+        run = TrainingRun(
+            problem,
+            total=total,
+            fingerprint=fingerprint,
+            fmt=CHECKPOINT_FORMAT,
+            best=np.zeros(n_ops, dtype=np.int64),
+            path=path,
+            checkpoint_every=config.checkpoint_every,
+            progress=progress,
+        )
         baseline: float | None = None
-        done = 0
-        evaluations = 0
-        wall_before = 0.0
-        best = np.zeros(n_ops, dtype=np.int64)
-        best_score, best_step = math.inf, math.inf
-        curve: dict[str, list[float]] = {"evaluations": [], "best_step_time_s": [], "wall_s": []}
-        resumed_from = None
-        if resume and path is not None and path.exists():
-            state = torch.load(path, weights_only=True)
-            if state.get("format") != CHECKPOINT_FORMAT or state["fingerprint"] != fingerprint:
-                raise PlacerError(
-                    f"{path}: checkpoint is for another problem, seed, budget or config "
-                    f"({state.get('fingerprint')}), not {fingerprint}"
-                )
-            policy.load_state_dict(state["policy"])
-            optimizer.load_state_dict(state["optimizer"])
-            generator.set_state(state["generator"])
-            baseline = state["baseline"]
-            done = resumed_from = int(state["done"])
-            evaluations = int(state["evaluations"])
-            wall_before = float(state["wall_s"])
-            best = state["best"].numpy().astype(np.int64)
-            best_score, best_step = float(state["best_score_s"]), float(state["best_step_s"])
-            curve = {k: list(v) for k, v in state["learning_curve"].items()}
-
-        def save() -> None:
-            if path is None:
-                return
-            _save_checkpoint(
-                path,
-                {
-                    "format": CHECKPOINT_FORMAT,
-                    "fingerprint": fingerprint,
-                    "policy": policy.state_dict(),
-                    "optimizer": optimizer.state_dict(),
-                    "generator": generator.get_state(),
-                    "baseline": baseline,
-                    "done": done,
-                    "evaluations": evaluations,
-                    "wall_s": wall_before + time.perf_counter() - start,
-                    "best": torch.from_numpy(best.astype(np.int64)),
-                    "best_score_s": best_score,
-                    "best_step_s": best_step,
-                    "learning_curve": curve,
-                },
-            )
+        if resume:
+            scalars = run.resume(stateful)
+            if scalars is not None:
+                baseline = scalars["baseline"]
 
         stopped_at_deadline = False
-        session = 0
-        while done < total:
-            if time.perf_counter() > deadline and (session > 0 or done > 0):
+        while run.done < total:
+            if time.perf_counter() > deadline and (run.session > 0 or run.done > 0):
                 stopped_at_deadline = True
                 break
-            if stop_after is not None and session >= stop_after:
+            if stop_after is not None and run.session >= stop_after:
                 break
             log_groups = policy.grouper(feats)  # [V, N]
             groups = sample_groups(log_groups, config.samples, generator)  # [K, V]
@@ -700,14 +667,10 @@ def train_hrl(
             by_group = np.empty_like(order)
             np.put_along_axis(by_group, order, devices.numpy(), axis=1)
             plans = np.take_along_axis(by_group, groups_np, axis=1)  # [K, V]
-            before = problem.evaluations
             # Repeats within a batch are simulated once; no cache across updates, so the
             # evaluation count (the learning curve's x axis) survives a resume exactly.
-            scores, steps, _ = score_ops_batch(problem, plans)
-            evaluations += problem.evaluations - before
-            k = int(np.argmin(scores))
-            if scores[k] < best_score:
-                best, best_score, best_step = plans[k].copy(), float(scores[k]), float(steps[k])
+            scores, steps, _ = run.count(lambda p=plans: score_ops_batch(problem, p))
+            run.offer(plans, scores, steps)
             rewards = -np.sqrt(scores)
             mean_reward = float(rewards.mean())
             if baseline is None:
@@ -724,40 +687,21 @@ def train_hrl(
             torch.nn.utils.clip_grad_norm_(policy.parameters(), config.max_grad_norm)
             optimizer.step()
             baseline = config.baseline_decay * baseline + (1 - config.baseline_decay) * mean_reward
-            done += 1
-            session += 1
-            curve["evaluations"].append(float(evaluations))
-            curve["best_step_time_s"].append(best_step)
-            curve["wall_s"].append(wall_before + time.perf_counter() - start)
-            if progress is not None:
-                progress(done, total, best_step)
-            if path is not None and (done % config.checkpoint_every == 0 or done == total):
-                save()
-        if path is not None and session and done % config.checkpoint_every and done < total:
-            save()  # an interrupted session leaves its latest state behind
+            run.finish_update(stateful, {"baseline": baseline})
+        run.end_session(stateful, {"baseline": baseline})
 
-        finished = done >= total
         greedy_score = None
-        if finished:
-            greedy = greedy_plan(policy, feats, table)
-            before = problem.evaluations
-            g_score, g_step, _ = score_ops_batch(problem, greedy[None, :])
-            evaluations += problem.evaluations - before
+        if run.finished:
+            greedy = greedy_plan(policy, feats, table)[None, :]
+            g_score, g_step, _ = run.count(lambda: score_ops_batch(problem, greedy))
             greedy_score = float(g_score[0])
-            if g_score[0] < best_score:
-                best, best_score, best_step = greedy.copy(), float(g_score[0]), float(g_step[0])
+            run.offer(greedy, g_score, g_step)
     finally:
         torch.set_num_threads(threads)
 
-    used = np.unique(best)
     stats: dict[str, Any] = {
-        "evaluations": evaluations,
-        "best_score_s": best_score,
-        "best_step_time_s": best_step,
+        **run.stats(),
         "greedy_score_s": greedy_score,
-        "updates": done,
-        "planned_updates": total,
-        "finished": finished,
         "groups": n_groups,
         "grouper_hidden": config.grouper_hidden,
         "hidden": config.hidden,
@@ -765,12 +709,10 @@ def train_hrl(
         "learning_rate": config.learning_rate,
         "baseline_decay": config.baseline_decay,
         "baseline": baseline,
-        "devices_used": len(used),
+        "devices_used": len(np.unique(run.best)),
         "stopped_at_deadline": stopped_at_deadline,
-        "resumed_from_update": resumed_from,
-        "learning_curve": curve,
     }
-    return HRLResult(best, best_score, stats)
+    return HRLResult(run.best, run.best_score, stats)
 
 
 def greedy_plan(policy: HierarchicalPolicy, feats: torch.Tensor, table: _OpTable) -> np.ndarray:

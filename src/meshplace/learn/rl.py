@@ -69,7 +69,6 @@ from meshplace.learn.features import (
 )
 from meshplace.learn.policy import Seq2SeqPolicy
 from meshplace.learn.training import TrainingRun
-from meshplace.learn.training import save_checkpoint as _save_checkpoint  # noqa: F401
 from meshplace.placers.base import (
     PlacementProblem,
     PlacerError,

@@ -94,6 +94,7 @@ class TrainingRun:
         path: the checkpoint file, or ``None`` for none.
         checkpoint_every: save after every this many updates (and at the end).
         progress: called after every update with ``(done, total, best step time)``.
+        start: ``time.perf_counter()`` at which the run's wall time starts (default: now).
 
     Attributes:
         done, evaluations, best, best_score, best_step, curve, resumed_from: the run's
@@ -111,6 +112,7 @@ class TrainingRun:
         path: Path | None = None,
         checkpoint_every: int = 20,
         progress: ProgressFn | None = None,
+        start: float | None = None,
     ) -> None:
         self.problem = problem
         self.total = int(total)
@@ -119,7 +121,7 @@ class TrainingRun:
         self.path = path
         self.checkpoint_every = max(1, int(checkpoint_every))
         self.progress = progress
-        self.start = time.perf_counter()
+        self.start = time.perf_counter() if start is None else start
         self.wall_before = 0.0
         self.done = 0
         self.session = 0
@@ -221,7 +223,8 @@ class TrainingRun:
         ):
             found = state.get("fingerprint") if isinstance(state, dict) else None
             raise PlacerError(
-                f"{self.path}: checkpoint is for another problem, seed, budget or config "
+                f"{self.path}: checkpoint is for another problem, seed, budget, config or "
+                f"weights "
                 f"({found}), not {self.fingerprint}"
             )
         for key, obj in stateful.items():
