@@ -207,3 +207,11 @@ def test_training_killed_with_sigkill_resumes_to_the_same_plan(tmp_path: Path) -
     assert np.array_equal(resumed.group_devices, full.group_devices)
     assert resumed.best_score_s == full.best_score_s
     _curves_equal(resumed.stats["learning_curve"], full.stats["learning_curve"])
+
+
+def test_a_budget_too_small_for_the_updates_stops_at_the_deadline_and_says_so() -> None:
+    problem = _problem("dmcca", "colocrl-2gpu")
+    out = train_rl(problem, 1e-3, seed=0, updates=50)
+    assert out.stats["updates"] == 1 and out.stats["stopped_at_deadline"]
+    assert not out.stats["finished"] and out.stats["greedy_score_s"] is None
+    assert len(out.stats["learning_curve"]["evaluations"]) == 1

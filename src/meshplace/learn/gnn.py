@@ -759,6 +759,8 @@ def finetune(
             checkpoint_every=config.checkpoint_every,
             progress=progress,
             start=start,
+            deadline=deadline,
+            stop_after=stop_after,
         )
         # The zero-shot plan is where fine-tuning starts: the curve's first point.
         run.best_score, run.best_step = first.best_score_s, zs["zero_shot_step_time_s"]
@@ -772,13 +774,7 @@ def finetune(
             run.resume(stateful)
 
         policy.train()
-        stopped_at_deadline = False
-        while run.done < total:
-            if time.perf_counter() > deadline and (run.session > 0 or run.done > 0):
-                stopped_at_deadline = True
-                break
-            if stop_after is not None and run.session >= stop_after:
-                break
+        while run.keep_going():
             rng = np.random.default_rng([seed, 1 + run.done])
             rollout = decode(policy, x, config.samples, rng)
             scores, steps = run.count(lambda r=rollout: _score(problem, r.group_devices))
@@ -793,7 +789,6 @@ def finetune(
         **zs,
         **run.stats(),
         "finetune_updates": run.done,
-        "stopped_at_deadline": stopped_at_deadline,
         "ppo": asdict(config),
     }
     stats.pop("updates")

@@ -643,6 +643,8 @@ def train_hrl(
             path=path,
             checkpoint_every=config.checkpoint_every,
             progress=progress,
+            deadline=deadline,
+            stop_after=stop_after,
         )
         baseline: float | None = None
         if resume:
@@ -650,13 +652,7 @@ def train_hrl(
             if scalars is not None:
                 baseline = scalars["baseline"]
 
-        stopped_at_deadline = False
-        while run.done < total:
-            if time.perf_counter() > deadline and (run.session > 0 or run.done > 0):
-                stopped_at_deadline = True
-                break
-            if stop_after is not None and run.session >= stop_after:
-                break
+        while run.keep_going():
             log_groups = policy.grouper(feats)  # [V, N]
             groups = sample_groups(log_groups, config.samples, generator)  # [K, V]
             groups_np = groups.numpy()
@@ -710,7 +706,6 @@ def train_hrl(
         "baseline_decay": config.baseline_decay,
         "baseline": baseline,
         "devices_used": len(np.unique(run.best)),
-        "stopped_at_deadline": stopped_at_deadline,
     }
     return HRLResult(run.best, run.best_score, stats)
 

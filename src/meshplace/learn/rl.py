@@ -204,6 +204,8 @@ def train_rl(
             path=path,
             checkpoint_every=config.checkpoint_every,
             progress=progress,
+            deadline=deadline,
+            stop_after=stop_after,
         )
         baseline: float | None = None
         if resume:
@@ -211,13 +213,7 @@ def train_rl(
             if scalars is not None:
                 baseline = scalars["baseline"]
 
-        stopped_at_deadline = False
-        while run.done < total:
-            if time.perf_counter() > deadline and (run.session > 0 or run.done > 0):
-                stopped_at_deadline = True
-                break
-            if stop_after is not None and run.session >= stop_after:
-                break
+        while run.keep_going():
             actions = policy.sample(features, config.samples, generator)
             plans = actions.numpy()
             # Repeats within a batch are simulated once; no cache across updates, so the
@@ -259,7 +255,6 @@ def train_rl(
         "baseline_decay": config.baseline_decay,
         "entropy_weight": config.entropy_weight,
         "baseline": baseline,
-        "stopped_at_deadline": stopped_at_deadline,
     }
     return RLResult(run.best, run.best_score, stats)
 

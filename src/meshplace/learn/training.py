@@ -95,6 +95,10 @@ class TrainingRun:
         checkpoint_every: save after every this many updates (and at the end).
         progress: called after every update with ``(done, total, best step time)``.
         start: ``time.perf_counter()`` at which the run's wall time starts (default: now).
+        deadline: ``time.perf_counter()`` after which :meth:`keep_going` stops the run
+            (a hard stop on a machine slower than the budget assumed).
+        stop_after: :meth:`keep_going` stops once this session has made this many updates
+            (a deliberate interruption, for tests of resuming).
 
     Attributes:
         done, evaluations, best, best_score, best_step, curve, resumed_from: the run's
@@ -113,6 +117,8 @@ class TrainingRun:
         checkpoint_every: int = 20,
         progress: ProgressFn | None = None,
         start: float | None = None,
+        deadline: float | None = None,
+        stop_after: int | None = None,
     ) -> None:
         self.problem = problem
         self.total = int(total)
@@ -135,6 +141,9 @@ class TrainingRun:
             "wall_s": [],
         }
         self.resumed_from: int | None = None
+        self.deadline = deadline
+        self.stop_after = stop_after
+        self.stopped_at_deadline = False
 
     # ------------------------------------------------------------ bookkeeping
     def count(self, fn: Callable[[], Any]) -> Any:
@@ -179,6 +188,18 @@ class TrainingRun:
         """An interrupted session leaves its latest state behind."""
         if self.session and self.done % self.checkpoint_every and self.done < self.total:
             self.save(stateful, scalars)
+
+    def keep_going(self) -> bool:
+        """Whether to make another update: not yet at ``total``, not past the deadline
+        (after at least one update, which :attr:`stopped_at_deadline` then records), and
+        not past ``stop_after`` updates in this session."""
+        if self.done >= self.total:
+            return False
+        past = self.deadline is not None and time.perf_counter() > self.deadline
+        if past and (self.session > 0 or self.done > 0):
+            self.stopped_at_deadline = True
+            return False
+        return self.stop_after is None or self.session < self.stop_after
 
     @property
     def finished(self) -> bool:
@@ -248,5 +269,6 @@ class TrainingRun:
             "planned_updates": self.total,
             "finished": self.finished,
             "resumed_from_update": self.resumed_from,
+            "stopped_at_deadline": self.stopped_at_deadline,
             "learning_curve": self.curve,
         }
