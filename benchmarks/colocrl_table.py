@@ -56,6 +56,7 @@ def main() -> None:
                     "oom": r.oom,
                     "search_time_s": r.search_time_s,
                     "evaluations": r.evaluations,
+                    "stopped_at_deadline": bool(r.stats.get("stopped_at_deadline")),
                 }
                 print(
                     f"{graph.name} {cname} {placer}: {r.step_time_s:.3f} s"
@@ -79,13 +80,18 @@ def main() -> None:
 
 
 def _cell(result: dict) -> str:
-    return "OOM" if result["oom"] else f"{result['step_time_s']:.3f}"
+    if result["oom"]:
+        return "OOM"
+    return f"{result['step_time_s']:.3f}" + ("*" if result.get("stopped_at_deadline") else "")
 
 
 def _print_markdown(rows: list[dict], placers: list[str]) -> None:
     ordered = ["single_cpu", "single", "metis", "mincut", "expert"]
     ordered += [p for p in placers if p not in ordered]
-    print("Simulated step time per training step (seconds); OOM = exceeds device memory.\n")
+    print(
+        "Simulated step time per training step (seconds); OOM = exceeds device memory; "
+        "* = stopped at its wall-clock deadline before its planned updates or simulations.\n"
+    )
     print(
         "| workload | GPUs | "
         + " | ".join(ordered)
