@@ -123,7 +123,9 @@ def run_model(name: str, steps: int, budget: float) -> dict:
         "ops": step.graph.num_ops,
         "link": {"bandwidth": cal.link["bandwidth"], "latency": cal.link["latency"]},
         "message_cpu": {
-            k: cal.messages[k] for k in ("send_s", "send_s_per_byte", "recv_s", "recv_s_per_byte")
+            k: cal.messages[k]
+            for k in ("send_s", "send_s_per_byte", "recv_s", "recv_s_per_byte", "spacing")
+            if k in cal.messages
         },
         "placements": rows,
         "median_abs_error": statistics.median(abs(r["error"]) for r in rows) if rows else None,

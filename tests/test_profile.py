@@ -126,6 +126,46 @@ def test_message_cost_fit_and_measure() -> None:
     assert len(m["samples"]) == 2 and len(m["cpu_samples"]) == 2
 
 
+def test_spacing_dependent_message_cost() -> None:
+    from meshplace.errors import InputError
+    from meshplace.profile.calibrate import message_gaps, runtime_messages, spacing_cost
+    from meshplace.profile.link import measure_message_spacing
+
+    # the cost grows with log spacing between the measured rows, constant beyond them
+    rows = [(1e-5, 1e-5, 2e-5), (1e-3, 3e-5, 6e-5)]
+    s, r = spacing_cost(rows, [0.0, 1e-4, 10.0])
+    assert s == pytest.approx([1e-5, 2e-5, 3e-5]) and r == pytest.approx([2e-5, 4e-5, 6e-5])
+    with pytest.raises(InputError):
+        spacing_cost([], [1.0])
+    # gaps count from the same worker's previous message, sent or received
+    gs, gr = message_gaps(
+        np.array([1.0, 4.0]), np.array([2.0, 4.5]), np.array([0, 1]), np.array([1, 0])
+    )
+    assert gs.tolist() == [1.0, 2.0] and gr.tolist() == [2.0, 3.5]
+    # the prediction with a spacing table: bursts cheaper than the fixed cost, spaced
+    # messages dearer; the same graph without a table predicts as before
+    step = trace_step(ModelSpec("mlp", batch=8))
+    cal = calibrate(step, reps=2, link=FAKE_LINK, device=FAKE_DEVICE, messages=FAKE_MESSAGES)
+    n = step.graph.num_ops
+    split = ["cpu0" if i < n // 2 else "cpu1" for i in range(n)]
+    msgs = runtime_messages(step, np.array([0 if d == "cpu0" else 1 for d in split]))
+    assert len(msgs["bytes"]) > 0 and set(msgs["src"].tolist()) | set(msgs["dst"].tolist()) <= {
+        0,
+        1,
+    }
+    fixed = cal.predict(step.graph, split)
+    cal.messages = {**FAKE_MESSAGES, "spacing": [(1e-6, 0.0, 0.0), (1e-5, 0.0, 0.0)]}
+    cheap = cal.predict(step.graph, split)
+    cal.messages = {**FAKE_MESSAGES, "spacing": [(1e-6, 1e-3, 1e-3), (1e-5, 1e-3, 1e-3)]}
+    dear = cal.predict(step.graph, split)
+    assert cheap < fixed < dear
+    m = measure_message_spacing(kernels=(0, 5), iters=20, rounds=1)
+    assert len(m["rows"]) == 2 and all(x >= 0 for row in m["rows"] for x in row)
+    assert m["rows"][0][0] <= m["rows"][1][0]
+    with pytest.raises(InputError):
+        measure_message_spacing(kernels=())
+
+
 def test_local_cluster_shape() -> None:
     spec = local_device_spec(1e10, 1e10, 1e-6)
     c = local_cluster(spec, 2e9, 5e-5, devices=3)

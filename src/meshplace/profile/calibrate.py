@@ -16,7 +16,11 @@ Four measurements (all single-threaded, like the runtime's workers):
 * **Messages**: the CPU a gloo message costs its sender and its receiver on this host
   (:func:`meshplace.profile.link.measure_message_cost`), which becomes the cost model's
   ``message_cpu`` for the ``local-cpu`` kind: workers are processes on shared cores with
-  no DMA engine between them, so a transfer is not free for their compute.
+  no DMA engine between them, so a transfer is not free for their compute. Its fixed
+  part depends on the message's spacing (the time since the worker's previous message:
+  bursts cost less each), measured by
+  :func:`meshplace.profile.link.measure_message_spacing` into ``messages["spacing"]``,
+  which :meth:`Calibration.predict` uses (docs/runtime.md, "Where the error came from").
 
 Predictions (:meth:`Calibration.predict`) simulate with ``in_order=True``: a worker walks
 the graph in one global order and blocks on a receive even when later nodes are ready.
@@ -49,10 +53,13 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from meshplace.cost.compute import DEFAULT_EFFICIENCY, NON_KERNEL_KINDS, CostModel
+from meshplace.errors import InputError
 from meshplace.graph.ir import Op, OpGraph
 from meshplace.hardware import Cluster, Device, DeviceSpec, Link
 
 LOCAL_KIND = "local-cpu"
+# fixed-point rounds of the spacing-dependent message cost in Calibration.predict
+SPACING_ROUNDS = 3
 
 
 # ------------------------------------------------------------------ device
@@ -340,7 +347,10 @@ class Calibration:
         consuming worker, views included) and the exchange of new parameter and optimizer
         state values that ends each step (:func:`end_of_step`), which the OpGraph has no
         edges for; for any other graph, one per transfer (the cost model's
-        ``message_cpu``)."""
+        ``message_cpu``). With a spacing table (``messages["spacing"]``), each message's
+        fixed cost is :func:`spacing_cost` at the time since its worker's previous message
+        in the simulated step, refined over :data:`SPACING_ROUNDS` further simulations,
+        and the end-of-step exchange is charged as a burst."""
         if self.step is None or graph is not self.step.graph or not self.messages:
             return predict_step(graph, self.cluster, self.cost_model, devices, in_order=True)
         from meshplace.sim.simulator import Simulator
@@ -354,13 +364,38 @@ class Calibration:
         order = runtime_order(self.step)
         sim = Simulator(graph, self.cluster, free, in_order=True, order=order)
         placement = sim.placement_of(devices)
-        extra = runtime_message_costs(self.step, placement, self.messages)
+        msgs = runtime_messages(self.step, placement)
+        n = graph.num_ops
+        extra = charge_messages(
+            n, msgs, float(self.messages["send_s"]), float(self.messages["recv_s"]), self.messages
+        )
         res = sim.simulate(placement, extra_time=extra)
+        rows = self.messages.get("spacing")
+        end_costs: Mapping[str, Any] = self.messages
+        if rows and len(msgs["bytes"]):
+            # the cost of a message depends on the time since its worker's previous one,
+            # which depends on the costs: a few fixed-point rounds (docs/runtime.md)
+            for _ in range(SPACING_ROUNDS):
+                t_send = res.op_end[np.maximum(msgs["src_op"], 0)]
+                t_recv = res.op_start[np.maximum(msgs["dst_op"], 0)]
+                gap_s, gap_r = message_gaps(t_send, t_recv, msgs["src"], msgs["dst"])
+                send_fixed = spacing_cost(rows, gap_s)[0]
+                recv_fixed = spacing_cost(rows, gap_r)[1]
+                extra = charge_messages(n, msgs, send_fixed, recv_fixed, self.messages)
+                res = sim.simulate(placement, extra_time=extra)
+        if rows:
+            # the end-of-step exchange is one burst per sender
+            burst = spacing_cost(rows, [0.0])
+            end_costs = {
+                **self.messages,
+                "send_s": float(burst[0][0]),
+                "recv_s": float(burst[1][0]),
+            }
         device_end = np.zeros(sim.num_devices)
         np.maximum.at(device_end, placement, res.op_end)
         updates = runtime_update_messages(self.step, placement)
         bandwidth, latency = float(self.link["bandwidth"]), float(self.link["latency"])
-        return end_of_step(device_end, updates, self.messages, latency, bandwidth)
+        return end_of_step(device_end, updates, end_costs, latency, bandwidth)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -380,17 +415,21 @@ def calibrate(
     device: dict[str, float] | None = None,
     messages: dict[str, Any] | None = None,
     in_worker: bool = True,
+    spacing: bool = True,
 ) -> Calibration:
     """Measure the device, time ``step``'s ops (on a forked runtime worker, or in this
     process with ``in_worker=False``), measure the link and the message CPU cost (unless
-    given), fit the cost model and attach the op times to ``step.graph``. Starts two
+    given; with ``spacing``, also its dependence on spacing, ~2.5 s more), fit the cost
+    model and attach the op times to ``step.graph``. Starts two
     processes for the link and two for the messages (~1-2 s each) unless given."""
-    from meshplace.profile.link import measure_link, measure_message_cost
+    from meshplace.profile.link import measure_link, measure_message_cost, measure_message_spacing
 
     device = device or measure_device()
     link = link or measure_link()
     if messages is None:
         messages = measure_message_cost()
+        if spacing:
+            messages["spacing"] = measure_message_spacing()["rows"]
     seconds = time_ops_in_worker(step, reps=reps) if in_worker else time_step_ops(step, reps)
     spec = local_device_spec(device["peak_flops"], device["memory_bandwidth"], 0.0)
     cost_model, fit = fit_cost_model(step.graph, seconds, spec)
@@ -436,23 +475,20 @@ def runtime_order(step: Any) -> np.ndarray:
     return np.argsort(first, kind="stable")
 
 
-def runtime_message_costs(step: Any, placement: np.ndarray, messages: Mapping[str, Any]) -> Any:
-    """Seconds of message CPU per OpGraph op when the runtime executes ``step`` with op
-    *i* on worker ``placement[i]``: from the executor's own schedule, every fx value sent
-    to every other worker that reads it costs ``send_s + send_s_per_byte · bytes`` per
-    tensor leaf to the op that produces it, and ``recv_s + recv_s_per_byte · bytes`` to
-    the op of the first node on the receiving worker that reads it. (New parameter and
-    state values sent back to their owners end the step: :func:`runtime_update_messages`.)
-    O(fx nodes + fx edges)."""
+def runtime_messages(step: Any, placement: np.ndarray) -> dict[str, np.ndarray]:
+    """The runtime's messages when it executes ``step`` with op *i* on worker
+    ``placement[i]``, from the executor's own schedule: one per tensor leaf of every fx
+    value sent to every other worker that reads it. Arrays ``src_op`` (the OpGraph op that
+    produces it, -1 if none), ``dst_op`` (the op of the first node on the receiving worker
+    that reads it, -1 if none), ``src``, ``dst`` (workers) and ``bytes``. (New parameter
+    and state values sent back to their owners end the step:
+    :func:`runtime_update_messages`.) O(fx nodes + fx edges)."""
     from meshplace.runtime.executor import _schedule
 
     sched = _schedule(step, [int(d) for d in placement])
     nodes = list(step.gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     owner = [step.node_op.get(n.name, -1) for n in nodes]
-    a_s, b_s = float(messages["send_s"]), float(messages["send_s_per_byte"])
-    a_r, b_r = float(messages["recv_s"]), float(messages["recv_s_per_byte"])
-    extra = np.zeros(step.graph.num_ops)
 
     def leaves(i: int) -> list[float]:
         flat = tree_flatten(nodes[i].meta.get("val"))[0]
@@ -466,13 +502,106 @@ def runtime_message_costs(step: Any, placement: np.ndarray, messages: Mapping[st
             j = pos[a]
             if sched.device[j] != sched.device[i]:
                 first_reader.setdefault((j, sched.device[i]), i)
-    for (j, _dev), i in first_reader.items():
-        sizes = leaves(j)
-        if owner[j] >= 0:
-            extra[owner[j]] += sum(a_s + b_s * b for b in sizes)
-        if owner[i] >= 0:
-            extra[owner[i]] += sum(a_r + b_r * b for b in sizes)
+    rows = []
+    for (j, dev), i in first_reader.items():
+        for b in leaves(j):
+            rows.append((owner[j], owner[i], sched.device[j], dev, b))
+    arr = np.array(rows, dtype=float).reshape(-1, 5)
+    return {
+        "src_op": arr[:, 0].astype(np.int64),
+        "dst_op": arr[:, 1].astype(np.int64),
+        "src": arr[:, 2].astype(np.int64),
+        "dst": arr[:, 3].astype(np.int64),
+        "bytes": arr[:, 4],
+    }
+
+
+def charge_messages(
+    num_ops: int,
+    msgs: Mapping[str, np.ndarray],
+    send_fixed: Any,
+    recv_fixed: Any,
+    messages: Mapping[str, Any],
+) -> np.ndarray:
+    """Seconds of message CPU per op: each message of ``msgs`` (:func:`runtime_messages`)
+    costs ``send_fixed + send_s_per_byte · bytes`` to the op producing it and
+    ``recv_fixed + recv_s_per_byte · bytes`` to the first op reading it (the fixed parts
+    scalars or one per message). O(ops + messages)."""
+    extra = np.zeros(num_ops)
+    nbytes = msgs["bytes"]
+    send = np.broadcast_to(send_fixed, nbytes.shape) + float(messages["send_s_per_byte"]) * nbytes
+    recv = np.broadcast_to(recv_fixed, nbytes.shape) + float(messages["recv_s_per_byte"]) * nbytes
+    s_ok, r_ok = msgs["src_op"] >= 0, msgs["dst_op"] >= 0
+    np.add.at(extra, msgs["src_op"][s_ok], send[s_ok])
+    np.add.at(extra, msgs["dst_op"][r_ok], recv[r_ok])
     return extra
+
+
+def runtime_message_costs(step: Any, placement: np.ndarray, messages: Mapping[str, Any]) -> Any:
+    """Seconds of message CPU per OpGraph op when the runtime executes ``step`` with op
+    *i* on worker ``placement[i]``: every message of :func:`runtime_messages` costs
+    ``send_s + send_s_per_byte · bytes`` to the op that produces it, and
+    ``recv_s + recv_s_per_byte · bytes`` to the op of the first node on the receiving
+    worker that reads it. O(fx nodes + fx edges)."""
+    msgs = runtime_messages(step, placement)
+    return charge_messages(
+        step.graph.num_ops,
+        msgs,
+        float(messages["send_s"]),
+        float(messages["recv_s"]),
+        messages,
+    )
+
+
+def spacing_cost(rows: Sequence[Sequence[float]], gap: Any) -> tuple[np.ndarray, np.ndarray]:
+    """Fixed CPU cost ``(send_s, recv_s)`` of a message ``gap`` seconds after its worker's
+    previous one, from :func:`meshplace.profile.link.measure_message_spacing`'s rows
+    ``(spacing_s, send_s, recv_s)``: per end, the least-squares line ``a + b · log
+    spacing`` through the rows (it smooths the single rows' noise), evaluated at the gap
+    clamped to the measured spacings and clipped at 0. O(rows + len(gap)).
+
+    >>> s, r = spacing_cost([(1e-5, 1.0, 2.0), (1e-3, 3.0, 6.0)], [0.0, 1e-4, 1.0])
+    >>> s.round(6).tolist(), r.round(6).tolist()
+    ([1.0, 2.0, 3.0], [2.0, 4.0, 6.0])
+    """
+    if not rows:
+        raise InputError("the spacing table has no rows; measure it with measure_message_spacing")
+    table = np.array(sorted((float(a), float(b), float(c)) for a, b, c in rows))
+    x = np.log(np.maximum(table[:, 0], 1e-9))
+    g = np.clip(np.log(np.maximum(np.asarray(gap, dtype=float), 1e-9)), x[0], x[-1])
+    out = []
+    for col in (1, 2):
+        if len(table) > 1 and np.ptp(x) > 0:
+            b, a = np.polyfit(x, table[:, col], 1)
+        else:
+            b, a = 0.0, float(table[0, col])
+        out.append(np.maximum(a + b * g, 0.0))
+    return out[0], out[1]
+
+
+def message_gaps(
+    times_send: np.ndarray, times_recv: np.ndarray, src: np.ndarray, dst: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """For every message, the time since the previous message (sent or received) on its
+    sending worker and on its receiving worker, given when each end handles it; a
+    worker's first message counts from the step's start (time 0). O(m log m).
+
+    >>> gs, gr = message_gaps(np.array([1.0, 1.0, 5.0]), np.array([2.0, 3.0, 6.0]),
+    ...                       np.array([0, 0, 0]), np.array([1, 1, 1]))
+    >>> gs.tolist(), gr.tolist()
+    ([1.0, 0.0, 4.0], [2.0, 1.0, 3.0])
+    """
+    m = len(times_send)
+    t = np.concatenate([times_send, times_recv])
+    dev = np.concatenate([src, dst])
+    order = np.lexsort((np.arange(2 * m), t, dev))
+    ts, ds = t[order], dev[order]
+    prev = np.empty_like(ts)
+    prev[0] = 0.0
+    prev[1:] = np.where(ds[1:] == ds[:-1], ts[:-1], 0.0)
+    gap = np.empty_like(t)
+    gap[order] = np.maximum(ts - prev, 0.0)
+    return gap[:m], gap[m:]
 
 
 def runtime_update_messages(step: Any, placement: np.ndarray) -> list[tuple[int, int, float]]:

@@ -34,6 +34,8 @@ import numpy as np
 import torch
 import torch.multiprocessing as mp
 
+from meshplace.errors import InputError
+
 SIZES = (4, 4096, 65536, 1 << 20, 4 << 20)
 
 
@@ -187,10 +189,10 @@ def _message_worker(
         # rarely waits; the baseline loop of this size is the same without messages
         spin = kernels * max(1, -(-n // 65536))
         example = torch.zeros(max(1, n // 4))
-        for with_messages in (False, True):
-            key = n if with_messages else -n - 1
-            res[key] = []
-            for rep in range(rounds + 1):  # the first round warms up
+        res[n], res[-n - 1] = [], []
+        for rep in range(rounds + 1):  # the first round warms up
+            for with_messages in (False, True):  # paired: host drift cancels
+                key = n if with_messages else -n - 1
                 dist.barrier()
                 keep: list[torch.Tensor] = []
                 pending: list[Any] = []
@@ -238,6 +240,9 @@ def measure_message_cost(
     code. Waiting for the wire is excluded as far as possible (each receive is finished
     ``lag`` iterations after its send, and iterations are long enough for the message's
     bytes; the link's latency and bandwidth model the wire).
+    Rounds with and without messages alternate, so slow drifts of the host cancel.
+    ``spacing_s`` is the loop's mean wall time per iteration with messages (the time from
+    one message to the next at each end; :func:`measure_message_spacing`).
     ``samples`` holds ``(bytes, send_s, recv_s)`` per size and ``cpu_samples`` the same in
     process CPU time (every thread), which is lower where the loss is waiting rather than
     work; on a host loaded by other jobs the wall cost also holds the scheduler slices the
@@ -288,6 +293,9 @@ def measure_message_cost(
     samples, cpu_samples = per_size(0), per_size(1)
     send = fit_affine([(n, s) for n, s, _ in samples])
     recv = fit_affine([(n, r) for n, _, r in samples])
+    spacing = statistics.mean(
+        statistics.median(v[0] for v in got[r][n]) for r in range(2) for n in sizes
+    )
     return {
         "send_s": send[0],
         "send_s_per_byte": send[1],
@@ -295,6 +303,7 @@ def measure_message_cost(
         "recv_s_per_byte": recv[1],
         "samples": samples,
         "cpu_samples": cpu_samples,
+        "spacing_s": spacing,
     }
 
 
@@ -345,10 +354,10 @@ def _step_message_worker(
     res: dict[int, list[float]] = {}
     for n in sizes:
         example = torch.zeros(max(1, n // 4))
-        for with_messages in (False, True):
-            key = n if with_messages else -n - 1
-            res[key] = []
-            for rep in range(rounds + 1):  # the first round warms up
+        res[n], res[-n - 1] = [], []
+        for rep in range(rounds + 1):  # the first round warms up
+            for with_messages in (False, True):  # paired: host drift cancels
+                key = n if with_messages else -n - 1
                 dist.barrier()
                 keep: list[torch.Tensor] = []
                 pending: list[Any] = []
@@ -456,3 +465,44 @@ def measure_message_cost_in_step(
         "samples": rows,
         "messages_per_step": count,
     }
+
+
+# ------------------------------------------------------------------ cost against spacing
+SPACING_KERNELS = (0, 3, 10, 30, 100, 300)
+
+
+def measure_message_spacing(
+    kernels: Sequence[int] = SPACING_KERNELS,
+    size: int = 4,
+    iters: int = 60,
+    rounds: int = 9,
+    timeout: float = 60.0,
+    start_method: str | None = None,
+) -> dict[str, Any]:
+    """What a message costs its sender and its receiver as a function of its *spacing*,
+    the wall time since the same worker's previous message: :func:`measure_message_cost`'s
+    loop (the executor's own send and receive code, two busy single-threaded processes)
+    with ``k`` one-element kernels between messages for each ``k`` in ``kernels`` — 0 is a
+    back-to-back burst. Each row is ``(spacing_s, send_s, recv_s)``: the spacing is the
+    loop's wall time per iteration with messages (mean of both ends), the costs the
+    ``size``-byte message's extra wall time per iteration at each end, as in
+    :func:`measure_message_cost`. Rows are sorted by spacing. On this testbed a message in
+    a burst costs its ends less than an isolated one (gloo's event-loop thread and the
+    kernel's TCP path are woken once for many messages; docs/runtime.md).
+    Cost: ``len(kernels)`` runs of that loop (~0.5-2 s each)."""
+    if not kernels or any(int(k) < 0 for k in kernels):
+        raise InputError("kernels must be a non-empty list of counts >= 0.")
+    rows = []
+    for k in kernels:
+        m = measure_message_cost(
+            sizes=(size,),
+            iters=iters,
+            kernels=int(k),
+            rounds=rounds,
+            timeout=timeout,
+            start_method=start_method,
+        )
+        _, send, recv = m["samples"][0]
+        rows.append((float(m["spacing_s"]), float(send), float(recv)))
+    rows.sort()
+    return {"rows": rows, "kernels": [int(k) for k in kernels], "size": int(size)}
