@@ -173,14 +173,17 @@ def score_and_step_batch(
     problem: PlacementProblem,
     assignments: np.ndarray,
     cache: dict[bytes, tuple[float, float, bool]] | None = None,
+    *,
+    per_op: bool = False,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Like :func:`score_batch`, also returning each plan's simulated step time and
-    whether it ran out of memory."""
+    whether it ran out of memory. With ``per_op=True`` the rows are device-per-op plans
+    (``[B, num_ops]``, as ``hrl`` makes) instead of device-per-group ones."""
     batch = np.ascontiguousarray(assignments, dtype=np.int64)
-    if batch.ndim != 2 or batch.shape[1] != problem.num_groups:
-        raise ValueError(
-            f"assignments must be [B, {problem.num_groups}] device indices, got {batch.shape}"
-        )
+    width = problem.graph.num_ops if per_op else problem.num_groups
+    evaluate = problem.evaluate_ops if per_op else problem.evaluate
+    if batch.ndim != 2 or batch.shape[1] != width:
+        raise ValueError(f"assignments must be [B, {width}] device indices, got {batch.shape}")
     if batch.size and (batch.min() < 0 or batch.max() >= problem.num_devices):
         raise ValueError(f"device indices must lie in 0..{problem.num_devices - 1}")
     memo: dict[bytes, tuple[float, float, bool]] = {} if cache is None else cache
@@ -191,7 +194,7 @@ def score_and_step_batch(
         key = row.tobytes()
         hit = memo.get(key)
         if hit is None:
-            result = problem.evaluate(row)
+            result = evaluate(row)
             hit = (problem.score(result), result.step_time_s, result.oom)
             memo[key] = hit
         scores[i], steps[i], ooms[i] = hit

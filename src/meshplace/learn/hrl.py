@@ -95,7 +95,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from meshplace.learn.features import KINDS, kind_index, layer_key
+from meshplace.learn.features import KINDS, kind_index, layer_key, score_and_step_batch
 from meshplace.learn.policy import Seq2SeqPolicy
 from meshplace.learn.training import TrainingRun
 from meshplace.placers.base import (
@@ -521,25 +521,9 @@ def score_ops_batch(
     problem: PlacementProblem, op_plans: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``problem.score``, step time and OOM flag of each row of ``op_plans`` (``[B, V]``
-    device per op), the op-level twin of
-    :func:`meshplace.learn.features.score_and_step_batch`: identical rows are simulated
-    once, every simulation counts one ``problem.evaluations``."""
-    batch = np.ascontiguousarray(op_plans, dtype=np.int64)
-    if batch.ndim != 2 or batch.shape[1] != problem.graph.num_ops:
-        raise ValueError(f"op plans must be [B, {problem.graph.num_ops}], got {batch.shape}")
-    memo: dict[bytes, tuple[float, float, bool]] = {}
-    scores = np.empty(len(batch))
-    steps = np.empty(len(batch))
-    ooms = np.zeros(len(batch), dtype=bool)
-    for i, row in enumerate(batch):
-        key = row.tobytes()
-        hit = memo.get(key)
-        if hit is None:
-            result = problem.evaluate_ops(row)
-            hit = (problem.score(result), result.step_time_s, result.oom)
-            memo[key] = hit
-        scores[i], steps[i], ooms[i] = hit
-    return scores, steps, ooms
+    device per op): :func:`meshplace.learn.features.score_and_step_batch` on op-level
+    plans (identical rows simulated once, each simulation one ``problem.evaluations``)."""
+    return score_and_step_batch(problem, op_plans, per_op=True)
 
 
 def planned_updates(problem: PlacementProblem, budget_s: float, config: HRLConfig) -> int:

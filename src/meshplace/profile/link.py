@@ -52,7 +52,9 @@ def fit_link(samples: Sequence[tuple[float, float]]) -> tuple[float, float]:
     return 1.0 / inv_bw, max(float(lat), 0.0)
 
 
-def _pingpong(rank: int, store_path: str, sizes: Sequence[int], reps: int, out: Any) -> None:
+def _join_pair(rank: int, store_path: str) -> None:
+    """Join the two-process gloo group of a link micro-benchmark, one thread per process
+    (as the runtime's workers run)."""
     import datetime
 
     import torch.distributed as dist
@@ -62,6 +64,12 @@ def _pingpong(rank: int, store_path: str, sizes: Sequence[int], reps: int, out: 
     dist.init_process_group(
         "gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60)
     )
+
+
+def _pingpong(rank: int, store_path: str, sizes: Sequence[int], reps: int, out: Any) -> None:
+    import torch.distributed as dist
+
+    _join_pair(rank, store_path)
     res = []
     for n in sizes:
         buf = torch.zeros(max(1, n // 4), dtype=torch.float32)
@@ -170,17 +178,11 @@ def _message_worker(
     rounds: int,
     out: Any,
 ) -> None:
-    import datetime
-
     import torch.distributed as dist
 
     from meshplace.runtime.executor import finish_receive, post_receive, send_value
 
-    torch.set_num_threads(1)
-    store = dist.FileStore(store_path, 2)
-    dist.init_process_group(
-        "gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60)
-    )
+    _join_pair(rank, store_path)
     x, y = torch.ones(64), torch.ones(64)
     lag = 4  # the receiver finishes message i - lag in iteration i: normally arrived by then
     res: dict[int, list[tuple[float, float]]] = {}
@@ -336,17 +338,11 @@ def _step_message_worker(
     rounds: int,
     out: Any,
 ) -> None:
-    import datetime
-
     import torch.distributed as dist
 
     from meshplace.runtime.executor import finish_receive, post_receive, send_value
 
-    torch.set_num_threads(1)
-    store = dist.FileStore(store_path, 2)
-    dist.init_process_group(
-        "gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60)
-    )
+    _join_pair(rank, store_path)
     params, bufs, states, inputs = step.initial_state()
     values = [*params, *bufs, *states, *inputs]
     computed = sum(1 for n in step.gm.graph.nodes if n.op == "call_function")
