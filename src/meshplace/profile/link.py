@@ -103,27 +103,21 @@ def safe_start_method() -> str:
     return "fork"
 
 
-def measure_link(
-    sizes: Sequence[int] = SIZES,
-    reps: int = 20,
-    timeout: float = 60.0,
-    start_method: str | None = None,
-) -> dict[str, Any]:
-    """Ping-pong between two gloo worker processes; returns ``bandwidth``, ``latency`` and
-    the ``samples``. ``start_method`` defaults to :func:`safe_start_method`. Raises
-    ``RuntimeError`` if the workers do not finish within ``timeout``."""
-    ctx = mp.get_context(start_method or safe_start_method())
+def _run_pair(
+    target: Any, args: tuple, results: int, timeout: float, start_method: str
+) -> list[Any]:
+    """Run ``target(rank, store_path, *args, out)`` in two processes (ranks 0 and 1, a
+    fresh FileStore) and return the first ``results`` items they put on ``out``; both
+    processes are killed and the store removed on the way out, whatever happens."""
+    ctx = mp.get_context(start_method)
     out = ctx.Queue()
     tmp = tempfile.mkdtemp(prefix="meshplace-link-")
     path = os.path.join(tmp, "store")
-    procs = [
-        ctx.Process(target=_pingpong, args=(r, path, list(sizes), reps, out), daemon=True)
-        for r in range(2)
-    ]
+    procs = [ctx.Process(target=target, args=(r, path, *args, out), daemon=True) for r in range(2)]
     try:
         for p in procs:
             p.start()
-        samples = out.get(timeout=timeout)
+        got = [out.get(timeout=timeout) for _ in range(results)]
         for p in procs:
             p.join(10)
     finally:
@@ -136,6 +130,21 @@ def measure_link(
             os.rmdir(tmp)
         except OSError:
             pass
+    return got
+
+
+def measure_link(
+    sizes: Sequence[int] = SIZES,
+    reps: int = 20,
+    timeout: float = 60.0,
+    start_method: str | None = None,
+) -> dict[str, Any]:
+    """Ping-pong between two gloo worker processes; returns ``bandwidth``, ``latency`` and
+    the ``samples``. ``start_method`` defaults to :func:`safe_start_method`. Raises
+    ``RuntimeError`` if the workers do not finish within ``timeout``."""
+    (samples,) = _run_pair(
+        _pingpong, (list(sizes), reps), 1, timeout, start_method or safe_start_method()
+    )
     bw, lat = fit_link(samples)
     return {"bandwidth": bw, "latency": lat, "samples": samples}
 
@@ -252,34 +261,15 @@ def measure_message_cost(
     ``start_method`` defaults to :func:`safe_start_method`. Raises ``RuntimeError`` if the
     workers do not finish in ``timeout``.
     """
-    ctx = mp.get_context(start_method or safe_start_method())
-    out = ctx.Queue()
-    tmp = tempfile.mkdtemp(prefix="meshplace-msg-")
-    path = os.path.join(tmp, "store")
-    procs = [
-        ctx.Process(
-            target=_message_worker,
-            args=(r, path, list(sizes), iters, kernels, rounds, out),
-            daemon=True,
+    got = dict(
+        _run_pair(
+            _message_worker,
+            (list(sizes), iters, kernels, rounds),
+            2,
+            timeout,
+            start_method or safe_start_method(),
         )
-        for r in range(2)
-    ]
-    try:
-        for p in procs:
-            p.start()
-        got = dict(out.get(timeout=timeout) for _ in range(2))
-        for p in procs:
-            p.join(10)
-    finally:
-        for p in procs:
-            if p.pid is not None and p.is_alive():
-                p.kill()
-                p.join(2)
-        try:
-            os.remove(path)
-            os.rmdir(tmp)
-        except OSError:
-            pass
+    )
 
     def per_size(col: int) -> list[tuple[float, float, float]]:
         rows = []
@@ -413,37 +403,11 @@ def measure_message_cost_in_step(
     the model's own kernels (caches, the event-loop thread between them); CPU time, so
     waiting for the wire is not counted. Uses fork (the step is shared, not re-traced).
     Cost: ``2 · (rounds + 1) · len(sizes)`` training steps in each process."""
-    ctx = mp.get_context("fork")
-    out = ctx.Queue()
-    tmp = tempfile.mkdtemp(prefix="meshplace-msg-")
-    path = os.path.join(tmp, "store")
-    procs = [
-        ctx.Process(
-            target=_step_message_worker,
-            args=(r, path, step, list(sizes), messages, rounds, out),
-            daemon=True,
-        )
-        for r in range(2)
-    ]
-    try:
-        for p in procs:
-            p.start()
-        got = {}
-        for _ in range(2):
-            rank, res, count = out.get(timeout=timeout)
-            got[rank] = res
-        for p in procs:
-            p.join(10)
-    finally:
-        for p in procs:
-            if p.pid is not None and p.is_alive():
-                p.kill()
-                p.join(2)
-        try:
-            os.remove(path)
-            os.rmdir(tmp)
-        except OSError:
-            pass
+    pairs = _run_pair(
+        _step_message_worker, (step, list(sizes), messages, rounds), 2, timeout, "fork"
+    )
+    got = {rank: res for rank, res, _ in pairs}
+    count = pairs[-1][2]
     rows = []
     for n in sizes:
         cost = [
