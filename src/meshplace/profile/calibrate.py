@@ -58,6 +58,7 @@ from meshplace.graph.ir import Op, OpGraph
 from meshplace.hardware import Cluster, Device, DeviceSpec, Link
 
 LOCAL_KIND = "local-cpu"
+LOCAL_GPU_KIND = "local-cuda"
 # fixed-point rounds of the spacing-dependent message cost in Calibration.predict
 SPACING_ROUNDS = 3
 
@@ -107,17 +108,22 @@ def measure_device(threads: int = 1, device: str = "cpu") -> dict[str, float]:
     }
 
 
-def local_device_spec(peak: float, bandwidth: float, launch: float) -> DeviceSpec:
-    """The ``local-cpu`` device spec (one worker = one CPU thread)."""
+def local_device_spec(
+    peak: float, bandwidth: float, launch: float, *, gpu: bool = False
+) -> DeviceSpec:
+    """The ``local-cpu`` device spec (one worker = one CPU thread), or with ``gpu`` the
+    ``local-cuda`` one (one worker = one GPU of this host)."""
     return DeviceSpec(
-        kind=LOCAL_KIND,
-        description="this machine's CPU, one thread per worker (measured)",
+        kind=LOCAL_GPU_KIND if gpu else LOCAL_KIND,
+        description="this machine's GPUs, one per worker (measured)"
+        if gpu
+        else "this machine's CPU, one thread per worker (measured)",
         peak_flops={"float32": float(peak), "float64": float(peak) / 2},
         memory_bandwidth=float(bandwidth),
         memory_bytes=8 * 2**30,
         launch_overhead_s=float(launch),
         source="measured by meshplace.profile.calibrate (matmul, copy, 1-element add)",
-        category="cpu",
+        category="gpu" if gpu else "cpu",
     )
 
 
@@ -128,11 +134,20 @@ def local_cluster(
     devices: int = 2,
     meta: Mapping[str, Any] | None = None,
 ) -> Cluster:
-    """The ``local`` cluster: ``devices`` workers ``cpu0``… of ``spec``, every pair joined
-    by a direct link of the measured bandwidth and latency (loopback TCP through gloo)."""
-    devs = [Device(f"cpu{i}", LOCAL_KIND, spec, host="localhost") for i in range(devices)]
+    """The ``local`` cluster: ``devices`` workers ``cpu0``… (``gpu0``… for a ``local-cuda``
+    spec) of ``spec``, every pair joined by a direct link of the measured bandwidth and
+    latency (loopback TCP through gloo)."""
+    prefix = "gpu" if spec.kind == LOCAL_GPU_KIND else "cpu"
+    devs = [Device(f"{prefix}{i}", spec.kind, spec, host="localhost") for i in range(devices)]
     links = [
-        Link(f"lo{i}-{j}", f"cpu{i}", f"cpu{j}", float(bandwidth), float(latency), "loopback")
+        Link(
+            f"lo{i}-{j}",
+            f"{prefix}{i}",
+            f"{prefix}{j}",
+            float(bandwidth),
+            float(latency),
+            "loopback",
+        )
         for i in range(devices)
         for j in range(devices)
         if i != j
@@ -231,24 +246,35 @@ def time_step_ops(step: Any, reps: int = 5, warmup: int = 1, threads: int = 1) -
     return out
 
 
-def time_ops_in_worker(step: Any, reps: int = 5, warmup: int = 2) -> np.ndarray:
+def time_ops_in_worker(
+    step: Any, reps: int = 5, warmup: int = 2, *, device: str = "cpu", spec: Any = None
+) -> np.ndarray:
     """Seconds per OpGraph op of a traced step, timed on a runtime worker: the step runs
     ``warmup + reps`` times on one forked worker process (one intra-op thread) of
     :func:`meshplace.runtime.executor.run_placement` with its timeline on; each fx node's
     span (from the previous node's end: dispatch included) is charged to the op owning it;
     median per op over the timed steps, rescaled so the ops add up to the median step (the
     worker's per-step work outside the nodes, spread over the ops). Non-kernel ops get 0.
-    Cost: ``warmup + reps`` steps plus a fork (~0.1 s)."""
+    Cost: ``warmup + reps`` steps plus a fork (~0.1 s).
+
+    With ``device="cuda:i"`` the worker runs on that GPU: it is spawned (a forked process
+    cannot use CUDA), so ``spec`` (the step's :class:`~meshplace.runtime.program.ModelSpec`)
+    is needed, and each node's span ends after ``torch.cuda.synchronize`` (its kernels'
+    execution, plus one synchronisation per node)."""
     from meshplace.runtime.executor import run_placement
 
+    gpu = torch.device(device).type == "cuda"
+    if gpu and spec is None:
+        raise InputError("timing ops on a GPU worker needs the step's ModelSpec (spec=...)")
     run = run_placement(
-        None,
-        ["cpu0"] * step.graph.num_ops,
+        spec if gpu else None,
+        ["w0"] * step.graph.num_ops,
         warmup + reps,
         warmup=warmup,
         step=step,
-        start_method="fork",
+        start_method="spawn" if gpu else "fork",
         timeline=True,
+        worker_devices=[device],
     )
     assert run.timelines is not None
     names = [n.name for n in step.gm.graph.nodes]
@@ -320,7 +346,7 @@ def fit_cost_model(
         report["kinds"][kind] = {"ops": int(sel.sum()), "efficiency": e, "median_error": err}
     base = dict(DEFAULT_EFFICIENCY)
     base.update(efficiency)
-    cm = CostModel(efficiency=base, launch_overhead={LOCAL_KIND: launch})
+    cm = CostModel(efficiency=base, launch_overhead={spec.kind: launch})
     return cm, report
 
 
@@ -416,40 +442,58 @@ def calibrate(
     messages: dict[str, Any] | None = None,
     in_worker: bool = True,
     spacing: bool = True,
+    worker_device: str = "cpu",
+    spec: Any = None,
 ) -> Calibration:
     """Measure the device, time ``step``'s ops (on a forked runtime worker, or in this
     process with ``in_worker=False``), measure the link and the message CPU cost (unless
     given; with ``spacing``, also its dependence on spacing, ~2.5 s more), fit the cost
     model and attach the op times to ``step.graph``. Starts two
-    processes for the link and two for the messages (~1-2 s each) unless given."""
+    processes for the link and two for the messages (~1-2 s each) unless given.
+
+    ``worker_device="cuda:i"`` calibrates GPU workers (``local-cuda`` devices ``gpu0``…):
+    the device is measured and the ops timed on that GPU (a spawned worker: pass the
+    step's ``spec``); the link and message costs are the host's gloo ones, which is how the
+    runtime's GPU workers exchange values (staged through host memory; the copies between
+    GPU and host are not in them)."""
     from meshplace.profile.link import measure_link, measure_message_cost, measure_message_spacing
 
-    device = device or measure_device()
+    gpu = torch.device(worker_device).type == "cuda"
+    if gpu:
+        from meshplace.runtime.executor import resolve_worker_devices
+
+        worker_device = resolve_worker_devices([worker_device], 1)[0]
     link = link or measure_link()
     if messages is None:
         messages = measure_message_cost()
         if spacing:
             messages["spacing"] = measure_message_spacing()["rows"]
-    seconds = time_ops_in_worker(step, reps=reps) if in_worker else time_step_ops(step, reps)
-    spec = local_device_spec(device["peak_flops"], device["memory_bandwidth"], 0.0)
-    cost_model, fit = fit_cost_model(step.graph, seconds, spec)
-    cost_model.message_cpu[LOCAL_KIND] = (
+    if in_worker:
+        # before measure_device, which initialises CUDA in this process for a GPU
+        seconds = time_ops_in_worker(step, reps=reps, device=worker_device, spec=spec)
+    else:
+        seconds = time_step_ops(step, reps)
+    device = device or measure_device(device=worker_device)
+    dspec = local_device_spec(device["peak_flops"], device["memory_bandwidth"], 0.0, gpu=gpu)
+    cost_model, fit = fit_cost_model(step.graph, seconds, dspec)
+    cost_model.message_cpu[dspec.kind] = (
         float(messages["send_s"]),
         float(messages["send_s_per_byte"]),
         float(messages["recv_s"]),
         float(messages["recv_s_per_byte"]),
     )
-    spec = spec.with_overrides(launch_overhead_s=fit["launch_overhead_s"])
-    table = op_times_table(step.graph, seconds)
+    dspec = dspec.with_overrides(launch_overhead_s=fit["launch_overhead_s"])
+    table = op_times_table(step.graph, seconds, dspec.kind)
     table.attach(step.graph)
     cluster = local_cluster(
-        spec,
+        dspec,
         link["bandwidth"],
         link["latency"],
         meta={
             "calibrated": True,
+            "worker_device": worker_device,
             "efficiency": {k: v[0] for k, v in cost_model.efficiency.items()},
-            "message_cpu": list(cost_model.message_cpu[LOCAL_KIND]),
+            "message_cpu": list(cost_model.message_cpu[dspec.kind]),
         },
     )
     fit["ops_timed"] = int(np.count_nonzero(seconds))

@@ -64,6 +64,11 @@ def _join_pair(rank: int, store_path: str) -> None:
     dist.init_process_group(
         "gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60)
     )
+    from meshplace.runtime.executor import yield_transport_threads
+
+    # The same transport-thread priority as the runtime's workers: what is measured here
+    # is their regime.
+    yield_transport_threads()
 
 
 def _pingpong(rank: int, store_path: str, sizes: Sequence[int], reps: int, out: Any) -> None:

@@ -30,6 +30,12 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size", default=None)
     parser.add_argument("--steps", type=int, default=10, help="training steps (default 10)")
     parser.add_argument("--warmup", type=int, default=2, help="steps not timed (default 2)")
+    parser.add_argument(
+        "--worker-devices",
+        default="cpu",
+        help="where the workers compute: cpu (default: one CPU thread each), cuda (worker i "
+        "on cuda:i) or one torch device per worker, e.g. cuda:0,cuda:1",
+    )
     parser.add_argument("--cluster-out", help="write the calibrated local cluster (YAML)")
     parser.add_argument("--json", action="store_true", help="print JSON")
 
@@ -62,7 +68,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     """Run ``meshplace run``; returns the exit code (1 when a worker fails)."""
     from meshplace.hardware import save_cluster
     from meshplace.profile.calibrate import calibrate, local_cluster
-    from meshplace.runtime.executor import WorkerFailure, run_placement
+    from meshplace.runtime.executor import (
+        WorkerFailure,
+        resolve_worker_devices,
+        run_placement,
+    )
     from meshplace.runtime.program import ModelSpec, trace_step
 
     if not args.plan and not args.placer:
@@ -71,9 +81,20 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise InputError(f"--steps must be a positive integer, got {args.steps}")
     if args.workers < 1:
         raise InputError(f"--workers must be a positive integer, got {args.workers}")
+    where = args.worker_devices
+    if where not in ("cpu", "cuda"):  # an explicit list: check the devices exist, now
+        resolve_worker_devices(where, len(where.split(",")))
+    elif where == "cuda":
+        resolve_worker_devices(["cuda:0"], 1)
+    gpus = [d for d in where.split(",") if d.strip().startswith("cuda")]
     spec = ModelSpec(args.graph, batch=args.batch, size=args.size)
     step = trace_step(spec)
-    cal = calibrate(step)
+    # the simulator's local devices are calibrated like the (first) GPU worker, if any
+    cal = calibrate(
+        step,
+        worker_device=("cuda:0" if gpus == ["cuda"] else gpus[0]) if gpus else "cpu",
+        spec=spec,
+    )
     if args.workers != 2:
         cal.cluster = local_cluster(
             cal.cluster.devices[0].spec,
@@ -85,7 +106,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     devices, source = _devices_for(args, step, cal)
     predicted = cal.predict(step.graph, devices)
     try:
-        res = run_placement(spec, devices, args.steps, warmup=args.warmup, step=step)
+        res = run_placement(
+            spec, devices, args.steps, warmup=args.warmup, step=step, worker_devices=where
+        )
     except WorkerFailure as exc:
         print(f"error: {exc}")
         return 1
