@@ -1,7 +1,8 @@
 """``meshplace run``: execute a plan for real on local workers and compare with the simulator.
 
 The command traces the model, checks the plan against the traced graph, calibrates the
-local machine (device, per-op times in situ, gloo link), runs the plan for ``--steps``
+local machine (device, per-op times on a worker, gloo link and message costs, then — for
+CPU workers — what messages cost inside a step, from probe runs), runs the plan for ``--steps``
 steps on one worker process per device, and prints the measured median step time beside
 the simulator's prediction on the calibrated ``local`` cluster.
 """
@@ -34,7 +35,13 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         "--worker-devices",
         default="cpu",
         help="where the workers compute: cpu (default: one CPU thread each), cuda (worker i "
-        "on cuda:i) or one torch device per worker, e.g. cuda:0,cuda:1",
+        "on cuda:i) or one torch device per worker (as many as --workers), e.g. "
+        "cuda:0,cuda:1",
+    )
+    parser.add_argument(
+        "--no-in-situ",
+        action="store_true",
+        help="skip the probe runs that measure message costs inside a step (CPU workers)",
     )
     parser.add_argument("--cluster-out", help="write the calibrated local cluster (YAML)")
     parser.add_argument("--json", action="store_true", help="print JSON")
@@ -67,9 +74,10 @@ def _devices_for(args: argparse.Namespace, step: Any, cal: Any) -> tuple[list[st
 def cmd_run(args: argparse.Namespace) -> int:
     """Run ``meshplace run``; returns the exit code (1 when a worker fails)."""
     from meshplace.hardware import save_cluster
-    from meshplace.profile.calibrate import calibrate, local_cluster
+    from meshplace.profile.calibrate import calibrate, calibrate_in_situ, local_cluster
     from meshplace.runtime.executor import (
         WorkerFailure,
+        natural_key,
         resolve_worker_devices,
         run_placement,
     )
@@ -81,20 +89,20 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise InputError(f"--steps must be a positive integer, got {args.steps}")
     if args.workers < 1:
         raise InputError(f"--workers must be a positive integer, got {args.workers}")
-    where = args.worker_devices
-    if where not in ("cpu", "cuda"):  # an explicit list: check the devices exist, now
-        resolve_worker_devices(where, len(where.split(",")))
-    elif where == "cuda":
-        resolve_worker_devices(["cuda:0"], 1)
-    gpus = [d for d in where.split(",") if d.strip().startswith("cuda")]
+    # one torch device per local worker (cluster order), checked before calibrating
+    worker_list = resolve_worker_devices(
+        [d.strip() for d in args.worker_devices.split(",")]
+        if args.worker_devices not in ("cpu", "cuda")
+        else args.worker_devices,
+        args.workers,
+    )
+    gpus = [d for d in worker_list if d.startswith("cuda")]
     spec = ModelSpec(args.graph, batch=args.batch, size=args.size)
     step = trace_step(spec)
-    # the simulator's local devices are calibrated like the (first) GPU worker, if any
-    cal = calibrate(
-        step,
-        worker_device=("cuda:0" if gpus == ["cuda"] else gpus[0]) if gpus else "cpu",
-        spec=spec,
-    )
+    # the simulator's local devices are all calibrated like the first GPU worker, if any
+    cal = calibrate(step, worker_device=gpus[0] if gpus else "cpu", spec=spec)
+    if not gpus and not args.no_in_situ:
+        calibrate_in_situ(cal)  # message costs inside a step, from probe runs (~1-6 s)
     if args.workers != 2:
         cal.cluster = local_cluster(
             cal.cluster.devices[0].spec,
@@ -105,6 +113,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         )
     devices, source = _devices_for(args, step, cal)
     predicted = cal.predict(step.graph, devices)
+    # the workers the plan uses, in rank order, each on its local device's torch device
+    index = {d: i for i, d in enumerate(cal.cluster.device_names)}
+    used = sorted(set(devices), key=natural_key)
+    where = [worker_list[index[d]] for d in used]
     try:
         res = run_placement(
             spec, devices, args.steps, warmup=args.warmup, step=step, worker_devices=where
@@ -130,12 +142,20 @@ def cmd_run(args: argparse.Namespace) -> int:
                 k: cal.messages[k]
                 for k in ("send_s", "send_s_per_byte", "recv_s", "recv_s_per_byte")
             },
+            "in_situ": {
+                k: v for k, v in (cal.messages.get("in_situ") or {}).items() if k != "probes"
+            },
         },
     }
     if args.json:
         print(json.dumps(out, indent=1))
         return 0
-    print(f"{step.graph.name}: {step.graph.num_ops} ops, {source}, workers {res.devices}")
+    print(
+        f"{step.graph.name}: {step.graph.num_ops} ops, {source}, workers "
+        + ", ".join(f"{d} on {w}" for d, w in zip(res.devices, where))
+    )
+    if gpus and len(gpus) < len(worker_list):
+        print("note: the prediction simulates every worker as the first GPU (mixed CPU/GPU)")
     print(
         f"calibrated local cluster: {cal.device['peak_flops'] / 1e9:.1f} GFLOP/s, "
         f"{cal.device['memory_bandwidth'] / 1e9:.1f} GB/s per worker; link "

@@ -259,6 +259,9 @@ def _worker(
         device = torch.device(device_name)
         if device.type == "cuda":
             torch.cuda.set_device(device)
+            # true float32, as on the host (TF32 would round matmuls and convolutions)
+            torch.backends.cuda.matmul.allow_tf32 = False
+            torch.backends.cudnn.allow_tf32 = False
         step = traced if traced is not None else trace_step(spec)
         sched = _schedule(step, op_device)
         store = dist.FileStore(store_path, world)
@@ -572,7 +575,7 @@ def run_placement(
             f"the placement names {len(devices)} devices but graph {step.graph.name!r} has "
             f"{step.graph.num_ops} ops"
         )
-    names = sorted(set(devices))
+    names = sorted(set(devices), key=natural_key)
     rank_of = {d: r for r, d in enumerate(names)}
     op_device = [rank_of[d] for d in devices]
     world = len(names)
@@ -581,13 +584,22 @@ def run_placement(
 
     if start_method not in ("spawn", "fork"):
         raise InputError(f"start_method must be 'spawn' or 'fork', got {start_method!r}")
+    requested = (
+        worker_devices.split(",") if isinstance(worker_devices, str) else worker_devices or []
+    )
+    if start_method == "fork" and any(str(d).strip().startswith("cuda") for d in requested):
+        # looking for the GPUs touches the CUDA driver here, and a forked child cannot use it
+        raise InputError("GPU workers must be spawned, not forked; use start_method='spawn'")
     where = resolve_worker_devices(worker_devices, world)
     on_gpu = any(d.startswith("cuda") for d in where)
-    if start_method == "fork" and on_gpu and torch.cuda.is_initialized():
-        raise InputError(
-            "GPU workers cannot be forked from a process that has initialised CUDA; "
-            "use start_method='spawn'"
-        )
+    if on_gpu:
+        missing = ops_without_kernel(step, "CUDA")
+        if missing:
+            target = next(n.target for n in step.gm.graph.nodes if n.name == missing[0])
+            raise InputError(
+                f"{_count(len(missing), 'op')} of the traced step cannot run on a GPU "
+                f"(first: {missing[0]!r}, {target}): the step was traced on the host"
+            )
     ctx = mp.get_context(start_method)
     status = ctx.Array("q", _SLOT * world, lock=False)
     results = ctx.Queue()
@@ -652,10 +664,12 @@ def resolve_worker_devices(spec: Sequence[str] | str | None, world: int) -> list
         names = [d.strip() for d in (spec.split(",") if isinstance(spec, str) else spec)]
         if len(names) != world:
             raise InputError(
-                f"the plan uses {world} devices but {len(names)} worker devices were given "
-                f"({', '.join(names)})"
+                f"{_count(len(names), 'worker device')} given ({', '.join(names)}) for "
+                f"{_count(world, 'worker')}"
             )
-    available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    # only ask CUDA when a GPU is named: the query initialises the driver in this process
+    wants_gpu = any(n.startswith("cuda") for n in names)
+    available = torch.cuda.device_count() if wants_gpu and torch.cuda.is_available() else 0
     out = []
     for name in names:
         try:
@@ -668,13 +682,59 @@ def resolve_worker_devices(spec: Sequence[str] | str | None, world: int) -> list
             index = 0 if dev.index is None else dev.index
             if index >= available:
                 raise InputError(
-                    f"worker device {name!r} is not on this machine, which has {available} "
-                    "CUDA device" + ("" if available == 1 else "s")
+                    f"worker device {name!r} is not on this machine, which has "
+                    f"{_count(available, 'CUDA device')}"
                 )
             out.append(f"cuda:{index}")
         else:
             raise InputError(f"unknown worker device {name!r}; use cpu or cuda:N")
     return out
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
+def natural_key(name: str) -> tuple[str, int, str]:
+    """Sort key putting ``cpu2`` before ``cpu10`` (worker ranks follow it).
+
+    >>> sorted(["gpu10", "gpu2", "gpu1"], key=natural_key)
+    ['gpu1', 'gpu2', 'gpu10']
+    """
+    stem = name.rstrip("0123456789")
+    digits = name[len(stem) :]
+    return (stem, int(digits) if digits else -1, name)
+
+
+_COMPOSITE_KEYS = (
+    "CompositeImplicitAutograd",
+    "CompositeExplicitAutograd",
+    "CompositeExplicitAutogradNonFunctional",
+)
+
+
+def ops_without_kernel(step: TracedStep, dispatch_key: str) -> list[str]:
+    """Names of the traced step's nodes whose aten operator has no kernel for
+    ``dispatch_key`` (e.g. ``"CUDA"``) nor a composite one: a step traced on the host can
+    hold host-only operators (``_scaled_dot_product_flash_attention_for_cpu``), which a
+    GPU worker cannot run. O(nodes).
+
+    >>> from meshplace.runtime.program import ModelSpec, trace_step
+    >>> ops_without_kernel(trace_step(ModelSpec("mlp", batch=2)), "CPU")
+    []
+    """
+    missing = []
+    for node in step.gm.graph.nodes:
+        target = node.target
+        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+            continue
+        name = target.name()
+        if not any(
+            torch._C._dispatch_has_kernel_for_dispatch_key(name, key)
+            for key in (dispatch_key, *_COMPOSITE_KEYS)
+        ):
+            missing.append(node.name)
+    return missing
 
 
 def _collect(
