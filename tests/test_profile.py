@@ -24,7 +24,7 @@ from meshplace.profile import (
     signature,
     time_step_ops,
 )
-from meshplace.profile.calibrate import op_times_table, time_ops_in_worker
+from meshplace.profile.calibrate import Calibration, op_times_table, time_ops_in_worker
 from meshplace.profile.cli import add_profile_arguments, cmd_profile
 from meshplace.profile.link import fit_affine, fit_link, measure_link, measure_message_cost
 from meshplace.profile.profiler import parse_levels, trimmed_mean
@@ -292,3 +292,31 @@ def test_message_cost_inside_the_models_step() -> None:
     m = measure_message_cost_in_step(step, sizes=(4, 4096), messages=10, rounds=1)
     assert all(m[k] >= 0 for k in ("send_s", "send_s_per_byte", "recv_s", "recv_s_per_byte"))
     assert len(m["samples"]) == 2 and m["messages_per_step"] >= 10
+
+
+def test_in_situ_message_costs_from_probe_runs() -> None:
+    from meshplace.profile.calibrate import calibrate_in_situ, probe_placements
+
+    step = trace_step(ModelSpec("mlp", batch=8))
+    cal = calibrate(step, reps=3, link=FAKE_LINK, device=FAKE_DEVICE, messages=FAKE_MESSAGES)
+    n = step.graph.num_ops
+    lone = ["cpu0"] * n
+    probes = probe_placements(step)
+    # the probes are two-worker plans, each with messages
+    assert sorted(probes) == ["blocks16", "blocks4", "blocks8", "scatter"]
+    assert all(len(set(p)) == 2 and len(p) == n for p in probes.values())
+    half = ["cpu0" if i < n // 2 else "cpu1" for i in range(n)]
+    before = cal.predict(step.graph, half), cal.predict(step.graph, lone)
+    report = calibrate_in_situ(cal, steps=3, warmup=1)
+    assert cal.messages["in_situ"] is report
+    assert {"send_s", "wake_s", "compute_slowdown", "recv_s", "r2", "probes"} <= set(report)
+    assert min(report["send_s"], report["wake_s"], report["compute_slowdown"]) >= 0
+    assert 0 < report["recv_s"] < 0.01  # a receive whose data is there: microseconds
+    assert len(report["probes"]) == 2 * len(probes)  # one row per probe and worker
+    after = cal.predict(step.graph, half), cal.predict(step.graph, lone)
+    assert after[1] == pytest.approx(before[1])  # one worker, no messages: unchanged
+    # two workers: the in-situ costs replace the micro-benchmark's (and a split step still
+    # takes at least half the lone one)
+    assert after[0] != before[0] and after[0] > 0.5 * before[1]
+    with pytest.raises(InputError):
+        calibrate_in_situ(Calibration(cal.cluster, cal.cost_model, cal.op_times, {}, {}, {}))

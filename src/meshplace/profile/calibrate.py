@@ -109,10 +109,15 @@ def measure_device(threads: int = 1, device: str = "cpu") -> dict[str, float]:
 
 
 def local_device_spec(
-    peak: float, bandwidth: float, launch: float, *, gpu: bool = False
+    peak: float,
+    bandwidth: float,
+    launch: float,
+    *,
+    gpu: bool = False,
+    memory_bytes: float = 8 * 2**30,
 ) -> DeviceSpec:
     """The ``local-cpu`` device spec (one worker = one CPU thread), or with ``gpu`` the
-    ``local-cuda`` one (one worker = one GPU of this host)."""
+    ``local-cuda`` one (one worker = one GPU of this host, ``memory_bytes`` each)."""
     return DeviceSpec(
         kind=LOCAL_GPU_KIND if gpu else LOCAL_KIND,
         description="this machine's GPUs, one per worker (measured)"
@@ -120,7 +125,7 @@ def local_device_spec(
         else "this machine's CPU, one thread per worker (measured)",
         peak_flops={"float32": float(peak), "float64": float(peak) / 2},
         memory_bandwidth=float(bandwidth),
-        memory_bytes=8 * 2**30,
+        memory_bytes=float(memory_bytes),
         launch_overhead_s=float(launch),
         source="measured by meshplace.profile.calibrate (matmul, copy, 1-element add)",
         category="gpu" if gpu else "cpu",
@@ -392,6 +397,9 @@ class Calibration:
         placement = sim.placement_of(devices)
         msgs = runtime_messages(self.step, placement)
         n = graph.num_ops
+        situ = self.messages.get("in_situ")
+        if situ:
+            return self._predict_in_situ(sim, placement, msgs, situ)
         extra = charge_messages(
             n, msgs, float(self.messages["send_s"]), float(self.messages["recv_s"]), self.messages
         )
@@ -417,6 +425,35 @@ class Calibration:
                 "send_s": float(burst[0][0]),
                 "recv_s": float(burst[1][0]),
             }
+        return self._end_of_step(sim, placement, res, end_costs)
+
+    def _predict_in_situ(
+        self, sim: Any, placement: np.ndarray, msgs: Mapping[str, np.ndarray], situ: Mapping
+    ) -> float:
+        """:meth:`predict` with the in-situ costs of :func:`calibrate_in_situ`: each message
+        costs its sender ``send_s`` and its reader ``recv_s`` (plus the per-byte costs),
+        a reader whose simulated start waited on a message pays ``wake_s`` (fixed-point
+        rounds: waiting depends on the costs), and when the plan uses several workers every
+        op takes ``1 + compute_slowdown`` times its single-worker time."""
+        n = len(placement)
+        costs = {**self.messages, "send_s": situ["send_s"], "recv_s": situ["recv_s"]}
+        extra = charge_messages(n, msgs, float(situ["send_s"]), float(situ["recv_s"]), costs)
+        if len(np.unique(placement)) > 1:
+            extra = extra + float(situ["compute_slowdown"]) * sim.op_times(placement)
+        res = sim.simulate(placement, extra_time=extra)
+        wake = float(situ["wake_s"])
+        if wake > 0 and len(msgs["bytes"]):
+            readers = np.unique(msgs["dst_op"][msgs["dst_op"] >= 0])
+            for _ in range(SPACING_ROUNDS):
+                blocked = blocked_ops(res.op_start, res.op_end, placement, readers)
+                woken = extra.copy()
+                woken[blocked] += wake
+                res = sim.simulate(placement, extra_time=woken)
+        return self._end_of_step(sim, placement, res, costs)
+
+    def _end_of_step(
+        self, sim: Any, placement: np.ndarray, res: Any, end_costs: Mapping[str, Any]
+    ) -> float:
         device_end = np.zeros(sim.num_devices)
         np.maximum.at(device_end, placement, res.op_end)
         updates = runtime_update_messages(self.step, placement)
@@ -436,7 +473,7 @@ class Calibration:
 def calibrate(
     step: Any,
     *,
-    reps: int = 5,
+    reps: int = 10,
     link: dict[str, Any] | None = None,
     device: dict[str, float] | None = None,
     messages: dict[str, Any] | None = None,
@@ -463,6 +500,10 @@ def calibrate(
         from meshplace.runtime.executor import resolve_worker_devices
 
         worker_device = resolve_worker_devices([worker_device], 1)[0]
+        if not in_worker:
+            raise InputError("GPU calibration times the ops on a GPU worker (in_worker=True)")
+        if spec is None:
+            raise InputError("GPU calibration needs the step's ModelSpec (spec=...)")
     link = link or measure_link()
     if messages is None:
         messages = measure_message_cost()
@@ -474,7 +515,13 @@ def calibrate(
     else:
         seconds = time_step_ops(step, reps)
     device = device or measure_device(device=worker_device)
-    dspec = local_device_spec(device["peak_flops"], device["memory_bandwidth"], 0.0, gpu=gpu)
+    memory = 8 * 2**30
+    if gpu:
+        memory = torch.cuda.get_device_properties(torch.device(worker_device)).total_memory
+        torch.cuda.empty_cache()  # the measurement's buffers: the workers need the memory
+    dspec = local_device_spec(
+        device["peak_flops"], device["memory_bandwidth"], 0.0, gpu=gpu, memory_bytes=memory
+    )
     cost_model, fit = fit_cost_model(step.graph, seconds, dspec)
     cost_model.message_cpu[dspec.kind] = (
         float(messages["send_s"]),
@@ -499,6 +546,173 @@ def calibrate(
     fit["ops_timed"] = int(np.count_nonzero(seconds))
     fit["step_sum_s"] = float(seconds.sum())
     return Calibration(cluster, cost_model, table, device, link, fit, messages, step)
+
+
+# a receive span longer than this waited for its data (blocked); shorter ones only
+# finished a receive whose data was there (median span of those: the in-situ recv_s)
+BLOCKED_RECEIVE_S = 40e-6
+
+
+def probe_placements(step: Any, seed: int = 1000) -> dict[str, list[str]]:
+    """Placements of ``step``'s ops on two workers (``cpu0``/``cpu1``) for
+    :func:`calibrate_in_situ`, none of them a placer's: the runtime order cut into 4, 8 and
+    16 contiguous runs alternating between the workers (few messages, most receives
+    blocking; then more of both) and ``scatter`` (each op on ``cpu1`` with probability
+    0.3: many messages, sends in bursts). O(n).
+
+    >>> from types import SimpleNamespace
+    >>> from meshplace.graph.ir import Op, OpGraph
+    >>> g = OpGraph("g")
+    >>> for i in range(8):
+    ...     _ = g.add_op(Op(f"o{i}", "elementwise"))
+    >>> p = probe_placements(SimpleNamespace(graph=g, gm=None), seed=0)
+    >>> sorted(p), p["blocks4"]
+    (['blocks16', 'blocks4', 'blocks8', 'scatter'], ['cpu0', 'cpu0', 'cpu1', 'cpu1', \
+'cpu0', 'cpu0', 'cpu1', 'cpu1'])
+    """
+    n = step.graph.num_ops
+    order = runtime_order(step) if step.gm is not None else np.arange(n)
+    rank = np.empty(n, dtype=np.int64)
+    rank[order] = np.arange(n)
+    out = {f"blocks{k}": [f"cpu{(int(r) * k // max(n, 1)) % 2}" for r in rank] for k in (4, 8, 16)}
+    rng = np.random.default_rng(seed)
+    out["scatter"] = [f"cpu{int(x)}" for x in (rng.random(n) < 0.3)]
+    return out
+
+
+def _node_medians(run: Any, worker: int, warmup: int) -> dict[int, float]:
+    """Median span per fx node (from the previous event's end) over the timed steps."""
+    per: dict[int, list[float]] = {}
+    for spans in run.timelines[worker][warmup:]:
+        prev = 0.0
+        for node, _, end in spans:
+            if node >= 0:
+                per.setdefault(node, []).append(end - prev)
+            prev = end
+    return {node: statistics.median(v) for node, v in per.items()}
+
+
+def calibrate_in_situ(
+    cal: Calibration, *, steps: int = 10, warmup: int = 3, seed: int = 1000
+) -> dict[str, Any]:
+    """Measure what messages cost *inside* a training step, from per-node timelines, and
+    make :meth:`Calibration.predict` use it (``cal.messages["in_situ"]``).
+
+    The step runs once on one worker and under each :func:`probe_placements` on two
+    (``warmup + steps`` steps each, timelines on). For every worker and timed step of a
+    probe, its *excess* — the time its nodes took minus what the same nodes took on the
+    lone worker — is regressed (least squares, coefficients kept non-negative) on the
+    messages it sent, the receives it blocked in (a receive span over
+    :data:`BLOCKED_RECEIVE_S`) and its nodes' lone-worker time:
+    ``excess ≈ send_s · sends + wake_s · blocked + compute_slowdown · lone_time``
+    (medians over the steps per worker and probe). ``recv_s`` is the median span of the
+    receives that did not block. Per-byte costs stay those of
+    :func:`meshplace.profile.link.measure_message_cost`.
+
+    Why: the isolated micro-benchmarks time a message in a loop of small kernels, and the
+    predictions built on them were 15-40 % low for plans with few messages (whose
+    receives all block) and 15-70 % high for plans that send in long bursts. On the
+    2-core development VM the timelines of 8 placements × 5 small models gave ~65 µs per
+    send, ~110 µs after each blocking receive (the woken worker's next node) and ~18 %
+    slower nodes in any two-worker run, R² 0.9 (docs/runtime.md). The probes are separate
+    runs of placements no placer makes, so benchmarks of placers' plans stay out of
+    sample. Cost: 5 runs of ``warmup + steps`` steps. Returns the report, also stored.
+    """
+    from meshplace.runtime.executor import _schedule, run_placement
+
+    if cal.step is None or not cal.messages:
+        raise InputError("in-situ calibration needs the calibrated step and its message costs")
+    step = cal.step
+    n = step.graph.num_ops
+    lone = run_placement(
+        None,
+        ["cpu0"] * n,
+        warmup + steps,
+        warmup=warmup,
+        step=step,
+        start_method="fork",
+        timeline=True,
+    )
+    lone_node = _node_medians(lone, 0, warmup)
+    rows, features, excess, quick = [], [], [], []
+    for name, devices in probe_placements(step, seed).items():
+        run = run_placement(
+            None,
+            devices,
+            warmup + steps,
+            warmup=warmup,
+            step=step,
+            start_method="fork",
+            timeline=True,
+        )
+        assert run.timelines is not None
+        sched = _schedule(step, [int(d[-1]) for d in devices])
+        for worker in range(len(run.timelines)):
+            per_step = []
+            for spans in run.timelines[worker][warmup:]:
+                prev = busy = alone = 0.0
+                sends = blocked = 0
+                for node, start, end in spans:
+                    if node < 0:
+                        if end - start > BLOCKED_RECEIVE_S:
+                            blocked += 1
+                        else:
+                            quick.append(end - start)
+                    else:
+                        busy += end - prev
+                        alone += lone_node.get(node, 0.0)
+                        sends += len(sched.consumers[node])
+                    prev = end
+                per_step.append((busy - alone, sends, blocked, alone))
+            ex, sends, blocked, alone = np.median(np.array(per_step), axis=0).tolist()
+            features.append([sends, blocked, alone])
+            excess.append(ex)
+            rows.append(
+                {
+                    "placement": name,
+                    "worker": worker,
+                    "excess_s": ex,
+                    "sends": sends,
+                    "blocked": blocked,
+                    "lone_s": alone,
+                    "step_s": run.step_time_s,
+                }
+            )
+    a = np.array(features, dtype=float)
+    y = np.array(excess, dtype=float)
+    coef = _nonnegative_lstsq(a, y)
+    fitted = a @ coef
+    ss = float(((y - y.mean()) ** 2).sum())
+    report = {
+        "send_s": float(coef[0]),
+        "wake_s": float(coef[1]),
+        "compute_slowdown": float(coef[2]),
+        "recv_s": float(statistics.median(quick)) if quick else float(cal.messages["recv_s"]),
+        "r2": 1.0 - float(((y - fitted) ** 2).sum()) / ss if ss > 0 else 0.0,
+        "lone_step_s": lone.step_time_s,
+        "probes": rows,
+    }
+    cal.messages = {**cal.messages, "in_situ": report}
+    return report
+
+
+def _nonnegative_lstsq(a: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with non-negative coefficients for a few columns: drop the most
+    negative coefficient and refit until none is negative (exact for these small, well
+    conditioned problems; an active-set NNLS would be overkill). O(k² · fits).
+
+    >>> _nonnegative_lstsq(np.array([[1.0, 0.0], [0.0, 1.0]]), np.array([2.0, -1.0])).tolist()
+    [2.0, 0.0]
+    """
+    keep = list(range(a.shape[1]))
+    coef = np.zeros(a.shape[1])
+    while keep:
+        sol, *_ = np.linalg.lstsq(a[:, keep], y, rcond=None)
+        if (sol >= 0).all():
+            coef[keep] = sol
+            break
+        keep.pop(int(np.argmin(sol)))
+    return coef
 
 
 def flatten_values(value: Any) -> list[torch.Tensor]:
@@ -621,6 +835,29 @@ def spacing_cost(rows: Sequence[Sequence[float]], gap: Any) -> tuple[np.ndarray,
             b, a = 0.0, float(table[0, col])
         out.append(np.maximum(a + b * g, 0.0))
     return out[0], out[1]
+
+
+def blocked_ops(
+    op_start: np.ndarray, op_end: np.ndarray, placement: np.ndarray, candidates: np.ndarray
+) -> np.ndarray:
+    """The ``candidates`` (op indices) that start later than their device's previous op
+    ended in a simulated schedule — they waited on an input from another device, which a
+    runtime worker does by blocking in a receive; a device's first op counts from 0 (the
+    step's start). Assumes a device runs one op at a time. O(n log n).
+
+    >>> blocked_ops(np.array([0.0, 1.0, 3.0, 0.5]), np.array([1.0, 2.0, 4.0, 0.7]),
+    ...             np.array([0, 0, 0, 1]), np.array([1, 2, 3])).tolist()
+    [2, 3]
+    """
+    n = len(op_start)
+    order = np.lexsort((op_end, op_start, placement))
+    dev = placement[order]
+    prev_end = np.zeros(n)
+    prev_end[1:] = np.where(dev[1:] == dev[:-1], op_end[order][:-1], 0.0)
+    waited = np.zeros(n, dtype=bool)
+    waited[order] = op_start[order] > prev_end + 1e-9 * np.maximum(1.0, prev_end)
+    cand = np.asarray(candidates, dtype=np.int64)
+    return cand[waited[cand]]
 
 
 def message_gaps(
