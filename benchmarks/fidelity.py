@@ -2,7 +2,8 @@
 
 For small configurations of several reference models (``meshplace.runtime.program``'s
 ``*-small`` models), the local machine is calibrated once per model (device, op times on a
-runtime worker, gloo link, message cost), each placer in :data:`PLACERS` places the graph
+runtime worker, gloo link, message cost, then the message costs inside a step from probe
+runs: ``calibrate_in_situ``), each placer in :data:`PLACERS` places the graph
 on the calibrated ``local`` cluster (2 CPU workers), and every distinct placement is run
 for real (``run_placement``, 1 thread per worker) and simulated (``Calibration.predict``: the
 runtime's messages at their measured cost, in-order workers, the end-of-step exchange;
@@ -11,7 +12,14 @@ host distort multi-worker runs. Reported per model and overall: median absolute
 percentage error and Kendall's tau-b between the measured and predicted rankings
 (computed here, O(n^2) pairs).
 
-Usage: ``python benchmarks/fidelity.py [--models a,b] [--steps N] [--out results/fidelity.json]``
+Each plan runs ``--passes`` times (default 2), the passes one after the other over all
+plans, each run ``--warmup`` untimed then ``--steps`` timed steps; the measured step time
+is the median of the timed steps of all passes, and the spread between the passes'
+medians is reported as the measurement's own noise. Every plan is also predicted without
+the in-situ costs (micro-benchmark message costs only), on the same runs: an ablation
+(``--no-in-situ`` skips the probes and predicts that way only).
+
+Usage: ``python benchmarks/fidelity.py [--models a,b] [--steps N] [--passes P] [--out F.json]``
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 MODELS = ("mlp", "dmcca-small", "nmt-small", "rnnlm-small", "resnet-small", "transformer-small")
 PLACERS = (
@@ -66,19 +75,29 @@ def kendall_tau(a: list[float], b: list[float]) -> float:
     return (conc - disc) / denom if denom else 0.0
 
 
-def run_model(name: str, steps: int, budget: float) -> dict:
+def _median_abs(errors: Any) -> float | None:
+    vals = [abs(e) for e in errors if e is not None]
+    return statistics.median(vals) if vals else None
+
+
+def run_model(
+    name: str, steps: int, warmup: int, passes: int, budget: float, in_situ: bool = True
+) -> dict:
     from meshplace.placers.base import PlacementProblem, run_placer
-    from meshplace.profile.calibrate import calibrate
+    from meshplace.profile.calibrate import calibrate, calibrate_in_situ
     from meshplace.runtime.executor import WorkerFailure, run_placement
     from meshplace.runtime.program import ModelSpec, trace_step
 
     spec = ModelSpec(name, batch=8)
     step = trace_step(spec)
     cal = calibrate(step)
+    if in_situ:
+        calibrate_in_situ(cal)
     names = cal.cluster.device_names
     problem = PlacementProblem(step.graph, cal.cluster)
     seen: dict[tuple, str] = {}
-    rows = []
+    plans: list[tuple[str, list[str], float]] = []
+    micro: dict[str, float] = {}
     for placer in PLACERS:
         for seed in (0, 1) if placer == "random" else (0,):
             try:
@@ -93,50 +112,107 @@ def run_model(name: str, steps: int, budget: float) -> dict:
                 print(f"  {label}: same placement as {seen[key]}", file=sys.stderr)
                 continue
             seen[key] = label
-            predicted = cal.predict(step.graph, devices)
+            plans.append((label, devices, cal.predict(step.graph, devices)))
+            if in_situ:  # the same plan predicted without the in-situ costs: an ablation
+                with_situ = cal.messages
+                cal.messages = {k: v for k, v in with_situ.items() if k != "in_situ"}
+                micro[label] = cal.predict(step.graph, devices)
+                cal.messages = with_situ
+    # Every plan runs once per pass, passes one after the other, so a slow spell of the
+    # host spreads over all plans instead of landing on one; a plan's measured time is the
+    # median of its timed steps pooled over the passes.
+    timed: dict[str, list[float]] = {label: [] for label, _, _ in plans}
+    per_pass: dict[str, list[float]] = {label: [] for label, _, _ in plans}
+    messages: dict[str, int] = {}
+    for _ in range(passes):
+        for label, devices, _ in plans:
             try:
-                run = run_placement(spec, devices, steps, warmup=2, step=step, start_method="fork")
+                run = run_placement(
+                    spec, devices, warmup + steps, warmup=warmup, step=step, start_method="fork"
+                )
             except WorkerFailure as exc:
                 print(f"  {label}: run failed: {exc}", file=sys.stderr)
                 continue
-            measured = run.step_time_s
-            err = (predicted - measured) / measured
-            rows.append(
-                {
-                    "placement": label,
-                    "workers_used": len(set(devices)),
-                    "messages": run.messages,
-                    "measured_s": measured,
-                    "predicted_s": predicted,
-                    "error": err,
-                }
-            )
-            print(
-                f"  {label:12} measured {measured * 1e3:9.2f} ms  predicted "
-                f"{predicted * 1e3:9.2f} ms  error {100 * err:+7.1f} %  msgs {run.messages}",
-                file=sys.stderr,
-            )
-    meas = [r["measured_s"] for r in rows]
-    pred = [r["predicted_s"] for r in rows]
+            timed[label] += run.step_times[warmup:]
+            per_pass[label].append(run.step_time_s)
+            messages[label] = run.messages
+    rows = []
+    for label, devices, predicted in plans:
+        if not timed[label]:
+            continue
+        measured = statistics.median(timed[label])
+        err = (predicted - measured) / measured
+        spread = (max(per_pass[label]) - min(per_pass[label])) / measured
+        rows.append(
+            {
+                "placement": label,
+                "workers_used": len(set(devices)),
+                "messages": messages[label],
+                "measured_s": measured,
+                "measured_per_pass_s": per_pass[label],
+                "pass_spread": spread,
+                "predicted_s": predicted,
+                "error": err,
+                "predicted_micro_s": micro.get(label),
+                "error_micro": (micro[label] - measured) / measured if label in micro else None,
+            }
+        )
+        print(
+            f"  {label:12} measured {measured * 1e3:9.2f} ms (passes spread {100 * spread:5.1f} %)"
+            f"  predicted {predicted * 1e3:9.2f} ms  error {100 * err:+7.1f} %  "
+            f"msgs {messages[label]}",
+            file=sys.stderr,
+        )
     return {
         "model": name,
         "ops": step.graph.num_ops,
         "link": {"bandwidth": cal.link["bandwidth"], "latency": cal.link["latency"]},
         "message_cpu": {
             k: cal.messages[k]
-            for k in ("send_s", "send_s_per_byte", "recv_s", "recv_s_per_byte", "spacing")
+            for k in (
+                "send_s",
+                "send_s_per_byte",
+                "recv_s",
+                "recv_s_per_byte",
+                "spacing",
+                "in_situ",
+            )
             if k in cal.messages
         },
         "placements": rows,
-        "median_abs_error": statistics.median(abs(r["error"]) for r in rows) if rows else None,
-        "kendall_tau": kendall_tau(meas, pred) if len(rows) > 1 else None,
+        **_summary(rows),
+    }
+
+
+def _summary(rows: list[dict]) -> dict[str, Any]:
+    """Median absolute error and Kendall's tau of the predictions, and of the ablation's
+    (micro-benchmark message costs only, when it ran); the passes' spread."""
+    meas = [r["measured_s"] for r in rows]
+    micro = [r["predicted_micro_s"] for r in rows]
+    return {
+        "median_abs_error": _median_abs(r["error"] for r in rows),
+        "kendall_tau": kendall_tau(meas, [r["predicted_s"] for r in rows])
+        if len(rows) > 1
+        else None,
+        "median_abs_error_micro": _median_abs(r["error_micro"] for r in rows),
+        "kendall_tau_micro": kendall_tau(meas, micro)
+        if len(rows) > 1 and None not in micro
+        else None,
+        "median_pass_spread": _median_abs(r["pass_spread"] for r in rows),
     }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(MODELS))
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=15, help="timed steps per run")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per run")
+    parser.add_argument(
+        "--no-in-situ",
+        action="store_true",
+        help="predict with the micro-benchmarks' message costs only (no calibrate_in_situ)",
+    )
+    parser.add_argument("--passes", type=int, default=2, help="runs per plan, interleaved")
     parser.add_argument("--budget", type=float, default=3.0, help="seconds per placer")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "fidelity.json"))
     args = parser.parse_args(argv)
@@ -145,28 +221,50 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for name in args.models.split(","):
         print(f"{name}:", file=sys.stderr)
-        results.append(run_model(name, args.steps, args.budget))
+        results.append(
+            run_model(name, args.steps, args.warmup, args.passes, args.budget, not args.no_in_situ)
+        )
     rows = [r for m in results for r in m["placements"]]
     overall = {
-        "median_abs_error": statistics.median(abs(r["error"]) for r in rows) if rows else None,
-        "kendall_tau_mean": statistics.mean(
-            m["kendall_tau"] for m in results if m["kendall_tau"] is not None
-        ),
+        **_summary(rows),
         "placements": len(rows),
+        "protocol": {
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "passes": args.passes,
+            "in_situ": not args.no_in_situ,
+        },
         "seconds": time.time() - t0,
         "load_average_before": load_before,
         "load_average_after": os.getloadavg(),
     }
-    print(f"\n{'model':20} {'plans':>5} {'median |err|':>13} {'tau':>6}")
-    for m in results:
-        tau = m["kendall_tau"]
+    # Kendall's tau overall: the mean of the per-model values (rankings within a model)
+    for key in ("kendall_tau", "kendall_tau_micro"):
+        vals = [m[key] for m in results if m[key] is not None]
+        overall[key] = statistics.mean(vals) if vals else None
+
+    def pct(x: Any) -> str:
+        return f"{100 * x:.1f}%" if x is not None else "-"
+
+    def num(x: Any) -> str:
+        return f"{x:.2f}" if x is not None else "-"
+
+    print(
+        f"\n{'model':20} {'plans':>5} {'median |err|':>13} {'tau':>6} {'pass spread':>12} "
+        f"{'micro only: |err|':>18} {'tau':>6}"
+    )
+    for name, m, plans in [(m["model"], m, len(m["placements"])) for m in results] + [
+        ("overall (mean tau)", overall, len(rows))
+    ]:
         print(
-            f"{m['model']:20} {len(m['placements']):5d} "
-            f"{100 * (m['median_abs_error'] or 0):12.1f}% {tau if tau is not None else 0:6.2f}"
+            f"{name:20} {plans:5d} {pct(m['median_abs_error']):>13} {num(m['kendall_tau']):>6} "
+            f"{pct(m['median_pass_spread']):>12} {pct(m['median_abs_error_micro']):>18} "
+            f"{num(m['kendall_tau_micro']):>6}"
         )
     print(
-        f"{'overall':20} {overall['placements']:5d} {100 * overall['median_abs_error']:12.1f}% "
-        f"{overall['kendall_tau_mean']:6.2f} (mean tau)"
+        "pass spread: (max - min) / measured of a plan's per-pass medians, median over plans "
+        "(the measurement's own noise); micro only: the same runs predicted with the "
+        "micro-benchmarks' message costs, without calibrate_in_situ (an ablation)"
     )
     print(
         "load average (1, 5, 15 min) before "
