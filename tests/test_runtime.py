@@ -177,6 +177,7 @@ def test_run_cli_prints_measured_and_predicted(tmp_path, capsys) -> None:
             "--warmup",
             "1",
             "--json",
+            "--in-situ",
             "--cluster-out",
             str(tmp_path / "local.yaml"),
         ]
@@ -184,6 +185,7 @@ def test_run_cli_prints_measured_and_predicted(tmp_path, capsys) -> None:
     assert cmd_run(args) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["measured_step_s"] > 0 and out["predicted_step_s"] > 0
+    assert out["calibration"]["in_situ"]["send_s"] >= 0  # probe runs measured the costs
     assert out["run"]["devices"] == ["cpu0", "cpu1"]
     assert (tmp_path / "local.yaml").exists()
     with pytest.raises(InputError):

@@ -432,14 +432,11 @@ class Calibration:
     ) -> float:
         """:meth:`predict` with the in-situ costs of :func:`calibrate_in_situ`: each message
         costs its sender ``send_s`` and its reader ``recv_s`` (plus the per-byte costs),
-        a reader whose simulated start waited on a message pays ``wake_s`` (fixed-point
-        rounds: waiting depends on the costs), and when the plan uses several workers every
-        op takes ``1 + compute_slowdown`` times its single-worker time."""
+        and a reader whose simulated start waited on a message pays ``wake_s`` (fixed-point
+        rounds: waiting depends on the costs)."""
         n = len(placement)
         costs = {**self.messages, "send_s": situ["send_s"], "recv_s": situ["recv_s"]}
         extra = charge_messages(n, msgs, float(situ["send_s"]), float(situ["recv_s"]), costs)
-        if len(np.unique(placement)) > 1:
-            extra = extra + float(situ["compute_slowdown"]) * sim.op_times(placement)
         res = sim.simulate(placement, extra_time=extra)
         wake = float(situ["wake_s"])
         if wake > 0 and len(msgs["bytes"]):
@@ -602,21 +599,25 @@ def calibrate_in_situ(
     (``warmup + steps`` steps each, timelines on). For every worker and timed step of a
     probe, its *excess* — the time its nodes took minus what the same nodes took on the
     lone worker — is regressed (least squares, coefficients kept non-negative) on the
-    messages it sent, the receives it blocked in (a receive span over
-    :data:`BLOCKED_RECEIVE_S`) and its nodes' lone-worker time:
-    ``excess ≈ send_s · sends + wake_s · blocked + compute_slowdown · lone_time``
-    (medians over the steps per worker and probe). ``recv_s`` is the median span of the
-    receives that did not block. Per-byte costs stay those of
+    messages it sent and the receives it blocked in (a receive span over
+    :data:`BLOCKED_RECEIVE_S`): ``excess ≈ send_s · sends + wake_s · blocked`` (medians
+    over the steps per worker and probe). ``recv_s`` is the median span of the receives
+    that did not block. Per-byte costs stay those of
     :func:`meshplace.profile.link.measure_message_cost`.
 
     Why: the isolated micro-benchmarks time a message in a loop of small kernels, and the
-    predictions built on them were 15-40 % low for plans with few messages (whose
-    receives all block) and 15-70 % high for plans that send in long bursts. On the
-    2-core development VM the timelines of 8 placements × 5 small models gave ~65 µs per
-    send, ~110 µs after each blocking receive (the woken worker's next node) and ~18 %
-    slower nodes in any two-worker run, R² 0.9 (docs/runtime.md). The probes are separate
+    predictions built on them were mostly low for plans with few messages (whose
+    receives all block) and high for plans that send in long bursts. On the 2-core
+    development VM the timelines of 11 placements × 5 small models gave ~65 µs per send,
+    ~110 µs after each blocking receive (the woken worker's next node) and no extra cost
+    for a receive whose data is there, R² 0.9 (docs/runtime.md). The probes are separate
     runs of placements no placer makes, so benchmarks of placers' plans stay out of
     sample. Cost: 5 runs of ``warmup + steps`` steps. Returns the report, also stored.
+
+    Measured effect (``benchmarks/fidelity.py``, which predicts every plan both ways on the
+    same runs): not a consistent gain on the VM — the noise of the runs themselves
+    (10-15 % between two passes) is larger than the difference — so :meth:`predict` uses
+    the micro-benchmark costs unless this was called (``meshplace run --in-situ``).
     """
     from meshplace.runtime.executor import _schedule, run_placement
 
@@ -650,7 +651,7 @@ def calibrate_in_situ(
         for worker in range(len(run.timelines)):
             per_step = []
             for spans in run.timelines[worker][warmup:]:
-                prev = busy = alone = 0.0
+                prev = busy = alone = 0.0  # alone: what these nodes took on the lone worker
                 sends = blocked = 0
                 for node, start, end in spans:
                     if node < 0:
@@ -665,7 +666,7 @@ def calibrate_in_situ(
                     prev = end
                 per_step.append((busy - alone, sends, blocked, alone))
             ex, sends, blocked, alone = np.median(np.array(per_step), axis=0).tolist()
-            features.append([sends, blocked, alone])
+            features.append([sends, blocked])
             excess.append(ex)
             rows.append(
                 {
@@ -686,7 +687,6 @@ def calibrate_in_situ(
     report = {
         "send_s": float(coef[0]),
         "wake_s": float(coef[1]),
-        "compute_slowdown": float(coef[2]),
         "recv_s": float(statistics.median(quick)) if quick else float(cal.messages["recv_s"]),
         "r2": 1.0 - float(((y - fitted) ** 2).sum()) / ss if ss > 0 else 0.0,
         "lone_step_s": lone.step_time_s,
