@@ -2,8 +2,7 @@
 
 For small configurations of several reference models (``meshplace.runtime.program``'s
 ``*-small`` models), the local machine is calibrated once per model (device, op times on a
-runtime worker, gloo link, message cost, then the message costs inside a step from probe
-runs: ``calibrate_in_situ``), each placer in :data:`PLACERS` places the graph
+runtime worker, gloo link, message cost), each placer in :data:`PLACERS` places the graph
 on the calibrated ``local`` cluster (2 CPU workers), and every distinct placement is run
 for real (``run_placement``, 1 thread per worker) and simulated (``Calibration.predict``: the
 runtime's messages at their measured cost, in-order workers, the end-of-step exchange;
@@ -15,9 +14,10 @@ percentage error and Kendall's tau-b between the measured and predicted rankings
 Each plan runs ``--passes`` times (default 2), the passes one after the other over all
 plans, each run ``--warmup`` untimed then ``--steps`` timed steps; the measured step time
 is the median of the timed steps of all passes, and the spread between the passes'
-medians is reported as the measurement's own noise. Every plan is also predicted without
-the in-situ costs (micro-benchmark message costs only), on the same runs: an ablation
-(``--no-in-situ`` skips the probes and predicts that way only).
+medians is reported as the measurement's own noise. Every plan is also predicted with the
+message costs :func:`~meshplace.profile.calibrate.calibrate_in_situ` measures inside steps
+of probe placements (``meshplace run --in-situ``), on the same runs; ``--no-in-situ`` skips
+that.
 
 Usage: ``python benchmarks/fidelity.py [--models a,b] [--steps N] [--passes P] [--out F.json]``
 """
@@ -91,13 +91,11 @@ def run_model(
     spec = ModelSpec(name, batch=8)
     step = trace_step(spec)
     cal = calibrate(step)
-    if in_situ:
-        calibrate_in_situ(cal)
     names = cal.cluster.device_names
     problem = PlacementProblem(step.graph, cal.cluster)
     seen: dict[tuple, str] = {}
     plans: list[tuple[str, list[str], float]] = []
-    micro: dict[str, float] = {}
+    situ: dict[str, float] = {}
     for placer in PLACERS:
         for seed in (0, 1) if placer == "random" else (0,):
             try:
@@ -113,11 +111,9 @@ def run_model(
                 continue
             seen[key] = label
             plans.append((label, devices, cal.predict(step.graph, devices)))
-            if in_situ:  # the same plan predicted without the in-situ costs: an ablation
-                with_situ = cal.messages
-                cal.messages = {k: v for k, v in with_situ.items() if k != "in_situ"}
-                micro[label] = cal.predict(step.graph, devices)
-                cal.messages = with_situ
+    if in_situ:  # the same plans predicted with the in-situ message costs, too
+        calibrate_in_situ(cal)
+        situ = {label: cal.predict(step.graph, devices) for label, devices, _ in plans}
     # Every plan runs once per pass, passes one after the other, so a slow spell of the
     # host spreads over all plans instead of landing on one; a plan's measured time is the
     # median of its timed steps pooled over the passes.
@@ -153,8 +149,8 @@ def run_model(
                 "pass_spread": spread,
                 "predicted_s": predicted,
                 "error": err,
-                "predicted_micro_s": micro.get(label),
-                "error_micro": (micro[label] - measured) / measured if label in micro else None,
+                "predicted_in_situ_s": situ.get(label),
+                "error_in_situ": (situ[label] - measured) / measured if label in situ else None,
             }
         )
         print(
@@ -185,18 +181,18 @@ def run_model(
 
 
 def _summary(rows: list[dict]) -> dict[str, Any]:
-    """Median absolute error and Kendall's tau of the predictions, and of the ablation's
-    (micro-benchmark message costs only, when it ran); the passes' spread."""
+    """Median absolute error and Kendall's tau of the predictions, and of the in-situ ones
+    (when measured); the passes' spread."""
     meas = [r["measured_s"] for r in rows]
-    micro = [r["predicted_micro_s"] for r in rows]
+    situ = [r["predicted_in_situ_s"] for r in rows]
     return {
         "median_abs_error": _median_abs(r["error"] for r in rows),
         "kendall_tau": kendall_tau(meas, [r["predicted_s"] for r in rows])
         if len(rows) > 1
         else None,
-        "median_abs_error_micro": _median_abs(r["error_micro"] for r in rows),
-        "kendall_tau_micro": kendall_tau(meas, micro)
-        if len(rows) > 1 and None not in micro
+        "median_abs_error_in_situ": _median_abs(r["error_in_situ"] for r in rows),
+        "kendall_tau_in_situ": kendall_tau(meas, situ)
+        if len(rows) > 1 and None not in situ
         else None,
         "median_pass_spread": _median_abs(r["pass_spread"] for r in rows),
     }
@@ -210,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--no-in-situ",
         action="store_true",
-        help="predict with the micro-benchmarks' message costs only (no calibrate_in_situ)",
+        help="skip the second prediction with in-situ message costs (calibrate_in_situ)",
     )
     parser.add_argument("--passes", type=int, default=2, help="runs per plan, interleaved")
     parser.add_argument("--budget", type=float, default=3.0, help="seconds per placer")
@@ -239,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         "load_average_after": os.getloadavg(),
     }
     # Kendall's tau overall: the mean of the per-model values (rankings within a model)
-    for key in ("kendall_tau", "kendall_tau_micro"):
+    for key in ("kendall_tau", "kendall_tau_in_situ"):
         vals = [m[key] for m in results if m[key] is not None]
         overall[key] = statistics.mean(vals) if vals else None
 
@@ -251,20 +247,20 @@ def main(argv: list[str] | None = None) -> int:
 
     print(
         f"\n{'model':20} {'plans':>5} {'median |err|':>13} {'tau':>6} {'pass spread':>12} "
-        f"{'micro only: |err|':>18} {'tau':>6}"
+        f"{'in situ: |err|':>15} {'tau':>6}"
     )
     for name, m, plans in [(m["model"], m, len(m["placements"])) for m in results] + [
         ("overall (mean tau)", overall, len(rows))
     ]:
         print(
             f"{name:20} {plans:5d} {pct(m['median_abs_error']):>13} {num(m['kendall_tau']):>6} "
-            f"{pct(m['median_pass_spread']):>12} {pct(m['median_abs_error_micro']):>18} "
-            f"{num(m['kendall_tau_micro']):>6}"
+            f"{pct(m['median_pass_spread']):>12} {pct(m['median_abs_error_in_situ']):>15} "
+            f"{num(m['kendall_tau_in_situ']):>6}"
         )
     print(
         "pass spread: (max - min) / measured of a plan's per-pass medians, median over plans "
-        "(the measurement's own noise); micro only: the same runs predicted with the "
-        "micro-benchmarks' message costs, without calibrate_in_situ (an ablation)"
+        "(the measurement's own noise); in situ: the same runs predicted with the message "
+        "costs calibrate_in_situ measured inside steps of probe placements"
     )
     print(
         "load average (1, 5, 15 min) before "
