@@ -337,3 +337,33 @@ def test_gpu_workers_match_unplaced() -> None:  # pragma: no cover - no GPU in C
     step = trace_step(spec)
     with pytest.raises(InputError, match="cannot run on a GPU"):
         run_placement(spec, ["cpu0"] * step.graph.num_ops, 1, step=step, worker_devices="cuda")
+
+
+def test_transport_threads_policy(tmp_path, monkeypatch) -> None:
+    import torch.distributed as dist
+
+    from meshplace.runtime.executor import yield_transport_threads
+
+    monkeypatch.setenv("MESHPLACE_TRANSPORT", "fast")
+    spec = ModelSpec("mlp")
+    step = trace_step(spec)
+    with pytest.raises(InputError, match="MESHPLACE_TRANSPORT='fast' is not one of"):
+        run_placement(None, ["cpu0"] * step.graph.num_ops, 1, step=step, start_method="fork")
+    monkeypatch.delenv("MESHPLACE_TRANSPORT")
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        assert yield_transport_threads("normal") == 0
+        changed = yield_transport_threads()  # the default: idle class
+        gloo = []
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().startswith(("gloo", "pt_gloo")):
+                    gloo.append(int(tid))
+        assert changed == len(gloo) > 0
+        assert all(os.sched_getscheduler(t) == os.SCHED_IDLE for t in gloo)
+        # and back, so this process's later gloo use is not slowed
+        for t in gloo:
+            os.sched_setscheduler(t, os.SCHED_OTHER, os.sched_param(0))
+    finally:
+        dist.destroy_process_group()

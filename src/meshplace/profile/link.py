@@ -114,6 +114,9 @@ def _run_pair(
     """Run ``target(rank, store_path, *args, out)`` in two processes (ranks 0 and 1, a
     fresh FileStore) and return the first ``results`` items they put on ``out``; both
     processes are killed and the store removed on the way out, whatever happens."""
+    from meshplace.runtime.executor import transport_policy
+
+    transport_policy()  # a bad MESHPLACE_TRANSPORT: one sentence here, not in the children
     ctx = mp.get_context(start_method)
     out = ctx.Queue()
     tmp = tempfile.mkdtemp(prefix="meshplace-link-")
