@@ -431,12 +431,18 @@ class Calibration:
         self, sim: Any, placement: np.ndarray, msgs: Mapping[str, np.ndarray], situ: Mapping
     ) -> float:
         """:meth:`predict` with the in-situ costs of :func:`calibrate_in_situ`: each message
-        costs its sender ``send_s`` and its reader ``recv_s`` (plus the per-byte costs),
-        and a reader whose simulated start waited on a message pays ``wake_s`` (fixed-point
-        rounds: waiting depends on the costs)."""
+        costs its sender ``send_s`` and its reader ``recv_s`` (plus the per-byte costs), a
+        reader whose simulated start waited on a message pays ``wake_s`` (fixed-point
+        rounds: waiting depends on the costs), and when several workers run, each one's
+        first op pays ``start_s`` (the step's start: barrier, posting the receives)."""
         n = len(placement)
         costs = {**self.messages, "send_s": situ["send_s"], "recv_s": situ["recv_s"]}
         extra = charge_messages(n, msgs, float(situ["send_s"]), float(situ["recv_s"]), costs)
+        workers = np.unique(placement)
+        if len(workers) > 1 and float(situ.get("start_s", 0.0)) > 0:
+            order = runtime_order(self.step)
+            first = {int(w): int(next(o for o in order if placement[o] == w)) for w in workers}
+            extra[list(first.values())] += float(situ["start_s"])
         res = sim.simulate(placement, extra_time=extra)
         wake = float(situ["wake_s"])
         if wake > 0 and len(msgs["bytes"]):
@@ -552,10 +558,11 @@ BLOCKED_RECEIVE_S = 40e-6
 
 def probe_placements(step: Any, seed: int = 1000) -> dict[str, list[str]]:
     """Placements of ``step``'s ops on two workers (``cpu0``/``cpu1``) for
-    :func:`calibrate_in_situ`, none of them a placer's: the runtime order cut into 4, 8 and
-    16 contiguous runs alternating between the workers (few messages, most receives
-    blocking; then more of both) and ``scatter`` (each op on ``cpu1`` with probability
-    0.3: many messages, sends in bursts). O(n).
+    :func:`calibrate_in_situ`, none of them a placer's: ``tail`` (only the last op in the
+    runtime order on ``cpu1``: a handful of messages, so the step's fixed start cost
+    shows), the runtime order cut into 2, 4 and 16 contiguous runs alternating between the
+    workers (few messages, most receives blocking; then more of both) and ``scatter``
+    (each op on ``cpu1`` with probability 0.3: many messages, sends in bursts). O(n).
 
     >>> from types import SimpleNamespace
     >>> from meshplace.graph.ir import Op, OpGraph
@@ -563,15 +570,16 @@ def probe_placements(step: Any, seed: int = 1000) -> dict[str, list[str]]:
     >>> for i in range(8):
     ...     _ = g.add_op(Op(f"o{i}", "elementwise"))
     >>> p = probe_placements(SimpleNamespace(graph=g, gm=None), seed=0)
-    >>> sorted(p), p["blocks4"]
-    (['blocks16', 'blocks4', 'blocks8', 'scatter'], ['cpu0', 'cpu0', 'cpu1', 'cpu1', \
-'cpu0', 'cpu0', 'cpu1', 'cpu1'])
+    >>> sorted(p), p["blocks4"], p["tail"].count("cpu1")
+    (['blocks16', 'blocks2', 'blocks4', 'scatter', 'tail'], ['cpu0', 'cpu0', 'cpu1', \
+'cpu1', 'cpu0', 'cpu0', 'cpu1', 'cpu1'], 1)
     """
     n = step.graph.num_ops
     order = runtime_order(step) if step.gm is not None else np.arange(n)
     rank = np.empty(n, dtype=np.int64)
     rank[order] = np.arange(n)
-    out = {f"blocks{k}": [f"cpu{(int(r) * k // max(n, 1)) % 2}" for r in rank] for k in (4, 8, 16)}
+    out = {f"blocks{k}": [f"cpu{(int(r) * k // max(n, 1)) % 2}" for r in rank] for k in (2, 4, 16)}
+    out["tail"] = ["cpu1" if r == n - 1 else "cpu0" for r in rank]
     rng = np.random.default_rng(seed)
     out["scatter"] = [f"cpu{int(x)}" for x in (rng.random(n) < 0.3)]
     return out
@@ -600,7 +608,8 @@ def calibrate_in_situ(
     probe, its *excess* — the time its nodes took minus what the same nodes took on the
     lone worker — is regressed (least squares, coefficients kept non-negative) on the
     messages it sent and the receives it blocked in (a receive span over
-    :data:`BLOCKED_RECEIVE_S`): ``excess ≈ send_s · sends + wake_s · blocked`` (medians
+    :data:`BLOCKED_RECEIVE_S`): ``excess ≈ start_s + send_s · sends + wake_s · blocked``
+    (``start_s``: what starting a step costs each worker of a multi-worker run; medians
     over the steps per worker and probe). ``recv_s`` is the median span of the receives
     that did not block. Per-byte costs stay those of
     :func:`meshplace.profile.link.measure_message_cost`.
@@ -666,7 +675,7 @@ def calibrate_in_situ(
                     prev = end
                 per_step.append((busy - alone, sends, blocked, alone))
             ex, sends, blocked, alone = np.median(np.array(per_step), axis=0).tolist()
-            features.append([sends, blocked])
+            features.append([1.0, sends, blocked])
             excess.append(ex)
             rows.append(
                 {
@@ -685,8 +694,9 @@ def calibrate_in_situ(
     fitted = a @ coef
     ss = float(((y - y.mean()) ** 2).sum())
     report = {
-        "send_s": float(coef[0]),
-        "wake_s": float(coef[1]),
+        "start_s": float(coef[0]),
+        "send_s": float(coef[1]),
+        "wake_s": float(coef[2]),
         "recv_s": float(statistics.median(quick)) if quick else float(cal.messages["recv_s"]),
         "r2": 1.0 - float(((y - fitted) ** 2).sum()) / ss if ss > 0 else 0.0,
         "lone_step_s": lone.step_time_s,
