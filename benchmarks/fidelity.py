@@ -92,7 +92,7 @@ def run_model(
     step = trace_step(spec)
     cal = calibrate(step)
     names = cal.cluster.device_names
-    problem = PlacementProblem(step.graph, cal.cluster)
+    problem = PlacementProblem(step.graph, cal.cluster, simulator=cal.simulator())
     seen: dict[tuple, str] = {}
     plans: list[tuple[str, list[str], float]] = []
     situ: dict[str, float] = {}

@@ -320,3 +320,22 @@ def test_in_situ_message_costs_from_probe_runs() -> None:
     assert after[0] != before[0] and after[0] > 0.5 * before[1]
     with pytest.raises(InputError):
         calibrate_in_situ(Calibration(cal.cluster, cal.cost_model, cal.op_times, {}, {}, {}))
+
+
+def test_placers_search_with_the_calibrated_model() -> None:
+    from meshplace.placers.base import PlacementProblem
+
+    step = trace_step(ModelSpec("mlp", batch=8))
+    cal = calibrate(step, reps=3, link=FAKE_LINK, device=FAKE_DEVICE, messages=FAKE_MESSAGES)
+    sim = cal.simulator()
+    assert sim.in_order and sim.cost_model is cal.cost_model
+    calibrated = PlacementProblem(step.graph, cal.cluster, simulator=sim)
+    default = PlacementProblem(step.graph, cal.cluster)
+    n = step.graph.num_ops
+    half = np.array([0 if i < n // 2 else 1 for i in range(n)])
+    # the calibrated model charges each transfer's CPU to the workers: a split costs more
+    assert calibrated.evaluate_ops(half).step_time_s > default.evaluate_ops(half).step_time_s
+    lone = np.zeros(n, dtype=np.int64)  # one worker: the same op times either way
+    assert calibrated.evaluate_ops(lone).step_time_s == pytest.approx(
+        default.evaluate_ops(lone).step_time_s
+    )

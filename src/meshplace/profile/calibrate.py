@@ -454,6 +454,26 @@ class Calibration:
                 res = sim.simulate(placement, extra_time=woken)
         return self._end_of_step(sim, placement, res, costs)
 
+    def simulator(self) -> Any:
+        """The simulator placers should search with on the calibrated cluster: the fitted
+        cost model (measured op times, the measured message CPU per transfer) and workers
+        that run their ops in the runtime's order (``in_order``) — the model of
+        :meth:`predict` less its exact per-message accounting, at the speed of one
+        simulation. (With the default simulator, messages cost only link time and any ready
+        op may run, so a search prefers splits the workers then run slower than one worker.)
+        """
+        from meshplace.sim.simulator import Simulator
+
+        if self.step is None:
+            raise InputError("this calibration has no traced step to simulate")
+        return Simulator(
+            self.step.graph,
+            self.cluster,
+            self.cost_model,
+            in_order=True,
+            order=runtime_order(self.step),
+        )
+
     def _end_of_step(
         self, sim: Any, placement: np.ndarray, res: Any, end_costs: Mapping[str, Any]
     ) -> float:

@@ -67,7 +67,8 @@ def _devices_for(args: argparse.Namespace, step: Any, cal: Any) -> tuple[list[st
         return [mapping[d] for d in names], f"plan {args.plan} (devices mapped to workers)"
     from meshplace.placers.base import PlacementProblem, run_placer
 
-    problem = PlacementProblem(step.graph, cal.cluster)
+    # search with the calibrated model of the workers, not the default simulator
+    problem = PlacementProblem(step.graph, cal.cluster, simulator=cal.simulator())
     res = run_placer(args.placer, problem, 10.0, 0)
     return [local[i] for i in res.op_devices.tolist()], f"placer {args.placer}"
 
