@@ -177,7 +177,6 @@ def test_run_cli_prints_measured_and_predicted(tmp_path, capsys) -> None:
             "--warmup",
             "1",
             "--json",
-            "--in-situ",
             "--cluster-out",
             str(tmp_path / "local.yaml"),
         ]

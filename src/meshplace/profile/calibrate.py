@@ -434,11 +434,14 @@ class Calibration:
         costs its sender ``send_s`` and its reader ``recv_s`` (plus the per-byte costs), a
         reader whose simulated start waited on a message pays ``wake_s`` (fixed-point
         rounds: waiting depends on the costs), and when several workers run, each one's
-        first op pays ``start_s`` (the step's start: barrier, posting the receives)."""
+        first op pays ``start_s`` (the step's start: barrier, posting the receives) and
+        every op takes ``1 + compute_slowdown`` times its lone-worker time."""
         n = len(placement)
         costs = {**self.messages, "send_s": situ["send_s"], "recv_s": situ["recv_s"]}
         extra = charge_messages(n, msgs, float(situ["send_s"]), float(situ["recv_s"]), costs)
         workers = np.unique(placement)
+        if len(workers) > 1:
+            extra = extra + float(situ.get("compute_slowdown", 0.0)) * sim.op_times(placement)
         if len(workers) > 1 and float(situ.get("start_s", 0.0)) > 0:
             order = runtime_order(self.step)
             first = {int(w): int(next(o for o in order if placement[o] == w)) for w in workers}
@@ -628,7 +631,8 @@ def calibrate_in_situ(
     probe, its *excess* — the time its nodes took minus what the same nodes took on the
     lone worker — is regressed (least squares, coefficients kept non-negative) on the
     messages it sent and the receives it blocked in (a receive span over
-    :data:`BLOCKED_RECEIVE_S`): ``excess ≈ start_s + send_s · sends + wake_s · blocked``
+    :data:`BLOCKED_RECEIVE_S`) and the lone-worker time of its nodes:
+    ``excess ≈ start_s + send_s · sends + wake_s · blocked + compute_slowdown · lone``
     (``start_s``: what starting a step costs each worker of a multi-worker run; medians
     over the steps per worker and probe). ``recv_s`` is the median span of the receives
     that did not block. Per-byte costs stay those of
@@ -638,15 +642,16 @@ def calibrate_in_situ(
     predictions built on them were mostly low for plans with few messages (whose
     receives all block) and high for plans that send in long bursts. On the 2-core
     development VM the timelines of 11 placements × 5 small models gave ~65 µs per send,
-    ~110 µs after each blocking receive (the woken worker's next node) and no extra cost
-    for a receive whose data is there, R² 0.9 (docs/runtime.md). The probes are separate
-    runs of placements no placer makes, so benchmarks of placers' plans stay out of
-    sample. Cost: 5 runs of ``warmup + steps`` steps. Returns the report, also stored.
+    ~110 µs after each blocking receive (the woken worker's next node), no extra cost for
+    a receive whose data is there, and nodes 10-20 % slower in a two-worker run than on a
+    lone worker, R² 0.9 (docs/runtime.md). The probes are separate runs of placements no
+    placer makes, so benchmarks of placers' plans stay out of sample. Cost: 5 runs of
+    ``warmup + steps`` steps. Returns the report, also stored.
 
     Measured effect (``benchmarks/fidelity.py``, which predicts every plan both ways on the
-    same runs): not a consistent gain on the VM — the noise of the runs themselves
-    (10-15 % between two passes) is larger than the difference — so :meth:`predict` uses
-    the micro-benchmark costs unless this was called (``meshplace run --in-situ``).
+    same runs, gloo threads in ``SCHED_IDLE``): median error 12.3 % / tau 0.79 against
+    15.5 % / 0.76, and 14.9 % / 0.83 against 18.0 % / 0.79. ``meshplace run`` calls it for
+    CPU workers unless ``--no-in-situ``.
     """
     from meshplace.runtime.executor import _schedule, run_placement
 
@@ -695,7 +700,7 @@ def calibrate_in_situ(
                     prev = end
                 per_step.append((busy - alone, sends, blocked, alone))
             ex, sends, blocked, alone = np.median(np.array(per_step), axis=0).tolist()
-            features.append([1.0, sends, blocked])
+            features.append([1.0, sends, blocked, alone])
             excess.append(ex)
             rows.append(
                 {
@@ -717,6 +722,7 @@ def calibrate_in_situ(
         "start_s": float(coef[0]),
         "send_s": float(coef[1]),
         "wake_s": float(coef[2]),
+        "compute_slowdown": float(coef[3]),
         "recv_s": float(statistics.median(quick)) if quick else float(cal.messages["recv_s"]),
         "r2": 1.0 - float(((y - fitted) ** 2).sum()) / ss if ss > 0 else 0.0,
         "lone_step_s": lone.step_time_s,

@@ -39,10 +39,10 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         "cuda:0,cuda:1",
     )
     parser.add_argument(
-        "--in-situ",
+        "--no-in-situ",
         action="store_true",
-        help="predict with message costs measured inside a step by probe runs (CPU workers; "
-        "a few seconds more; docs/runtime.md)",
+        help="skip the probe runs that measure message costs inside a step (CPU workers; "
+        "they take a few seconds) and predict with the micro-benchmarks' costs",
     )
     parser.add_argument("--cluster-out", help="write the calibrated local cluster (YAML)")
     parser.add_argument("--json", action="store_true", help="print JSON")
@@ -103,9 +103,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     step = trace_step(spec)
     # the simulator's local devices are all calibrated like the first GPU worker, if any
     cal = calibrate(step, worker_device=gpus[0] if gpus else "cpu", spec=spec)
-    if args.in_situ:
-        if gpus:
-            raise InputError("--in-situ calibrates CPU workers; leave it out with GPU workers")
+    if not gpus and not args.no_in_situ:
         calibrate_in_situ(cal)  # message costs inside a step, from probe runs (~1-6 s)
     if args.workers != 2:
         cal.cluster = local_cluster(
