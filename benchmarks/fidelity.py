@@ -14,10 +14,11 @@ percentage error and Kendall's tau-b between the measured and predicted rankings
 Each plan runs ``--passes`` times (default 2), the passes one after the other over all
 plans, each run ``--warmup`` untimed then ``--steps`` timed steps; the measured step time
 is the median of the timed steps of all passes, and the spread between the passes'
-medians is reported as the measurement's own noise. Every plan is also predicted with the
-message costs :func:`~meshplace.profile.calibrate.calibrate_in_situ` measures inside steps
-of probe placements (``meshplace run --in-situ``), on the same runs; ``--no-in-situ`` skips
-that.
+medians is reported as the measurement's own noise. The predictions use, as ``meshplace
+run`` does, the message costs :func:`~meshplace.profile.calibrate.calibrate_in_situ`
+measures inside steps of probe placements; every plan is also predicted with the
+micro-benchmarks' message costs alone, on the same runs (an ablation; ``--no-in-situ``
+predicts that way only).
 
 Usage: ``python benchmarks/fidelity.py [--models a,b] [--steps N] [--passes P] [--out F.json]``
 """
@@ -95,7 +96,7 @@ def run_model(
     problem = PlacementProblem(step.graph, cal.cluster, simulator=cal.simulator())
     seen: dict[tuple, str] = {}
     plans: list[tuple[str, list[str], float]] = []
-    situ: dict[str, float] = {}
+    micro: dict[str, float] = {}
     for placer in PLACERS:
         for seed in (0, 1) if placer == "random" else (0,):
             try:
@@ -111,9 +112,10 @@ def run_model(
                 continue
             seen[key] = label
             plans.append((label, devices, cal.predict(step.graph, devices)))
-    if in_situ:  # the same plans predicted with the in-situ message costs, too
+    if in_situ:  # the headline: in-situ costs; the micro-benchmark-only model alongside
+        micro = {label: predicted for label, _, predicted in plans}
         calibrate_in_situ(cal)
-        situ = {label: cal.predict(step.graph, devices) for label, devices, _ in plans}
+        plans = [(label, devices, cal.predict(step.graph, devices)) for label, devices, _ in plans]
     # Every plan runs once per pass, passes one after the other, so a slow spell of the
     # host spreads over all plans instead of landing on one; a plan's measured time is the
     # median of its timed steps pooled over the passes.
@@ -149,8 +151,8 @@ def run_model(
                 "pass_spread": spread,
                 "predicted_s": predicted,
                 "error": err,
-                "predicted_in_situ_s": situ.get(label),
-                "error_in_situ": (situ[label] - measured) / measured if label in situ else None,
+                "predicted_micro_s": micro.get(label),
+                "error_micro": (micro[label] - measured) / measured if label in micro else None,
             }
         )
         print(
@@ -181,18 +183,18 @@ def run_model(
 
 
 def _summary(rows: list[dict]) -> dict[str, Any]:
-    """Median absolute error and Kendall's tau of the predictions, and of the in-situ ones
-    (when measured); the passes' spread."""
+    """Median absolute error and Kendall's tau of the predictions, and of the
+    micro-benchmark-only ones (when in situ was on); the passes' spread."""
     meas = [r["measured_s"] for r in rows]
-    situ = [r["predicted_in_situ_s"] for r in rows]
+    micro = [r["predicted_micro_s"] for r in rows]
     return {
         "median_abs_error": _median_abs(r["error"] for r in rows),
         "kendall_tau": kendall_tau(meas, [r["predicted_s"] for r in rows])
         if len(rows) > 1
         else None,
-        "median_abs_error_in_situ": _median_abs(r["error_in_situ"] for r in rows),
-        "kendall_tau_in_situ": kendall_tau(meas, situ)
-        if len(rows) > 1 and None not in situ
+        "median_abs_error_micro": _median_abs(r["error_micro"] for r in rows),
+        "kendall_tau_micro": kendall_tau(meas, micro)
+        if len(rows) > 1 and None not in micro
         else None,
         "median_pass_spread": _median_abs(r["pass_spread"] for r in rows),
     }
@@ -206,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--no-in-situ",
         action="store_true",
-        help="skip the second prediction with in-situ message costs (calibrate_in_situ)",
+        help="predict with the micro-benchmarks' message costs only (no calibrate_in_situ)",
     )
     parser.add_argument("--passes", type=int, default=2, help="runs per plan, interleaved")
     parser.add_argument("--budget", type=float, default=3.0, help="seconds per placer")
@@ -235,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         "load_average_after": os.getloadavg(),
     }
     # Kendall's tau overall: the mean of the per-model values (rankings within a model)
-    for key in ("kendall_tau", "kendall_tau_in_situ"):
+    for key in ("kendall_tau", "kendall_tau_micro"):
         vals = [m[key] for m in results if m[key] is not None]
         overall[key] = statistics.mean(vals) if vals else None
 
@@ -247,20 +249,20 @@ def main(argv: list[str] | None = None) -> int:
 
     print(
         f"\n{'model':20} {'plans':>5} {'median |err|':>13} {'tau':>6} {'pass spread':>12} "
-        f"{'in situ: |err|':>15} {'tau':>6}"
+        f"{'micro only: |err|':>18} {'tau':>6}"
     )
     for name, m, plans in [(m["model"], m, len(m["placements"])) for m in results] + [
         ("overall (mean tau)", overall, len(rows))
     ]:
         print(
             f"{name:20} {plans:5d} {pct(m['median_abs_error']):>13} {num(m['kendall_tau']):>6} "
-            f"{pct(m['median_pass_spread']):>12} {pct(m['median_abs_error_in_situ']):>15} "
-            f"{num(m['kendall_tau_in_situ']):>6}"
+            f"{pct(m['median_pass_spread']):>12} {pct(m['median_abs_error_micro']):>18} "
+            f"{num(m['kendall_tau_micro']):>6}"
         )
     print(
         "pass spread: (max - min) / measured of a plan's per-pass medians, median over plans "
-        "(the measurement's own noise); in situ: the same runs predicted with the message "
-        "costs calibrate_in_situ measured inside steps of probe placements"
+        "(the measurement's own noise); micro only: the same runs predicted with the "
+        "micro-benchmarks' message costs, without calibrate_in_situ (an ablation)"
     )
     print(
         "load average (1, 5, 15 min) before "
