@@ -313,14 +313,14 @@ def yield_transport_threads(policy: str | None = None) -> int:
     on the still-readable socket — it spins. With two one-thread workers on two cores the
     two loop threads and the two compute threads share the cores, the spinning loop thread
     takes a whole scheduler slice from a compute thread, and a call that should take 20 µs
-    takes 2-5 ms (both workers at once: the peer waits on it). Measured on the 2-vCPU
-    development VM, 15 ``irecv`` posted per round, 220 rounds: 30 rounds slower than 1.5 ms
-    at normal priority, 28-31 at nice 10, none with the threads in ``SCHED_IDLE`` (mean
-    round 240 µs against 700). An idle-class thread runs when a core has nothing else to
-    do — which is exactly when a worker waits for a message — and gets a sliver of a busy
-    core otherwise, so it can never take a compute thread's slice. Multi-worker steps of
-    the small models (5 placements × 4 models, 2 × 18 steps each) ran 28 % faster than at
-    normal priority (geometric mean), 15 % faster than at nice 10. Lowering one's own
+    takes 2-5 ms (both workers at once: the peer waits on it). ``benchmarks/transport.py``
+    on the 2-vCPU development VM (15 ``irecv`` posted, then waited, per round; 440 phases
+    per policy): 35 phases slower than 1.5 ms at normal priority, 46 at nice 10, 2 in
+    ``SCHED_IDLE`` (mean 709, 761, 434 µs). An idle-class thread runs when a core has
+    nothing else to do — which is exactly when a worker waits for a message — and gets a
+    sliver of a busy core otherwise, so it can never take a compute thread's slice. The
+    training steps of 20 placements of 4 small models took 0.70× their time at normal
+    priority (geometric mean; 0.81× at nice 10). Lowering one's own
     threads needs no privilege.
 
     The price: on a host whose cores are busy with *other* work, an idle-class thread only
