@@ -92,12 +92,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.workers < 1:
         raise InputError(f"--workers must be a positive integer, got {args.workers}")
     # one torch device per local worker (cluster order), checked before calibrating
-    worker_list = resolve_worker_devices(
-        [d.strip() for d in args.worker_devices.split(",")]
-        if args.worker_devices not in ("cpu", "cuda")
-        else args.worker_devices,
-        args.workers,
-    )
+    worker_list = resolve_worker_devices(args.worker_devices, args.workers)
     gpus = [d for d in worker_list if d.startswith("cuda")]
     spec = ModelSpec(args.graph, batch=args.batch, size=args.size)
     step = trace_step(spec)
