@@ -18,6 +18,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from meshplace.provenance import write_result
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 CHILD = r"""
@@ -72,7 +74,7 @@ def main(argv: list[str]) -> None:
         rows.append(row)
         print(f"captured {name} {size}: {row['capture_s']:.1f} s", file=sys.stderr)
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "capture.json").write_text(json.dumps(rows, indent=2) + "\n")
+    write_result(RESULTS / "capture.json", rows)
     print(
         "| workload | size | batch | params | ops (fwd/bwd/upd) | groups | fwd GFLOP "
         "| total/fwd | 6ND ratio | capture s | group s | peak RSS |"

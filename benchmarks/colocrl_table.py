@@ -16,13 +16,13 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 from meshplace.graph.sources import workload_graph
 from meshplace.hardware import load_cluster
 from meshplace.placers import PlacementProblem, registry, run_placer
+from meshplace.provenance import write_result
 
 RESULTS = Path(__file__).resolve().parent / "results"
 WORKLOADS = [("rnnlm", None), ("nmt", "2layer"), ("nmt", "4layer"), ("inception_v3", None)]
@@ -75,7 +75,7 @@ def main() -> None:
             rows.append(row)
     RESULTS.mkdir(exist_ok=True)
     payload = {"budget_s": args.budget, "seed": args.seed, "rows": rows}
-    (RESULTS / "colocrl_table.json").write_text(json.dumps(payload, indent=1) + "\n")
+    write_result(RESULTS / "colocrl_table.json", payload)
     _print_markdown(rows, placers)
 
 

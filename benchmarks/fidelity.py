@@ -26,13 +26,14 @@ Usage: ``python benchmarks/fidelity.py [--models a,b] [--steps N] [--passes P] [
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from meshplace.provenance import write_result
 
 MODELS = ("mlp", "dmcca-small", "nmt-small", "rnnlm-small", "resnet-small", "transformer-small")
 PLACERS = (
@@ -270,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         + "; after "
         + ", ".join(f"{x:.2f}" for x in overall["load_average_after"])
     )
-    Path(args.out).write_text(json.dumps({"models": results, "overall": overall}, indent=1))
+    write_result(args.out, {"models": results, "overall": overall})
     return 0
 
 

@@ -39,6 +39,7 @@ import matplotlib.pyplot as plt
 from meshplace.graph.sources import workload_graph
 from meshplace.hardware import load_cluster
 from meshplace.placers import PlacementProblem, PlacerOptions, run_placer
+from meshplace.provenance import write_result
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CURVE_PLACERS = ("rl", "hrl", "gnn", "anneal", "random_search")
@@ -146,7 +147,7 @@ def main() -> None:
 
     if not args.skip_curves:
         curves = learning_curves(args.budget, args.seed)
-        (RESULTS / "learned_curves.json").write_text(json.dumps(curves, indent=1))
+        write_result(RESULTS / "learned_curves.json", curves)
         plot_curves(curves, RESULTS / "learned_curves.png")
         print(
             f"\n{curves['graph']} on {curves['cluster']}, budget {args.budget:g} s, "
@@ -170,16 +171,14 @@ def main() -> None:
         problems = held_out_problems()
         run_placer("gnn", problems[0][1], 1.0, args.seed)  # compile the decoder first
         rows = generalisation_table(args.anneal_budget, args.finetune, args.seed, problems)
-        (RESULTS / "learned_generalisation.json").write_text(
-            json.dumps(
-                {
-                    "finetune_s": args.finetune,
-                    "anneal_budget_s": args.anneal_budget,
-                    "seed": args.seed,
-                    "rows": rows,
-                },
-                indent=1,
-            )
+        write_result(
+            RESULTS / "learned_generalisation.json",
+            {
+                "finetune_s": args.finetune,
+                "anneal_budget_s": args.anneal_budget,
+                "seed": args.seed,
+                "rows": rows,
+            },
         )
         print(
             f"\ngnn on graphs held out of its training family (fine-tune {args.finetune:g} s, "

@@ -21,7 +21,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -29,7 +28,7 @@ from pathlib import Path
 from meshplace.hardware import load_cluster
 from meshplace.mesh.program import transformer_lm
 from meshplace.mesh.search import evaluate_layout, hand_layout, search
-from meshplace.util import write_text_atomic
+from meshplace.provenance import write_result
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CHIPS = (8, 32, 128, 512)
@@ -86,10 +85,9 @@ def main() -> None:
             file=sys.stderr,
         )
     RESULTS.mkdir(exist_ok=True)
-    write_text_atomic(
+    write_result(
         RESULTS / "mesh_transformer.json",
-        json.dumps({"cluster": "tpu-v3-pod", "max_axes": args.max_axes, "rows": rows}, indent=1)
-        + "\n",
+        {"cluster": "tpu-v3-pod", "max_axes": args.max_axes, "rows": rows},
     )
     _markdown(rows)
 

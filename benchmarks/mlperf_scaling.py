@@ -29,7 +29,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -37,7 +36,7 @@ from meshplace.errors import InputError
 from meshplace.hardware import load_cluster
 from meshplace.mesh.program import program_for
 from meshplace.mesh.search import evaluate_layout, search
-from meshplace.util import write_text_atomic
+from meshplace.provenance import write_result
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CHIPS = (16, 32, 64, 128, 256, 512, 1024)
@@ -125,7 +124,7 @@ def main() -> None:
         "detection": spatial(),
     }
     RESULTS.mkdir(exist_ok=True)
-    write_text_atomic(RESULTS / "mlperf_scaling.json", json.dumps(results, indent=1) + "\n")
+    write_result(RESULTS / "mlperf_scaling.json", results)
     _markdown(results)
 
 

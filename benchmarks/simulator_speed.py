@@ -15,7 +15,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ import numpy as np
 
 from meshplace.graph.sources import workload_graph
 from meshplace.hardware import load_cluster, torus
+from meshplace.provenance import write_result
 from meshplace.sim.simulator import Simulator
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -76,7 +76,7 @@ def main() -> None:
             )
             print(f"{graph.name} on {cname}: {graph.num_ops / median:,.0f} ops/s", flush=True)
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "simulator_speed.json").write_text(json.dumps(rows, indent=2) + "\n")
+    write_result(RESULTS / "simulator_speed.json", rows)
     print()
     print("| graph | ops | cluster | devices | transfers/run | median ms | ops/s | setup s |")
     print("|---|---|---|---|---|---|---|---|")

@@ -16,7 +16,6 @@ Usage: ``python benchmarks/transport.py [--models mlp,transformer-small] [--roun
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -25,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from meshplace.provenance import write_result
 
 POLICIES = ("normal", "nice", "idle")
 PLACERS = ("expert", "anneal", "m_etf", "m_topo", "random")
@@ -137,16 +138,14 @@ def main(argv: list[str] | None = None) -> int:
         "training steps, geometric mean over normal: "
         + ", ".join(f"{p} {v:.3f}" for p, v in result["geometric_mean_over_normal"].items())
     )
-    Path(args.out).write_text(
-        json.dumps(
-            {
-                "posting": post,
-                "steps": result,
-                "load_average_before": load_before,
-                "load_average_after": os.getloadavg(),
-            },
-            indent=1,
-        )
+    write_result(
+        args.out,
+        {
+            "posting": post,
+            "steps": result,
+            "load_average_before": load_before,
+            "load_average_after": os.getloadavg(),
+        },
     )
     return 0
 

@@ -8,18 +8,26 @@ atomically.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from rich.console import Console
 from rich.table import Table
 
 from meshplace.errors import InputError
+from meshplace.util import (
+    JsonOutput,
+    check_output_paths,
+    finite_or_none,
+    print_json,
+    write_text_atomic,
+)
 
 EXIT_BAD_INPUT = 2
 
@@ -34,8 +42,49 @@ def _positive_int(text: str) -> int:
     return value
 
 
+class _UsageError(Exception):
+    """A bad flag or argument, caught by :func:`main` like an :class:`InputError`."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a usage error as one sentence (no usage block: ``--help`` has
+    it) and lets :func:`main` answer ``--json`` callers with a JSON error too."""
+
+    def error(self, message: str) -> NoReturn:
+        raise _UsageError(f"meshplace: error: {message} (see {self.prog} --help)")
+
+
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer seed, got {text!r}") from None
+    if not 0 <= value < 2**32:
+        raise argparse.ArgumentTypeError(f"a seed is between 0 and 2**32 - 1, got {text!r}")
+    return value
+
+
+def _seconds(text: str, *, zero_ok: bool) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
+        allowed = "finite and non-negative" if zero_ok else "finite and positive"
+        raise argparse.ArgumentTypeError(f"seconds must be {allowed}, got {text!r}")
+    return value
+
+
+def _positive_seconds(text: str) -> float:
+    return _seconds(text, zero_ok=False)
+
+
+def _non_negative_seconds(text: str) -> float:
+    return _seconds(text, zero_ok=True)
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="meshplace",
         description="Decide where every part of a neural network should run.",
     )
@@ -82,9 +131,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--placer", default="all", help="NAME[,NAME...] or all (default: all)")
     p.add_argument("--objective", default="step", choices=["step", "throughput"])
     p.add_argument(
-        "--budget", type=float, default=10.0, help="seconds per searching placer (default 10)"
+        "--budget",
+        type=_positive_seconds,
+        default=10.0,
+        help="seconds per searching placer (default 10)",
     )
-    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("--seed", type=_seed, default=0, help="random seed (default 0)")
     p.add_argument("--batch", type=_positive_int, help="batch size (reference workloads)")
     p.add_argument("--size", help="model size (reference workloads)")
     p.add_argument("--inference", action="store_true", help="place the inference graph")
@@ -107,7 +159,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--finetune",
-        type=float,
+        type=_non_negative_seconds,
         metavar="SECONDS",
         help="let the pretrained gnn policy train this many seconds on the model after "
         "placing it zero-shot (default: zero-shot only)",
@@ -184,41 +236,79 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    """Run the command line; returns the exit status (0 ok, 1 a failed run, 2 bad input,
+    130 interrupted). With ``--json`` stdout carries exactly one JSON document, also on
+    errors (``{"error": ..., "exit_status": ...}``); everything else goes to stderr."""
+    json_output: JsonOutput | None = None
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        if args.command == "graph":
-            return _cmd_graph(args)
-        if args.command == "workloads":
-            return _cmd_workloads(args)
-        if args.command == "cluster":
-            return _cmd_cluster(args)
-        if args.command == "plan":
-            return _cmd_plan(args)
-        if args.command == "profile":
-            from meshplace.profile.cli import cmd_profile
-
-            return cmd_profile(args)
-        if args.command == "run":
-            from meshplace.runtime.cli import cmd_run
-
-            return cmd_run(args)
-        if args.command == "report":
-            from meshplace.report.cli import cmd_report
-
-            return cmd_report(args)
-        if args.command == "shard":
-            from meshplace.mesh.cli import cmd_shard
-
-            return cmd_shard(args)
-        if args.command == "simulate":
-            return _cmd_simulate(args)
-    except InputError as exc:
-        print(f"meshplace: error: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except KeyboardInterrupt:
+        try:
+            args = _parser().parse_args(argv)
+        except _UsageError as exc:
+            if "--json" in argv:
+                with JsonOutput() as out:
+                    return _fail(out, f"{exc}", EXIT_BAD_INPUT)
+            print(exc, file=sys.stderr)
+            return EXIT_BAD_INPUT
+        if getattr(args, "json", False):
+            json_output = JsonOutput()
+        with json_output or contextlib.nullcontext():
+            try:
+                return _dispatch(args)
+            except InputError as exc:
+                return _fail(json_output, f"meshplace: error: {exc}", EXIT_BAD_INPUT)
+            except KeyboardInterrupt:
+                return _fail(json_output, "meshplace: interrupted", 130)
+    except KeyboardInterrupt:  # during parsing or imports, before the command started
         print("meshplace: interrupted", file=sys.stderr)
         return 130
-    return 0  # pragma: no cover - argparse requires a command
+
+
+def _fail(json_output: JsonOutput | None, sentence: str, status: int) -> int:
+    print(sentence, file=sys.stderr)
+    if json_output is not None and not json_output.emitted:
+        json_output.emit({"error": sentence.split(": ", 1)[-1], "exit_status": status})
+    return status
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    if args.command == "graph":
+        return _cmd_graph(args)
+    if args.command == "workloads":
+        return _cmd_workloads(args)
+    if args.command == "cluster":
+        return _cmd_cluster(args)
+    if args.command == "plan":
+        return _cmd_plan(args)
+    if args.command == "profile":
+        from meshplace.profile.cli import cmd_profile
+
+        return cmd_profile(args)
+    if args.command == "run":
+        from meshplace.runtime.cli import cmd_run
+
+        return cmd_run(args)
+    if args.command == "report":
+        from meshplace.report.cli import cmd_report
+
+        return cmd_report(args)
+    if args.command == "shard":
+        from meshplace.mesh.cli import cmd_shard
+
+        return cmd_shard(args)
+    if args.command == "simulate":
+        return _cmd_simulate(args)
+    raise AssertionError(args.command)  # pragma: no cover - argparse requires a command
+
+
+def _check_model_flags(args: argparse.Namespace, spec: str) -> None:
+    """Flags that shape a capture mean nothing for a saved graph: refuse them rather than
+    silently use the graph as it was saved."""
+    if spec.endswith(".json") and getattr(args, "inference", False):
+        raise InputError(
+            f"{spec}: --inference applies to models captured here; a saved graph is "
+            "already a training or inference graph"
+        )
 
 
 def _status(console: Console, message: str):
@@ -230,6 +320,8 @@ def _cmd_graph(args: argparse.Namespace) -> int:
     from meshplace.graph.sources import graph_for
     from meshplace.graph.summary import summarize
 
+    _check_model_flags(args, args.model)
+    check_output_paths({"--out": args.out}, inputs=[args.model])
     err = Console(stderr=True)
     start = time.perf_counter()
     with _status(err, f"capturing {args.model}…"):
@@ -248,7 +340,7 @@ def _cmd_graph(args: argparse.Namespace) -> int:
         save_graph(graph, args.out)
         summary["out"] = args.out
     if args.json:
-        print(json.dumps(summary, indent=2, default=str))
+        print_json(summary)
     else:
         _print_graph_summary(Console(), summary)
     return 0
@@ -299,7 +391,7 @@ def _cmd_workloads(args: argparse.Namespace) -> int:
     err = Console(stderr=True)
     rows = summarize_workloads(all_sizes=args.all_sizes, console=err)
     if args.json:
-        print(json.dumps(rows, indent=2, default=str))
+        print_json(rows)
         return 0
     table = Table(title="meshplace reference workloads (training step, Adam)")
     for col in ("workload", "batch", "params", "ops", "groups", "fwd FLOPs", "total/fwd"):
@@ -332,17 +424,24 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from meshplace.placers.base import PlacementProblem, PlacerError, PlacerOptions, resolve
     from meshplace.planning import plan_report, run_placers
 
-    if not args.budget > 0:
-        raise PlacerError(f"--budget must be positive seconds, got {args.budget}")
-    if args.finetune is not None and not args.finetune >= 0:
-        raise PlacerError(f"--finetune must be non-negative seconds, got {args.finetune}")
+    names = resolve(args.placer)
+    if not names:
+        raise PlacerError(f"--placer {args.placer!r} names no placer; give NAME[,NAME...] or all")
+    if args.finetune is not None and "gnn" not in names:
+        raise PlacerError("--finetune trains the gnn placer only; add gnn to --placer")
     if args.resume and not args.checkpoint_dir:
         raise PlacerError("--resume needs --checkpoint-dir, the folder holding the checkpoints")
-    if args.checkpoint_dir and not Path(args.checkpoint_dir).is_dir():
-        if Path(args.checkpoint_dir).exists():
-            raise PlacerError(f"--checkpoint-dir {args.checkpoint_dir} is not a folder")
-        Path(args.checkpoint_dir).mkdir(parents=True)
-    names = resolve(args.placer)
+    if (
+        args.checkpoint_dir
+        and Path(args.checkpoint_dir).exists()
+        and not Path(args.checkpoint_dir).is_dir()
+    ):
+        raise PlacerError(f"--checkpoint-dir {args.checkpoint_dir} is not a folder")
+    _check_model_flags(args, args.model)
+    check_output_paths(
+        {"--out": args.out, "--result": args.result, "--html": args.html},
+        inputs=[args.model, args.cluster],
+    )
     cluster = load_cluster(args.cluster)
     err = Console(stderr=True)
     with _status(err, f"capturing {args.model}…"):
@@ -350,6 +449,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     with _status(err, "grouping and preparing the simulator…"):
         problem = PlacementProblem.build(graph, cluster, args.objective, args.groups)
     problem.check_fits_somewhere()
+    if args.checkpoint_dir:  # made only now that every input is known to be good
+        Path(args.checkpoint_dir).mkdir(parents=True, exist_ok=True)
     with Progress(
         *Progress.get_default_columns(),
         TextColumn("{task.fields[best]}"),
@@ -396,23 +497,28 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             options=options,
         )
     report = plan_report(problem, results, args)
-    if args.html:
-        from meshplace.report.cli import write_plan_report
-
-        write_plan_report(problem, results, report, args)
     if args.out and report["best"] is not None:
         from meshplace.plan.placement import save_plan
         from meshplace.planning import best_plan
 
         save_plan(best_plan(problem, results, args.budget, args.seed), args.out)
-    if args.result:
-        from meshplace.util import write_text_atomic
+        report["out"] = args.out
+    if args.html:
+        from meshplace.report.cli import write_plan_report
 
-        write_text_atomic(args.result, json.dumps(report, indent=1))
+        write_plan_report(problem, results, report, args)
+    failure = None
+    if report["best"] is None and args.out:
+        failure = f"no placer found a plan that fits in memory, so {args.out} was not written"
+        report["error"] = failure
+    if args.result:
+        write_text_atomic(args.result, json.dumps(finite_or_none(report), indent=1))
     if args.json:
-        print(json.dumps(report, indent=2))
+        print_json(report)
     else:
         _print_plan_report(Console(), report)
+    if failure:  # the table (or JSON) above says which devices ran out of memory
+        raise PlacerError(failure)
     return 0
 
 
@@ -473,7 +579,7 @@ def _cmd_cluster(args: argparse.Namespace) -> int:
 
     cluster = load_cluster(args.cluster)
     if args.json:
-        print(json.dumps(describe(cluster), indent=2))
+        print_json(describe(cluster))
     else:
         print_cluster(Console(), cluster)
     return 0
@@ -486,6 +592,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     from meshplace.sim.simulator import Simulator
     from meshplace.sim.trace import write_chrome_trace
 
+    _check_model_flags(args, args.graph)
+    check_output_paths({"--trace": args.trace}, inputs=[args.graph, args.cluster, args.plan])
     err = Console(stderr=True)
     plan = load_plan(args.plan)
     cluster = load_cluster(args.cluster)
@@ -503,7 +611,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     if args.trace:
         summary["trace"] = args.trace
     if args.json:
-        print(json.dumps(summary, indent=2))
+        print_json(summary)
     else:
         _print_simulation(Console(), summary)
     return 0

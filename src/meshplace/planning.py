@@ -79,7 +79,7 @@ def plan_report(problem: PlacementProblem, results: list[PlacerResult], args: An
         "lower_bound_s": problem.simulator.lower_bound(),
         "results": rows,
         "best": best.placer if best else None,
-        "out": getattr(args, "out", None),
+        "out": None,  # the command sets it once the plan is written
     }
     curves = [
         {

@@ -2,21 +2,96 @@
 
 from __future__ import annotations
 
+import json
+import math
 import os
+import sys
 import tempfile
+from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any, TextIO
 
 from meshplace.errors import InputError
 
 
+def check_output_path(path: str | Path, flag: str) -> Path:
+    """Check, before any work starts, that ``path`` can be written as a file.
+
+    ``flag`` names where the path came from (``"--out"``) so the sentence points at it.
+    A folder, a missing or read-only parent folder is an :class:`InputError`; nothing is
+    created. (A full disk can only show at write time; :func:`write_text_atomic` reports it.)
+
+    >>> check_output_path("/", "--out")
+    Traceback (most recent call last):
+    ...
+    meshplace.errors.InputError: --out /: is a folder, not a file
+    """
+    p = Path(path)
+    if str(path) == "":
+        raise InputError(f"{flag} needs a file name, got an empty string")
+    if p.is_dir():
+        raise InputError(f"{flag} {p}: is a folder, not a file")
+    folder = p.parent if str(p.parent) else Path(".")
+    if not folder.is_dir():
+        what = "is not a folder" if folder.exists() else "does not exist"
+        raise InputError(f"{flag} {p}: cannot write there, folder {str(folder)!r} {what}")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise InputError(f"{flag} {p}: cannot write there, folder {str(folder)!r} is read-only")
+    if p.exists() and not os.access(p, os.W_OK) and not os.access(folder, os.W_OK):
+        raise InputError(f"{flag} {p}: the file is read-only")
+    return p
+
+
+def check_output_paths(
+    outputs: Mapping[str, str | Path | None], inputs: Iterable[str] = ()
+) -> None:
+    """Check every output of a command up front: each writable (:func:`check_output_path`),
+    no two the same file, and none the same file as an input (which would destroy it).
+
+    ``outputs`` maps the flag to its path (``None`` = not given); ``inputs`` are paths the
+    command reads (names that are not files, such as presets, are ignored).
+
+    >>> check_output_paths({"--out": "a.json", "--result": "a.json"})
+    Traceback (most recent call last):
+    ...
+    meshplace.errors.InputError: --out and --result are the same file (a.json); give each its own
+    """
+    seen: dict[Path, str] = {}
+    for flag, path in outputs.items():
+        if path is None:
+            continue
+        p = check_output_path(path, flag)
+        key = p.resolve()
+        if key in seen:
+            raise InputError(f"{seen[key]} and {flag} are the same file ({p}); give each its own")
+        seen[key] = flag
+    for source in inputs:
+        if not source:
+            continue
+        # file.py:build reads file.py
+        file_part = source.split(":", 1)[0] if ".py:" in source else source
+        key = Path(file_part).resolve()
+        if key in seen:
+            raise InputError(
+                f"{seen[key]} {source} is also an input of this command; writing it would "
+                "destroy the input, choose another file"
+            )
+
+
 def write_text_atomic(path: str | Path, text: str) -> None:
     """Write ``text`` to ``path`` through a temp file in the same folder and a rename, so an
-    interrupted run never leaves a half-written file behind."""
+    interrupted run never leaves a half-written file behind. Write errors (read-only
+    folder, full disk, a folder in the way) are :class:`InputError` naming the path."""
     p = Path(path)
     folder = p.parent if str(p.parent) else Path(".")
     if not folder.is_dir():
         raise InputError(f"{p}: cannot write there, folder {str(folder)!r} does not exist")
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=folder)
+    if p.is_dir():
+        raise InputError(f"{p}: is a folder, not a file")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=folder)
+    except OSError as exc:
+        raise InputError(f"{p}: cannot write there ({exc.strerror})") from None
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
@@ -25,7 +100,144 @@ def write_text_atomic(path: str | Path, text: str) -> None:
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, p)
+    except OSError as exc:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise InputError(f"{p}: could not be written ({exc.strerror})") from None
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def read_json_file(path: str | Path, what: str = "JSON file") -> Any:
+    """Read and parse a JSON file, every failure one sentence naming the file.
+
+    Missing file, a folder, binary or non-UTF-8 bytes, invalid JSON (with line and
+    column), nesting too deep for the parser, integers too long to convert and duplicate
+    keys in one object (which JSON parsers silently resolve to the last one) are all
+    :class:`InputError`. ``what`` says what the file should have been ("graph", "plan").
+
+    >>> read_json_file("/", "plan")
+    Traceback (most recent call last):
+    ...
+    meshplace.errors.InputError: /: is a folder, expected a plan
+    """
+    p = Path(path)
+    if p.is_dir():
+        raise InputError(f"{p}: is a folder, expected a {what}")
+    if not p.exists():
+        raise InputError(f"{p}: no such file")
+    try:
+        raw = p.read_bytes()
+    except OSError as exc:
+        raise InputError(f"{p}: cannot be read ({exc.strerror})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise InputError(f"{p}: not a text file, expected a {what} in JSON") from None
+    if "\x00" in text:
+        raise InputError(f"{p}: not a text file, expected a {what} in JSON")
+
+    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        obj: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in obj:
+                raise InputError(f"{p}: key {key!r} appears twice in one object")
+            obj[key] = value
+        return obj
+
+    try:
+        return json.loads(text, object_pairs_hook=no_duplicates)
+    except json.JSONDecodeError as exc:
+        raise InputError(
+            f"{p}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})"
+        ) from None
+    except RecursionError:
+        raise InputError(f"{p}: JSON nested too deeply to be a {what}") from None
+    except ValueError as exc:  # e.g. an integer of more than 4,300 digits
+        raise InputError(f"{p}: not a usable {what} ({exc})") from None
+
+
+class JsonOutput:
+    """Keep stdout for exactly one JSON document while a ``--json`` command runs.
+
+    Solvers and libraries print to the process's stdout from C (HiGHS's banner) or from
+    Python; while active, file descriptor 1 and ``sys.stdout`` both point at stderr, and
+    :meth:`emit` writes the document to the real stdout. Used as a context manager by
+    the command line; :func:`print_json` is the call every command makes.
+    """
+
+    active: JsonOutput | None = None
+
+    def __init__(self) -> None:
+        self._saved_fd = -1
+        self._stream: TextIO = sys.stdout
+        self.emitted = False
+
+    def __enter__(self) -> JsonOutput:
+        self._stream = sys.stdout
+        try:
+            is_process_stdout = sys.stdout.fileno() == 1
+        except (AttributeError, OSError, ValueError):  # a StringIO, pytest's capsys
+            is_process_stdout = False
+        if is_process_stdout:
+            sys.stdout.flush()
+            self._saved_fd = os.dup(1)
+            os.dup2(2, 1)  # C libraries' chatter (HiGHS's banner) goes to stderr
+        sys.stdout = sys.stderr
+        JsonOutput.active = self
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        sys.stderr.flush()
+        sys.stdout = self._stream
+        if self._saved_fd >= 0:
+            os.dup2(self._saved_fd, 1)
+            os.close(self._saved_fd)
+            self._saved_fd = -1
+        JsonOutput.active = None
+
+    def emit(self, obj: Any) -> None:
+        """Write ``obj`` as the one JSON document on the real stdout."""
+        if self.emitted:
+            raise RuntimeError("a --json command printed two JSON documents")
+        self.emitted = True
+        text = dumps_strict_json(obj) + "\n"
+        if self._saved_fd < 0:
+            self._stream.write(text)
+            self._stream.flush()
+            return
+        view = memoryview(text.encode())
+        while view:
+            view = view[os.write(self._saved_fd, view) :]
+
+
+def print_json(obj: Any) -> None:
+    """Print ``obj`` as the command's JSON document (on the real stdout under
+    :class:`JsonOutput`, plain ``print`` otherwise)."""
+    if JsonOutput.active is not None:
+        JsonOutput.active.emit(obj)
+    else:
+        print(dumps_strict_json(obj))
+
+
+def finite_or_none(obj: Any) -> Any:
+    """``obj`` with every NaN or infinite float replaced by ``None``: strict JSON (``jq``,
+    JavaScript) has no such numbers, and Python's ``json`` would write ``Infinity``.
+
+    >>> finite_or_none({"a": [1.0, float("inf")], "b": float("nan")})
+    {'a': [1.0, None], 'b': None}
+    """
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite_or_none(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [finite_or_none(v) for v in obj]
+    return obj
+
+
+def dumps_strict_json(obj: Any) -> str:
+    """``obj`` as indented, strict JSON (no NaN/Infinity; other objects as strings)."""
+    return json.dumps(finite_or_none(obj), indent=2, default=str, allow_nan=False)

@@ -28,7 +28,6 @@ Example
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,7 +39,7 @@ from meshplace.mesh.cost import LayoutCost
 from meshplace.mesh.layout import AXIS_NAMES, LayoutError, parse_mesh_shape
 from meshplace.mesh.program import OPTIMIZERS, PROGRAM_MODELS, program_for
 from meshplace.mesh.search import WUS_MODES, SearchResult, search
-from meshplace.util import write_text_atomic
+from meshplace.util import check_output_paths, dumps_strict_json, print_json, write_text_atomic
 
 
 def _positive_int(text: str) -> int:
@@ -169,13 +168,13 @@ def shard(args: argparse.Namespace) -> tuple[SearchResult, dict[str, Any]]:
 
 def cmd_shard(args: argparse.Namespace) -> int:
     """``meshplace shard``: print the chosen layout (table, or JSON with ``--json``)."""
-    result, data = shard(args)
-    text = json.dumps(data, indent=2)
     out = getattr(args, "out", None)
+    check_output_paths({"--out": out}, inputs=[args.model, args.cluster])
+    result, data = shard(args)
     if out:
-        write_text_atomic(out, text + "\n")
+        write_text_atomic(out, dumps_strict_json(data) + "\n")
     if getattr(args, "json", False):
-        print(text)
+        print_json(data)
     else:
         print_result(Console(), result, data)
     return 0

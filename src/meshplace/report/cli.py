@@ -20,13 +20,13 @@ True
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
 
+from meshplace.errors import InputError
 from meshplace.report.html import ReportError, render_html
-from meshplace.util import write_text_atomic
+from meshplace.util import check_output_path, print_json, read_json_file, write_text_atomic
 
 
 def add_report_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,6 +35,9 @@ def add_report_arguments(parser: argparse.ArgumentParser) -> None:
         "result", help="plan result (plan --result), shard result (shard --json) or benchmark"
     )
     parser.add_argument("--html", help="where to write the report (default: RESULT with .html)")
+    parser.add_argument(
+        "--json", action="store_true", help="print a JSON object naming the report written"
+    )
 
 
 def default_html_path(result_path: str) -> str:
@@ -44,17 +47,10 @@ def default_html_path(result_path: str) -> str:
 
 def load_result(path: str) -> dict[str, Any]:
     """Read a result JSON; every failure is a one-sentence :class:`ReportError`."""
-    p = Path(path)
-    if not p.is_file():
-        raise ReportError(f"{path}: no such file")
     try:
-        data = json.loads(p.read_text())
-    except UnicodeDecodeError:
-        raise ReportError(f"{path}: not a text file, expected a JSON result") from None
-    except json.JSONDecodeError as exc:
-        raise ReportError(
-            f"{path}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})"
-        ) from None
+        data = read_json_file(path, "result")
+    except InputError as exc:
+        raise ReportError(str(exc)) from None
     if not isinstance(data, dict):
         raise ReportError(f"{path}: expected a JSON object, got {type(data).__name__}")
     return data
@@ -72,16 +68,21 @@ def write_report(result: dict[str, Any], html_path: str) -> str:
 
 def cmd_report(args: argparse.Namespace) -> int:
     """``meshplace report``: write the HTML report and print a one-line pointer to it."""
+    out = getattr(args, "html", None) or default_html_path(args.result)
+    if Path(out).resolve() == Path(args.result).resolve():
+        raise ReportError(f"{out}: the report would overwrite its input; pass --html")
+    check_output_path(out, "--html")
     data = load_result(args.result)
     try:
         page = render_html(data)
     except ReportError as exc:
         raise ReportError(f"{args.result}: {exc}") from None
-    out = getattr(args, "html", None) or default_html_path(args.result)
-    if Path(out).resolve() == Path(args.result).resolve():
-        raise ReportError(f"{out}: the report would overwrite its input; pass --html")
     write_text_atomic(out, page)
-    print(f"report: {out} ({len(page.encode()) / 1e6:.2f} MB) — open it in a browser")
+    size = len(page.encode())
+    if getattr(args, "json", False):
+        print_json({"report": out, "bytes": size, "source": args.result})
+    else:
+        print(f"report: {out} ({size / 1e6:.2f} MB) — open it in a browser")
     return 0
 
 
