@@ -83,7 +83,15 @@ def _non_negative_seconds(text: str) -> float:
     return _seconds(text, zero_ok=True)
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(command: str = "*") -> argparse.ArgumentParser:
+    """The argument parser. The arguments of ``shard``, ``report``, ``profile`` and ``run``
+    live in their packages, whose imports are heavy (torch): they are added only when
+    ``command`` is that command (``"*"``: all), so ``meshplace --help``, other commands'
+    bad flags and Ctrl-C are answered without importing them."""
+
+    def wanted(name: str) -> bool:
+        return command in ("*", name)
+
     parser = _Parser(
         prog="meshplace",
         description="Decide where every part of a neural network should run.",
@@ -189,8 +197,6 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--trace", help="write a Chrome trace (opens in Perfetto) to this file")
     s.add_argument("--json", action="store_true", help="print a JSON object")
 
-    from meshplace.mesh.cli import add_shard_arguments
-
     sh = sub.add_parser(
         "shard",
         help="search a Mesh-TensorFlow layout of a model on a device mesh",
@@ -198,9 +204,10 @@ def _parser() -> argparse.ArgumentParser:
         "mesh axis splits), with and without weight-update sharding, for the fastest layout "
         "that fits in memory; print its cost breakdown, memory per device and runner-ups.",
     )
-    add_shard_arguments(sh)
+    if wanted("shard"):
+        from meshplace.mesh.cli import add_shard_arguments
 
-    from meshplace.report.cli import add_report_arguments
+        add_shard_arguments(sh)
 
     rp = sub.add_parser(
         "report",
@@ -209,10 +216,10 @@ def _parser() -> argparse.ArgumentParser:
         "as one HTML file (inline SVG, no network): placer comparison, timeline, memory, "
         "placement; layout and collectives; scaling curves.",
     )
-    add_report_arguments(rp)
+    if wanted("report"):
+        from meshplace.report.cli import add_report_arguments
 
-    from meshplace.profile.cli import add_profile_arguments
-    from meshplace.runtime.cli import add_run_arguments
+        add_report_arguments(rp)
 
     pf = sub.add_parser(
         "profile",
@@ -223,7 +230,10 @@ def _parser() -> argparse.ArgumentParser:
         "every local device (--devices) side by side; tables, profile JSON and a Chrome "
         "trace per device. --compare puts saved profiles (from any machine) side by side.",
     )
-    add_profile_arguments(pf)
+    if wanted("profile"):
+        from meshplace.profile.cli import add_profile_arguments
+
+        add_profile_arguments(pf)
     rn = sub.add_parser(
         "run",
         help="execute a plan on local worker processes: measured vs predicted step time",
@@ -231,7 +241,10 @@ def _parser() -> argparse.ArgumentParser:
         "(torch.distributed, gloo), and compare the measured step time with the simulator's "
         "prediction on the calibrated local cluster.",
     )
-    add_run_arguments(rn)
+    if wanted("run"):
+        from meshplace.runtime.cli import add_run_arguments
+
+        add_run_arguments(rn)
     return parser
 
 
@@ -243,7 +256,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         try:
-            args = _parser().parse_args(argv)
+            command = next((a for a in argv if not a.startswith("-")), "")
+            args = _parser(command).parse_args(argv)
         except _UsageError as exc:
             if "--json" in argv:
                 with JsonOutput() as out:
@@ -316,12 +330,13 @@ def _status(console: Console, message: str):
 
 
 def _cmd_graph(args: argparse.Namespace) -> int:
+    _check_model_flags(args, args.model)
+    check_output_paths({"--out": args.out}, inputs=[args.model])
+
     from meshplace.graph.io import save_graph
     from meshplace.graph.sources import graph_for
     from meshplace.graph.summary import summarize
 
-    _check_model_flags(args, args.model)
-    check_output_paths({"--out": args.out}, inputs=[args.model])
     err = Console(stderr=True)
     start = time.perf_counter()
     with _status(err, f"capturing {args.model}…"):
@@ -417,6 +432,11 @@ def _cmd_workloads(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
+    _check_model_flags(args, args.model)
+    check_output_paths(
+        {"--out": args.out, "--result": args.result, "--html": args.html},
+        inputs=[args.model, args.cluster],
+    )
     from rich.progress import Progress, TextColumn
 
     from meshplace.graph.sources import graph_for
@@ -437,11 +457,6 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         and not Path(args.checkpoint_dir).is_dir()
     ):
         raise PlacerError(f"--checkpoint-dir {args.checkpoint_dir} is not a folder")
-    _check_model_flags(args, args.model)
-    check_output_paths(
-        {"--out": args.out, "--result": args.result, "--html": args.html},
-        inputs=[args.model, args.cluster],
-    )
     cluster = load_cluster(args.cluster)
     err = Console(stderr=True)
     with _status(err, f"capturing {args.model}…"):
@@ -586,14 +601,15 @@ def _cmd_cluster(args: argparse.Namespace) -> int:
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
+    _check_model_flags(args, args.graph)
+    check_output_paths({"--trace": args.trace}, inputs=[args.graph, args.cluster, args.plan])
+
     from meshplace.graph.sources import graph_for
     from meshplace.hardware import load_cluster
     from meshplace.plan.placement import load_plan
     from meshplace.sim.simulator import Simulator
     from meshplace.sim.trace import write_chrome_trace
 
-    _check_model_flags(args, args.graph)
-    check_output_paths({"--trace": args.trace}, inputs=[args.graph, args.cluster, args.plan])
     err = Console(stderr=True)
     plan = load_plan(args.plan)
     cluster = load_cluster(args.cluster)

@@ -18,8 +18,11 @@ def check_output_path(path: str | Path, flag: str) -> Path:
     """Check, before any work starts, that ``path`` can be written as a file.
 
     ``flag`` names where the path came from (``"--out"``) so the sentence points at it.
-    A folder, a missing or read-only parent folder is an :class:`InputError`; nothing is
-    created. (A full disk can only show at write time; :func:`write_text_atomic` reports it.)
+    A folder, a device or other non-file, a missing parent folder or one that cannot be
+    written is an :class:`InputError`; nothing is left behind (writability is probed by
+    creating and removing a temp file, since permission bits say nothing for root or on a
+    read-only mount). A full disk can only show at write time, where
+    :func:`write_text_atomic` reports it.
 
     >>> check_output_path("/", "--out")
     Traceback (most recent call last):
@@ -35,10 +38,14 @@ def check_output_path(path: str | Path, flag: str) -> Path:
     if not folder.is_dir():
         what = "is not a folder" if folder.exists() else "does not exist"
         raise InputError(f"{flag} {p}: cannot write there, folder {str(folder)!r} {what}")
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise InputError(f"{flag} {p}: cannot write there, folder {str(folder)!r} is read-only")
-    if p.exists() and not os.access(p, os.W_OK) and not os.access(folder, os.W_OK):
-        raise InputError(f"{flag} {p}: the file is read-only")
+    if p.exists() and not p.is_file():
+        raise InputError(f"{flag} {p}: exists and is not a regular file")
+    try:  # a real probe: permission bits say nothing for root or on a read-only mount
+        fd, probe = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".probe", dir=folder)
+    except OSError as exc:
+        raise InputError(f"{flag} {p}: cannot write there ({exc.strerror})") from None
+    os.close(fd)
+    os.unlink(probe)
     return p
 
 
