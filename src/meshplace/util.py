@@ -184,8 +184,9 @@ class JsonOutput:
 
     def __enter__(self) -> JsonOutput:
         self._stream = sys.stdout
-        try:
-            is_process_stdout = sys.stdout.fileno() == 1
+        try:  # the process's stdout, or a file object on the same file (pytest's capfd)
+            fd = sys.stdout.fileno()
+            is_process_stdout = fd == 1 or os.path.sameopenfile(fd, 1)
         except (AttributeError, OSError, ValueError):  # a StringIO, pytest's capsys
             is_process_stdout = False
         if is_process_stdout:
