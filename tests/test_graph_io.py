@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import networkx as nx
 import numpy as np
@@ -162,3 +165,249 @@ def test_written_json_is_plain_and_documented_keys() -> None:
     data = json.loads(graph_to_json(g))
     assert set(data) == {"format", "version", "name", "meta", "ops", "edges"}
     assert data["ops"][0] == {"name": "x", "kind": "input", "output_shapes": [[4, 8]]}
+
+
+# ------------------------------------------------------------------ bad inputs (issue 13)
+@pytest.mark.parametrize(
+    ("op", "expected"),
+    [
+        (_op(flops=True), "op 'mm' field 'flops' must be a number, not true"),
+        (_op(flops="100"), "op 'mm' field 'flops' must be a number, not the string '100'"),
+        (_op(param_bytes=False), "op 'mm' field 'param_bytes' must be a number, not false"),
+        (_op(output_shapes=[[True]]), "field 'output_shapes.0.0' must be a number"),
+        (_op(measured_time={"k80": "1e-3"}), "field 'measured_time.k80' must be a number"),
+        (_op(kind="matmull"), "unknown kind 'matmull' (did you mean 'matmul'?); allowed kinds:"),
+        (_op(kind="MatMul"), "(did you mean 'matmul'?)"),
+        (_op(kind="frobnicate"), "has unknown kind 'frobnicate'; allowed kinds: matmul, conv"),
+        (_op(forward_op="mm"), "op 'mm' field 'forward_op' names the op itself"),
+        (_op(param_bytes=10**30), "op 'mm' field 'param_bytes'"),
+    ],
+)
+def test_wrong_types_kinds_and_self_links_are_one_sentence(op, expected) -> None:
+    with pytest.raises(GraphError) as info:
+        graph_from_dict(_doc(ops=[op], edges=[]), "bad.json")
+    message = str(info.value)
+    assert expected in message
+    assert message.startswith("bad.json: ") and "\n" not in message
+
+
+def test_meta_numbers_and_version_must_have_their_types() -> None:
+    for meta, got in (({"batch": "64"}, "(got '64')"), ({"batch": 0}, "(got 0)")):
+        with pytest.raises(GraphError, match=r"field 'meta\.batch' must be an integer") as info:
+            graph_from_dict(_doc(meta=meta), "bad.json")
+        assert got in str(info.value)
+    with pytest.raises(GraphError, match=r"field 'meta\.params' must be an integer"):
+        graph_from_dict(_doc(meta={"params": True}), "bad.json")
+    with pytest.raises(GraphError, match="field 'version' must be a number, not true"):
+        graph_from_dict(_doc(version=True), "bad.json")
+
+
+def test_every_kind_capture_gives_is_allowed() -> None:
+    from meshplace.graph import flops
+    from meshplace.graph.ir import OP_KINDS
+
+    names = set().union(*(v for v in vars(flops).values() if isinstance(v, set)))
+    assert {flops.op_kind(n) for n in names} <= set(OP_KINDS)
+    assert {"parameter", "buffer", "input", "collective", "elementwise"} <= set(OP_KINDS)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ('{"name": "a", "name": "b"}', "key 'name' appears twice in one JSON object"),
+        ("[" * 100_000 + "]" * 100_000, "JSON nested too deeply to read"),
+        ('{"version": ' + "9" * 5001 + "}", "holds an integer with too many digits to read"),
+        ('{"name": "unterminated', "not valid JSON (line 1, column 10: Unterminated string"),
+    ],
+)
+def test_json_that_python_reads_badly_is_one_sentence(text, expected) -> None:
+    with pytest.raises(GraphError) as info:
+        graph_from_json(text, "bad.json")
+    message = str(info.value)
+    assert expected in message and message.startswith("bad.json: ")
+    assert "\n" not in message and "at at" not in message
+
+
+def test_files_that_are_not_graphs_are_named(tmp_path) -> None:
+    (tmp_path / "binary.json").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00")
+    (tmp_path / "latin1.json").write_bytes('{"name": "caf\xe9"}'.encode("latin-1"))
+    (tmp_path / "folder.json").mkdir()
+    cases = {
+        "binary.json": "is a binary file",
+        "latin1.json": "is not a UTF-8 text file",
+        "folder.json": "is a folder, not a graph file",
+        "missing.json": "no such graph file",
+    }
+    for name, expected in cases.items():
+        with pytest.raises(GraphError, match=expected):
+            load_graph(tmp_path / name)
+    bom = tmp_path / "bom.json"
+    bom.write_bytes(b"\xef\xbb\xbf" + graph_to_json(graph_from_dict(_doc())).encode())
+    assert load_graph(bom).num_ops == 3
+
+
+# ------------------------------------------------------------------ model sources
+USER_FILE = """
+import sys
+import torch
+
+def raises():
+    raise KeyError("weights.pt")
+
+def exits():
+    sys.exit(0)
+
+def not_a_model():
+    return "resnet", (torch.zeros(1),)
+
+def three():
+    return 1, 2, 3
+"""
+
+
+@pytest.mark.parametrize(
+    ("fn", "expected"),
+    [
+        ("raises", "user.py:raises: raises() failed with KeyError: 'weights.pt'"),
+        ("exits", "user.py:exits: exits() called sys.exit(0) instead of returning"),
+        ("not_a_model", "not_a_model() returned a str as the model; it must be a torch.nn."),
+        ("three", "three() must return (model, example_inputs), got a tuple of 3 items"),
+        ("rasies", "has no function named 'rasies' (did you mean 'raises'?)"),
+    ],
+)
+def test_user_build_functions_fail_in_one_sentence(tmp_path, fn, expected) -> None:
+    from meshplace.errors import InputError
+    from meshplace.graph.sources import graph_for
+
+    (tmp_path / "user.py").write_text(USER_FILE)
+    with pytest.raises(InputError) as info:
+        graph_for(f"{tmp_path / 'user.py'}:{fn}")
+    assert expected in str(info.value) and "\n" not in str(info.value)
+
+
+def test_sources_name_folders_typos_and_exiting_imports(tmp_path) -> None:
+    from meshplace.errors import InputError
+    from meshplace.graph.sources import graph_for
+
+    (tmp_path / "exit_on_import.py").write_text("import sys\nsys.exit(3)\n")
+    (tmp_path / "pkg.py").mkdir()
+    cases = {
+        str(tmp_path): "is a folder; name a graph file (.json)",
+        f"{tmp_path / 'pkg.py'}:build": "is a folder, not a Python file",
+        f"{tmp_path / 'exit_on_import.py'}:build": "importing it called sys.exit(3)",
+        "resnet5": "Unknown workload 'resnet5' (did you mean 'resnet50'?)",
+        "inceptionv3": "(did you mean 'inception_v3'?)",
+    }
+    for spec, expected in cases.items():
+        with pytest.raises(InputError) as info:
+            graph_for(spec)
+        assert expected in str(info.value), (spec, str(info.value))
+
+
+# ------------------------------------------------------------------ plans
+def _two_graphs():
+    a, b = OpGraph("tiny"), OpGraph("tiny")
+    for name in ("x", "mm", "relu"):
+        a.add_op(Op(name, "matmul"))
+    for name in ("x", "mm", "gelu"):
+        b.add_op(Op(name, "matmul"))
+    return a, b
+
+
+def test_a_plan_for_another_graph_says_what_differs() -> None:
+    from meshplace.plan import Plan, PlanError
+
+    a, b = _two_graphs()
+    plan = Plan.for_graph(a, "c", {"x": "gpu0", "mm": "gpu0", "relu": "gpu1"})
+    with pytest.raises(PlanError) as info:
+        plan.device_names(b, "p.json")
+    msg = str(info.value)
+    assert "'tiny' (also 3 ops), has no op 'relu', which the plan places" in msg
+    # placing only ops both graphs have: the fingerprint is what differs
+    plan = Plan.for_graph(a, "c", {"x": "gpu0"}, default_device="gpu0")
+    with pytest.raises(PlanError, match="differs in its op names, their order or its edge count"):
+        plan.device_names(b, "p.json")
+    b.add_op(Op("extra", "matmul"))
+    with pytest.raises(PlanError, match="was made for graph 'tiny' with 3 ops, but the graph "):
+        plan.device_names(b, "p.json")
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        ({"graph_ops": True}, "field 'graph_ops' must be a number, not true"),
+        ({"micro_batches": "4"}, "field 'micro_batches' must be a number, not the string '4'"),
+        ({"placement": {"x": 3}}, "field 'placement.x': input should be a valid string (got 3)"),
+    ],
+)
+def test_plan_fields_have_strict_types(change, expected) -> None:
+    from meshplace.plan import Plan, PlanError
+    from meshplace.plan.placement import plan_from_dict
+
+    a, _ = _two_graphs()
+    data = Plan.for_graph(a, "c", {"x": "gpu0"}).to_dict()
+    data.update(change)
+    with pytest.raises(PlanError) as info:
+        plan_from_dict(data, "p.json")
+    assert expected in str(info.value)
+
+
+def test_plan_files_that_python_reads_badly(tmp_path) -> None:
+    from meshplace.plan import PlanError, load_plan
+
+    (tmp_path / "dup.json").write_text('{"format": "meshplace.plan", "format": "x"}')
+    (tmp_path / "deep.json").write_text("[" * 50_000 + "]" * 50_000)
+    (tmp_path / "dir.json").mkdir()
+    (tmp_path / "bin.json").write_bytes(bytes(range(256)))
+    cases = {
+        "dup.json": "key 'format' appears twice in one JSON object",
+        "deep.json": "JSON nested too deeply to read",
+        "dir.json": "is a folder, not a plan file",
+        "bin.json": "is a binary file",
+        "none.json": "no such plan file",
+    }
+    for name, expected in cases.items():
+        with pytest.raises(PlanError, match=expected):
+            load_plan(tmp_path / name)
+
+
+# ------------------------------------------------------------------ the command line
+def _meshplace(*argv: str, cwd) -> subprocess.CompletedProcess:
+    exe = Path(sys.executable).with_name("meshplace")
+    return subprocess.run([str(exe), *argv], capture_output=True, text=True, cwd=cwd, timeout=120)
+
+
+def _graph_text(op: dict) -> str:
+    return json.dumps(_doc(ops=[op], edges=[]))
+
+
+CLI_CASES = {
+    "flops-true": (_graph_text(_op(flops=True)), "field 'flops' must be a number, not true"),
+    "unknown-kind": (_graph_text(_op(kind="matmull")), "(did you mean 'matmul'?)"),
+    "duplicate-keys": ('{"format": "meshplace.opgraph", "format": 1}', "key 'format' appears"),
+    "deep-json": ("[" * 100_000 + "]" * 100_000, "JSON nested too deeply to read"),
+    "long-integer": ('{"version": ' + "7" * 5001 + "}", "an integer with too many digits"),
+    "folder": (None, "model.json: is a folder"),
+    "build-exits": ("import sys\ndef build():\n    sys.exit(0)\n", "called sys.exit(0)"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CLI_CASES))
+def test_bad_graph_inputs_exit_2_with_one_line_and_write_nothing(tmp_path, case) -> None:
+    text, expected = CLI_CASES[case]
+    if case == "folder":
+        (tmp_path / "model.json").mkdir()
+        model = "model.json"
+    elif case == "build-exits":
+        (tmp_path / "model.py").write_text(text)
+        model = "model.py:build"
+    else:
+        (tmp_path / "model.json").write_text(text)
+        model = "model.json"
+    before = sorted(p.name for p in tmp_path.iterdir())
+    proc = _meshplace("graph", model, "--out", "out.json", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert expected in proc.stderr
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+    assert proc.stdout == ""
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # no out.json, no temp file

@@ -517,3 +517,139 @@ def test_units_reject_nonsense():
     for bad in ("fast", "5 parsecs", True, "nan GB/s"):
         with pytest.raises(ValueError):
             parse_quantity(bad, "bandwidth")
+
+
+# ------------------------------------------------------------------ hostile YAML (issue 13)
+ALIAS_BOMB = """name: bomb
+devices: [{name: gpu0, kind: v100}]
+meta:
+  a: &a ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]
+  b: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]
+  c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b]
+  d: &d [*c, *c, *c, *c, *c, *c, *c, *c, *c]
+  e: &e [*d, *d, *d, *d, *d, *d, *d, *d, *d]
+  f: &f [*e, *e, *e, *e, *e, *e, *e, *e, *e]
+  g: &g [*f, *f, *f, *f, *f, *f, *f, *f, *f]
+  h: &h [*g, *g, *g, *g, *g, *g, *g, *g, *g]
+  i: &i [*h, *h, *h, *h, *h, *h, *h, *h, *h]
+"""
+_ONE = "name: x\ndevices: [{name: a, kind: v100}]\n"
+
+HOSTILE_YAML = [
+    (ALIAS_BOMB, "YAML aliases expand 39 written values to 490,329,075"),
+    (_ONE + "meta: &m {self: [*m]}\n", "refers to a collection that contains it"),
+    (_ONE + "name: y\n", "key 'name' appears twice in one mapping (line 3)"),
+    (_ONE + "meta: {x: " + "[" * 100_000 + "]" * 100_000 + "}\n", "nested more than 64 levels"),
+    (_ONE + "meta: {x: " + "[" * 70 + "]" * 70 + "}\n", "nested more than 64 levels"),
+    (_ONE + "meta:\n  x:\n    " + "- " * 80 + "1\n", "nested more than 64 levels"),
+    (_ONE.replace("v100}", "v100, memory_bytes: " + "9" * 5001 + "}"), "too many digits"),
+    (_ONE.replace("v100}", "v100, memory_bytes: " + "9" * 400 + "}"), "finite value"),
+    (_ONE.replace("{name: a,", "{count: true,"), "'devices[0].count': expected an integer"),
+    (_ONE.replace("{name: a,", "{count: '2',"), "expected an integer, not '2'"),
+    (_TWO + "links: [{src: a, dst: b, bandwidth: 1e9, bidirectional: 'no'}]", "valid boolean"),
+]
+
+
+@pytest.mark.parametrize(("text", "pattern"), HOSTILE_YAML)
+def test_hostile_yaml_is_one_sentence_naming_the_file(text, pattern):
+    with pytest.raises(ClusterError) as e:
+        cluster_from_yaml(text, "bad.yaml")
+    msg = str(e.value)
+    assert pattern in msg, msg
+    assert msg.startswith("bad.yaml: ") and "\n" not in msg
+
+
+def test_yaml_aliases_and_merge_keys_still_work():
+    text = _TWO + "links:\n  - &l {src: a, dst: b, bandwidth: 1e9}\n  - {<<: *l, src: b, dst: a}\n"
+    c = cluster_from_yaml(text, "ok.yaml")
+    assert [(lk.src, lk.dst) for lk in c.links] == [("a", "b"), ("b", "a"), ("b", "a"), ("a", "b")]
+
+
+def test_cluster_files_that_are_not_yaml_text(tmp_path):
+    (tmp_path / "bin.yaml").write_bytes(b"\x00\x01name: x")
+    (tmp_path / "latin.yaml").write_bytes("name: caf\xe9\n".encode("latin-1"))
+    (tmp_path / "dir.yaml").mkdir()
+    (tmp_path / "plain").mkdir()
+    cases = {
+        "bin.yaml": "is a binary file",
+        "latin.yaml": "is not a UTF-8 text file",
+        "dir.yaml": "is a folder, not a cluster file",
+        "plain": "is a folder, not a cluster file",
+        "gone.yaml": "no such cluster file",
+    }
+    for name, expected in cases.items():
+        with pytest.raises(ClusterError, match=expected):
+            load_cluster(tmp_path / name if name != "plain" else str(tmp_path / name))
+    with pytest.raises(UnknownPresetError, match=r"did you mean 'colocrl-4gpu'\?"):
+        load_cluster("colocrl-4gp")
+
+
+def test_alias_bomb_through_the_command_line_exits_2(tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "bomb.yaml").write_text(ALIAS_BOMB)
+    exe = Path(sys.executable).with_name("meshplace")
+    proc = subprocess.run(
+        [str(exe), "cluster", "bomb.yaml"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+    assert "bomb.yaml: YAML aliases expand" in proc.stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["bomb.yaml"]
+
+
+# ------------------------------------------------------------------ accelerators, routes
+def test_accelerators_leave_out_host_cpus():
+    assert load_cluster("colocrl-2gpu").accelerators() == [1, 2]
+    assert load_cluster("tpu-v3-8").accelerators() == [0, 1, 2, 3]
+    c = load_cluster("dgx-a100")
+    assert [c.devices[i].kind for i in c.accelerators()] == ["a100-80gb"] * 8
+    cpus = cluster_from_yaml(
+        "name: cpus\ndevices: [{count: 2, kind: xeon}]\nswitches: [sw]\n"
+        "links: [{src: cpu0, dst: sw, bandwidth: 1e9}, {src: cpu1, dst: sw, bandwidth: 1e9}]\n"
+    )
+    assert cpus.accelerators() == []
+
+
+def test_routes_of_some_pairs_match_route():
+    for c in (load_cluster("h2-8xh100"), torus((4, 4), link_bandwidth=1e9)):
+        n = len(c)
+        src, dst = [0, n - 1, 3, 5], [n - 1, 0, 3, 1]
+        ptr, links = c.routes(src, dst)
+        assert ptr.shape == (5,) and links.dtype == np.int32
+        for k, (i, j) in enumerate(zip(src, dst)):
+            assert tuple(links[ptr[k] : ptr[k + 1]].tolist()) == c.route(i, j)
+
+
+def hand_written_hosts(hosts: int, per_host: int = 8) -> str:
+    """A cluster file as a user writes it: every device and link listed, no generator."""
+    lines = ["name: lab", "devices:"]
+    lines += [
+        f"  - {{name: h{h}/gpu{g}, kind: a100, host: h{h}}}"
+        for h in range(hosts)
+        for g in range(per_host)
+    ]
+    lines += ["switches:", "  - network", *(f"  - h{h}/sw" for h in range(hosts)), "links:"]
+    for h in range(hosts):
+        lines += [
+            f"  - {{src: h{h}/gpu{g}, dst: h{h}/sw, bandwidth: 300 GB/s, latency: 0.5 us}}"
+            for g in range(per_host)
+        ]
+        lines.append(f"  - {{src: h{h}/sw, dst: network, bandwidth: 25 GB/s, latency: 5 us}}")
+    return "\n".join(lines) + "\n"
+
+
+def test_a_2000_device_hand_written_cluster_routes_only_what_is_asked():
+    c = cluster_from_yaml(hand_written_hosts(250), "lab.yaml")
+    assert len(c) == 2000 and len(c.links) == 2 * 250 * 9
+    r = check_route(c, c.device_index("h0/gpu1"), c.device_index("h249/gpu7"))
+    assert [c.links[k].dst for k in r] == ["h0/sw", "network", "h249/sw", "h249/gpu7"]
+    r = check_route(c, c.device_index("h3/gpu0"), c.device_index("h3/gpu5"))
+    assert [c.links[k].dst for k in r] == ["h3/sw", "h3/gpu5"]
+    assert c._table is None and len(c._trees) == 2  # one shortest-path tree per source

@@ -335,3 +335,98 @@ def test_an_explicit_execution_order_sets_the_priority() -> None:
         Simulator(g, cluster, order=np.array([1, 0, 2]))  # b before its input a
     with pytest.raises(InputError):
         Simulator(g, cluster, order=np.array([0, 0, 1]))
+
+
+# ------------------------------------------------------------------ large clusters (issue 13)
+_RESULT_FIELDS = (
+    "step_time_s",
+    "throughput_time_s",
+    "busy_s",
+    "peak_memory_bytes",
+    "link_busy_s",
+    "link_bytes",
+    "op_start",
+    "op_end",
+    "transfer_src_op",
+    "transfer_dst_device",
+    "transfer_bytes",
+    "transfer_start",
+    "transfer_end",
+)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_scenario(), st.booleans())
+def test_routing_per_placement_gives_the_same_results_as_the_route_table(scenario, order) -> None:
+    graph, cname, rnd = scenario
+    cluster = _cluster(cname)
+    dense = Simulator(graph, cluster, in_order=order, dense_routes=True)
+    sparse = Simulator(graph, cluster, in_order=order, dense_routes=False)
+    assert dense.route_ptr is not None and sparse.route_ptr is None
+    for _ in range(3):
+        placement = np.array([rnd.randrange(len(cluster)) for _ in graph.ops], dtype=np.int64)
+        a, b = dense.simulate(placement), sparse.simulate(placement)
+        for name in _RESULT_FIELDS:
+            assert np.array_equal(getattr(a, name), getattr(b, name)), name
+        assert a.to_dict() == b.to_dict()
+
+
+def _five_ops(mm: str = "mm") -> OpGraph:
+    g = OpGraph("five", meta={"batch": 8})
+    g.add_op(Op("x", "input", output_shapes=[[8, 256]]))
+    g.add_op(Op("w", "parameter", output_shapes=[[256, 256]], param_bytes=256 * 256 * 4))
+    g.add_op(Op(mm, "matmul", flops=2 * 8 * 256 * 256, output_shapes=[[8, 256]]))
+    g.add_op(Op("relu", "elementwise", flops=8 * 256, output_shapes=[[8, 256]]))
+    g.add_op(Op("loss", "loss", flops=8 * 256))
+    for src, dst, nbytes in (("x", mm, 8192), ("w", mm, 262144), (mm, "relu", 8192)):
+        g.add_edge(src, dst, nbytes)
+    g.add_edge("relu", "loss", 8192)
+    return g
+
+
+def test_a_2000_device_hand_written_cluster_simulates_a_small_plan() -> None:
+    from meshplace.hardware import cluster_from_yaml
+
+    from .test_hardware import hand_written_hosts
+
+    big = cluster_from_yaml(hand_written_hosts(250), "big.yaml")
+    small = cluster_from_yaml(hand_written_hosts(3), "small.yaml")
+    g = _five_ops()
+    sim = Simulator(g, big)
+    assert not sim.dense_routes and big._table is None
+    one = sim.simulate(np.full(5, big.device_index("h249/gpu7")))
+    assert one.step_time_s == pytest.approx(float(sim.op_times(np.full(5, 0)).sum()), rel=1e-12)
+    assert len(one.transfer_bytes) == 0 and len(big._trees) == 0  # nothing routed
+    # across hosts: the same as the same plan on a 3-host copy, whose routes are all built
+    names = ["h0/gpu0", "h0/gpu1", "h2/gpu3", "h1/gpu7", "h0/gpu0"]
+    far = [n.replace("h2/", "h249/").replace("h1/", "h120/") for n in names]
+    a = sim.simulate(np.array([big.device_index(n) for n in far]))
+    small_sim = Simulator(g, small)
+    assert small_sim.dense_routes
+    b = small_sim.simulate(np.array([small.device_index(n) for n in names]))
+    assert a.step_time_s == b.step_time_s and len(a.transfer_bytes) == 4
+    assert a.to_dict()["devices"][big.device_index("h249/gpu3")]["ops"] == 1
+
+
+def test_a_plan_for_another_graph_of_the_same_name_exits_2(tmp_path) -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from meshplace.graph.io import save_graph
+    from meshplace.plan import Plan, save_plan
+
+    plan = Plan.for_graph(_five_ops(), "colocrl-2gpu", {}, default_device="gpu0")
+    save_plan(plan, tmp_path / "p.json")
+    save_graph(_five_ops(mm="matmul"), tmp_path / "g.json")  # same name and size, other ops
+    exe = Path(sys.executable).with_name("meshplace")
+    argv = [str(exe), "simulate", "--graph", "g.json", "--cluster", "colocrl-2gpu"]
+    argv += ["--plan", "p.json", "--trace", "t.json"]
+    proc = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+    assert "p.json: was made for graph 'five' with 5 ops, but the graph given, 'five' (also 5 " in (
+        proc.stderr
+    )
+    assert "differs in its op names" in proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["g.json", "p.json"]

@@ -16,21 +16,52 @@ Example
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic_core import PydanticCustomError
 
-from meshplace.graph.ir import PHASES, GraphError, Op, OpGraph, dtype_size, known_dtypes
+from meshplace.errors import InputError
+from meshplace.graph.ir import (
+    OP_KINDS,
+    PHASES,
+    GraphError,
+    Op,
+    OpGraph,
+    dtype_size,
+    known_dtypes,
+)
 from meshplace.util import write_text_atomic
 
 FORMAT = "meshplace.opgraph"
 VERSION = 1
+# Largest integer a graph may hold (bytes, shape dimensions): beyond any real tensor, and
+# products of a few still convert to float64 for the simulator's arrays.
+MAX_INT = 2**62
 
-NonNegFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
-NonNegInt = Annotated[int, Field(ge=0)]
+
+def json_number(value: Any) -> Any:
+    """A pydantic before-validator for number fields of JSON files: refuses ``true``/
+    ``false`` and strings, which pydantic's lax mode would read as 1 and as the number
+    written in the string, silently (error type ``number_type``)."""
+    if isinstance(value, bool):
+        raise PydanticCustomError(
+            "number_type", "must be a number, not {got}", {"got": "true" if value else "false"}
+        )
+    if isinstance(value, str):
+        raise PydanticCustomError(
+            "number_type", "must be a number, not the string {got}", {"got": _short(value)}
+        )
+    return value
+
+
+_Number = BeforeValidator(json_number)
+NonNegFloat = Annotated[float, _Number, Field(ge=0, allow_inf_nan=False)]
+NonNegInt = Annotated[int, _Number, Field(ge=0, le=MAX_INT)]
 
 
 class _OpModel(BaseModel):
@@ -67,7 +98,7 @@ class _GraphModel(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     format: Literal["meshplace.opgraph"]
-    version: int
+    version: Annotated[int, _Number]
     name: Annotated[str, Field(min_length=1)]
     meta: dict[str, Any] = Field(default_factory=dict)
     ops: list[_OpModel]
@@ -135,6 +166,7 @@ def graph_from_dict(data: Any, source: str = "graph") -> OpGraph:
             f"{source}: unsupported graph format version {model.version}; "
             f"this meshplace reads version {VERSION}"
         )
+    _check_meta(model.meta, source)
     graph = OpGraph(model.name, meta=model.meta)
     for om in model.ops:
         _check_op(om, source)
@@ -153,7 +185,14 @@ def graph_from_dict(data: Any, source: str = "graph") -> OpGraph:
             raise GraphError(f"{source}: edge {i} connects op {em.src!r} to itself")
         graph.add_edge(em.src, em.dst, em.bytes)
     for o in graph.ops:
-        if o.forward_op is not None and o.forward_op not in graph:
+        if o.forward_op is None:
+            continue
+        if o.forward_op == o.name:
+            raise GraphError(
+                f"{source}: op {o.name!r} field 'forward_op' names the op itself; it must name "
+                "the forward op this backward op differentiates (or be null)"
+            )
+        if o.forward_op not in graph:
             raise GraphError(
                 f"{source}: op {o.name!r} field 'forward_op' names op {o.forward_op!r}, "
                 "which the graph does not have"
@@ -162,29 +201,126 @@ def graph_from_dict(data: Any, source: str = "graph") -> OpGraph:
         graph.check_acyclic()
     except GraphError as exc:
         raise GraphError(f"{source}: {exc}") from None
+    for o in graph.ops:
+        if o.kind not in _KIND_SET:
+            raise GraphError(f"{source}: op {o.name!r} {unknown_kind_sentence(o.kind)}")
     return graph
 
 
+_KIND_SET = frozenset(OP_KINDS)
+
+
+def unknown_kind_sentence(kind: str) -> str:
+    """The end of the sentence that rejects op kind ``kind``: a "did you mean" (difflib's
+    closest match, if any is close) and the allowed kinds.
+
+    >>> unknown_kind_sentence("matmull")
+    "has unknown kind 'matmull' (did you mean 'matmul'?); allowed kinds: matmul, conv, ..."
+    """
+    close = difflib.get_close_matches(kind.lower(), OP_KINDS, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"has unknown kind {_short(kind)}{hint}; allowed kinds: {', '.join(OP_KINDS)}"
+
+
 def graph_from_json(text: str, source: str = "graph") -> OpGraph:
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise GraphError(
-            f"{source}: not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})"
-        ) from None
-    return graph_from_dict(data, source)
+    """Parse graph JSON ``text`` (strictly: :func:`parse_json`) and build the OpGraph;
+    errors are one-sentence :class:`GraphError` naming ``source``."""
+    return graph_from_dict(parse_json(text, source, "graph", GraphError), source)
 
 
 def load_graph(path: str | Path) -> OpGraph:
-    """Read and validate a graph file."""
+    """Read and validate a graph file (:func:`read_text_file`, :func:`graph_from_json`)."""
+    text = read_text_file(path, "graph", GraphError)
+    return graph_from_json(text, str(path))
+
+
+# ------------------------------------------------------------------ strict file reading
+def read_text_file(path: str | Path, what: str, error: type[InputError] = InputError) -> str:
+    """The text of the ``what`` file (``"graph"``, ``"plan"``) at ``path``, every problem an
+    ``error`` of one sentence naming the file: missing, a folder, unreadable, binary (a NUL
+    byte) or not UTF-8. A UTF-8 byte-order mark is dropped.
+
+    >>> read_text_file("/", "graph")
+    Traceback (most recent call last):
+    ...
+    meshplace.errors.InputError: /: is a folder, not a graph file
+    """
     p = Path(path)
+    if p.is_dir():
+        raise error(f"{p}: is a folder, not a {what} file")
     try:
-        text = p.read_text()
+        raw = p.read_bytes()
     except FileNotFoundError:
-        raise GraphError(f"{p}: no such graph file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise GraphError(f"{p}: cannot read the graph file ({exc})") from None
-    return graph_from_json(text, str(p))
+        raise error(f"{p}: no such {what} file") from None
+    except OSError as exc:
+        raise error(f"{p}: cannot read the {what} file ({exc.strerror or exc})") from None
+    if b"\0" in raw:
+        raise error(f"{p}: is a binary file (it holds NUL bytes), not a {what} file")
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise error(
+            f"{p}: is not a UTF-8 text file (byte {exc.start} is not UTF-8), so not a {what} file"
+        ) from None
+
+
+def parse_json(
+    text: str, source: str, what: str = "graph", error: type[InputError] = InputError
+) -> Any:
+    """Parse JSON ``text`` (from ``source``, a file name) for a ``what`` file, strictly:
+    a key twice in one object (``json`` would keep the last silently), nesting deeper than
+    Python's recursion limit, and integers longer than Python's int-to-string digit limit
+    (4,300) are each one ``error`` sentence, as is text that is not JSON.
+
+    >>> parse_json('{"a": 1, "a": 2}', "p.json", "plan")
+    Traceback (most recent call last):
+    ...
+    meshplace.errors.InputError: p.json: key 'a' appears twice in one JSON object; ...
+    """
+
+    def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        obj: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in obj:
+                raise error(
+                    f"{source}: key {_short(key)} appears twice in one JSON object; each key "
+                    "may appear once"
+                )
+            obj[key] = value
+        return obj
+
+    try:
+        return json.loads(text, object_pairs_hook=unique_keys)
+    except json.JSONDecodeError as exc:
+        # exc.msg may end in "at" ("Unterminated string starting at"): put the place first
+        raise error(
+            f"{source}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})"
+        ) from None
+    except RecursionError:
+        raise error(
+            f"{source}: JSON nested too deeply to read (arrays or objects more than about "
+            f"{_recursion_depth()} levels deep); a {what} file needs only a few"
+        ) from None
+    except ValueError as exc:  # json reads integers with int(), which limits their digits
+        if "digits" not in str(exc):
+            raise
+        raise error(
+            f"{source}: holds an integer with too many digits to read (more than "
+            f"{_max_digits()}); no {what} field needs one"
+        ) from None
+
+
+def _recursion_depth() -> int:
+    import sys
+
+    return sys.getrecursionlimit()
+
+
+def _max_digits() -> str:
+    import sys
+
+    limit = sys.get_int_max_str_digits()
+    return f"{limit:,}" if limit else "the limit"
 
 
 # ------------------------------------------------------------------------ checks
@@ -217,6 +353,29 @@ def _check_op(om: _OpModel, source: str) -> None:
                 )
 
 
+def _check_meta(meta: dict[str, Any], source: str) -> None:
+    """The meta keys meshplace computes with must have the right type: ``batch`` (divides
+    the throughput into time per sample) a positive integer, ``params`` a count."""
+    for key, low in (("batch", 1), ("params", 0)):
+        value = meta.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= MAX_INT:
+            raise GraphError(
+                f"{source}: field 'meta.{key}' must be an integer of at least {low} or null "
+                f"(got {_short(value)})"
+            )
+
+
+def _short(value: Any) -> str:
+    """``repr(value)`` cut to 60 characters (and safe for integers too long to print)."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int beyond sys.get_int_max_str_digits()
+        return "an integer of thousands of digits"
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def _kind(value: Any) -> str:
     return {list: "an array", str: "a string", type(None): "null"}.get(type(value), "a number")
 
@@ -246,14 +405,16 @@ def _describe(exc: ValidationError, data: dict) -> str:
         return f"{subject} is missing the required field {field_path!r}"
     if etype == "literal_error" and field_path == "format":
         return f"not a meshplace graph (field 'format' must be {FORMAT!r})"
+    subject = f"{where} field {field_path!r}" if where else f"field {field_path!r}"
+    if etype == "number_type":
+        return f"{subject} {err['msg']}"
     value = err.get("input")
     got = ""
     if not isinstance(value, dict | list):
         if isinstance(value, float) and math.isnan(value):
             got = " (got NaN)"
         else:
-            got = f" (got {value!r})"
-    subject = f"{where} field {field_path!r}" if where else f"field {field_path!r}"
+            got = f" (got {_short(value)})"
     msg = err["msg"][0].lower() + err["msg"][1:]
     return f"{subject}: {msg}{got}"
 
@@ -266,12 +427,18 @@ def _allowed_for(where: str) -> list[str]:
 
 __all__ = [
     "FORMAT",
+    "MAX_INT",
+    "OP_KINDS",
     "PHASES",
     "VERSION",
     "graph_from_dict",
     "graph_from_json",
     "graph_to_dict",
     "graph_to_json",
+    "json_number",
     "load_graph",
+    "parse_json",
+    "read_text_file",
     "save_graph",
+    "unknown_kind_sentence",
 ]

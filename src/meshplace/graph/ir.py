@@ -127,6 +127,43 @@ def known_dtypes() -> list[str]:
     return sorted(_DTYPE_SIZES)
 
 
+# The op kinds a graph file may name: every kind ``meshplace.graph.flops.op_kind`` gives an
+# aten op, the kinds capture gives parameters, buffers and inputs, and ``collective`` (the
+# point-to-point schedules of ``meshplace.cost.collectives``). Cost models key their
+# efficiencies on these (``meshplace.cost.compute.DEFAULT_EFFICIENCY``), so a misspelt kind
+# would silently get the fallback efficiency: graph files are checked against this list.
+OP_KINDS = (
+    "matmul",
+    "conv",
+    "conv_grad",
+    "attention",
+    "attention_grad",
+    "softmax",
+    "softmax_grad",
+    "batch_norm",
+    "batch_norm_grad",
+    "layer_norm",
+    "layer_norm_grad",
+    "group_norm",
+    "group_norm_grad",
+    "embedding",
+    "embedding_grad",
+    "loss",
+    "loss_grad",
+    "pool",
+    "pool_grad",
+    "reduction",
+    "linalg",
+    "copy",
+    "fill",
+    "elementwise",
+    "collective",
+    "parameter",
+    "buffer",
+    "input",
+)
+
+
 @dataclass(frozen=True)
 class GraphArrays:
     """Flat numpy view of an OpGraph, indexed by op position.

@@ -20,7 +20,11 @@ Routing
   device only where no path through switches exists (each relay adds a 1 s penalty to the
   cost), so a CPU never reaches a GPU by way of a neighbouring GPU's NVLink. Ties are broken
   by the order of the links, so routes are deterministic. One Dijkstra per source device,
-  run the first time that source is asked for: O(n (E + V log V)) for all pairs.
+  run the first time a route from that source is asked for (O(E + V log V)); its
+  shortest-path tree is kept as one array of V link indices (a bounded number of sources
+  is cached), and a route is read off it in O(hops). Nothing is computed for all pairs
+  unless :meth:`Cluster.route_table` is asked for, so a cluster of 10,000 devices builds
+  in about a second and routes only the device pairs a plan uses.
 
 Where two links join the same pair of nodes in the same direction, routes use the one with
 the highest bandwidth (then lowest latency, then first listed).
@@ -58,6 +62,8 @@ ROUTING_MESSAGE_BYTES = 2**20
 # devices only where the network offers no switch path (e.g. GPUs linked in a ring).
 DEVICE_RELAY_PENALTY = 1.0
 _TORUS_CACHE_LIMIT = 1 << 16
+# Cached shortest-path trees hold at most this many entries (int32 link indices) in all.
+_TREE_CACHE_ENTRIES = 1 << 24
 
 
 @dataclass(frozen=True)
@@ -171,7 +177,7 @@ class Cluster:
         self.link_latency = np.array([lk.latency for lk in self.links], dtype=np.float64)
         self._graph: nx.DiGraph | None = None
         self._best: dict[tuple[int, int], int] | None = None
-        self._paths: dict[int, list[tuple[int, ...]]] = {}
+        self._trees: dict[int, np.ndarray] = {}
         self._torus_cache: dict[tuple[int, int], tuple[int, ...]] = {}
         self._table: tuple[np.ndarray, np.ndarray] | None = None
         if torus is not None:
@@ -264,7 +270,43 @@ class Cluster:
                 hit = self._torus_route(i, j)
                 self._torus_cache[key] = hit
             return hit
-        return self._routes_from(i)[j]
+        return self._tree_route(self._tree_from(i), i, j)
+
+    def routes(
+        self, src: Sequence[int] | np.ndarray, dst: Sequence[int] | np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The routes of the given device pairs (``src[k]`` to ``dst[k]``, device indices) in
+        CSR form: the route of pair ``k`` is ``links[ptr[k] : ptr[k + 1]]``; ``ptr`` int64 of
+        length pairs + 1, ``links`` int32. Computes only these routes (one Dijkstra per
+        distinct source on general topologies, arithmetic on tori), so it is what a
+        simulator of a plan on a large cluster uses instead of :meth:`route_table`.
+
+        >>> from meshplace.hardware.presets import load_cluster
+        >>> c = load_cluster("colocrl-4gpu")
+        >>> ptr, links = c.routes([1, 2], [2, 3])
+        >>> tuple(links[ptr[1] : ptr[2]].tolist()) == c.route(2, 3)
+        True
+        """
+        src_a = np.asarray(src, dtype=np.int64).ravel()
+        dst_a = np.asarray(dst, dtype=np.int64).ravel()
+        if src_a.shape != dst_a.shape:
+            raise ValueError("routes() needs as many sources as destinations")
+        chunks = [self.route(int(i), int(j)) for i, j in zip(src_a.tolist(), dst_a.tolist())]
+        ptr = np.zeros(len(chunks) + 1, dtype=np.int64)
+        np.cumsum([len(r) for r in chunks], out=ptr[1:])
+        links = np.fromiter((x for r in chunks for x in r), dtype=np.int32, count=int(ptr[-1]))
+        return ptr, links
+
+    def accelerators(self) -> list[int]:
+        """Indices of the devices that are not host CPUs (catalogue category ``gpu``,
+        ``tpu`` or ``accelerator``; :attr:`DeviceSpec.category`), in index order. Empty for
+        a cluster made only of CPUs, which a mesh (``meshplace shard``) cannot use.
+
+        >>> from meshplace.hardware.presets import load_cluster
+        >>> load_cluster("colocrl-2gpu").accelerators()
+        [1, 2]
+        """
+        return [i for i, d in enumerate(self.devices) if d.spec.category != "cpu"]
 
     def route_table(self) -> tuple[np.ndarray, np.ndarray]:
         """All routes in CSR form: the route from device ``i`` to ``j`` is
@@ -274,7 +316,8 @@ class Cluster:
         Tori are built vectorised in numpy, O(n^2 * mean hops) time and int32 memory: a
         wrapped torus translates the routes out of device 0 to every source (1,024 chips:
         ~0.2 s, 67 MB; 4,096 chips: a few seconds, 0.8 GB). Other topologies run one
-        Dijkstra per device.
+        Dijkstra per device. Quadratic by nature: for a few pairs of a large cluster use
+        :meth:`route` or :meth:`routes`.
         """
         if self._table is None:
             if self._torus is not None:
@@ -464,38 +507,62 @@ class Cluster:
         if not (src_ok.all() and dst_ok.all()):
             raise ClusterError(f"{self.origin}: torus routing tables disagree with the links")
 
-    def _routes_from(self, i: int) -> list[tuple[int, ...]]:
-        routes = self._paths.get(i)
-        if routes is None:
-            g = self._routing_graph()
-            assert self._best is not None
-            best = self._best
-            n = len(self.devices)
+    def _tree_from(self, i: int) -> np.ndarray:
+        """The shortest-path tree out of device ``i``: for every node, the index of the link
+        that enters it on its route from ``i`` (-1 for ``i`` itself). One Dijkstra
+        (networkx), kept in a cache bounded by :data:`_TREE_CACHE_ENTRIES` in all."""
+        tree = self._trees.get(i)
+        if tree is not None:
+            return tree
+        g = self._routing_graph()
+        assert self._best is not None
+        best = self._best
+        n = len(self.devices)
 
-            def cost(u: int, v: int, data: dict[str, float]) -> float:
-                # Leaving a device other than the source (relaying through it) costs a
-                # second extra: used only where no switch path exists.
-                return data["w"] + (DEVICE_RELAY_PENALTY if u < n and u != i else 0.0)
+        def cost(u: int, v: int, data: dict[str, float]) -> float:
+            # Leaving a device other than the source (relaying through it) costs a second
+            # extra: used only where no switch path exists.
+            return data["w"] + (DEVICE_RELAY_PENALTY if u < n and u != i else 0.0)
 
-            paths = nx.single_source_dijkstra_path(g, i, weight=cost)
-            routes = []
-            for j in range(len(self.devices)):
-                p = paths[j]
-                routes.append(tuple(best[(p[k], p[k + 1])] for k in range(len(p) - 1)))
-            self._paths[i] = routes
-        return routes
+        # pred[v][0] is the node before v on the path networkx's single_source_dijkstra_path
+        # returns (it rebuilds paths from the same first predecessors), so routes are the
+        # same as reading those paths.
+        pred, _ = nx.dijkstra_predecessor_and_distance(g, i, weight=cost)
+        tree = np.full(len(self._node_index), -1, dtype=np.int32)
+        for v, before in pred.items():
+            if before:
+                tree[v] = best[(before[0], v)]
+        limit = max(2, _TREE_CACHE_ENTRIES // max(1, tree.size))
+        while len(self._trees) >= limit:
+            self._trees.pop(next(iter(self._trees)))
+        self._trees[i] = tree
+        return tree
+
+    def _tree_route(self, tree: np.ndarray, i: int, j: int) -> tuple[int, ...]:
+        out: list[int] = []
+        v = j
+        while v != i:
+            k = int(tree[v])
+            if k < 0:
+                raise ClusterError(
+                    f"{self.origin}: no route from device {self.devices[i].name!r} to node "
+                    f"{self.node_names[v]!r}"
+                )
+            out.append(k)
+            v = int(self.link_src[k])
+        out.reverse()
+        return tuple(out)
 
     def _general_table(self) -> tuple[np.ndarray, np.ndarray]:
         n = len(self.devices)
         lengths = np.zeros(n * n, dtype=np.int64)
         chunks: list[np.ndarray] = []
         for i in range(n):
-            routes = self._routes_from(i)
+            tree = self._tree_from(i)
+            routes = [self._tree_route(tree, i, j) if j != i else () for j in range(n)]
             flat = [x for r in routes for x in r]
             lengths[i * n : (i + 1) * n] = [len(r) for r in routes]
             chunks.append(np.asarray(flat, dtype=np.int32))
-            if n > 256:  # keep memory to the table itself on big clusters
-                self._paths.pop(i, None)
         ptr = np.zeros(n * n + 1, dtype=np.int64)
         np.cumsum(lengths, out=ptr[1:])
         links = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int32)

@@ -20,6 +20,7 @@ the parametric family ``h{hosts}-{gpus}x{kind}`` — e.g. ``h4-8xa100`` (4 hosts
 
 from __future__ import annotations
 
+import difflib
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -286,8 +287,10 @@ def build_preset(name: str) -> Cluster:
     else:
         m = _FAMILY_RE.match(name)
         if not m:
+            close = difflib.get_close_matches(name, list(_PRESETS), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise UnknownPresetError(
-                f"unknown cluster preset {name!r}; allowed: {', '.join(_PRESETS)}, "
+                f"unknown cluster preset {name!r}{hint}; allowed: {', '.join(_PRESETS)}, "
                 f"or {FAMILY_PATTERN} (e.g. h2-8xa100), or a path to a .yaml file"
             )
         hosts, gpus, kind = int(m.group(1)), int(m.group(2)), m.group(3)
@@ -314,6 +317,8 @@ def load_cluster(spec: str | Path) -> Cluster:
     from meshplace.hardware.yaml_format import load_cluster_file
 
     text = str(spec)
+    if text and Path(text).is_dir():
+        raise ClusterError(f"{text}: is a folder, not a cluster file (YAML) or a preset name")
     if isinstance(spec, Path) or text.endswith((".yaml", ".yml")) or Path(text).is_file():
         return load_cluster_file(text)
     return build_preset(text)

@@ -63,7 +63,10 @@ def parse_quantity(value: object, kind: QuantityKind) -> float:
     if isinstance(value, bool):
         raise ValueError(f"expected {_EXAMPLES[kind]}, not a boolean")
     if isinstance(value, int | float):
-        result = float(value)
+        try:
+            result = float(value)
+        except OverflowError:  # an int beyond float range
+            raise ValueError(f"expected a finite value, {_EXAMPLES[kind]}") from None
     elif isinstance(value, str):
         m = _RE.match(value)
         if not m:

@@ -22,6 +22,7 @@ Every problem becomes one :class:`ClusterError` sentence naming the file and the
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -60,13 +61,25 @@ def _quantity(kind: Any) -> BeforeValidator:
     return BeforeValidator(lambda v: parse_quantity(v, kind) if v is not None else v)
 
 
+def _integer(value: Any) -> Any:
+    """Refuse ``true``/``false`` and strings where an integer belongs (pydantic's lax mode
+    reads ``true`` as 1 and ``'2'`` as 2)."""
+    if isinstance(value, bool | str):
+        raise ValueError(f"expected an integer, not {_short(value)}")
+    return value
+
+
+_Int = BeforeValidator(_integer)
+Flag = Annotated[bool, Field(strict=True)]
+
+
 Bandwidth = Annotated[float, _quantity("bandwidth"), Field(gt=0)]
 Seconds = Annotated[float, _quantity("time"), Field(ge=0)]
 Bytes = Annotated[float, _quantity("bytes"), Field(gt=0)]
 Flops = Annotated[float, _quantity("flops"), Field(gt=0)]
 Name = Annotated[str, Field(min_length=1)]
-Count = Annotated[int, Field(ge=0, le=1 << 16)]
-Positive = Annotated[int, Field(ge=1, le=1 << 16)]
+Count = Annotated[int, _Int, Field(ge=0, le=1 << 16)]
+Positive = Annotated[int, _Int, Field(ge=1, le=1 << 16)]
 Category = Literal["cpu", "gpu", "tpu", "accelerator"]
 _SPEC_FIELDS = (
     "description",
@@ -115,7 +128,7 @@ class _LinkModel(_Strict):
     latency: Seconds = 0.0
     name: Name | None = None
     kind: str = ""
-    bidirectional: bool = True
+    bidirectional: Flag = True
 
 
 class _PcieTree(_Strict):
@@ -138,7 +151,7 @@ class _NvlinkMesh(_Strict):
     gpu_kind: Name = "a100-80gb"
     nvlink_bandwidth: Bandwidth | None = None
     nvlink_latency: Seconds = NVLINK_HOP_LATENCY
-    nvswitch: bool = True
+    nvswitch: Flag = True
     cpus: Count = 2
     cpu_kind: Name = "xeon"
     pcie_bandwidth: Bandwidth = PCIE4_X16
@@ -155,7 +168,7 @@ class _Torus(_Strict):
     device_kind: Name = "tpu-v3"
     link_bandwidth: Bandwidth = TPU_V3_ICI
     latency: Seconds = ICI_HOP_LATENCY
-    wrap: bool | list[bool] = True
+    wrap: Flag | list[Flag] = True
     chips_per_host: list[Positive] | None = None
     name_prefix: Name = "tpu"
     link_kind: str = "ici"
@@ -168,7 +181,7 @@ class _MultiHost(_Strict):
     nic_bandwidth: Bandwidth
     nic_latency: Seconds = NIC_LATENCY
     nic_attach: list[Name] | None = None
-    nic_per_device: bool = False
+    nic_per_device: Flag = False
 
 
 _TOPOLOGY_MODELS: dict[str, type[BaseModel]] = {
@@ -182,7 +195,7 @@ assert set(_TOPOLOGY_MODELS) == set(GENERATORS)
 
 class _ClusterModel(_Strict):
     format: Literal["meshplace.cluster"] = "meshplace.cluster"
-    version: int = VERSION
+    version: Annotated[int, _Int] = VERSION
     name: Name | None = None
     kind: str | None = None
     source: str = ""
@@ -199,27 +212,237 @@ class _ClusterModel(_Strict):
 
 # ---------------------------------------------------------------------- reading
 def load_cluster_file(path: str | Path) -> Cluster:
-    """Read and validate a cluster YAML file."""
+    """Read and validate a cluster YAML file. A missing file, a folder, a binary or
+    non-UTF-8 file are each one :class:`ClusterError` sentence naming the file."""
     p = Path(path)
+    if p.is_dir():
+        raise ClusterError(f"{p}: is a folder, not a cluster file")
     try:
-        text = p.read_text()
+        raw = p.read_bytes()
     except FileNotFoundError:
         raise ClusterError(f"{p}: no such cluster file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ClusterError(f"{p}: cannot read the cluster file ({exc})") from None
+    except OSError as exc:
+        raise ClusterError(f"{p}: cannot read the cluster file ({exc.strerror or exc})") from None
+    if b"\0" in raw:
+        raise ClusterError(f"{p}: is a binary file (it holds NUL bytes), not a cluster file")
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise ClusterError(
+            f"{p}: is not a UTF-8 text file (byte {exc.start} is not UTF-8), so not a cluster file"
+        ) from None
     return cluster_from_yaml(text, str(p), default_name=p.stem)
 
 
 def cluster_from_yaml(text: str, source: str = "cluster.yaml", default_name: str = "") -> Cluster:
-    """Parse YAML ``text`` (errors name ``source``) and build the cluster."""
+    """Parse YAML ``text`` (errors name ``source``; :func:`parse_yaml`) and build the
+    cluster."""
+    return cluster_from_dict(parse_yaml(text, source), source, default_name=default_name)
+
+
+# YAML read defensively. PyYAML's loaders share one node per anchor, so an alias bomb ("billion
+# laughs": nine aliases of nine aliases of ...) loads instantly, but anything that then walks
+# the data (validation, printing, JSON) expands it; libyaml's composer recurses in C and
+# crashes the process on nesting around 100,000 deep; and a mapping keeps the last of two
+# equal keys silently. parse_yaml checks the composed node graph for all three first.
+_BaseLoader: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when built with it
+MAX_YAML_DEPTH = 64
+# Aliases may repeat blocks (``<<: *defaults``), not multiply the file: the data may hold at
+# most this many times the values written (and at least _MIN_EXPANSION values).
+MAX_YAML_EXPANSION = 10
+_MIN_EXPANSION = 100_000
+# Nesting the C composer certainly survives (it crashed at 100,000 levels, not at 10,000).
+_COMPOSE_SAFE_DEPTH = 1000
+
+
+def parse_yaml(text: str, source: str = "cluster.yaml") -> Any:
+    """Parse YAML ``text`` safely (libyaml's ``CSafeLoader`` when present, else PyYAML's
+    ``SafeLoader``) and return plain data. Each of these is one :class:`ClusterError`
+    sentence naming ``source``: text that is not YAML (with its line and column); nesting
+    deeper than :data:`MAX_YAML_DEPTH`; aliases that expand the data to more than
+    :data:`MAX_YAML_EXPANSION` times the values written (a "billion laughs" bomb) or that
+    refer to a collection containing themselves; one key twice in a mapping; and an integer
+    with more digits than Python converts (4,300).
+
+    >>> parse_yaml("a: &x [1, 2]\\nb: *x\\n")
+    {'a': [1, 2], 'b': [1, 2]}
+    >>> parse_yaml("a: 1\\na: 2\\n", "c.yaml")
+    Traceback (most recent call last):
+    ...
+    meshplace.hardware.errors.ClusterError: c.yaml: key 'a' appears twice in one mapping ...
+    """
+    bound = _nesting_bound(text)
+    if bound > _COMPOSE_SAFE_DEPTH:
+        _check_event_depth(text, source)  # exact, iterative: the composer would recurse
+    loader = _Loader(text, source)
     try:
-        data = yaml.safe_load(text)
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        if "*" in text or bound > MAX_YAML_DEPTH:  # aliases, or possibly deep: walk it all
+            _check_nodes(node, source)
+            loader.check_keys = False  # done on the raw nodes, before merges flatten them
+        return loader.construct_document(node)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         problem = getattr(exc, "problem", None) or "malformed YAML"
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         raise ClusterError(f"{source}: not valid YAML ({problem}{where})") from None
-    return cluster_from_dict(data, source, default_name=default_name)
+    except RecursionError:
+        raise ClusterError(_too_deep(source)) from None
+    except ValueError as exc:  # int() of a scalar beyond sys.get_int_max_str_digits()
+        if "digits" not in str(exc):
+            raise
+        raise ClusterError(
+            f"{source}: holds an integer with too many digits to read; no cluster field needs one"
+        ) from None
+    finally:
+        loader.dispose()
+
+
+class _Loader(_BaseLoader):  # type: ignore[misc,valid-type]
+    """PyYAML's safe loader (libyaml's when built with it) that refuses a key twice in one
+    mapping and memoises the tag of each plain scalar: a large cluster file repeats the same
+    keys and values thousands of times, and resolving a tag runs regular expressions."""
+
+    def __init__(self, stream: str, source: str) -> None:
+        super().__init__(stream)
+        self.source = source
+        self.check_keys = True
+        self._tags: dict[tuple[str, Any], str] = {}
+
+    def resolve(self, kind: Any, value: Any, implicit: Any) -> str:
+        if kind is not yaml.ScalarNode:
+            return super().resolve(kind, value, implicit)
+        key = (value, implicit)
+        tag = self._tags.get(key)
+        if tag is None:
+            tag = super().resolve(kind, value, implicit)
+            if len(self._tags) < 1 << 16:
+                self._tags[key] = tag
+        return tag
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> dict[Any, Any]:
+        # before SafeConstructor flattens merge keys (an alias-free file has no shared
+        # nodes, so every mapping is still as written here)
+        if self.check_keys and isinstance(node, yaml.MappingNode):
+            _check_keys(node, self.source)
+        return super().construct_mapping(node, deep)
+
+
+def _too_deep(source: str) -> str:
+    return (
+        f"{source}: YAML nested more than {MAX_YAML_DEPTH} levels deep; a cluster file needs "
+        "only a few"
+    )
+
+
+def _nesting_bound(text: str) -> int:
+    """An upper bound on the nesting depth of YAML ``text``, cheap to compute (two regular
+    expression scans, no parsing): the deepest unclosed flow bracket (brackets in quoted
+    strings only raise it) plus twice the longest run of indentation and compact
+    indicators (``- - -``, ``? ``) that starts a line, plus two: a block collection nests
+    only by indenting further or by a compact indicator, except a sequence written at its
+    parent key's indentation, which at most doubles the count. Flow collections hold no
+    block ones, so the two add up. O(len(text))."""
+    depth = best = 0
+    for m in re.finditer(r"[\[\]{}]", text):
+        depth = depth + 1 if m.group() in "[{" else max(0, depth - 1)
+        best = max(best, depth)
+    indent = max((len(m.group()) for m in re.finditer(r"(?m)^[ \t?-]*", text)), default=0)
+    return best + 2 * indent + 2
+
+
+def _check_event_depth(text: str, source: str) -> None:
+    depth = 0
+    try:
+        for event in yaml.parse(text, Loader=_BaseLoader):
+            if isinstance(event, yaml.CollectionStartEvent):
+                depth += 1
+                if depth > MAX_YAML_DEPTH:
+                    raise ClusterError(_too_deep(source))
+            elif isinstance(event, yaml.CollectionEndEvent):
+                depth -= 1
+    except yaml.YAMLError:
+        return  # the loader reports it with its line and column
+
+
+def _check_nodes(root: yaml.Node, source: str) -> None:
+    """Walk the composed node graph without recursion: cycles through aliases, duplicate
+    keys, and the number of values and the nesting depth the data would expand to (each
+    collection visited once, sizes and heights memoised, so a bomb costs its written size)."""
+    done: dict[int, tuple[int, int]] = {}  # id(collection) -> (values, height) expanded
+    on_path: set[int] = set()
+    written = 0
+    # (node, depth, finished): a collection is opened, then finished after its children
+    stack: list[tuple[yaml.Node, int, bool]] = [(root, 1, False)]
+    while stack:
+        node, depth, finished = stack.pop()
+        key = id(node)
+        if finished:
+            on_path.discard(key)
+            values, height = 1, 1
+            for child in _children(node):
+                v, h = done.get(id(child), (1, 1))
+                values += v
+                height = max(height, h + 1)
+            if height > MAX_YAML_DEPTH:
+                raise ClusterError(_too_deep(source))
+            done[key] = (values, height)
+            continue
+        if key in done or isinstance(node, yaml.ScalarNode):
+            continue
+        if depth > MAX_YAML_DEPTH:
+            raise ClusterError(_too_deep(source))
+        on_path.add(key)
+        stack.append((node, depth, True))
+        written += 1
+        if isinstance(node, yaml.MappingNode):
+            _check_keys(node, source)
+        for child in _children(node):
+            if isinstance(child, yaml.ScalarNode):
+                written += 1
+            elif id(child) in on_path:
+                raise ClusterError(
+                    f"{source}: a YAML alias at line {child.start_mark.line + 1} refers to a "
+                    "collection that contains it; the data would be infinite"
+                )
+            else:
+                stack.append((child, depth + 1, False))
+    expanded = done.get(id(root), (1, 1))[0]
+    limit = max(_MIN_EXPANSION, MAX_YAML_EXPANSION * written)
+    if expanded > limit:
+        raise ClusterError(
+            f"{source}: YAML aliases expand {written:,} written values to {_count(expanded)}, "
+            f"more than {MAX_YAML_EXPANSION} times as many; an alias may repeat a block, not "
+            "multiply the file"
+        )
+
+
+def _count(n: int) -> str:
+    return f"{n:,}" if n < 10**15 else f"about 10^{len(str(n)) - 1}"
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.MappingNode):
+        return [x for pair in node.value for x in pair]
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    return []
+
+
+def _check_keys(node: yaml.MappingNode, source: str) -> None:
+    seen: set[tuple[str, str]] = set()
+    for k, _ in node.value:
+        if not isinstance(k, yaml.ScalarNode) or k.tag == "tag:yaml.org,2002:merge":
+            continue
+        ident = (k.tag, k.value)
+        if ident in seen:
+            raise ClusterError(
+                f"{source}: key {_short(k.value)} appears twice in one mapping (line "
+                f"{k.start_mark.line + 1}); each key may appear once"
+            )
+        seen.add(ident)
 
 
 def cluster_from_dict(data: Any, source: str = "cluster", default_name: str = "") -> Cluster:
@@ -438,7 +661,10 @@ def _path(parts: list[Any]) -> str:
 
 
 def _short(value: Any) -> str:
-    text = repr(value)
+    try:
+        text = repr(value)
+    except ValueError:  # an int beyond sys.get_int_max_str_digits()
+        return "an integer of thousands of digits"
     return text if len(text) <= 60 else text[:57] + "..."
 
 

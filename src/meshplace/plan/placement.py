@@ -17,6 +17,7 @@ Example
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
@@ -25,9 +26,10 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from meshplace.errors import InputError
+from meshplace.graph.io import json_number, parse_json, read_text_file
 from meshplace.graph.ir import OpGraph
 from meshplace.util import write_text_atomic
 
@@ -50,21 +52,24 @@ def graph_fingerprint(graph: OpGraph) -> str:
     return h.hexdigest()[:16]
 
 
+_Int = Annotated[int, BeforeValidator(json_number)]
+
+
 class _PlanModel(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     format: Literal["meshplace.plan"]
-    version: int
+    version: _Int
     graph: Annotated[str, Field(min_length=1)]
-    graph_ops: Annotated[int, Field(ge=0)]
+    graph_ops: Annotated[_Int, Field(ge=0)]
     graph_fingerprint: str | None = None
     cluster: str = ""
     by: Literal["op", "group"] = "op"
-    max_groups: Annotated[int, Field(ge=1)] | None = None
+    max_groups: Annotated[_Int, Field(ge=1)] | None = None
     placement: dict[str, str] = Field(default_factory=dict)
     default_device: str | None = None
     objective: Literal["step", "throughput"] = "step"
-    micro_batches: Annotated[int, Field(ge=1)] = 1
+    micro_batches: Annotated[_Int, Field(ge=1, le=1 << 20)] = 1
     meta: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -118,16 +123,41 @@ class Plan:
 
     # ------------------------------------------------------------------ checks
     def check_graph(self, graph: OpGraph, source: str = "plan") -> None:
-        """Raise :class:`PlanError` unless this plan was made for ``graph``."""
+        """Raise :class:`PlanError` unless this plan was made for ``graph``, saying what
+        differs: the op count, else an op the plan places that the graph lacks, else the
+        fingerprint (op names, their order or the edge count).
+
+        >>> from meshplace.graph.ir import Op, OpGraph
+        >>> a, b = OpGraph("tiny"), OpGraph("tiny")
+        >>> _ = a.add_op(Op("x", "input")); _ = b.add_op(Op("y", "input"))
+        >>> Plan.for_graph(a, "c", {"x": "gpu0"}).check_graph(b, "p.json")
+        Traceback (most recent call last):
+        ...
+        meshplace.plan.placement.PlanError: p.json: was made for graph 'tiny' with 1 ops, but \
+the graph given, 'tiny' (also 1 ops), has no op 'x', which the plan places; make the plan ...
+        """
         fp = graph_fingerprint(graph)
-        if self.graph_ops != graph.num_ops or (
-            self.graph_fingerprint is not None and self.graph_fingerprint != fp
-        ):
-            raise PlanError(
-                f"{source}: was made for graph {self.graph!r} ({self.graph_ops} ops) but the "
-                f"graph given is {graph.name!r} ({graph.num_ops} ops); make the plan again "
-                "for this graph"
-            )
+        same_count = self.graph_ops == graph.num_ops
+        if same_count and self.graph_fingerprint in (None, fp):
+            return
+        if not same_count:
+            reason = f"the graph given, {graph.name!r}, has {graph.num_ops} ops"
+        else:
+            given = f"the graph given, {graph.name!r} (also {graph.num_ops} ops),"
+            missing = None
+            if self.by == "op":
+                missing = next((n for n in self.placement if n not in graph), None)
+            if missing is not None:
+                reason = f"{given} has no op {missing!r}, which the plan places"
+            else:
+                reason = (
+                    f"{given} differs in its op names, their order or its edge count "
+                    f"(fingerprint {fp}, the plan's {self.graph_fingerprint})"
+                )
+        raise PlanError(
+            f"{source}: was made for graph {self.graph!r} with {self.graph_ops} ops, but "
+            f"{reason}; make the plan again for this graph"
+        )
 
     def device_names(self, graph: OpGraph, source: str = "plan") -> list[str]:
         """One device name per op of ``graph`` (expanding groups and the default)."""
@@ -185,11 +215,13 @@ class Plan:
         for i, dev in enumerate(names):
             idx = device_index.get(dev)
             if idx is None:
+                close = difflib.get_close_matches(dev, list(device_index), n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
                 shown = ", ".join(list(device_index)[:8])
                 more = ", …" if len(device_index) > 8 else ""
                 raise PlanError(
                     f"{source}: places op {graph.ops[i].name!r} on device {dev!r}, which "
-                    f"cluster {cluster_name!r} does not have (devices: {shown}{more})"
+                    f"cluster {cluster_name!r} does not have (devices: {shown}{more}){hint}"
                 )
             out[i] = idx
         return out
@@ -234,8 +266,14 @@ def plan_from_dict(data: Any, source: str = "plan") -> Plan:
             raise PlanError(
                 f"{source}: not a meshplace plan (field 'format' must be {FORMAT!r})"
             ) from None
+        if err["type"] == "number_type":
+            raise PlanError(f"{source}: field {loc!r} {err['msg']}") from None
+        if err["type"] == "missing":
+            raise PlanError(f"{source}: is missing the required field {loc!r}") from None
         msg = err["msg"][0].lower() + err["msg"][1:]
-        raise PlanError(f"{source}: field {loc!r}: {msg}") from None
+        value = err.get("input")
+        got = "" if isinstance(value, dict | list) else f" (got {_short(value)})"
+        raise PlanError(f"{source}: field {loc!r}: {msg}{got}") from None
     if m.version != VERSION:
         raise PlanError(
             f"{source}: unsupported plan format version {m.version}; this meshplace reads "
@@ -259,15 +297,15 @@ def plan_from_dict(data: Any, source: str = "plan") -> Plan:
 
 
 def load_plan(path: str | Path) -> Plan:
-    p = Path(path)
+    """Read and validate a plan file; every problem (a missing file, a folder, a binary
+    file, bad or ambiguous JSON, a bad field) is one :class:`PlanError` sentence."""
+    text = read_text_file(path, "plan", PlanError)
+    return plan_from_dict(parse_json(text, str(path), "plan", PlanError), str(path))
+
+
+def _short(value: object) -> str:
     try:
-        text = p.read_text()
-    except FileNotFoundError:
-        raise PlanError(f"{p}: no such plan file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise PlanError(f"{p}: cannot read the plan file ({exc})") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise PlanError(f"{p}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
-    return plan_from_dict(data, str(p))
+        text = repr(value)
+    except ValueError:  # an int beyond sys.get_int_max_str_digits()
+        return "an integer of thousands of digits"
+    return text if len(text) <= 60 else text[:57] + "..."

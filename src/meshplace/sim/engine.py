@@ -197,6 +197,7 @@ def simulate_kernel(
     resident,
     route_ptr,
     route_links,
+    pair_keys,
     link_bw,
     link_lat,
     time_scale,
@@ -206,7 +207,13 @@ def simulate_kernel(
     """Simulate one step. Returns per-op start/end, the transfers, per-device busy time and
     peak memory, and per-link busy time and bytes. ``time_scale`` multiplies every
     duration (op and transfer), which the scaling property tests use. ``msg_cpu``
-    (``[n_dev, 4]``, zeros: off) and ``in_order`` are the options in the module doc."""
+    (``[n_dev, 4]``, zeros: off) and ``in_order`` are the options in the module doc.
+
+    Routes are CSR (``route_links[route_ptr[r] : route_ptr[r + 1]]``). With ``pair_keys``
+    empty, ``r`` is ``src_device * n_dev + dst_device`` (a table of all pairs); otherwise
+    ``pair_keys`` lists, sorted, the keys ``src_device * n_dev + dst_device`` of the pairs
+    the table holds (those this placement sends data between) and ``r`` is a key's
+    position, found once per transfer before the event loop."""
     n = placement.shape[0]
     n_edges = edge_bytes.shape[0]
     n_links = link_bw.shape[0]
@@ -219,6 +226,7 @@ def simulate_kernel(
     x_bytes = np.empty(n_edges, np.float64)
     x_cons = np.zeros(n_edges, np.int64)
     x_first = np.empty(n_edges, np.int64)
+    x_route = np.empty(n_edges, np.int64)
     x_ptr = np.zeros(n + 1, np.int64)
     mark = np.full(n_dev, -1, np.int64)
     slot = np.zeros(n_dev, np.int64)
@@ -240,6 +248,7 @@ def simulate_kernel(
                     x_dev[n_x] = dv
                     x_bytes[n_x] = edge_bytes[e]
                     x_first[n_x] = v
+                    x_route[n_x] = du * n_dev + dv
                     n_x += 1
                 t = slot[dv]
                 if priority[v] < priority[x_first[t]]:
@@ -249,6 +258,9 @@ def simulate_kernel(
                 x_cons[t] += 1
                 edge_xfer[e] = t
     x_ptr[n] = n_x
+    if pair_keys.shape[0] > 0:
+        for x in range(n_x):
+            x_route[x] = np.searchsorted(pair_keys, x_route[x])
 
     # host-staged messages: each end's CPU time joins an op's duration
     op_dur = op_time.copy()
@@ -377,7 +389,7 @@ def simulate_kernel(
                         hsize[d] = _ready_push(heap, base[d], hsize[d], priority, v)
             for x in range(x_ptr[u], x_ptr[u + 1]):
                 dv = x_dev[x]
-                pair = d * n_dev + dv
+                pair = x_route[x]
                 start = now
                 bw = np.inf
                 lat = 0.0

@@ -5,6 +5,14 @@ the cost model, adjacency arrays, the cluster's route table — so each ``simula
 only the compiled event loop (:mod:`meshplace.sim.engine`). That is what lets a search score
 thousands of plans a second.
 
+Routes: on clusters of at most :data:`DENSE_ROUTE_DEVICES` devices the table of all n²
+routes is built once (:meth:`Cluster.route_table`), so a search pays nothing per call. On
+larger clusters that table is what made a hand-written 1,000-device cluster take 39 s
+before the first simulation (issue 13; 10,000 devices never finished), so there each ``simulate``
+routes only the device pairs the placement sends data between (:meth:`Cluster.route`, one
+Dijkstra per source device, cached) — a 5-op plan on one device of a 10,000-device cluster
+routes nothing. Both give the same routes, so results are identical.
+
 Objectives:
 
 * ``step`` — the makespan of one synchronous training (or inference) step;
@@ -40,6 +48,9 @@ from meshplace.graph.ir import OpGraph
 from meshplace.sim.engine import simulate_kernel
 
 OBJECTIVES = ("step", "throughput")
+# Up to this many devices the simulator builds every route up front; above it, per plan.
+DENSE_ROUTE_DEVICES = 256
+_PAIR_CACHE_LIMIT = 1 << 20
 
 
 @dataclass
@@ -84,16 +95,16 @@ class SimResult:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready summary (no per-op timeline)."""
-        used = sorted(set(self.placement.tolist()))
+        ops_on = np.bincount(self.placement, minlength=len(self.device_names)).tolist()
         devices = []
         for d in range(len(self.device_names)):
             devices.append(
                 {
                     "name": self.device_names[d],
                     "kind": self.device_kinds[d],
-                    "ops": int(np.count_nonzero(self.placement == d)),
+                    "ops": int(ops_on[d]),
                     "busy_s": float(self.busy_s[d]),
-                    "idle_s": float(self.step_time_s - self.busy_s[d]) if d in used else None,
+                    "idle_s": float(self.step_time_s - self.busy_s[d]) if ops_on[d] else None,
                     "peak_memory_bytes": float(self.peak_memory_bytes[d]),
                     "memory_capacity_bytes": float(self.memory_capacity_bytes[d]),
                     "oom": bool(self.peak_memory_bytes[d] > self.memory_capacity_bytes[d]),
@@ -131,13 +142,16 @@ class Simulator:
         *,
         in_order: bool = False,
         order: np.ndarray | None = None,
+        dense_routes: bool | None = None,
     ) -> None:
         """``in_order``: each device runs its ops strictly in priority order (an
         interpreter's fixed program order) instead of starting any ready op; ``order``
         (op indices, a topological order) replaces the graph's topological order as the
         priority — e.g. the order a runtime executes the ops in; the cost model's
         ``message_cpu`` charges transfers to the devices' compute
-        (:mod:`meshplace.sim.engine`). All default to the original model."""
+        (:mod:`meshplace.sim.engine`). All default to the original model.
+        ``dense_routes``: build every route up front (True) or route per placement (False);
+        the default picks by size (:data:`DENSE_ROUTE_DEVICES`). Results are identical."""
         self.graph = graph
         self.in_order = bool(in_order)
         self.cluster = cluster
@@ -184,7 +198,16 @@ class Simulator:
         # resident batches; every other op's outputs are transient.
         self.resident_per_op = a.param_bytes + a.state_bytes + np.where(is_input, a.output_bytes, 0)
         self.transient_bytes = np.where(resident_kind | is_input, 0.0, a.output_bytes)
-        self.route_ptr, self.route_links = cluster.route_table()
+        # all routes up front on small clusters; on large ones per placement (_routes_for)
+        if dense_routes is None:
+            dense_routes = len(devices) <= DENSE_ROUTE_DEVICES
+        self.dense_routes = bool(dense_routes)
+        self.route_ptr: np.ndarray | None = None
+        self.route_links: np.ndarray | None = None
+        if self.dense_routes:
+            self.route_ptr, self.route_links = cluster.route_table()
+        self._no_keys = np.zeros(0, np.int64)
+        self._pair_routes: dict[int, np.ndarray] = {}
         self.link_bw = np.array([link.bandwidth for link in cluster.links], dtype=np.float64)
         self.link_lat = np.array([link.latency for link in cluster.links], dtype=np.float64)
         self.link_names = [link.name for link in cluster.links]
@@ -211,6 +234,36 @@ class Simulator:
     def op_times(self, placement: np.ndarray) -> np.ndarray:
         """Seconds per op under ``placement``."""
         return self.op_time_by_kind[self.device_kind_index[placement], np.arange(len(placement))]
+
+    def _routes_for(self, placement: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(route_ptr, route_links, pair_keys) for the kernel: the all-pairs table on small
+        clusters (``pair_keys`` empty), else the routes of just the (source device,
+        destination device) pairs that some edge crosses under ``placement``, keyed by
+        ``src * n + dst`` in sorted order. O(E log E) plus one route per new pair."""
+        if self.route_ptr is not None and self.route_links is not None:
+            return self.route_ptr, self.route_links, self._no_keys
+        a = self.arrays
+        n_dev = self.num_devices
+        src = placement[a.edge_src]
+        dst = placement[a.edge_dst]
+        cross = src != dst
+        keys = np.unique(src[cross] * n_dev + dst[cross])
+        if keys.size == 0:  # nothing is sent: no route is read
+            return np.zeros(1, np.int64), np.zeros(0, np.int32), self._no_keys
+        cache = self._pair_routes
+        if len(cache) > _PAIR_CACHE_LIMIT:
+            cache.clear()
+        chunks = []
+        for key in keys.tolist():
+            route = cache.get(key)
+            if route is None:
+                i, j = divmod(key, n_dev)
+                route = np.asarray(self.cluster.route(i, j), dtype=np.int32)
+                cache[key] = route
+            chunks.append(route)
+        ptr = np.zeros(keys.size + 1, np.int64)
+        np.cumsum([c.size for c in chunks], out=ptr[1:])
+        return ptr, np.concatenate(chunks), keys
 
     def lower_bound(self) -> float:
         """max(critical path with every op on its fastest device and free communication,
@@ -242,6 +295,7 @@ class Simulator:
         if n and (placement.min() < 0 or placement.max() >= self.num_devices):
             raise InputError(f"placement names device indices outside 0..{self.num_devices - 1}")
         a = self.arrays
+        route_ptr, route_links, pair_keys = self._routes_for(placement)
         resident = np.bincount(placement, weights=self.resident_per_op, minlength=self.num_devices)
         (
             makespan,
@@ -272,8 +326,9 @@ class Simulator:
             a.edge_bytes,
             self.transient_bytes,
             resident.astype(np.float64),
-            self.route_ptr,
-            self.route_links,
+            route_ptr,
+            route_links,
+            pair_keys,
             self.link_bw,
             self.link_lat,
             float(time_scale),
