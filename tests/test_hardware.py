@@ -547,6 +547,7 @@ HOSTILE_YAML = [
     (_ONE.replace("{name: a,", "{count: true,"), "'devices[0].count': expected an integer"),
     (_ONE.replace("{name: a,", "{count: '2',"), "expected an integer, not '2'"),
     (_TWO + "links: [{src: a, dst: b, bandwidth: 1e9, bidirectional: 'no'}]", "valid boolean"),
+    (_ONE.replace("v100", "V100s"), "unknown device kind 'V100s' (did you mean 'v100'?)"),
 ]
 
 

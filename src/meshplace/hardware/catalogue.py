@@ -21,6 +21,7 @@ True
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -417,6 +418,8 @@ def device_spec(kind: str) -> DeviceSpec:
     try:
         return _CATALOGUE[key]
     except KeyError:
+        close = difflib.get_close_matches(str(kind).lower(), [*_CATALOGUE, *KIND_ALIASES], n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise UnknownDeviceError(
-            f"unknown device kind {kind!r}; allowed kinds: {', '.join(_CATALOGUE)}"
+            f"unknown device kind {kind!r}{hint}; allowed kinds: {', '.join(_CATALOGUE)}"
         ) from None

@@ -21,6 +21,7 @@ Every problem becomes one :class:`ClusterError` sentence naming the file and the
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
 from pathlib import Path
@@ -582,8 +583,11 @@ def _resolve_kind(kind: str, kinds: dict[str, DeviceSpec], where: str) -> Device
     key = KIND_ALIASES.get(kind, kind)
     if key in builtin:
         return builtin[key]
+    known = [*builtin, *KIND_ALIASES, *kinds]
+    close = difflib.get_close_matches(kind.lower(), known, n=1) if isinstance(kind, str) else []
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
     raise UnknownDeviceError(
-        f"{where} has unknown device kind {kind!r}; allowed kinds: "
+        f"{where} has unknown device kind {kind!r}{hint}; allowed kinds: "
         f"{', '.join([*builtin, *kinds])} (or define it under 'device_kinds')"
     )
 
