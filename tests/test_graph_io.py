@@ -181,6 +181,7 @@ def test_written_json_is_plain_and_documented_keys() -> None:
         (_op(kind="frobnicate"), "has unknown kind 'frobnicate'; allowed kinds: matmul, conv"),
         (_op(forward_op="mm"), "op 'mm' field 'forward_op' names the op itself"),
         (_op(param_bytes=10**30), "op 'mm' field 'param_bytes'"),
+        (_op(output_shapes=[[2**62] * 20]), "gives output 0 more than 2^62 elements"),
     ],
 )
 def test_wrong_types_kinds_and_self_links_are_one_sentence(op, expected) -> None:

@@ -548,6 +548,13 @@ HOSTILE_YAML = [
     (_ONE.replace("{name: a,", "{count: '2',"), "expected an integer, not '2'"),
     (_TWO + "links: [{src: a, dst: b, bandwidth: 1e9, bidirectional: 'no'}]", "valid boolean"),
     (_ONE.replace("v100", "V100s"), "unknown device kind 'V100s' (did you mean 'v100'?)"),
+    ("name: x\ntopology: {generator: nvlink_mesh, gpus: 65536, nvswitch: false}", "all-to-all"),
+    (
+        "name: x\ntopology: {generator: multi_host, hosts: 65536, nic_bandwidth: 1e9,\n"
+        "  per_host: {generator: nvlink_mesh}}",
+        "65536 hosts x 10 devices give 655,360 devices; at most 131,072 allowed",
+    ),
+    ("name: x\ndevices:\n" + "  - {count: 65536, kind: v100}\n" * 3, "196,608 devices"),
 ]
 
 

@@ -326,6 +326,12 @@ def _max_digits() -> str:
 # ------------------------------------------------------------------------ checks
 def _check_op(om: _OpModel, source: str) -> None:
     where = f"{source}: op {om.name!r}"
+    for k, shape in enumerate(om.output_shapes):
+        if math.prod(shape) > MAX_INT:
+            raise GraphError(
+                f"{where} field 'output_shapes' gives output {k} more than 2^62 elements; "
+                "no tensor is that large"
+            )
     for dt in om.output_dtypes:
         try:
             dtype_size(dt)

@@ -70,6 +70,11 @@ NIC_LATENCY = 5e-6
 EDR_IB = 100e9 / 8
 HDR_IB = 200e9 / 8
 NDR_IB = 400e9 / 8
+# Most devices a generator builds (a 512x256 torus): beyond it a cluster takes minutes to build
+# and gigabytes to hold, and a typo such as hosts: 100000 should be a sentence, not a hang.
+MAX_DEVICES = 1 << 17
+# Most GPUs wired all-to-all without an NVSwitch (every ordered pair gets a link).
+MAX_ALL_TO_ALL_GPUS = 1024
 
 
 def _spec(kind: str, specs: Mapping[str, DeviceSpec] | None) -> tuple[str, DeviceSpec]:
@@ -154,6 +159,7 @@ def pcie_tree(
     num_gpus = _positive_int(num_gpus, "num_gpus", 0)
     gpus_per_switch = _positive_int(gpus_per_switch, "gpus_per_switch")
     cpus = _positive_int(cpus, "cpus", 0)
+    _check_size(num_gpus + cpus, "num_gpus + cpus")
     if num_gpus + cpus == 0:
         raise ClusterError("topology: a pcie_tree needs at least one CPU or GPU")
     gpu_bw = _positive(gpu_link_bandwidth, "gpu_link_bandwidth")
@@ -249,6 +255,12 @@ def nvlink_mesh(
     gpus = _positive_int(gpus, "gpus")
     cpus = _positive_int(cpus, "cpus", 0)
     per_switch = _positive_int(gpus_per_pcie_switch, "gpus_per_pcie_switch")
+    _check_size(gpus + cpus, "gpus + cpus")
+    if not nvswitch and gpus > MAX_ALL_TO_ALL_GPUS:
+        raise ClusterError(
+            f"topology: {gpus} GPUs wired all-to-all (nvswitch: false) would need "
+            f"{gpus * (gpus - 1):,} links; at most {MAX_ALL_TO_ALL_GPUS} GPUs without an NVSwitch"
+        )
     gkind, gspec = _spec(gpu_kind, specs)
     ckind, cspec = _spec(cpu_kind, specs)
     if nvlink_bandwidth is None:
@@ -355,8 +367,8 @@ def torus(
     if not 1 <= len(dims_t) <= 4:
         raise ClusterError(f"topology: dims must have 1 to 4 entries, not {len(dims_t)}")
     n = int(np.prod(dims_t))
-    if n > 1 << 17:
-        raise ClusterError(f"topology: dims {dims_t} give {n} chips; at most {1 << 17} allowed")
+    if n > MAX_DEVICES:
+        raise ClusterError(f"topology: dims {dims_t} give {n} chips; at most {MAX_DEVICES} allowed")
     wrap_t = (bool(wrap),) * len(dims_t) if isinstance(wrap, bool) else tuple(map(bool, wrap))
     if len(wrap_t) != len(dims_t):
         raise ClusterError(f"topology: wrap has {len(wrap_t)} entries but dims has {len(dims_t)}")
@@ -480,6 +492,7 @@ def multi_host(
         sub = per_host_builder(hname)
         if first is None:
             first = sub
+            _check_size(hosts * len(sub.devices), f"{hosts} hosts x {len(sub.devices)} devices")
         prefix = f"{hname}/"
         rename: dict[str, str] = {}
         for d in sub.devices:
@@ -543,6 +556,11 @@ GENERATORS: dict[str, Callable[..., Cluster]] = {
     "torus": torus,
     "multi_host": multi_host,
 }
+
+
+def _check_size(n: int, what: str) -> None:
+    if n > MAX_DEVICES:
+        raise ClusterError(f"topology: {what} give {n:,} devices; at most {MAX_DEVICES:,} allowed")
 
 
 def build_topology(block: dict[str, Any]) -> Cluster:

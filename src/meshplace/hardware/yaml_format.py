@@ -42,6 +42,7 @@ from meshplace.hardware.errors import ClusterError, UnknownDeviceError, allowed
 from meshplace.hardware.topology import (
     GENERATORS,
     ICI_HOP_LATENCY,
+    MAX_DEVICES,
     NIC_LATENCY,
     NVLINK_HOP_LATENCY,
     PCIE3_X16_MEASURED,
@@ -482,6 +483,11 @@ def _build(model: _ClusterModel, source: str, default_name: str) -> Cluster:
         devices.extend(base.devices)
         links.extend(base.links)
         switches.extend(base.switches)
+    total = len(devices) + sum(dm.count if dm.count is not None else 1 for dm in model.devices)
+    if total > MAX_DEVICES:
+        raise ClusterError(
+            f"{source}: field 'devices' gives {total:,} devices; at most {MAX_DEVICES:,} allowed"
+        )
     counters: dict[str, int] = {}
     for k, dm in enumerate(model.devices):
         where = f"{source}: field 'devices[{k}]'"
