@@ -232,3 +232,15 @@ def test_help_does_not_import_torch() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ)
     )
     assert done.stdout.strip() == "False", done.stderr
+
+
+def test_shard_refuses_a_cluster_of_cpus_only(tmp_path: Path) -> None:
+    links = "\n".join(
+        f"  - {{src: cpu{i}, dst: cpu{i + 1}, bandwidth: 10 GB/s, latency: 1 us}}" for i in range(3)
+    )
+    (tmp_path / "cpus.yaml").write_text(
+        f"name: cpus-only\nkind: ethernet\ndevices:\n  - {{count: 4, kind: xeon, name: cpu}}\n"
+        f"links:\n{links}\n"
+    )
+    done = cli("shard", "transformer", "--size", "base", "--cluster", "cpus.yaml", cwd=tmp_path)
+    assert_bad(done, "cpus-only", "no accelerators", "xeon")

@@ -306,9 +306,17 @@ def parse_mesh_shape(text: str) -> tuple[int, ...]:
 
 # ---------------------------------------------------------------------- building meshes
 def accelerators(cluster: Cluster) -> list[int]:
-    """Indices of the devices a mesh may use: every device that is not a CPU."""
-    out = [i for i, d in enumerate(cluster.devices) if d.spec.category != "cpu"]
-    return out or list(range(len(cluster.devices)))
+    """Indices of the devices a mesh may use: the cluster's accelerators
+    (:meth:`Cluster.accelerators`). A cluster of host CPUs only is a :class:`LayoutError`:
+    costing Xeons as if they were mesh chips would give a plan nobody can run as one."""
+    out = cluster.accelerators()
+    if not out:
+        kinds = sorted({d.kind for d in cluster.devices})
+        raise LayoutError(
+            f"cluster {cluster.name!r} has no accelerators (only host CPUs: "
+            f"{', '.join(kinds)}); a mesh is laid over GPUs or TPUs, choose a cluster with some"
+        )
+    return out
 
 
 def build_mesh(
