@@ -1,4 +1,7 @@
-"""``meshplace plan`` with learned placers: checkpoints, ``--resume``, progress, bad options."""
+"""``meshplace plan`` with learned placers: checkpoints, ``--resume``, progress, bad options.
+
+The placers' clock is frozen for every test here (in the killed subprocess too): a budget
+is a fixed number of updates, so no deadline cuts a run short on a busy machine."""
 
 from __future__ import annotations
 
@@ -7,19 +10,28 @@ import os
 import signal
 import subprocess
 import sys
-import time
+import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from meshplace.cli import main
 from meshplace.graph.sources import workload_graph
 from meshplace.hardware import load_cluster
 from meshplace.learn import train_rl
-from meshplace.placers import PlacementProblem, PlacerOptions, run_placer
+from meshplace.placers import ManualClock, PlacementProblem, PlacerOptions, run_placer, use_clock
 
 PLAN = ["plan", "dmcca", "--cluster", "colocrl-2gpu", "--placer", "rl"]
+
+
+@pytest.fixture(autouse=True)
+def frozen_clock() -> Iterator[ManualClock]:
+    """Time stands still for the placers: no deadline stop, so every run is exact work."""
+    with use_clock(ManualClock()) as clock:
+        yield clock
 
 
 def _one_sentence_error(capsys, argv: list[str], match: str) -> None:
@@ -33,7 +45,7 @@ def test_bad_learning_options_are_one_sentence(capsys, tmp_path: Path) -> None:
     afile = tmp_path / "file"
     afile.write_text("x")
     _one_sentence_error(capsys, [*PLAN, "--checkpoint-dir", str(afile)], "is not a folder")
-    _one_sentence_error(capsys, [*PLAN, "--finetune", "-1"], "--finetune must be non-negative")
+    _one_sentence_error(capsys, [*PLAN, "--finetune", "-1"], "non-negative")
     assert list(tmp_path.iterdir()) == [afile]
 
 
@@ -47,37 +59,64 @@ def test_progress_is_reported_after_every_update() -> None:
     assert best == sorted(best, reverse=True) and best[-1] >= result.step_time_s
 
 
+# `meshplace plan` (argv[2:]) with the placers' clock frozen, which after writing its first
+# checkpoint says so on file descriptor argv[1] (stdout is the CLI's) and waits to be killed.
+_PLAN_SCRIPT = textwrap.dedent(
+    """
+    import os, sys, threading
+    from meshplace.cli import main
+    from meshplace.learn import training
+    from meshplace.placers import ManualClock, use_clock
+
+    save = training.save_checkpoint
+
+    def save_then_hold(path, state):
+        save(path, state)
+        os.write(int(sys.argv[1]), f"checkpoint {state['done']}\\n".encode())
+        threading.Event().wait()
+
+    training.save_checkpoint = save_then_hold
+    with use_clock(ManualClock()):
+        sys.exit(main(sys.argv[2:]))
+    """
+)
+
+
 def test_plan_killed_with_sigkill_resumes_from_its_checkpoint(tmp_path: Path) -> None:
     """The CLI run is killed after its first checkpoint; ``--resume`` finishes the training
     and ends with the plan an uninterrupted run of the same length ends with."""
     ckpt_dir = tmp_path / "ckpt"
     budget = "5"
-    command = [sys.executable, "-m", "meshplace.cli", *PLAN, "--budget", budget, "--json"]
+    argv = [*PLAN, "--budget", budget, "--json", "--checkpoint-dir", str(ckpt_dir)]
+    news, child_end = os.pipe()
     proc = subprocess.Popen(
-        [*command, "--checkpoint-dir", str(ckpt_dir)],
+        [sys.executable, "-c", _PLAN_SCRIPT, str(child_end), *argv],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        pass_fds=(child_end,),
         env={**os.environ, "PYTHONHASHSEED": "0"},
     )
+    os.close(child_end)  # so that the read below ends if the child dies without a word
     ckpt = ckpt_dir / "rl.ckpt"
     try:
-        deadline = time.monotonic() + 120
-        while not ckpt.exists() and time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.05)
-        assert proc.poll() is None, "the plan finished before it could be killed"
+        with os.fdopen(news) as messages:
+            # The first checkpoint (every 20 updates) is on disk and training still runs.
+            assert messages.readline() == "checkpoint 20\n"
         proc.send_signal(signal.SIGKILL)
     finally:
-        proc.wait(timeout=30)
-    assert proc.returncode == -signal.SIGKILL and ckpt.exists()
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    assert torch.load(ckpt, weights_only=True)["done"] == 20
 
     result = tmp_path / "result.json"
     argv = [*PLAN, "--budget", budget, "--checkpoint-dir", str(ckpt_dir), "--resume"]
     assert main([*argv, "--result", str(result)]) == 0
     row = next(r for r in json.loads(result.read_text())["results"] if r["placer"] == "rl")
     stats = row["stats"]
-    assert stats["resumed_from_update"] >= 20  # the first checkpoint (every 20 updates)
-    if stats["stopped_at_deadline"]:
-        pytest.skip("this machine was too slow to finish the resumed training in its budget")
+    assert stats["resumed_from_update"] == 20  # the first checkpoint (every 20 updates)
+    assert stats["stopped_by"] == "budget"
     assert stats["updates"] == stats["planned_updates"]
     problem = PlacementProblem.build(workload_graph("dmcca"), load_cluster("colocrl-2gpu"))
     full = train_rl(problem, 1e6, 0, updates=stats["planned_updates"])

@@ -1,9 +1,12 @@
-"""The ``gnn`` placer: shipped weights, zero-shot placement, fine-tuning, resume, training."""
+"""The ``gnn`` placer: shipped weights, zero-shot placement, fine-tuning, resume, training.
+
+The placers' clock is frozen for every test here: zero-shot is a fixed number of samples and
+fine-tuning a fixed number of updates, so nothing depends on how busy the machine is."""
 
 from __future__ import annotations
 
 import functools
-import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +18,21 @@ from meshplace.hardware import load_cluster
 from meshplace.learn import gnn
 from meshplace.learn.gnn import GNNConfig, GNNPolicy, PPOConfig, finetune, load_weights
 from meshplace.learn.train_gnn import HELD_OUT, GraphSpec, family_clusters, train, training_specs
-from meshplace.placers import PlacementProblem, PlacerError, PlacerOptions, run_placer
+from meshplace.placers import (
+    ManualClock,
+    PlacementProblem,
+    PlacerError,
+    PlacerOptions,
+    run_placer,
+    use_clock,
+)
+
+
+@pytest.fixture(autouse=True)
+def frozen_clock() -> Iterator[ManualClock]:
+    """Time stands still for the placers: no deadline stop unless a test moves the clock."""
+    with use_clock(ManualClock()) as clock:
+        yield clock
 
 
 @functools.cache
@@ -30,20 +47,22 @@ def _problem(workload: str, cluster: str) -> PlacementProblem:
     return PlacementProblem.build(_graph(workload), c)
 
 
-def test_shipped_weights_place_nmt_zero_shot_in_under_a_second() -> None:
+def test_shipped_weights_place_nmt_zero_shot_with_a_fixed_number_of_samples() -> None:
     problem = _problem("nmt", "colocrl-4gpu")
-    policy, training = load_weights()
+    _, training = load_weights()
     assert training["updates"] > 0 and "nmt-2layer@colocrl-4gpu" in training["held_out"]
     assert not any(label.startswith("nmt") for label in training["family"])
-    gnn.zero_shot(problem, policy, 0)  # warm up (numba, BLAS)
-    start = time.perf_counter()
     result = run_placer("gnn", problem, 1.0, 0)
-    elapsed = time.perf_counter() - start
-    # < 1 s measured (~0.15 s); the bound leaves room for a loaded CI machine.
-    assert elapsed < 3.0 and result.stats["zero_shot_s"] < 3.0
+    # Zero-shot is fixed work, whatever the budget: 32 decodes per grouping, each simulated
+    # at most once (how fast that is: benchmarks/budgets.py), and no training update.
     granularities = result.stats["granularities"]
     assert granularities[0]["groups"] == problem.num_groups
     assert result.stats["samples"] == gnn.ZERO_SHOT_SAMPLES * len(granularities)
+    assert 0 < result.evaluations <= result.stats["samples"]
+    assert result.stats["finetune_updates"] == 0 and result.stats["stopped_by"] == "budget"
+    longer = run_placer("gnn", problem, 60.0, 0)
+    assert longer.evaluations == result.evaluations
+    assert np.array_equal(longer.op_devices, result.op_devices)
     assert result.step_time_s == min(g["step_time_s"] for g in granularities)
     assert result.step_time_s == pytest.approx(result.stats["zero_shot_step_time_s"])
     assert result.stats["learning_curve"]["best_step_time_s"] == [result.step_time_s]
@@ -60,7 +79,7 @@ def test_plans_are_valid_on_two_to_eight_devices(cluster: str, devices: int) -> 
     assert problem.num_devices == devices
     result = run_placer("gnn", problem, 1.0, 0)
     assert result.op_devices.shape == (problem.graph.num_ops,)
-    assert result.op_devices.min() >= 0 and result.op_devices.max() < devices
+    assert np.array_equal(result.sim.placement, result.op_devices)
     assert not result.oom
     again = run_placer("gnn", problem, 1.0, 0)
     assert np.array_equal(result.op_devices, again.op_devices)
@@ -73,7 +92,8 @@ def test_finetune_is_never_worse_than_zero_shot_and_reports_a_curve() -> None:
     stats = tuned.stats
     assert tuned.step_time_s <= zero.step_time_s
     assert stats["zero_shot_step_time_s"] == zero.step_time_s
-    assert stats["finetune_updates"] >= 1
+    assert stats["finetune_updates"] == stats["planned_updates"] >= 1
+    assert stats["stopped_by"] == "budget"
     curve = stats["learning_curve"]
     assert len(curve["evaluations"]) == stats["finetune_updates"] + 1
     assert curve["best_step_time_s"][0] == zero.step_time_s

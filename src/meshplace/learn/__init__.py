@@ -7,8 +7,11 @@
 * :mod:`meshplace.learn.rl` — REINFORCE training (:func:`train_rl`, checkpoints, resume)
   and the ``rl`` placer.
 
-Importing this package registers the ``rl`` placer and the gymnasium environment (both
-idempotently). See ``docs/learn.md``.
+Importing this package registers the ``rl``, ``hrl`` and ``gnn`` placers and the gymnasium
+environment (both idempotently). :mod:`meshplace.placers` knows the learned placers by name
+and family without importing this package (``meshplace.placers.base.DEFERRED_PLACERS``)
+and imports it when one of them is looked up or run; this package imports only
+:mod:`meshplace.placers.base`, never the other way round. See ``docs/learn.md``.
 """
 
 from meshplace.learn.env import ENV_ID, PlacementEnv, register_env

@@ -64,7 +64,8 @@ Hyper-parameters (:class:`HRLConfig`; the released code's defaults in brackets):
 **Budget, determinism, result, checkpoints**: exactly as :mod:`meshplace.learn.rl` — the
 budget becomes a fixed number of updates (:func:`planned_updates`: a measured policy cost
 per op and per group plus ``K`` simulations at 3 M ops/s, filling 60 % of the budget), a
-hard stop at 97 % of it (``stats["stopped_at_deadline"]``), one torch thread, the best plan
+hard stop at 97 % of it in training seconds across resumed sessions
+(``stats["stopped_by"] == "deadline"``), one torch thread, the best plan
 ever sampled or the greedy decode of the final policy (argmax group per op, then the
 Placer's greedy devices), a learning curve with one point per update, and checkpoints
 written by :class:`meshplace.learn.training.TrainingRun`, from which ``resume=True`` ends
@@ -86,7 +87,6 @@ Example
 
 from __future__ import annotations
 
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -104,6 +104,8 @@ from meshplace.placers.base import (
     PlacerError,
     PlacerOptions,
     ProgressFn,
+    check_budget,
+    now,
     register,
 )
 
@@ -593,13 +595,11 @@ def train_hrl(
     Returns:
         :class:`HRLResult` with the best op-level placement and stats (``evaluations``,
         ``best_score_s``, ``best_step_time_s``, ``updates``, ``planned_updates``,
-        ``stopped_at_deadline``, ``learning_curve``, hyper-parameters...).
+        ``stopped_by``, ``stopped_at_deadline``, ``learning_curve``, hyper-parameters...).
     """
-    if not budget_s > 0:
-        raise PlacerError(f"the time budget must be positive seconds, got {budget_s}")
+    check_budget(budget_s)
     config = config or HRLConfig()
-    start = time.perf_counter()
-    deadline = start + DEADLINE_SHARE * budget_s
+    start = now()
     total = int(updates) if updates is not None else planned_updates(problem, budget_s, config)
     n_groups = config.num_groups(problem.num_devices)
     path = Path(checkpoint) if checkpoint is not None else None
@@ -627,7 +627,8 @@ def train_hrl(
             path=path,
             checkpoint_every=config.checkpoint_every,
             progress=progress,
-            deadline=deadline,
+            start=start,
+            deadline_s=DEADLINE_SHARE * budget_s,
             stop_after=stop_after,
         )
         baseline: float | None = None

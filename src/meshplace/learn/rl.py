@@ -23,9 +23,13 @@ the graph size, so a seed reproduces its plan: an update is assumed to cost
 ``UPDATE_OVERHEAD_S + POLICY_S_PER_GROUP · G · H/64`` seconds of policy work (measured on
 one CPU thread: ~0.07 s for 251 groups, hidden 64, 16 samples) plus ``K`` simulations at
 ``SIMULATED_OPS_PER_SECOND`` (3 M ops/s), and updates fill 60 % of the budget. A hard stop
-at 97 % of the budget ends training early on a machine slower than assumed; the stats say
-so (``stopped_at_deadline``), and only then does the plan depend on timing. Training runs
-on one torch thread (faster for these small matrices, and bit-reproducible).
+after 97 % of the budget in training seconds (summed over resumed sessions: a resumed run
+gets what is left, not a fresh budget) ends training early on a machine slower than
+assumed; the stats say so (``stopped_by == "deadline"``, ``stopped_at_deadline``), and only
+then does the plan depend on timing. Time is read from
+:func:`meshplace.placers.base.now`, which tests replace. Training runs on one torch thread
+(faster for these small matrices, and bit-reproducible: a resumed run ends with weights
+``torch.equal`` to an uninterrupted run's, tested).
 
 **Result.** The best placement ever sampled (or the policy's greedy one, scored at the end),
 so the plan is never worse than any sample; ``stats["learning_curve"]`` holds the best step
@@ -52,7 +56,6 @@ Example
 
 from __future__ import annotations
 
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -71,9 +74,10 @@ from meshplace.learn.policy import Seq2SeqPolicy
 from meshplace.learn.training import TrainingRun
 from meshplace.placers.base import (
     PlacementProblem,
-    PlacerError,
     PlacerOptions,
     ProgressFn,
+    check_budget,
+    now,
     register,
 )
 
@@ -170,13 +174,12 @@ def train_rl(
     Returns:
         :class:`RLResult` with the best group placement and stats (``evaluations``,
         ``best_score_s``, ``best_step_time_s``, ``updates``, ``planned_updates``,
+        ``stopped_by`` — ``"budget"``, ``"deadline"`` or ``"stop_after"`` —,
         ``stopped_at_deadline``, ``learning_curve``...).
     """
-    if not budget_s > 0:
-        raise PlacerError(f"the time budget must be positive seconds, got {budget_s}")
+    check_budget(budget_s)
     config = config or RLConfig()
-    start = time.perf_counter()
-    deadline = start + DEADLINE_SHARE * budget_s
+    start = now()
     total = int(updates) if updates is not None else planned_updates(problem, budget_s, config)
     path = Path(checkpoint) if checkpoint is not None else None
     fingerprint = _fingerprint(problem, seed, total, config)
@@ -204,7 +207,8 @@ def train_rl(
             path=path,
             checkpoint_every=config.checkpoint_every,
             progress=progress,
-            deadline=deadline,
+            start=start,
+            deadline_s=DEADLINE_SHARE * budget_s,
             stop_after=stop_after,
         )
         baseline: float | None = None

@@ -13,6 +13,16 @@ into place (:func:`save_checkpoint`), so a SIGKILL never leaves a torn file; a c
 whose format or fingerprint (problem, seed, number of updates, hyper-parameters) differs
 from the run's is refused with a :class:`~meshplace.placers.base.PlacerError`.
 
+**Deadline.** Besides its fixed number of updates a run has a hard wall-clock limit,
+``deadline_s`` seconds of training in all (a machine much slower than the budget assumed
+stops there). The checkpoint stores the training seconds spent so far, so a resumed run
+gets only the rest of that limit, not a fresh one: a run killed and resumed three times
+stops at the same deadline as one never interrupted (up to the seconds after the last
+checkpoint before each kill, which the resumed run does again). ``stats()["stopped_by"]``
+says what ended the run: ``"budget"`` (every planned update made), ``"deadline"``, or
+``"stop_after"`` (a deliberate interruption). Time is read from
+:func:`meshplace.placers.base.now` (or the ``clock`` given), so tests inject a clock.
+
 Complexity: O(1) per update besides the checkpoint writes (the size of the state).
 
 Example
@@ -36,7 +46,6 @@ from __future__ import annotations
 import math
 import os
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -44,7 +53,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from meshplace.placers.base import PlacementProblem, PlacerError, ProgressFn
+from meshplace.placers.base import Clock, PlacementProblem, PlacerError, ProgressFn, now
 
 
 def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
@@ -94,15 +103,19 @@ class TrainingRun:
         path: the checkpoint file, or ``None`` for none.
         checkpoint_every: save after every this many updates (and at the end).
         progress: called after every update with ``(done, total, best step time)``.
-        start: ``time.perf_counter()`` at which the run's wall time starts (default: now).
-        deadline: ``time.perf_counter()`` after which :meth:`keep_going` stops the run
-            (a hard stop on a machine slower than the budget assumed).
+        start: the ``clock`` reading at which this session's wall time starts (default:
+            now).
+        deadline_s: training seconds (summed over resumed sessions, counted from
+            ``start``) after which :meth:`keep_going` stops the run — a hard stop on a
+            machine slower than the budget assumed; ``None`` for none.
         stop_after: :meth:`keep_going` stops once this session has made this many updates
             (a deliberate interruption, for tests of resuming).
+        clock: where time is read (default :func:`meshplace.placers.base.now`).
 
     Attributes:
         done, evaluations, best, best_score, best_step, curve, resumed_from: the run's
-        state; ``session`` counts the updates made since this process started.
+        state; ``session`` counts the updates made since this process started;
+        ``wall_before`` the training seconds of earlier sessions (from the checkpoint).
     """
 
     def __init__(
@@ -117,8 +130,9 @@ class TrainingRun:
         checkpoint_every: int = 20,
         progress: ProgressFn | None = None,
         start: float | None = None,
-        deadline: float | None = None,
+        deadline_s: float | None = None,
         stop_after: int | None = None,
+        clock: Clock | None = None,
     ) -> None:
         self.problem = problem
         self.total = int(total)
@@ -127,7 +141,8 @@ class TrainingRun:
         self.path = path
         self.checkpoint_every = max(1, int(checkpoint_every))
         self.progress = progress
-        self.start = time.perf_counter() if start is None else start
+        self.clock: Clock = clock or now
+        self.start = self.clock() if start is None else start
         self.wall_before = 0.0
         self.done = 0
         self.session = 0
@@ -141,9 +156,10 @@ class TrainingRun:
             "wall_s": [],
         }
         self.resumed_from: int | None = None
-        self.deadline = deadline
+        self.deadline_s = deadline_s
         self.stop_after = stop_after
         self.stopped_at_deadline = False
+        self.stopped_after_session = False
 
     # ------------------------------------------------------------ bookkeeping
     def count(self, fn: Callable[[], Any]) -> Any:
@@ -162,7 +178,7 @@ class TrainingRun:
 
     def wall_s(self) -> float:
         """Training seconds so far, across resumed sessions."""
-        return self.wall_before + time.perf_counter() - self.start
+        return self.wall_before + self.clock() - self.start
 
     def record(self) -> None:
         """Add a learning-curve point (best step time so far) without counting an update."""
@@ -191,19 +207,33 @@ class TrainingRun:
 
     def keep_going(self) -> bool:
         """Whether to make another update: not yet at ``total``, not past the deadline
-        (after at least one update, which :attr:`stopped_at_deadline` then records), and
-        not past ``stop_after`` updates in this session."""
+        (``deadline_s`` training seconds across sessions; checked after at least one update,
+        and :attr:`stopped_at_deadline` then records it), and not past ``stop_after``
+        updates in this session."""
         if self.done >= self.total:
             return False
-        past = self.deadline is not None and time.perf_counter() > self.deadline
+        past = self.deadline_s is not None and self.wall_s() > self.deadline_s
         if past and (self.session > 0 or self.done > 0):
             self.stopped_at_deadline = True
             return False
-        return self.stop_after is None or self.session < self.stop_after
+        if self.stop_after is not None and self.session >= self.stop_after:
+            self.stopped_after_session = True
+            return False
+        return True
 
     @property
     def finished(self) -> bool:
         return self.done >= self.total
+
+    @property
+    def stopped_by(self) -> str | None:
+        """What ended the run: ``"budget"`` (all planned updates made), ``"deadline"``,
+        ``"stop_after"``, or ``None`` while it runs."""
+        if self.finished:
+            return "budget"
+        if self.stopped_at_deadline:
+            return "deadline"
+        return "stop_after" if self.stopped_after_session else None
 
     # ------------------------------------------------------------ checkpoints
     def save(self, stateful: dict[str, Any], scalars: dict[str, Any]) -> None:
@@ -270,5 +300,8 @@ class TrainingRun:
             "finished": self.finished,
             "resumed_from_update": self.resumed_from,
             "stopped_at_deadline": self.stopped_at_deadline,
+            "stopped_by": self.stopped_by,
+            "deadline_s": self.deadline_s,
+            "wall_s": self.wall_s(),
             "learning_curve": self.curve,
         }

@@ -6,6 +6,16 @@ placers that reason about single ops, an :class:`OpAssignment` with a device per
 :func:`run_placer` times it, expands the assignment to ops, simulates it and reports the
 step time, peak memory (OOM) and the number of simulator evaluations the search used.
 
+Time: every placer, :class:`LearningCurve` and :func:`run_placer` read the clock through
+:func:`now`, which is :func:`time.perf_counter` unless :func:`use_clock` injected another
+(a test's :class:`ManualClock` makes a deadline pass on demand). Budgets are fixed amounts
+of work; the clock only enforces the hard deadlines and measures ``search_time_s``.
+
+Registry: the built-in placers register when :mod:`meshplace.placers` is imported; the
+learned ones (torch policies, gymnasium) are listed in :data:`DEFERRED_PLACERS` by name,
+family and module, and their module is imported only when one of them is looked up
+(:func:`registry` ``[name]``) or run, so ``import meshplace.placers`` stays light.
+
 Example
 -------
 >>> from meshplace.graph.sources import workload_graph
@@ -19,8 +29,12 @@ Example
 
 from __future__ import annotations
 
+import difflib
+import importlib
+import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +49,63 @@ from meshplace.sim.simulator import OBJECTIVES, SimResult, Simulator
 
 class PlacerError(InputError):
     """An unknown placer, a bad budget, or a model that fits no device."""
+
+
+# -------------------------------------------------------------------- clock
+Clock = Callable[[], float]
+"""A source of seconds (only differences matter), like :func:`time.perf_counter`."""
+
+_clock: Clock = time.perf_counter
+
+
+def now() -> float:
+    """Seconds on the placers' clock: :func:`time.perf_counter` unless :func:`use_clock`
+    injected another."""
+    return _clock()
+
+
+@contextmanager
+def use_clock(clock: Clock) -> Iterator[Clock]:
+    """Make every placer, learned trainer and :func:`run_placer` read time from ``clock``
+    inside the ``with`` block (tests use it to make a deadline pass, or never pass).
+
+    >>> clock = ManualClock()
+    >>> with use_clock(clock):
+    ...     clock.advance(2.5)
+    ...     now()
+    2.5
+    """
+    global _clock
+    previous, _clock = _clock, clock
+    try:
+        yield clock
+    finally:
+        _clock = previous
+
+
+class ManualClock:
+    """A clock that moves only when told: frozen at ``start`` until :meth:`advance`, plus
+    ``tick`` seconds after every reading (to make time pass with the work done).
+
+    >>> clock = ManualClock(tick=1.0)
+    >>> clock(), clock(), clock.advance(10.0), clock()
+    (0.0, 1.0, None, 12.0)
+    """
+
+    def __init__(self, start: float = 0.0, tick: float = 0.0) -> None:
+        self.time = float(start)
+        self.tick = float(tick)
+        self.readings = 0
+
+    def __call__(self) -> float:
+        value = self.time
+        self.time += self.tick
+        self.readings += 1
+        return value
+
+    def advance(self, seconds: float) -> None:
+        """Move the clock ``seconds`` forward."""
+        self.time += float(seconds)
 
 
 @dataclass(frozen=True)
@@ -93,6 +164,7 @@ class PlacementProblem:
         )
         self.device_memory = sim.memory_capacity.copy()
         self.evaluations = 0
+        self._warm = False
 
     @classmethod
     def build(
@@ -118,6 +190,19 @@ class PlacementProblem:
     def evaluate(self, group_devices: np.ndarray) -> SimResult:
         """Simulate a group-level placement (counts one evaluation)."""
         return self.evaluate_ops(self.expand(group_devices))
+
+    def warm_up(self) -> float:
+        """Pay the simulator's one-off costs (numba loading its compiled kernels on the
+        first call in a process, the lower bound) outside any timed region: one
+        simulation of every op on the first device, not counted as an evaluation.
+        Returns the seconds it took (0 once done for this problem)."""
+        if self._warm:
+            return 0.0
+        start = now()
+        self.simulator.simulate(np.zeros(self.graph.num_ops, dtype=np.int64))
+        self.simulator.lower_bound()
+        self._warm = True
+        return now() - start
 
     def score(self, result: SimResult) -> float:
         """What searches minimise: the objective, with ColocRL's penalty for OOM plans
@@ -182,7 +267,7 @@ class LearningCurve:
 
     def __init__(self, problem: Any, start: float | None = None) -> None:
         self.problem = problem
-        self.start = time.perf_counter() if start is None else start
+        self.start = now() if start is None else start
         self.evaluations: list[float] = []
         self.best_step_time_s: list[float] = []
         self.wall_s: list[float] = []
@@ -190,7 +275,7 @@ class LearningCurve:
     def record(self, best_step_time_s: float) -> None:
         self.evaluations.append(float(self.problem.evaluations))
         self.best_step_time_s.append(float(best_step_time_s))
-        self.wall_s.append(time.perf_counter() - self.start)
+        self.wall_s.append(now() - self.start)
 
     def to_dict(self) -> dict[str, list[float]]:
         return {
@@ -232,6 +317,11 @@ class PlacerOptions:
 
 @dataclass(frozen=True)
 class PlacerSpec:
+    """A registered placer: its function and what the CLI, docs and benchmarks show.
+
+    ``warmup`` (optional) pays the placer's own one-off costs (e.g. numba loading its
+    kernels) once per process, before :func:`run_placer` starts timing it."""
+
     name: str
     fn: PlaceFn
     family: str
@@ -239,9 +329,27 @@ class PlacerSpec:
     source: str
     uses_budget: bool = False
     takes_options: bool = False
+    warmup: Callable[[], None] | None = None
 
+
+@dataclass(frozen=True)
+class DeferredPlacer:
+    """A placer known by name and family before its module is imported."""
+
+    module: str
+    family: str
+
+
+DEFERRED_PLACERS: dict[str, DeferredPlacer] = {
+    # torch.nn policies and gymnasium: imported only when one of these is asked for.
+    "rl": DeferredPlacer("meshplace.learn.rl", "learned"),
+    "hrl": DeferredPlacer("meshplace.learn.hrl", "learned"),
+    "gnn": DeferredPlacer("meshplace.learn.gnn", "learned"),
+}
+"""Placers whose modules :func:`registry` imports on first lookup, by name."""
 
 _REGISTRY: dict[str, PlacerSpec] = {}
+_WARMED_UP: set[str] = set()
 
 
 def register(
@@ -251,43 +359,104 @@ def register(
     source: str,
     uses_budget: bool = False,
     takes_options: bool = False,
+    warmup: Callable[[], None] | None = None,
 ) -> Callable[[PlaceFn], PlaceFn]:
     """Decorator adding a placer to the registry under ``name``.
 
     A placer is called ``fn(problem, budget_s, seed)``, or, with ``takes_options=True``,
-    ``fn(problem, budget_s, seed, options)`` with a :class:`PlacerOptions`.
+    ``fn(problem, budget_s, seed, options)`` with a :class:`PlacerOptions`. A name listed
+    in :data:`DEFERRED_PLACERS` must register with the family declared there.
     """
+    deferred = DEFERRED_PLACERS.get(name)
+    if deferred is not None and deferred.family != family:
+        raise ValueError(
+            f"placer {name!r} is declared as family {deferred.family!r} in DEFERRED_PLACERS "
+            f"but registers as {family!r}"
+        )
 
     def wrap(fn: PlaceFn) -> PlaceFn:
         _REGISTRY[name] = PlacerSpec(
-            name, fn, family, description, source, uses_budget, takes_options
+            name, fn, family, description, source, uses_budget, takes_options, warmup
         )
         return fn
 
     return wrap
 
 
-def registry() -> dict[str, PlacerSpec]:
-    """Every registered placer by name, in registration order."""
+class PlacerRegistry(Mapping[str, PlacerSpec]):
+    """Every placer by name, read-only: the built-in ones in registration order, then the
+    deferred ones (:data:`DEFERRED_PLACERS`) in their declared order.
+
+    Iterating, ``in`` and :meth:`family` never import a deferred placer's module; looking
+    one up (``registry()["rl"]``, ``.items()``, ``.values()``) does.
+
+    >>> reg = registry()
+    >>> "rl" in reg, reg.family("rl"), reg.family("anneal")
+    (True, 'learned', 'search')
+    """
+
+    def __getitem__(self, name: str) -> PlacerSpec:
+        if name not in _REGISTRY and name in DEFERRED_PLACERS:
+            importlib.import_module(DEFERRED_PLACERS[name].module)
+        return _REGISTRY[name]
+
+    def __iter__(self) -> Iterator[str]:
+        eager = [name for name in _REGISTRY if name not in DEFERRED_PLACERS]
+        return iter([*eager, *DEFERRED_PLACERS])
+
+    def __len__(self) -> int:
+        return len(set(_REGISTRY) | set(DEFERRED_PLACERS))
+
+    def __contains__(self, name: object) -> bool:
+        return name in _REGISTRY or name in DEFERRED_PLACERS
+
+    def family(self, name: str) -> str:
+        """The family of placer ``name`` (without importing a deferred module)."""
+        spec = _REGISTRY.get(name)
+        if spec is not None:
+            return spec.family
+        if name in DEFERRED_PLACERS:
+            return DEFERRED_PLACERS[name].family
+        raise KeyError(name)
+
+    def names(self, family: str | None = None) -> list[str]:
+        """Every placer name (of ``family`` if given), in registry order."""
+        return [n for n in self if family is None or self.family(n) == family]
+
+
+def registry() -> PlacerRegistry:
+    """Every placer by name (see :class:`PlacerRegistry`; deferred ones load on lookup)."""
     from meshplace import placers  # noqa: F401  (importing registers the built-in placers)
 
-    return dict(_REGISTRY)
+    return PlacerRegistry()
 
 
 def resolve(names: str | list[str]) -> list[str]:
-    """Placer names from ``"all"``, ``"a,b"`` or a list; unknown names are an error."""
+    """Placer names from ``"all"``, ``"a,b"`` or a list; unknown names are an error (with
+    the closest known name when there is one), and so is an empty list. Imports nothing."""
     known = registry()
     if isinstance(names, str):
-        names = list(known) if names == "all" else [n.strip() for n in names.split(",") if n]
+        if names.strip() == "all":
+            names = list(known)
+        else:
+            names = [n.strip() for n in names.split(",") if n.strip()]
+    if not names:
+        raise PlacerError(f"no placer named; known placers: {', '.join(known)}")
     for n in names:
         if n not in known:
-            raise PlacerError(f"unknown placer {n!r}; known placers: {', '.join(known)}")
-    return list(names)
+            close = difflib.get_close_matches(n, list(known), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise PlacerError(f"unknown placer {n!r}{hint}; known placers: {', '.join(known)}")
+    return list(dict.fromkeys(names))
 
 
 @dataclass
 class PlacerResult:
-    """One placer's outcome on one problem."""
+    """One placer's outcome on one problem.
+
+    ``search_time_s`` is the placer's own time; ``warmup_s`` the one-off costs paid before
+    it (numba loading the simulator's kernels in a fresh process, a placer's own warm-up),
+    which no budget is charged for."""
 
     placer: str
     op_devices: np.ndarray
@@ -295,6 +464,7 @@ class PlacerResult:
     search_time_s: float
     evaluations: int
     stats: dict[str, Any] = field(default_factory=dict)
+    warmup_s: float = 0.0
 
     @property
     def step_time_s(self) -> float:
@@ -317,6 +487,7 @@ class PlacerResult:
             "oom": self.sim.oom,
             "oom_devices": self.sim.oom_devices,
             "search_time_s": self.search_time_s,
+            "warmup_s": self.warmup_s,
             "evaluations": self.evaluations,
             "peak_memory_bytes": {
                 n: float(m)
@@ -332,6 +503,28 @@ class PlacerResult:
         }
 
 
+def warm_up(problem: PlacementProblem, spec: PlacerSpec) -> float:
+    """Pay the one-off costs of running ``spec`` on ``problem`` now, untimed: the
+    simulator's (:meth:`PlacementProblem.warm_up`) and, once per process, the placer's own
+    ``warmup``. Returns the seconds spent."""
+    start = now()
+    problem.warm_up()
+    if spec.warmup is not None and spec.name not in _WARMED_UP:
+        spec.warmup()
+        _WARMED_UP.add(spec.name)
+    return now() - start
+
+
+def check_budget(budget_s: float) -> None:
+    """A budget must be a finite, positive number of seconds (:class:`PlacerError`)."""
+    try:
+        value = float(budget_s)
+    except (TypeError, ValueError):
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise PlacerError(f"the time budget must be positive, finite seconds, got {budget_s!r}")
+
+
 def run_placer(
     name: str,
     problem: PlacementProblem,
@@ -341,18 +534,20 @@ def run_placer(
 ) -> PlacerResult:
     """Run placer ``name`` on ``problem`` and score its plan with the simulator.
 
-    ``options`` reach only placers registered with ``takes_options=True`` (the learned ones).
+    One-off costs (:func:`warm_up`) are paid first and reported as ``warmup_s``, apart from
+    ``search_time_s``. ``options`` reach only placers registered with
+    ``takes_options=True`` (the learned ones).
     """
-    if not budget_s > 0:
-        raise PlacerError(f"the time budget must be positive seconds, got {budget_s}")
+    check_budget(budget_s)
     spec = registry()[resolve([name])[0]]
+    warmup_s = warm_up(problem, spec)
     problem.evaluations = 0
-    start = time.perf_counter()
+    start = now()
     if spec.takes_options:
         out = spec.fn(problem, budget_s, seed, options or PlacerOptions())
     else:
         out = spec.fn(problem, budget_s, seed)
-    elapsed = time.perf_counter() - start
+    elapsed = now() - start
     stats: dict[str, Any] = {}
     if isinstance(out, tuple):
         out, stats = out
@@ -362,7 +557,7 @@ def run_placer(
         op_devices = problem.expand(np.asarray(out, dtype=np.int64))
     evaluations = problem.evaluations
     result = problem.simulator.simulate(op_devices, objective=problem.objective)
-    return PlacerResult(name, op_devices, result, elapsed, evaluations, stats)
+    return PlacerResult(name, op_devices, result, elapsed, evaluations, stats, warmup_s)
 
 
 def best_result(results: list[PlacerResult]) -> PlacerResult | None:

@@ -18,10 +18,16 @@ of memory. ``anneal`` does that over co-location-group placements:
   simulator-scored search can afford more units once the coarse structure is right;
 * **acceptance**: Metropolis with a temperature that falls geometrically from 0.5 % of the
   seed's score to 0.001 % of it (a good seed is rarely improved by a hot random walk);
-* **budget**: the walk stops after a number of simulations fixed by the budget and the
-  graph size (as many as fill 60 % of it at 3 M simulated ops/s), so a seed reproduces
-  the plan exactly; the wall-clock budget is also enforced as a hard stop (only a machine
-  several times slower than assumed reaches it, and then the plan depends on timing).
+* **budget**: fixed work, so a seed reproduces the plan exactly. The seeding counts
+  against the budget: each seed placer has a cost estimate from the problem's size
+  (:data:`SEED_COST_S`, fitted on the reference workloads), seeds run while their
+  estimates fit 30 % of the budget (``expert`` and ``single`` always), and the walks get
+  as many simulations (at 3 M simulated ops/s) as fill the rest of 60 % of the budget
+  after the seeding and the walks' set-up. The wall-clock budget is also a hard stop,
+  checked between seed placers and between simulations (only a machine several times
+  slower than assumed reaches it; then the plan depends on timing and
+  ``stats["stopped_by"]`` is ``"deadline"``). ``benchmarks/budgets.py`` measures how
+  close to the budget the search really ends.
 
 Complexity: O(evaluations × (V + E) log V).
 
@@ -39,7 +45,6 @@ True
 from __future__ import annotations
 
 import math
-import time
 
 import numpy as np
 
@@ -48,12 +53,33 @@ from meshplace.placers.base import (
     LearningCurve,
     OpAssignment,
     PlacementProblem,
+    now,
     register,
     registry,
 )
 from meshplace.placers.baselines import accelerators
 
 SEED_PLACERS = ("expert", "single", "m_etf", "heft", "cpop", "m_sct", "metis", "mincut", "pipeline")
+# Seconds a seed placer is assumed to take: (fixed, per group x device, per op). Least
+# squares over every reference workload on colocrl-2gpu/-4gpu, dgx-h100 and h2-8xv100 on
+# the 2-core development machine, times 1.5; plus one simulation each (below).
+SEED_COST_S = {
+    "expert": (0.0, 0.0, 6e-6),
+    "single": (0.0, 0.0, 1e-6),
+    "m_etf": (0.016, 1e-6, 1.3e-6),
+    "heft": (0.010, 1.1e-6, 1.9e-6),
+    "cpop": (0.013, 0.7e-6, 1.8e-6),
+    "m_sct": (0.025, 0.0, 1e-5),
+    "metis": (0.0, 1.8e-5, 4.8e-6),
+    "mincut": (0.048, 4.8e-5, 1.7e-5),
+    "pipeline": (0.0, 1.6e-6, 8.4e-6),
+}
+ALWAYS_SEED = ("expert", "single")  # cheap, and the references every result is compared to
+SEED_SHARE = 0.3  # of the budget: seeds run while their cost estimates fit it
+BUDGET_SHARE = 0.6  # of the budget: seeding, set-up and walks together, as estimated
+DEADLINE_SHARE = 0.97  # the hard wall-clock stop
+# The walks' set-up (a finer grouping, its group graph, co-location partners) per op.
+WALK_SETUP_S_PER_OP = 3e-5
 # Simulated ops per second assumed when turning the budget into a number of simulations:
 # benchmarks/simulator_speed.py measures 2.4-4 M on random op placements and group-level
 # plans (fewer transfers) run faster, so most machines finish well inside the budget.
@@ -107,18 +133,22 @@ def _colocation_partners(
     uses_budget=True,
 )
 def place_anneal(problem: PlacementProblem, budget_s: float, seed: int):
-    start = time.perf_counter()
+    start = now()
+    deadline = start + DEADLINE_SHARE * budget_s
     curve = LearningCurve(problem, start)
     rng = np.random.default_rng(seed)
     known = registry()
-    seed_share = 0.3 * budget_s
+    plan = anneal_plan(problem, budget_s, [n for n in SEED_PLACERS if n in known])
     best_ops: np.ndarray | None = None
     best_score = math.inf
     seed_name = ""
-    for name in SEED_PLACERS:
-        if name not in known or name == "anneal":
-            continue
-        out = known[name].fn(problem, seed_share, seed)
+    seeded: list[str] = []
+    stopped_at_deadline = False
+    for name in plan["seed_placers"]:
+        if seeded and now() > deadline:
+            stopped_at_deadline = True
+            break
+        out = known[name].fn(problem, SEED_SHARE * budget_s, seed)
         if isinstance(out, tuple):
             out = out[0]
         ops = (
@@ -127,27 +157,37 @@ def place_anneal(problem: PlacementProblem, budget_s: float, seed: int):
             else problem.expand(np.asarray(out, np.int64))
         )
         sim = problem.evaluate_ops(ops)
+        seeded.append(name)
         score = problem.score(sim)
         if score < best_score:
             best_ops, best_score, seed_name, best_step = ops, score, name, sim.step_time_s
             curve.record(best_step)
     assert best_ops is not None
     seed_score = best_score
+    seed_evaluations = problem.evaluations  # the seeds' own simulations and one each
 
-    # A fixed number of simulations for a given budget and graph (not "until the clock
+    # A fixed number of simulations for a given budget and problem (not "until the clock
     # runs out"), so the same seed reproduces the same plan.
-    n_ops = max(problem.graph.num_ops, 1)
-    evaluations = max(2, int(0.6 * budget_s * SIMULATED_OPS_PER_SECOND / n_ops))
-    deadline = start + 0.97 * budget_s  # hard stop on a machine slower than assumed
+    evaluations = plan["simulations"]
     # Two walks, half the simulations each: first over the problem's groups (few units, fast
     # to converge), then over a finer grouping (coarse groups cut from a topological order
     # lump parallel branches, such as Inception's towers, together).
     fine = group_ops(problem.graph, FINE_GROUPS_FACTOR * problem.num_groups)
     walks = [(problem.group_of, problem.num_groups), (fine.group_of, fine.num_groups)]
     graphs = [problem.group_graph, None]
-    stats: dict = {"seed_placer": seed_name, "seed_score_s": seed_score, "walks": []}
-    stopped_at_deadline = False
+    stats: dict = {
+        "seed_placer": seed_name,
+        "seed_score_s": seed_score,
+        "seed_placers": seeded,
+        "seed_evaluations": seed_evaluations,
+        "seeds_skipped_for_budget": plan["seeds_skipped"],
+        "estimated_seed_s": plan["estimated_seed_s"],
+        "estimated_work_s": plan["estimated_work_s"],
+        "walks": [],
+    }
     for k, (group_of, n_groups) in enumerate(walks):
+        if stopped_at_deadline:
+            break
         group_graph = graphs[k] or fine.group_graph()
         best_ops, best_score, walk = _walk(
             problem,
@@ -166,11 +206,66 @@ def place_anneal(problem: PlacementProblem, budget_s: float, seed: int):
     curve.record(curve.best_step_time_s[-1])
     stats.update(
         best_score_s=best_score,
-        planned_simulations=evaluations,
+        planned_simulations=2 * (evaluations // 2),
         stopped_at_deadline=stopped_at_deadline,
+        stopped_by="deadline" if stopped_at_deadline else "budget",
         learning_curve=curve.to_dict(),
     )
     return OpAssignment(best_ops), stats
+
+
+def seed_cost_s(problem: PlacementProblem, name: str) -> float:
+    """Estimated seconds of seed placer ``name`` on ``problem``, its simulation included
+    (:data:`SEED_COST_S`; a placer without an entry is assumed to cost like ``mincut``)."""
+    fixed, per_group_device, per_op = SEED_COST_S.get(name, SEED_COST_S["mincut"])
+    n_ops = problem.graph.num_ops
+    return (
+        fixed
+        + per_group_device * problem.num_groups * problem.num_devices
+        + per_op * n_ops
+        + n_ops / SIMULATED_OPS_PER_SECOND
+    )
+
+
+def anneal_plan(
+    problem: PlacementProblem, budget_s: float, candidates: list[str] | None = None
+) -> dict:
+    """What ``anneal`` will do with ``budget_s`` on ``problem``, from sizes alone (so it is
+    the same on every machine): the seed placers it runs (of ``candidates``, by default
+    :data:`SEED_PLACERS`), those skipped because their estimates do not fit
+    :data:`SEED_SHARE` of the budget, and the number of walk simulations that fill the rest
+    of :data:`BUDGET_SHARE` of it.
+
+    >>> from meshplace.graph.sources import workload_graph
+    >>> from meshplace.hardware import load_cluster
+    >>> p = PlacementProblem.build(workload_graph("dmcca"), load_cluster("colocrl-2gpu"))
+    >>> small, large = anneal_plan(p, 0.1), anneal_plan(p, 2.0)
+    >>> small["seeds_skipped"], large["seeds_skipped"]
+    (['heft', 'cpop', 'm_sct', 'mincut', 'pipeline'], [])
+    >>> round(small["estimated_work_s"] / 0.1, 2), round(large["estimated_work_s"] / 2.0, 2)
+    (0.6, 0.6)
+    """
+    seeds, skipped, seed_s = [], [], 0.0
+    for name in SEED_PLACERS if candidates is None else candidates:
+        cost = seed_cost_s(problem, name)
+        if name in ALWAYS_SEED or seed_s + cost <= SEED_SHARE * budget_s:
+            seeds.append(name)
+            seed_s += cost
+        else:
+            skipped.append(name)
+    n_ops = max(problem.graph.num_ops, 1)
+    setup_s = WALK_SETUP_S_PER_OP * n_ops
+    walk_s = BUDGET_SHARE * budget_s - seed_s - setup_s
+    simulations = max(2, int(walk_s * SIMULATED_OPS_PER_SECOND / n_ops))
+    return {
+        "seed_placers": seeds,
+        "seeds_skipped": skipped,
+        "estimated_seed_s": seed_s,
+        "simulations": simulations,
+        "estimated_work_s": seed_s
+        + setup_s
+        + 2 * (simulations // 2) * n_ops / SIMULATED_OPS_PER_SECOND,
+    }
 
 
 def _walk(
@@ -211,10 +306,12 @@ def _walk(
     accepted = 0
     done = 0
     stopped_at_deadline = False
+    iterations = 0
     for it in range(evaluations):
-        if time.perf_counter() > deadline:
+        if now() > deadline:
             stopped_at_deadline = True
             break
+        iterations += 1
         temperature = t_hot * (t_cold / t_hot) ** (it / max(evaluations - 1, 1))
         proposal = current.copy()
         move = rng.random()
@@ -246,6 +343,7 @@ def _walk(
                 curve.record(sim.step_time_s)
     walk = {
         "groups": n_groups,
+        "iterations": iterations,
         "proposals_scored": done,
         "accepted": accepted,
         "best_score_s": best_score,
@@ -281,18 +379,18 @@ def place_random_search(problem: PlacementProblem, budget_s: float, seed: int):
     >>> r.evaluations == r.stats["simulations"], r.value <= r.stats["first_score_s"]
     (True, True)
     """
-    start = time.perf_counter()
+    start = now()
     curve = LearningCurve(problem, start)
     rng = np.random.default_rng(seed)
     acc = np.array(accelerators(problem), dtype=np.int64)
     n_ops = max(problem.graph.num_ops, 1)
-    total = max(1, int(0.6 * budget_s * SIMULATED_OPS_PER_SECOND / n_ops))
-    deadline = start + 0.97 * budget_s
+    total = max(1, int(BUDGET_SHARE * budget_s * SIMULATED_OPS_PER_SECOND / n_ops))
+    deadline = start + DEADLINE_SHARE * budget_s
     best = acc[rng.integers(0, len(acc), problem.num_groups)]
     best_score, first_score = math.inf, math.inf
     done, stopped_at_deadline = 0, False
     while done < total:
-        if done and time.perf_counter() > deadline:
+        if done and now() > deadline:
             stopped_at_deadline = True
             break
         batch = acc[rng.integers(0, len(acc), (min(64, total - done), problem.num_groups))]
@@ -311,6 +409,7 @@ def place_random_search(problem: PlacementProblem, budget_s: float, seed: int):
         "first_score_s": first_score,
         "best_score_s": best_score,
         "stopped_at_deadline": stopped_at_deadline,
+        "stopped_by": "deadline" if stopped_at_deadline else "budget",
         "learning_curve": curve.to_dict(),
     }
     return best, stats
