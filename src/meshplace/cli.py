@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -276,6 +277,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # during parsing or imports, before the command started
         print("meshplace: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # the reader went away (`meshplace ... | head`): stop quietly, as Unix tools do, and
+        # keep Python from complaining again when it flushes stdout at exit
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)
+        os.close(devnull)
+        return 141  # 128 + SIGPIPE, what a shell reports for a tool killed by it
 
 
 def _fail(json_output: JsonOutput | None, sentence: str, status: int) -> int:

@@ -117,53 +117,108 @@ def write_text_atomic(path: str | Path, text: str) -> None:
         raise
 
 
-def read_json_file(path: str | Path, what: str = "JSON file") -> Any:
-    """Read and parse a JSON file, every failure one sentence naming the file.
+def short_repr(value: Any) -> str:
+    """``repr(value)`` cut to 60 characters (and safe for integers too long to print), for
+    error sentences that quote what the user wrote.
 
-    Missing file, a folder, binary or non-UTF-8 bytes, invalid JSON (with line and
-    column), nesting too deep for the parser, integers too long to convert and duplicate
-    keys in one object (which JSON parsers silently resolve to the last one) are all
-    :class:`InputError`. ``what`` says what the file should have been ("graph", "plan").
+    >>> short_repr("x" * 100)[-5:]
+    'xx...'
+    """
+    try:
+        text = repr(value)
+    except ValueError:  # an int beyond sys.get_int_max_str_digits()
+        return "an integer of thousands of digits"
+    return text if len(text) <= 60 else text[:57] + "..."
 
-    >>> read_json_file("/", "plan")
+
+def read_text_file(path: str | Path, what: str, error: type[InputError] = InputError) -> str:
+    """The text of the ``what`` file (``"graph"``, ``"plan"``) at ``path``, every problem an
+    ``error`` of one sentence naming the file: missing, a folder, unreadable, binary (a NUL
+    byte) or not UTF-8. A UTF-8 byte-order mark is dropped.
+
+    >>> read_text_file("/", "graph")
     Traceback (most recent call last):
     ...
-    meshplace.errors.InputError: /: is a folder, expected a plan
+    meshplace.errors.InputError: /: is a folder, not a graph file
     """
     p = Path(path)
     if p.is_dir():
-        raise InputError(f"{p}: is a folder, expected a {what}")
-    if not p.exists():
-        raise InputError(f"{p}: no such file")
+        raise error(f"{p}: is a folder, not a {what} file")
     try:
         raw = p.read_bytes()
+    except FileNotFoundError:
+        raise error(f"{p}: no such {what} file") from None
     except OSError as exc:
-        raise InputError(f"{p}: cannot be read ({exc.strerror})") from None
+        raise error(f"{p}: cannot read the {what} file ({exc.strerror or exc})") from None
+    if b"\0" in raw:
+        raise error(f"{p}: is a binary file (it holds NUL bytes), not a {what} file")
     try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise InputError(f"{p}: not a text file, expected a {what} in JSON") from None
-    if "\x00" in text:
-        raise InputError(f"{p}: not a text file, expected a {what} in JSON")
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise error(
+            f"{p}: is not a UTF-8 text file (byte {exc.start} is not UTF-8), so not a {what} file"
+        ) from None
 
-    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+
+def parse_json(
+    text: str, source: str, what: str = "graph", error: type[InputError] = InputError
+) -> Any:
+    """Parse JSON ``text`` (from ``source``, a file name) for a ``what`` file, strictly:
+    a key twice in one object (``json`` would keep the last silently), nesting deeper than
+    Python's recursion limit, and integers longer than Python's int-to-string digit limit
+    (4,300) are each one ``error`` sentence, as is text that is not JSON.
+
+    >>> parse_json('{"a": 1, "a": 2}', "p.json", "plan")
+    Traceback (most recent call last):
+    ...
+    meshplace.errors.InputError: p.json: key 'a' appears twice in one JSON object; ...
+    """
+
+    def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         obj: dict[str, Any] = {}
         for key, value in pairs:
             if key in obj:
-                raise InputError(f"{p}: key {key!r} appears twice in one object")
+                raise error(
+                    f"{source}: key {short_repr(key)} appears twice in one JSON object; each key "
+                    "may appear once"
+                )
             obj[key] = value
         return obj
 
     try:
-        return json.loads(text, object_pairs_hook=no_duplicates)
+        return json.loads(text, object_pairs_hook=unique_keys)
     except json.JSONDecodeError as exc:
-        raise InputError(
-            f"{p}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})"
+        # exc.msg may end in "at" ("Unterminated string starting at"): put the place first
+        raise error(
+            f"{source}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})"
         ) from None
     except RecursionError:
-        raise InputError(f"{p}: JSON nested too deeply to be a {what}") from None
-    except ValueError as exc:  # e.g. an integer of more than 4,300 digits
-        raise InputError(f"{p}: not a usable {what} ({exc})") from None
+        raise error(
+            f"{source}: JSON nested too deeply to read (arrays or objects more than about "
+            f"{_recursion_depth()} levels deep); a {what} file needs only a few"
+        ) from None
+    except ValueError as exc:  # json reads integers with int(), which limits their digits
+        if "digits" not in str(exc):
+            raise
+        raise error(
+            f"{source}: holds an integer with too many digits to read (more than "
+            f"{_max_digits()}); no {what} field needs one"
+        ) from None
+
+
+def _recursion_depth() -> int:
+    return sys.getrecursionlimit()
+
+
+def _max_digits() -> str:
+    limit = sys.get_int_max_str_digits()
+    return f"{limit:,}" if limit else "the limit"
+
+
+def read_json_file(path: str | Path, what: str, error: type[InputError] = InputError) -> Any:
+    """:func:`read_text_file` then :func:`parse_json`: the parsed JSON of the ``what`` file
+    at ``path``, every problem one ``error`` sentence naming the file."""
+    return parse_json(read_text_file(path, what, error), str(path), what, error)
 
 
 class JsonOutput:

@@ -25,7 +25,6 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 from pydantic_core import PydanticCustomError
 
-from meshplace.errors import InputError
 from meshplace.graph.ir import (
     OP_KINDS,
     PHASES,
@@ -35,7 +34,7 @@ from meshplace.graph.ir import (
     dtype_size,
     known_dtypes,
 )
-from meshplace.util import write_text_atomic
+from meshplace.util import parse_json, read_text_file, short_repr, write_text_atomic
 
 FORMAT = "meshplace.opgraph"
 VERSION = 1
@@ -54,7 +53,7 @@ def json_number(value: Any) -> Any:
         )
     if isinstance(value, str):
         raise PydanticCustomError(
-            "number_type", "must be a number, not the string {got}", {"got": _short(value)}
+            "number_type", "must be a number, not the string {got}", {"got": short_repr(value)}
         )
     return value
 
@@ -219,7 +218,7 @@ def unknown_kind_sentence(kind: str) -> str:
     """
     close = difflib.get_close_matches(kind.lower(), OP_KINDS, n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
-    return f"has unknown kind {_short(kind)}{hint}; allowed kinds: {', '.join(OP_KINDS)}"
+    return f"has unknown kind {short_repr(kind)}{hint}; allowed kinds: {', '.join(OP_KINDS)}"
 
 
 def graph_from_json(text: str, source: str = "graph") -> OpGraph:
@@ -235,94 +234,6 @@ def load_graph(path: str | Path) -> OpGraph:
 
 
 # ------------------------------------------------------------------ strict file reading
-def read_text_file(path: str | Path, what: str, error: type[InputError] = InputError) -> str:
-    """The text of the ``what`` file (``"graph"``, ``"plan"``) at ``path``, every problem an
-    ``error`` of one sentence naming the file: missing, a folder, unreadable, binary (a NUL
-    byte) or not UTF-8. A UTF-8 byte-order mark is dropped.
-
-    >>> read_text_file("/", "graph")
-    Traceback (most recent call last):
-    ...
-    meshplace.errors.InputError: /: is a folder, not a graph file
-    """
-    p = Path(path)
-    if p.is_dir():
-        raise error(f"{p}: is a folder, not a {what} file")
-    try:
-        raw = p.read_bytes()
-    except FileNotFoundError:
-        raise error(f"{p}: no such {what} file") from None
-    except OSError as exc:
-        raise error(f"{p}: cannot read the {what} file ({exc.strerror or exc})") from None
-    if b"\0" in raw:
-        raise error(f"{p}: is a binary file (it holds NUL bytes), not a {what} file")
-    try:
-        return raw.decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        raise error(
-            f"{p}: is not a UTF-8 text file (byte {exc.start} is not UTF-8), so not a {what} file"
-        ) from None
-
-
-def parse_json(
-    text: str, source: str, what: str = "graph", error: type[InputError] = InputError
-) -> Any:
-    """Parse JSON ``text`` (from ``source``, a file name) for a ``what`` file, strictly:
-    a key twice in one object (``json`` would keep the last silently), nesting deeper than
-    Python's recursion limit, and integers longer than Python's int-to-string digit limit
-    (4,300) are each one ``error`` sentence, as is text that is not JSON.
-
-    >>> parse_json('{"a": 1, "a": 2}', "p.json", "plan")
-    Traceback (most recent call last):
-    ...
-    meshplace.errors.InputError: p.json: key 'a' appears twice in one JSON object; ...
-    """
-
-    def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        obj: dict[str, Any] = {}
-        for key, value in pairs:
-            if key in obj:
-                raise error(
-                    f"{source}: key {_short(key)} appears twice in one JSON object; each key "
-                    "may appear once"
-                )
-            obj[key] = value
-        return obj
-
-    try:
-        return json.loads(text, object_pairs_hook=unique_keys)
-    except json.JSONDecodeError as exc:
-        # exc.msg may end in "at" ("Unterminated string starting at"): put the place first
-        raise error(
-            f"{source}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})"
-        ) from None
-    except RecursionError:
-        raise error(
-            f"{source}: JSON nested too deeply to read (arrays or objects more than about "
-            f"{_recursion_depth()} levels deep); a {what} file needs only a few"
-        ) from None
-    except ValueError as exc:  # json reads integers with int(), which limits their digits
-        if "digits" not in str(exc):
-            raise
-        raise error(
-            f"{source}: holds an integer with too many digits to read (more than "
-            f"{_max_digits()}); no {what} field needs one"
-        ) from None
-
-
-def _recursion_depth() -> int:
-    import sys
-
-    return sys.getrecursionlimit()
-
-
-def _max_digits() -> str:
-    import sys
-
-    limit = sys.get_int_max_str_digits()
-    return f"{limit:,}" if limit else "the limit"
-
-
 # ------------------------------------------------------------------------ checks
 def _check_op(om: _OpModel, source: str) -> None:
     where = f"{source}: op {om.name!r}"
@@ -369,17 +280,8 @@ def _check_meta(meta: dict[str, Any], source: str) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= MAX_INT:
             raise GraphError(
                 f"{source}: field 'meta.{key}' must be an integer of at least {low} or null "
-                f"(got {_short(value)})"
+                f"(got {short_repr(value)})"
             )
-
-
-def _short(value: Any) -> str:
-    """``repr(value)`` cut to 60 characters (and safe for integers too long to print)."""
-    try:
-        text = repr(value)
-    except ValueError:  # an int beyond sys.get_int_max_str_digits()
-        return "an integer of thousands of digits"
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _kind(value: Any) -> str:
@@ -420,7 +322,7 @@ def _describe(exc: ValidationError, data: dict) -> str:
         if isinstance(value, float) and math.isnan(value):
             got = " (got NaN)"
         else:
-            got = f" (got {_short(value)})"
+            got = f" (got {short_repr(value)})"
     msg = err["msg"][0].lower() + err["msg"][1:]
     return f"{subject}: {msg}{got}"
 
@@ -443,8 +345,6 @@ __all__ = [
     "graph_to_json",
     "json_number",
     "load_graph",
-    "parse_json",
-    "read_text_file",
     "save_graph",
     "unknown_kind_sentence",
 ]

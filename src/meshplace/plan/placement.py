@@ -29,9 +29,9 @@ import numpy as np
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from meshplace.errors import InputError
-from meshplace.graph.io import json_number, parse_json, read_text_file
+from meshplace.graph.io import json_number
 from meshplace.graph.ir import OpGraph
-from meshplace.util import write_text_atomic
+from meshplace.util import parse_json, read_text_file, short_repr, write_text_atomic
 
 FORMAT = "meshplace.plan"
 VERSION = 1
@@ -272,7 +272,7 @@ def plan_from_dict(data: Any, source: str = "plan") -> Plan:
             raise PlanError(f"{source}: is missing the required field {loc!r}") from None
         msg = err["msg"][0].lower() + err["msg"][1:]
         value = err.get("input")
-        got = "" if isinstance(value, dict | list) else f" (got {_short(value)})"
+        got = "" if isinstance(value, dict | list) else f" (got {short_repr(value)})"
         raise PlanError(f"{source}: field {loc!r}: {msg}{got}") from None
     if m.version != VERSION:
         raise PlanError(
@@ -301,11 +301,3 @@ def load_plan(path: str | Path) -> Plan:
     file, bad or ambiguous JSON, a bad field) is one :class:`PlanError` sentence."""
     text = read_text_file(path, "plan", PlanError)
     return plan_from_dict(parse_json(text, str(path), "plan", PlanError), str(path))
-
-
-def _short(value: object) -> str:
-    try:
-        text = repr(value)
-    except ValueError:  # an int beyond sys.get_int_max_str_digits()
-        return "an integer of thousands of digits"
-    return text if len(text) <= 60 else text[:57] + "..."
