@@ -35,6 +35,15 @@ FAKE_DEVICE = {"peak_flops": 5e10, "memory_bandwidth": 1e10, "launch_overhead_s"
 FAKE_MESSAGES = {"send_s": 2e-5, "send_s_per_byte": 2e-10, "recv_s": 1e-5, "recv_s_per_byte": 2e-10}
 
 
+def _plausible_message_costs(m: dict) -> None:
+    """Fixed costs of microseconds, per-byte costs of well under 1 µs/B: a broken
+    measurement (NaN, seconds per message) fails; the fit already clips negatives to 0."""
+    for key in ("send_s", "recv_s"):
+        assert 0 <= m[key] < 0.05, (key, m[key])
+    for key in ("send_s_per_byte", "recv_s_per_byte"):
+        assert 0 <= m[key] < 1e-6, (key, m[key])
+
+
 def test_levels_and_trimmed_mean() -> None:
     assert parse_levels("op") == ["model", "module", "op"]
     assert parse_levels("model") == ["model"]
@@ -114,15 +123,15 @@ def test_op_times_in_the_worker_regime() -> None:
     kernel = [o.kind not in ("parameter", "input", "buffer") for o in step.graph.ops]
     assert all(t > 0 for t, k in zip(seconds, kernel) if k)
     assert all(t == 0 for t, k in zip(seconds, kernel) if not k)
-    # the worker's loop costs at least what a bare interpreter does, per node
-    assert seconds.sum() > 0.5 * time_step_ops(step, reps=3).sum()
+    # the worker's loop and the bare interpreter charge the same nodes to the same ops
+    assert ((seconds > 0) == (time_step_ops(step, reps=1) > 0)).all()
 
 
 def test_message_cost_fit_and_measure() -> None:
     assert fit_affine([(0, 1e-5), (1e6, 1e-5 + 1e-4)]) == pytest.approx((1e-5, 1e-10))
     assert fit_affine([(4, 2e-5), (1e6, 1e-5)])[1] == 0.0  # never a negative slope
     m = measure_message_cost(sizes=(4, 1 << 16), iters=20, kernels=5, rounds=2)
-    assert all(m[k] >= 0 for k in ("send_s", "send_s_per_byte", "recv_s", "recv_s_per_byte"))
+    _plausible_message_costs(m)
     assert len(m["samples"]) == 2 and len(m["cpu_samples"]) == 2
 
 
@@ -160,7 +169,8 @@ def test_spacing_dependent_message_cost() -> None:
     dear = cal.predict(step.graph, split)
     assert cheap < fixed < dear
     m = measure_message_spacing(kernels=(0, 5), iters=20, rounds=1)
-    assert len(m["rows"]) == 2 and all(x >= 0 for row in m["rows"] for x in row)
+    # spacing and costs of a 4-byte message: microseconds, not seconds (nor NaN)
+    assert len(m["rows"]) == 2 and all(0 <= x < 0.05 for row in m["rows"] for x in row)
     assert m["rows"][0][0] <= m["rows"][1][0]
     with pytest.raises(InputError):
         measure_message_spacing(kernels=())
@@ -176,7 +186,9 @@ def test_link_fit_and_measure() -> None:
     bw, lat = fit_link([(0, 2e-5), (1e6, 2e-5 + 5e-4), (4e6, 2e-5 + 2e-3)])
     assert bw == pytest.approx(2e9, rel=1e-6) and lat == pytest.approx(2e-5, rel=1e-6)
     link = measure_link(sizes=(4, 1 << 16, 1 << 20), reps=3)
-    assert link["bandwidth"] > 0 and link["latency"] >= 0 and len(link["samples"]) == 3
+    # loopback TCP: more than 1 MB/s, less than 50 ms (the fit clips at 0, so a broken
+    # measurement shows as NaN, a huge latency or a tiny bandwidth)
+    assert link["bandwidth"] > 1e6 and 0 <= link["latency"] < 0.05 and len(link["samples"]) == 3
 
 
 def test_profile_cli(tmp_path, capsys) -> None:
@@ -243,7 +255,6 @@ def test_profile_cli_devices_and_compare(tmp_path, capsys) -> None:
         ["mlp", "--devices", "cuda:7"],
         ["mlp", "--devices", "cpu,cpu"],
         ["mlp", "--devices", "cpu", "--levels", "kernel"],
-        ["mlp", "--threads", "0"],
     ):
         with pytest.raises(InputError):
             cmd_profile(parser.parse_args(bad))
@@ -290,7 +301,7 @@ def test_message_cost_inside_the_models_step() -> None:
 
     step = trace_step(ModelSpec("mlp", batch=4))
     m = measure_message_cost_in_step(step, sizes=(4, 4096), messages=10, rounds=1)
-    assert all(m[k] >= 0 for k in ("send_s", "send_s_per_byte", "recv_s", "recv_s_per_byte"))
+    _plausible_message_costs(m)
     assert len(m["samples"]) == 2 and m["messages_per_step"] >= 10
 
 
@@ -311,7 +322,11 @@ def test_in_situ_message_costs_from_probe_runs() -> None:
     assert cal.messages["in_situ"] is report
     keys = ("start_s", "send_s", "wake_s", "compute_slowdown")
     assert {*keys, "recv_s", "r2", "probes"} <= set(report)
-    assert min(report[k] for k in keys) >= 0
+    # non-negative by construction (the fit keeps them so); finite and sane is what can fail
+    assert all(np.isfinite(report[k]) for k in keys) and report["compute_slowdown"] < 10
+    # every probe puts messages on the wire: some worker of each sends
+    for name in probes:
+        assert any(r["sends"] > 0 for r in report["probes"] if r["placement"] == name), name
     assert 0 < report["recv_s"] < 0.01  # a receive whose data is there: microseconds
     assert len(report["probes"]) == 2 * len(probes)  # one row per probe and worker
     after = cal.predict(step.graph, half), cal.predict(step.graph, lone)
@@ -340,3 +355,101 @@ def test_placers_search_with_the_calibrated_model() -> None:
     assert calibrated.evaluate_ops(lone).step_time_s == pytest.approx(
         default.evaluate_ops(lone).step_time_s
     )
+
+
+def _profile_exits_2(argv: list[str], capsys) -> str:
+    """``meshplace profile ARGV`` (in this process) exits 2 with one line on stderr."""
+    from meshplace.cli import main
+
+    code = main(["profile", *argv])
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "Traceback" not in captured.err, captured.err
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["mlp", "--runs", "0"], "argument --runs: expected a positive integer, got '0'"),
+        (["mlp", "--threads", "-2"], "argument --threads: expected a positive integer"),
+        (["mlp", "--batch", "0"], "argument --batch: expected a positive integer"),
+        (["mlp", "--top", "-1"], "argument --top: expected a positive integer"),
+        (["mlp", "--build-timeout", "-1"], "argument --build-timeout: expected a positive"),
+        (["mlp", "--out", "missing/p.json"], "--out missing/p.json: cannot write there"),
+        (["mlp", "--out", "."], "--out .: is a folder, not a file"),
+        (["mlp", "--trace", "missing/t.json"], "--trace missing/t.json: cannot write there"),
+        (["mlp", "--out", "p.json", "--trace", "p.json"], "are the same file"),
+    ],
+)
+def test_profile_checks_arguments_before_measuring(
+    argv: list[str], expected: str, tmp_path, monkeypatch, capsys
+) -> None:
+    import meshplace.profile.cli as profile_cli
+
+    monkeypatch.chdir(tmp_path)
+
+    def no_work(*args: object) -> None:
+        raise AssertionError("profiled before checking the arguments")
+
+    monkeypatch.setattr(profile_cli, "_profile_on", no_work)
+    line = _profile_exits_2(argv, capsys)
+    assert expected in line, line
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        # the reading itself is meshplace.util.read_json_file's (its wording is its own)
+        (b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\xff\xfe", ""),
+        (b"step_s: 1\n", ""),
+        (b"[" * 100_000 + b"]" * 100_000, ""),
+        (
+            b'{"format": "meshplace.profile", "version": 1, "name": "m", "levels": ["model"], '
+            b'"runs": 1, "step_s": {"model": "fast"}}',
+            "step_s['model'] must be a number",
+        ),
+        (b'{"format": "meshplace.profiles", "version": 1, "profiles": 3}', "'profiles' must"),
+        (b'{"format": "meshplace.profile", "name": "m"}', "lacks the field 'levels'"),
+        (b'{"format": "other"}', "not a profile file"),
+    ],
+)
+def test_compare_names_a_file_that_is_no_profile(
+    content: bytes, expected: str, tmp_path, monkeypatch, capsys
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "x.json").write_bytes(content)
+    line = _profile_exits_2(["--compare", "x.json"], capsys)
+    assert "x.json" in line and expected in line, line
+
+
+def test_compare_will_not_overwrite_an_input(tmp_path, monkeypatch, capsys) -> None:
+    from meshplace.profile.profiler import Profile
+
+    monkeypatch.chdir(tmp_path)
+    Profile("m", ["model"], 1, {"model": 1e-3}, {}).save("a.json")
+    before = (tmp_path / "a.json").read_text()
+    line = _profile_exits_2(["--compare", "a.json", "--out", "a.json"], capsys)
+    assert "is also an input" in line
+    assert (tmp_path / "a.json").read_text() == before
+
+
+def test_profile_of_a_failing_build_is_one_sentence(tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "model.py").write_text("def build():\n    raise KeyError('weights')\n")
+    line = _profile_exits_2(["model.py:build", "--out", "p.json"], capsys)
+    assert "model.py:build: build() failed with KeyError" in line, line
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_link_measurements_leave_no_temporary_folder(tmp_path, monkeypatch) -> None:
+    import tempfile
+
+    from meshplace.profile.link import measure_message_spacing
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the stores' folders go here
+    measure_link(sizes=(4, 4096), reps=2)
+    measure_message_spacing(kernels=(0,), iters=5, rounds=1)
+    # (torch may put its own caches there: torchinductor_<user>)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("meshplace-")] == []

@@ -204,38 +204,36 @@ class OpTimes:
 
 def time_step_ops(step: Any, reps: int = 5, warmup: int = 1, threads: int = 1) -> np.ndarray:
     """Seconds per OpGraph op of a :class:`~meshplace.runtime.program.TracedStep`, timed in
-    situ: the fx graph is interpreted node by node with real tensors, each node timed;
-    median over ``reps`` runs after ``warmup``, rescaled so the ops sum to the median step
-    total. Views are charged to their owner op.
+    situ: the fx graph is interpreted node by node with real tensors (the runtime's
+    :class:`~meshplace.runtime.program.StepInterpreter`), each node timed from the previous
+    node's end; median over ``reps`` runs after ``warmup``, rescaled so the ops sum to the
+    median step total. Views are charged to their owner op.
     Cost: (reps + warmup) training steps."""
+    from meshplace.runtime.program import StepInterpreter
+
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        nodes = list(step.gm.graph.nodes)
+        interp = StepInterpreter(step.gm)
         params, bufs, states, inputs = step.initial_state()
         values = [*params, *bufs, *states, *inputs]
         samples = np.zeros((reps, step.graph.num_ops))
-        owner = [step.node_op.get(n.name, -1) for n in nodes]
-        pos = {n: i for i, n in enumerate(nodes)}
+        owner = [step.node_op.get(n.name, -1) for n in interp.nodes]
+        acc = np.zeros(step.graph.num_ops)
+        last = [0.0]
+
+        def charge(i: int, env: list) -> None:
+            # the time since the previous node ended: the call plus the interpreter's own
+            # per-node work, which the runtime's workers pay too
+            now = time.perf_counter()
+            if owner[i] >= 0:
+                acc[owner[i]] += now - last[0]
+            last[0] = now
+
         for r in range(warmup + reps):
-            env: list[Any] = [None] * len(nodes)
-            k = 0
-            acc = np.zeros(step.graph.num_ops)
-            last = time.perf_counter()
-            for i, node in enumerate(nodes):
-                # the time since the previous node ended: the call plus the interpreter's
-                # own per-node work, which the runtime's workers pay too
-                if node.op == "placeholder":
-                    env[i] = values[k]
-                    k += 1
-                elif node.op == "call_function":
-                    args = torch.fx.node.map_arg(node.args, lambda a, env=env: env[pos[a]])
-                    kwargs = torch.fx.node.map_arg(node.kwargs, lambda a, env=env: env[pos[a]])
-                    env[i] = node.target(*args, **kwargs)
-                now = time.perf_counter()
-                if owner[i] >= 0:
-                    acc[owner[i]] += now - last
-                last = now
+            acc[:] = 0.0
+            last[0] = time.perf_counter()
+            interp.walk(values, each=charge)
             if r >= warmup:
                 samples[r - warmup] = acc
     finally:
@@ -653,7 +651,8 @@ def calibrate_in_situ(
     15.5 % / 0.76, and 14.9 % / 0.83 against 18.0 % / 0.79. ``meshplace run`` calls it for
     CPU workers unless ``--no-in-situ``.
     """
-    from meshplace.runtime.executor import _schedule, run_placement
+    from meshplace.runtime.executor import run_placement
+    from meshplace.runtime.program import schedule_nodes
 
     if cal.step is None or not cal.messages:
         raise InputError("in-situ calibration needs the calibrated step and its message costs")
@@ -681,7 +680,7 @@ def calibrate_in_situ(
             timeline=True,
         )
         assert run.timelines is not None
-        sched = _schedule(step, [int(d[-1]) for d in devices])
+        sched = schedule_nodes(step, [int(d[-1]) for d in devices])
         for worker in range(len(run.timelines)):
             per_step = []
             for spans in run.timelines[worker][warmup:]:
@@ -777,9 +776,9 @@ def runtime_messages(step: Any, placement: np.ndarray) -> dict[str, np.ndarray]:
     that reads it, -1 if none), ``src``, ``dst`` (workers) and ``bytes``. (New parameter
     and state values sent back to their owners end the step:
     :func:`runtime_update_messages`.) O(fx nodes + fx edges)."""
-    from meshplace.runtime.executor import _schedule
+    from meshplace.runtime.program import schedule_nodes
 
-    sched = _schedule(step, [int(d) for d in placement])
+    sched = schedule_nodes(step, [int(d) for d in placement])
     nodes = list(step.gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     owner = [step.node_op.get(n.name, -1) for n in nodes]
@@ -926,9 +925,9 @@ def runtime_update_messages(step: Any, placement: np.ndarray) -> list[tuple[int,
     value computed away from its owner's worker is sent there after the sender's last
     node. ``(sender worker, owner worker, bytes)`` each, in the executor's order. O(nodes).
     """
-    from meshplace.runtime.executor import _schedule
+    from meshplace.runtime.program import schedule_nodes
 
-    sched = _schedule(step, [int(d) for d in placement])
+    sched = schedule_nodes(step, [int(d) for d in placement])
     nodes = list(step.gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     by_name = {n.name: i for i, n in enumerate(nodes)}

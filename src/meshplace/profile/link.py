@@ -24,8 +24,9 @@
 from __future__ import annotations
 
 import os
+import queue
+import shutil
 import statistics
-import tempfile
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -66,6 +67,11 @@ def _join_pair(rank: int, store_path: str) -> None:
     )
     from meshplace.runtime.executor import yield_transport_threads
 
+    # both have joined once past a barrier; the store is not read again, so its folder
+    # goes now (not even a SIGKILL of the driver then leaves it behind)
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(os.path.dirname(store_path), ignore_errors=True)
     # The same transport-thread priority as the runtime's workers: what is measured here
     # is their regime.
     yield_transport_threads()
@@ -108,36 +114,72 @@ def safe_start_method() -> str:
     return "fork"
 
 
+def _pair_main(parent_pid: int, target: Any, rank: int, *args: Any) -> None:
+    """A link micro-benchmark process: dies with the process that started it
+    (:func:`~meshplace.runtime.processes.die_with_parent`), then runs ``target``."""
+    from meshplace.runtime.processes import die_with_parent
+
+    die_with_parent(parent_pid, f"meshplace-link{rank}")
+    target(rank, *args)
+
+
 def _run_pair(
     target: Any, args: tuple, results: int, timeout: float, start_method: str
 ) -> list[Any]:
     """Run ``target(rank, store_path, *args, out)`` in two processes (ranks 0 and 1, a
-    fresh FileStore) and return the first ``results`` items they put on ``out``; both
-    processes are killed and the store removed on the way out, whatever happens."""
+    fresh FileStore in a private temporary folder) and return the first ``results`` items
+    they put on ``out``. Both processes die with this one, are killed on the way out, and
+    the folder is removed, whatever happens. Raises
+    :class:`~meshplace.runtime.processes.WorkerFailure` (one sentence) if a process exits
+    early or the results take longer than ``timeout`` seconds."""
     from meshplace.runtime.executor import transport_policy
+    from meshplace.runtime.processes import (
+        WorkerFailure,
+        private_temp_folder,
+        stop_processes,
+    )
 
     transport_policy()  # a bad MESHPLACE_TRANSPORT: one sentence here, not in the children
+    what = getattr(target, "__name__", "link").strip("_")
     ctx = mp.get_context(start_method)
     out = ctx.Queue()
-    tmp = tempfile.mkdtemp(prefix="meshplace-link-")
-    path = os.path.join(tmp, "store")
-    procs = [ctx.Process(target=target, args=(r, path, *args, out), daemon=True) for r in range(2)]
-    try:
-        for p in procs:
-            p.start()
-        got = [out.get(timeout=timeout) for _ in range(results)]
-        for p in procs:
-            p.join(10)
-    finally:
-        for p in procs:
-            if p.pid is not None and p.is_alive():
-                p.kill()
-                p.join(2)
+    with private_temp_folder("meshplace-link-") as tmp:
+        path = os.path.join(tmp, "store")
+        procs = [
+            ctx.Process(
+                target=_pair_main, args=(os.getpid(), target, r, path, *args, out), daemon=True
+            )
+            for r in range(2)
+        ]
         try:
-            os.remove(path)
-            os.rmdir(tmp)
-        except OSError:
-            pass
+            for p in procs:
+                p.start()
+            got: list[Any] = []
+            deadline = time.monotonic() + timeout
+            while len(got) < results:
+                try:
+                    got.append(out.get(timeout=0.1))
+                    continue
+                except queue.Empty:
+                    pass
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if dead:
+                    raise WorkerFailure(
+                        f"the {what} measurement's process {dead[0]} exited with code "
+                        f"{procs[dead[0]].exitcode} before reporting",
+                        worker=dead[0],
+                        cause="exited",
+                    )
+                if time.monotonic() > deadline:
+                    raise WorkerFailure(
+                        f"the {what} measurement did not finish within {timeout:g} s",
+                        cause="hung",
+                    )
+            for p in procs:
+                p.join(10)
+        finally:
+            stop_processes(procs, grace_s=0.0)
+            out.close()
     return got
 
 
@@ -308,25 +350,6 @@ def measure_message_cost(
 
 
 # ------------------------------------------------------------------ in the model's own step
-def _interpret(step: Any, values: list[Any], hook: Any) -> None:
-    """Run ``step``'s fx graph node by node (as a worker does); ``hook(k)`` after the k-th
-    computed node."""
-    nodes = list(step.gm.graph.nodes)
-    pos = {n: i for i, n in enumerate(nodes)}
-    env: list[Any] = [None] * len(nodes)
-    it = iter(values)
-    k = 0
-    for i, node in enumerate(nodes):
-        if node.op == "placeholder":
-            env[i] = next(it)
-        elif node.op == "call_function":
-            args = torch.fx.node.map_arg(node.args, lambda a, env=env: env[pos[a]])
-            kwargs = torch.fx.node.map_arg(node.kwargs, lambda a, env=env: env[pos[a]])
-            env[i] = node.target(*args, **kwargs)
-            hook(k)
-            k += 1
-
-
 def _step_message_worker(
     rank: int,
     store_path: str,
@@ -339,11 +362,17 @@ def _step_message_worker(
     import torch.distributed as dist
 
     from meshplace.runtime.executor import finish_receive, post_receive, send_value
+    from meshplace.runtime.program import StepInterpreter
 
     _join_pair(rank, store_path)
     params, bufs, states, inputs = step.initial_state()
     values = [*params, *bufs, *states, *inputs]
-    computed = sum(1 for n in step.gm.graph.nodes if n.op == "call_function")
+    interp = StepInterpreter(step.gm)
+    # the k-th computed node's position: the hook runs after it, as ``hook(k)``
+    computed_at = [i for i, n in enumerate(interp.nodes) if n.op == "call_function"]
+    computed = len(computed_at)
+    current: list[Any] = [None]  # this round's hook
+    after = {i: (lambda i, env, k=k: current[0](k)) for k, i in enumerate(computed_at)}
     every = max(1, computed // messages)
     res: dict[int, list[float]] = {}
     for n in sizes:
@@ -379,7 +408,8 @@ def _step_message_worker(
                         finish_receive(x, posted[i - 1])
                         done.add(i - 1)
 
-                _interpret(step, values, hook)
+                current[0] = hook
+                interp.walk(values, after=after)
                 for i in range(count if rank == 1 else 0):
                     if i not in done:  # a gloo work is waited for once only
                         finish_receive(example, posted[i])

@@ -50,7 +50,7 @@ from torch.utils._pytree import tree_flatten
 
 from meshplace.errors import InputError
 from meshplace.graph.flops import flop_count, op_kind
-from meshplace.util import write_text_atomic
+from meshplace.util import read_json_file, write_text_atomic
 
 LEVELS = ("model", "module", "op", "kernel")
 FORMAT = "meshplace.profile"
@@ -273,19 +273,29 @@ class Profile:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Profile:
-        """A profile read back from :meth:`to_dict`'s JSON (no trace events)."""
+        """A profile read back from :meth:`to_dict`'s JSON (no trace events). Raises
+        ``KeyError`` for a missing field and ``ValueError`` (one sentence) for one of the
+        wrong type, e.g. a time that is not a number."""
+        if not isinstance(data.get("name"), str):
+            raise ValueError(f"'name' must be a string, got {_short(data.get('name'))}")
+        levels = data["levels"]
+        if not (isinstance(levels, list) and all(isinstance(x, str) for x in levels)):
+            raise ValueError(f"'levels' must be a list of level names, got {_short(levels)}")
+        runs = data["runs"]
+        if isinstance(runs, bool) or not isinstance(runs, int) or runs < 1:
+            raise ValueError(f"'runs' must be a positive integer, got {_short(runs)}")
         return cls(
             name=data["name"],
-            levels=list(data["levels"]),
-            runs=int(data["runs"]),
-            step_s=dict(data["step_s"]),
-            overhead_s=dict(data.get("overhead_s", {})),
-            modules=dict(data.get("modules", {})),
-            ops=dict(data.get("ops", {})),
-            kinds=dict(data.get("kinds", {})),
-            device=dict(data.get("device", {})),
-            kernels=dict(data.get("kernels", {})),
-            meta=dict(data.get("meta", {})),
+            levels=list(levels),
+            runs=runs,
+            step_s=_seconds_table(data["step_s"], "step_s"),
+            overhead_s=_seconds_table(data.get("overhead_s", {}), "overhead_s"),
+            modules=_rows(data.get("modules", {}), "modules", ()),
+            ops=_rows(data.get("ops", {}), "ops", ("time_s",)),
+            kinds=_rows(data.get("kinds", {}), "kinds", ("time_s",)),
+            device=_mapping(data.get("device", {}), "device"),
+            kernels=_rows(data.get("kernels", {}), "kernels", ("time_s",)),
+            meta=_mapping(data.get("meta", {}), "meta"),
         )
 
     @property
@@ -306,6 +316,66 @@ class Profile:
         write_text_atomic(path, json.dumps(self.to_dict(), indent=1))
         if trace_path is not None:
             write_text_atomic(trace_path, json.dumps(self.chrome_trace()))
+
+
+def _short(value: Any) -> str:
+    try:
+        text = repr(value)
+    except ValueError:  # an integer beyond sys.get_int_max_str_digits()
+        return "an integer of thousands of digits"
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _mapping(value: Any, what: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ValueError(f"{what!r} must be an object, got {_short(value)}")
+    return dict(value)
+
+
+def _seconds_table(value: Any, what: str) -> dict[str, float]:
+    """``{name: seconds}`` with every value a number."""
+    table = _mapping(value, what)
+    for key, x in table.items():
+        if not _is_number(x):
+            raise ValueError(f"{what}[{key!r}] must be a number of seconds, got {_short(x)}")
+    return table
+
+
+def _rows(value: Any, what: str, required: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """``{name: {field: value}}`` whose numeric fields (and the ``required`` ones, which
+    must be there) are numbers."""
+    table = _mapping(value, what)
+    for key, row in table.items():
+        if not isinstance(row, dict):
+            raise ValueError(f"{what}[{key!r}] must be an object, got {_short(row)}")
+        for name in required:
+            if name not in row:
+                raise ValueError(f"{what}[{key!r}] lacks {name!r}")
+        for name, x in row.items():
+            if name in _NUMERIC_FIELDS and not _is_number(x):
+                raise ValueError(f"{what}[{key!r}][{name!r}] must be a number, got {_short(x)}")
+    return table
+
+
+# the per-row fields the tables and comparisons compute with
+_NUMERIC_FIELDS = frozenset(
+    {
+        "time_s",
+        "forward_s",
+        "op_time_s",
+        "flops",
+        "bytes",
+        "calls",
+        "achieved_flops",
+        "intensity",
+        "roofline_flops",
+        "fraction_of_roofline",
+    }
+)
 
 
 def _train_step(model: torch.nn.Module, inputs: list[Any], opt: torch.optim.Optimizer) -> None:
@@ -657,25 +727,33 @@ def save_profiles(profiles: Sequence[Profile], path: str | Path) -> None:
 
 def load_profiles(path: str | Path) -> list[Profile]:
     """The profiles in a single (``meshplace.profile``) or combined (``meshplace.profiles``)
-    file. Raises :class:`ProfileError` (one sentence) for a missing or malformed file."""
+    file. Raises :class:`ProfileError` (one sentence naming the file) for a missing,
+    unreadable, binary or malformed file (:func:`meshplace.util.read_json_file`), another
+    format, or a field missing or of the wrong type."""
     p = Path(path)
     try:
-        data = json.loads(p.read_text())
-    except OSError as exc:
-        raise ProfileError(f"cannot read profile {str(p)!r}: {exc.strerror or exc}") from None
-    except json.JSONDecodeError as exc:
-        msg = f"profile {str(p)!r} is not JSON: {exc.msg} at line {exc.lineno}"
-        raise ProfileError(msg) from None
+        data = read_json_file(p, "profile")
+    except ProfileError:
+        raise
+    except InputError as exc:
+        raise ProfileError(str(exc)) from None
     fmt = data.get("format") if isinstance(data, dict) else None
     try:
         if fmt == FORMAT:
             return [Profile.from_dict(data)]
         if fmt == COMBINED_FORMAT:
-            return [Profile.from_dict(d) for d in data["profiles"]]
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ProfileError(f"profile {str(p)!r} lacks a field or has a bad one: {exc}") from None
+            entries = data["profiles"]
+            if not isinstance(entries, list) or not all(isinstance(d, dict) for d in entries):
+                raise ValueError("'profiles' must be a list of profile objects")
+            if not entries:
+                raise ValueError("'profiles' is empty")
+            return [Profile.from_dict(d) for d in entries]
+    except KeyError as exc:
+        raise ProfileError(f"{p}: the profile lacks the field {exc}") from None
+    except (TypeError, ValueError) as exc:
+        raise ProfileError(f"{p}: not a usable profile ({exc})") from None
     raise ProfileError(
-        f"{str(p)!r} is not a profile file (format {fmt!r}; expected {FORMAT!r} or "
+        f"{p}: not a profile file (format {_short(fmt)}; expected {FORMAT!r} or "
         f"{COMBINED_FORMAT!r})"
     )
 

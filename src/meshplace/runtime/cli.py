@@ -1,19 +1,69 @@
 """``meshplace run``: execute a plan for real on local workers and compare with the simulator.
 
-The command traces the model, checks the plan against the traced graph, calibrates the
-local machine (device, per-op times on a worker, gloo link and message costs, then — for
-CPU workers — what messages cost inside a step, from probe runs), runs the plan for ``--steps``
-steps on one worker process per device, and prints the measured median step time beside
-the simulator's prediction on the calibrated ``local`` cluster.
+The command checks everything it can before any work (numbers, the placer's name, the plan
+file, the model, output paths), traces the model, calibrates the local machine (device,
+per-op times on a worker, gloo link and message costs, then — for CPU workers — what
+messages cost inside a step, from probe runs), runs the plan for ``--steps`` steps on one
+worker process per device, and prints the measured median step time beside the
+simulator's prediction on the calibrated ``local`` cluster (``--no-predict``: the
+measurement alone, no calibration).
+
+A worker that fails, hangs or is stopped is one sentence on stderr naming the worker and
+the op, exit status 1 (with ``--json``, the JSON object carries it: ``error``, ``worker``,
+``device``, ``op``, ``cause``). The workers die with the command if it is killed, and its
+temporary folders are removed however it ends.
+
+This module imports nothing heavy at import time: ``meshplace run --help`` and early
+errors do not load torch.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import math
 from typing import Any
 
 from meshplace.errors import InputError
+
+#: Seconds a ``FILE.py:FUNCTION`` build may take before ``run`` and ``profile`` give up.
+DEFAULT_BUILD_TIMEOUT_S = 120.0
+#: Seconds without progress in any worker before ``run`` reports a hang.
+DEFAULT_HANG_TIMEOUT_S = 20.0
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """An argparse type: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def positive_seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(
+            f"expected a positive, finite number of seconds, got {text!r}"
+        )
+    return value
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,11 +76,18 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         "transformer-small, resnet-small), a reference workload, or FILE.py:FUNCTION",
     )
     parser.add_argument("--placer", help="instead of --plan: place with this placer first")
-    parser.add_argument("--workers", type=int, default=2, help="local devices (default 2)")
-    parser.add_argument("--batch", type=int, default=None)
+    parser.add_argument("--workers", type=positive_int, default=2, help="local devices (default 2)")
+    parser.add_argument("--batch", type=positive_int, default=None)
     parser.add_argument("--size", default=None)
-    parser.add_argument("--steps", type=int, default=10, help="training steps (default 10)")
-    parser.add_argument("--warmup", type=int, default=2, help="steps not timed (default 2)")
+    parser.add_argument(
+        "--steps", type=positive_int, default=10, help="training steps (default 10)"
+    )
+    parser.add_argument(
+        "--warmup",
+        type=non_negative_int,
+        default=None,
+        help="steps not timed, fewer than --steps (default 2, or --steps - 1 if smaller)",
+    )
     parser.add_argument(
         "--worker-devices",
         default="cpu",
@@ -44,16 +101,92 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         help="skip the probe runs that measure message costs inside a step (CPU workers; "
         "they take a few seconds) and predict with the micro-benchmarks' costs",
     )
+    parser.add_argument(
+        "--no-predict",
+        action="store_true",
+        help="only run the plan and measure it: no calibration (which takes tens of "
+        "seconds) and no prediction; needs --plan",
+    )
+    parser.add_argument(
+        "--hang-timeout",
+        type=positive_seconds,
+        default=DEFAULT_HANG_TIMEOUT_S,
+        metavar="SECONDS",
+        help="report a hang when no worker makes progress for this long (default "
+        f"{DEFAULT_HANG_TIMEOUT_S:g})",
+    )
+    parser.add_argument(
+        "--build-timeout",
+        type=positive_seconds,
+        default=DEFAULT_BUILD_TIMEOUT_S,
+        metavar="SECONDS",
+        help="give up on a FILE.py:FUNCTION model whose import or build function does not "
+        f"return within this long (default {DEFAULT_BUILD_TIMEOUT_S:g})",
+    )
     parser.add_argument("--cluster-out", help="write the calibrated local cluster (YAML)")
     parser.add_argument("--json", action="store_true", help="print JSON")
 
 
-def _devices_for(args: argparse.Namespace, step: Any, cal: Any) -> tuple[list[str], str]:
-    from meshplace.plan.placement import load_plan
+def check_run_arguments(args: argparse.Namespace) -> Any:
+    """Every check of ``meshplace run``'s arguments that needs no work, each failure one
+    :class:`~meshplace.errors.InputError` sentence: the numbers (also when ``args`` was
+    built by hand), ``--plan`` xor ``--placer``, the placer's name, the plan file (read
+    and returned, or ``None``), ``--no-predict``'s limits, the worker devices and the
+    output path (writable, not an input). Called before the model is traced."""
+    from meshplace.util import check_output_paths
 
-    local = cal.cluster.device_names
-    if args.plan:
+    if not args.plan and args.placer is None:
+        raise InputError("meshplace run needs --plan PLAN.json or --placer NAME")
+    if args.plan and args.placer is not None:
+        raise InputError("give either --plan or --placer, not both")
+    for flag, value, least in (
+        ("--steps", args.steps, 1),
+        ("--workers", args.workers, 1),
+        ("--batch", args.batch, 1),
+        ("--warmup", args.warmup, 0),
+    ):
+        if value is None and flag in ("--batch", "--warmup"):
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            wanted = "a positive integer" if least else "an integer >= 0"
+            raise InputError(f"{flag} must be {wanted}, got {value}")
+    if args.warmup is not None and args.warmup >= args.steps:
+        raise InputError(
+            f"--warmup {args.warmup} leaves none of --steps {args.steps} to time; use fewer "
+            "warm-up steps or more steps"
+        )
+    for flag in ("hang_timeout", "build_timeout"):
+        value = getattr(args, flag, None)
+        if value is not None and not (
+            isinstance(value, int | float) and math.isfinite(value) and value > 0
+        ):
+            name = "--" + flag.replace("_", "-")
+            raise InputError(f"{name} must be a positive, finite number of seconds, got {value}")
+    if getattr(args, "no_predict", False):
+        if not args.plan:
+            raise InputError("--no-predict needs --plan: placers search the calibrated model")
+        if args.cluster_out:
+            raise InputError("--cluster-out writes the calibrated cluster; drop --no-predict")
+    plan = None
+    if args.placer is not None:
+        from meshplace.placers.base import resolve
+
+        resolve([args.placer])  # a typo: one sentence now, not after the calibration
+    else:
+        from meshplace.plan.placement import load_plan
+
         plan = load_plan(args.plan)
+    check_output_paths({"--cluster-out": args.cluster_out}, inputs=[args.plan, args.graph])
+    from meshplace.runtime.executor import resolve_worker_devices
+
+    resolve_worker_devices(args.worker_devices, args.workers)
+    return plan
+
+
+def _devices_for(
+    args: argparse.Namespace, plan: Any, step: Any, local: list[str], cal: Any
+) -> tuple[list[str], str]:
+    if plan is not None:
         names = plan.device_names(step.graph, str(args.plan))
         distinct = sorted(set(names), key=names.index)
         if all(d in local for d in distinct):
@@ -75,27 +208,109 @@ def _devices_for(args: argparse.Namespace, step: Any, cal: Any) -> tuple[list[st
 
 def cmd_run(args: argparse.Namespace) -> int:
     """Run ``meshplace run``; returns the exit code (1 when a worker fails)."""
-    from meshplace.hardware import save_cluster
-    from meshplace.profile.calibrate import calibrate, calibrate_in_situ, local_cluster
-    from meshplace.runtime.executor import (
-        WorkerFailure,
-        natural_key,
-        resolve_worker_devices,
-        run_placement,
-    )
-    from meshplace.runtime.program import ModelSpec, trace_step
+    import sys
 
-    if not args.plan and not args.placer:
-        raise InputError("meshplace run needs --plan PLAN.json or --placer NAME")
-    if args.steps is None or args.steps < 1:
-        raise InputError(f"--steps must be a positive integer, got {args.steps}")
-    if args.workers < 1:
-        raise InputError(f"--workers must be a positive integer, got {args.workers}")
-    # one torch device per local worker (cluster order), checked before calibrating
+    from meshplace.runtime.processes import WorkerFailure, interrupt_on_sigterm
+    from meshplace.util import print_json
+
+    plan = check_run_arguments(args)
+    # SIGTERM unwinds like Ctrl-C: workers stopped, temporary folders removed
+    with interrupt_on_sigterm():
+        try:
+            return _run(args, plan)
+        except WorkerFailure as exc:
+            print(f"meshplace: error: {exc}", file=sys.stderr)
+            if args.json:
+                print_json({**exc.to_dict(), "exit_status": 1})
+            return 1
+
+
+def _run(args: argparse.Namespace, plan: Any) -> int:
+    from meshplace.runtime.executor import natural_key, resolve_worker_devices, run_placement
+    from meshplace.runtime.program import ModelSpec, trace_step
+    from meshplace.util import print_json
+
+    # one torch device per local worker (cluster order)
     worker_list = resolve_worker_devices(args.worker_devices, args.workers)
     gpus = [d for d in worker_list if d.startswith("cuda")]
-    spec = ModelSpec(args.graph, batch=args.batch, size=args.size)
+    spec = ModelSpec(
+        args.graph,
+        batch=args.batch,
+        size=args.size,
+        build_timeout_s=getattr(args, "build_timeout", DEFAULT_BUILD_TIMEOUT_S),
+    )
     step = trace_step(spec)
+    warmup = args.warmup if args.warmup is not None else min(2, args.steps - 1)
+    cal = None
+    if getattr(args, "no_predict", False):
+        prefix = "gpu" if gpus else "cpu"
+        local = [f"{prefix}{i}" for i in range(args.workers)]
+    else:
+        cal = _calibrate(args, step, spec, gpus)
+        local = cal.cluster.device_names
+    devices, source = _devices_for(args, plan, step, local, cal)
+    predicted = cal.predict(step.graph, devices) if cal is not None else None
+    # the workers the plan uses, in rank order, each on its local device's torch device
+    index = {d: i for i, d in enumerate(local)}
+    used = sorted(set(devices), key=natural_key)
+    where = [worker_list[index[d]] for d in used]
+    res = run_placement(
+        spec,
+        devices,
+        args.steps,
+        warmup=warmup,
+        step=step,
+        worker_devices=where,
+        hang_timeout=getattr(args, "hang_timeout", DEFAULT_HANG_TIMEOUT_S),
+    )
+    if args.cluster_out and cal is not None:
+        from meshplace.hardware import save_cluster
+
+        save_cluster(cal.cluster, args.cluster_out)
+    error = None if predicted is None else (predicted - res.step_time_s) / res.step_time_s
+    out = {
+        "graph": step.graph.name,
+        "ops": step.graph.num_ops,
+        "placement": source,
+        "measured_step_s": res.step_time_s,
+        "predicted_step_s": predicted,
+        "error": error,
+        "run": res.to_dict(),
+        "calibration": _calibration_summary(cal) if cal is not None else None,
+    }
+    if args.json:
+        print_json(out)
+        return 0
+    print(
+        f"{step.graph.name}: {step.graph.num_ops} ops, {source}, workers "
+        + ", ".join(f"{d} on {w}" for d, w in zip(res.devices, where))
+    )
+    if cal is not None:
+        if gpus and len(gpus) < len(worker_list):
+            print("note: the prediction simulates every worker as the first GPU (mixed CPU/GPU)")
+        print(
+            f"calibrated local cluster: {cal.device['peak_flops'] / 1e9:.1f} GFLOP/s, "
+            f"{cal.device['memory_bandwidth'] / 1e9:.1f} GB/s per worker; link "
+            f"{cal.link['bandwidth'] / 1e9:.2f} GB/s, {cal.link['latency'] * 1e6:.0f} us"
+        )
+    print(
+        f"measured step  {res.step_time_s * 1e3:9.2f} ms  (median of "
+        f"{args.steps - res.warmup} after {res.warmup} warm-up; {res.messages} messages, "
+        f"{res.bytes_sent / 1e6:.2f} MB per step)"
+    )
+    if predicted is not None and error is not None:
+        print(
+            f"predicted step {predicted * 1e3:9.2f} ms  (simulator, calibrated local cluster; "
+            f"error {100 * error:+.1f} %)"
+        )
+    return 0
+
+
+def _calibrate(args: argparse.Namespace, step: Any, spec: Any, gpus: list[str]) -> Any:
+    """The calibration of this machine for ``step`` (see the module doc), its cluster
+    resized to ``--workers``."""
+    from meshplace.profile.calibrate import calibrate, calibrate_in_situ, local_cluster
+
     # the simulator's local devices are all calibrated like the first GPU worker, if any
     cal = calibrate(step, worker_device=gpus[0] if gpus else "cpu", spec=spec)
     if not gpus and not args.no_in_situ:
@@ -108,63 +323,16 @@ def cmd_run(args: argparse.Namespace) -> int:
             args.workers,
             cal.cluster.meta,
         )
-    devices, source = _devices_for(args, step, cal)
-    predicted = cal.predict(step.graph, devices)
-    # the workers the plan uses, in rank order, each on its local device's torch device
-    index = {d: i for i, d in enumerate(cal.cluster.device_names)}
-    used = sorted(set(devices), key=natural_key)
-    where = [worker_list[index[d]] for d in used]
-    try:
-        res = run_placement(
-            spec, devices, args.steps, warmup=args.warmup, step=step, worker_devices=where
-        )
-    except WorkerFailure as exc:
-        print(f"error: {exc}")
-        return 1
-    if args.cluster_out:
-        save_cluster(cal.cluster, args.cluster_out)
-    out = {
-        "graph": step.graph.name,
-        "ops": step.graph.num_ops,
-        "placement": source,
-        "measured_step_s": res.step_time_s,
-        "predicted_step_s": predicted,
-        "error": (predicted - res.step_time_s) / res.step_time_s,
-        "run": res.to_dict(),
-        "calibration": {
-            "device": cal.device,
-            "link": {"bandwidth": cal.link["bandwidth"], "latency": cal.link["latency"]},
-            "launch_overhead_s": cal.fit["launch_overhead_s"],
-            "message_cpu": {
-                k: cal.messages[k]
-                for k in ("send_s", "send_s_per_byte", "recv_s", "recv_s_per_byte")
-            },
-            "in_situ": {
-                k: v for k, v in (cal.messages.get("in_situ") or {}).items() if k != "probes"
-            },
+    return cal
+
+
+def _calibration_summary(cal: Any) -> dict[str, Any]:
+    return {
+        "device": cal.device,
+        "link": {"bandwidth": cal.link["bandwidth"], "latency": cal.link["latency"]},
+        "launch_overhead_s": cal.fit["launch_overhead_s"],
+        "message_cpu": {
+            k: cal.messages[k] for k in ("send_s", "send_s_per_byte", "recv_s", "recv_s_per_byte")
         },
+        "in_situ": {k: v for k, v in (cal.messages.get("in_situ") or {}).items() if k != "probes"},
     }
-    if args.json:
-        print(json.dumps(out, indent=1))
-        return 0
-    print(
-        f"{step.graph.name}: {step.graph.num_ops} ops, {source}, workers "
-        + ", ".join(f"{d} on {w}" for d, w in zip(res.devices, where))
-    )
-    if gpus and len(gpus) < len(worker_list):
-        print("note: the prediction simulates every worker as the first GPU (mixed CPU/GPU)")
-    print(
-        f"calibrated local cluster: {cal.device['peak_flops'] / 1e9:.1f} GFLOP/s, "
-        f"{cal.device['memory_bandwidth'] / 1e9:.1f} GB/s per worker; link "
-        f"{cal.link['bandwidth'] / 1e9:.2f} GB/s, {cal.link['latency'] * 1e6:.0f} us"
-    )
-    print(
-        f"measured step  {res.step_time_s * 1e3:9.2f} ms  (median of {args.steps - res.warmup} "
-        f"after {res.warmup} warm-up; {res.messages} messages, "
-        f"{res.bytes_sent / 1e6:.2f} MB per step)"
-    )
-    print(
-        f"predicted step {predicted * 1e3:9.2f} ms  (simulator, calibrated local cluster; "
-        f"error {100 * out['error']:+.1f} %)"
-    )
-    return 0

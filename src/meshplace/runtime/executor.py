@@ -7,22 +7,29 @@ Design (docs/runtime.md):
   and inputs of the ops placed on it.
 * An fx node runs on the device of the OpGraph op that owns it; a view node runs where the
   tensor it views was produced, so what crosses devices is exactly the (view) tensor the
-  consumer reads.
-* Workers walk the fx graph in the same global order. A value needed on another device is
-  sent with a non-blocking ``isend`` as soon as it is produced and received with a blocking
-  ``recv`` at its first use. Tags are the producer's position in the graph, so messages
-  match regardless of arrival order. Deadlock freedom: by induction on the global order,
-  the producer of any awaited value never waits on anything later than it.
+  consumer reads (:func:`~meshplace.runtime.program.schedule_nodes`).
+* Workers walk the fx graph in the same global order, each its own nodes, with the one
+  node-by-node interpreter of the project
+  (:class:`~meshplace.runtime.program.StepInterpreter`). A value needed on another device
+  is sent with a non-blocking ``isend`` as soon as it is produced; every receive is posted
+  with ``irecv`` right after the step's barrier and waited for just before the first node
+  that reads it. Tags are the producer's position in the graph, so messages match
+  regardless of arrival order. Deadlock freedom: by induction on the global order, the
+  producer of any awaited value never waits on anything later than it.
 * Forward, backward and the optimizer update are one traced graph; a new parameter value
   computed on another device than the parameter's owner travels back at the end of the step.
 * Step time: every worker stamps ``time.perf_counter()`` (CLOCK_MONOTONIC, shared by the
   processes of one host) after a barrier and after its last send completed; a step is
   ``max(end) - min(start)``; the result is the median over the steps after warm-up.
 
-Faults: each worker publishes (current node, state, progress counter) in shared memory. The
-driver ends the run when a worker raises (its message comes back over a queue), exits
-(non-zero exit code) or makes no progress for ``hang_timeout`` seconds, and names the worker
-and the op; every worker is then terminated, killed if needed, and joined.
+Faults: each worker publishes (current node, state, step, awaited node) in shared memory.
+The driver ends the run when a worker raises (its message comes back over a queue), exits
+(non-zero exit code) or makes no progress for ``hang_timeout`` seconds, and names the
+worker and the op: a worker the kernel reports stopped (``SIGSTOP``, a debugger), else one
+stuck computing, else the one the others' receives wait on. Every worker is then
+terminated, killed if needed, and joined; workers also die with the driver if it is killed
+(:mod:`meshplace.runtime.processes`), and the run's temporary folder is removed however
+the run ends.
 
 Cost: O(nodes) Python dispatch per step per worker plus the tensors' compute and transfer.
 """
@@ -31,11 +38,12 @@ from __future__ import annotations
 
 import os
 import queue
+import shutil
+import signal
 import statistics
-import tempfile
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,14 +52,49 @@ import torch.multiprocessing as mp
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from meshplace.errors import InputError
-from meshplace.runtime.program import ModelSpec, TracedStep, trace_step
+from meshplace.runtime.processes import (
+    WorkerFailure,
+    die_with_parent,
+    is_stopped,
+    private_temp_folder,
+    stop_processes,
+)
+from meshplace.runtime.program import (
+    ModelSpec,
+    NodeSchedule,
+    StepInterpreter,
+    TracedStep,
+    on_device_kwargs,
+    schedule_nodes,
+    trace_step,
+)
+
+__all__ = [
+    "FAULT_KINDS",
+    "Fault",
+    "RunResult",
+    "WorkerFailure",
+    "finish_receive",
+    "natural_key",
+    "on_device_kwargs",
+    "ops_without_kernel",
+    "post_receive",
+    "resolve_worker_devices",
+    "run_placement",
+    "run_reference",
+    "send_value",
+    "transport_policy",
+    "yield_transport_threads",
+]
 
 # worker states published in shared memory
 _SETUP, _COMPUTE, _RECV, _SYNC, _DONE = 0, 1, 2, 3, 4
-# Each worker's three status words (current node, state, step) sit in their own 128 bytes of
-# the shared array: with all workers' words in one cache line, every per-node write would
-# take the line from the other workers' cores.
+# Each worker's status words sit in their own 128 bytes of the shared array (with all
+# workers' words in one cache line, every per-node write would take the line from the
+# other workers' cores): the node being run, the state, the step (1-based; 0 while
+# setting up) and, while receiving, the node whose value is awaited.
 _SLOT = 16
+_NODE, _STATE, _STEP, _AWAITED = 0, 1, 2, 3
 _STATE_NAMES = {
     _SETUP: "setting up",
     _COMPUTE: "computing",
@@ -60,15 +103,16 @@ _STATE_NAMES = {
     _DONE: "done",
 }
 
-
-class WorkerFailure(RuntimeError):
-    """A worker crashed, raised or hung; the message is one sentence naming it and the op."""
+#: What :class:`Fault` can inject.
+FAULT_KINDS = ("raise", "exit", "hang", "stop")
 
 
 @dataclass(frozen=True)
 class Fault:
-    """A fault to inject (tests): ``kind`` is ``raise``, ``exit`` or ``hang``; it fires when
-    the worker owning op ``op`` is about to run it at step ``step``."""
+    """A fault to inject (tests): ``kind`` is ``raise`` (an exception), ``exit``
+    (``os._exit(3)``), ``hang`` (sleeps for an hour) or ``stop`` (the worker sends itself
+    ``SIGSTOP``); it fires when the worker owning op ``op`` is about to run it at step
+    ``step``."""
 
     op: str
     kind: str = "raise"
@@ -114,45 +158,7 @@ class RunResult:
         }
 
 
-# ------------------------------------------------------------------ planning
-@dataclass
-class _Schedule:
-    """Per-node device and consumer devices, computed identically in every process."""
-
-    names: list[str]
-    device: list[int]
-    consumers: list[list[int]]
-
-
-def _schedule(step: TracedStep, op_device: Sequence[int]) -> _Schedule:
-    nodes = list(step.gm.graph.nodes)
-    pos = {n: i for i, n in enumerate(nodes)}
-    device = [0] * len(nodes)
-    for i, n in enumerate(nodes):
-        op = step.node_op.get(n.name)
-        if op is not None:
-            device[i] = int(op_device[op])
-        else:  # output node, or an orphan: follow the first input
-            ins = [a for a in n.all_input_nodes]
-            device[i] = device[pos[ins[0]]] if ins else 0
-    consumers: list[list[int]] = [[] for _ in nodes]
-    for i, n in enumerate(nodes):
-        if n.op == "output":
-            continue
-        for a in n.all_input_nodes:
-            j = pos[a]
-            if device[j] != device[i] and device[i] not in consumers[j]:
-                consumers[j].append(device[i])
-    for c in consumers:
-        c.sort()
-    return _Schedule([n.name for n in nodes], device, consumers)
-
-
 # ------------------------------------------------------------------ worker
-def _leaves(value: Any) -> list[torch.Tensor]:
-    return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
-
-
 def _wire(t: torch.Tensor) -> torch.Tensor:
     """The tensor as it travels: detached, contiguous, in host memory (gloo moves host
     buffers; a GPU worker's value is copied to the host here, which also waits for the
@@ -249,12 +255,16 @@ def _worker(
     traced: TracedStep | None = None,
     timeline: bool = False,
     device_name: str = "cpu",
+    parent_pid: int | None = None,
 ) -> None:
     import datetime
 
     import torch.distributed as dist
 
+    if parent_pid is not None:  # first: die with the driver, whatever happens next
+        die_with_parent(parent_pid, f"meshplace-w{rank}")
     torch.set_num_threads(threads)
+    sched: NodeSchedule | None = None
     try:
         device = torch.device(device_name)
         if device.type == "cuda":
@@ -263,7 +273,7 @@ def _worker(
             torch.backends.cuda.matmul.allow_tf32 = False
             torch.backends.cudnn.allow_tf32 = False
         step = traced if traced is not None else trace_step(spec)
-        sched = _schedule(step, op_device)
+        sched = schedule_nodes(step, op_device)
         store = dist.FileStore(store_path, world)
         dist.init_process_group(
             "gloo",
@@ -276,11 +286,22 @@ def _worker(
         _run_worker(rank, step, sched, steps, status, results, fault, want_params, timeline, device)
         dist.destroy_process_group()
     except BaseException as exc:  # report one sentence, then exit non-zero
-        where = _sched_name(status[_SLOT * rank], locals())
+        where = _node_at(sched, status, rank)
         results.put(("error", rank, where, f"{type(exc).__name__}: {exc}".splitlines()[0]))
         results.put(("trace", rank, traceback.format_exc()))
-        time.sleep(0.2)
+        # wait until the queue's feeder thread has written both messages, then go
+        results.close()
+        results.join_thread()
         os._exit(1)
+
+
+def _node_at(sched: NodeSchedule | None, status: Any, rank: int) -> str:
+    """The name of the node worker ``rank`` is at, or ``setup`` before its first step."""
+    base = _SLOT * rank
+    if sched is None or status[base + _STEP] == 0:
+        return "setup"
+    idx = int(status[base + _NODE])
+    return sched.names[idx] if 0 <= idx < len(sched.names) else "setup"
 
 
 TRANSPORT_POLICIES = ("idle", "nice", "normal")
@@ -352,16 +373,26 @@ def yield_transport_threads(policy: str | None = None) -> int:
     return changed
 
 
-def _sched_name(idx: int, scope: dict) -> str:
-    """Name of the node being run (or ``setup`` before the schedule exists)."""
-    sched = scope.get("sched")
-    return sched.names[idx] if sched is not None and idx < len(sched.names) else "setup"
+class _StepState:
+    """What the hooks of a worker's walk share within one step."""
+
+    __slots__ = ("bytes_sent", "events", "keep", "messages", "pending", "posted", "step", "wait")
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.posted: dict[int, list] = {}
+        self.events: list[tuple[int, float, float]] | None = None
+        self.keep: list[torch.Tensor] = []
+        self.pending: list[Any] = []
+        self.wait = 0.0
+        self.messages = 0
+        self.bytes_sent = 0
 
 
 def _run_worker(
     rank: int,
     step: TracedStep,
-    sched: _Schedule,
+    sched: NodeSchedule,
     steps: int,
     status: Any,
     results: Any,
@@ -375,23 +406,18 @@ def _run_worker(
     device = device or torch.device("cpu")
     on_gpu = device.type == "cuda"
     nodes = list(step.gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
     params, bufs, states, inputs = (
         [_to_device(x, device) for x in group] for group in step.initial_state()
     )
-    n_p, n_b, n_s = len(params), len(bufs), len(states)
+    n_p, n_b = len(params), len(bufs)
     placeholder_values: list[Any] = [*params, *bufs, *states, *inputs]
-    ph_index = {n.name: k for k, n in enumerate(nodes) if n.op == "placeholder"}
-    ph_order = [n.name for n in nodes if n.op == "placeholder"]
-    ph_pos = {name: i for i, name in enumerate(ph_order)}
-    del ph_index
-    output = nodes[-1]
-    out_nodes = tree_flatten(output.args[0])[0]
-    loss_node, new_param_nodes = out_nodes[0], out_nodes[1:]
+    out_nodes = tree_flatten(nodes[-1].args[0])[0]
+    loss_pos = pos[out_nodes[0]]
     # Which parameter each new value replaces: its update op names the parameter.
     pidx = {n: i for i, n in enumerate(step.param_names)}
-    updates: list[tuple[int, int]] = []  # (node position, param index)
-    pos = {n: i for i, n in enumerate(nodes)}
-    for nn in new_param_nodes:
+    updates: list[tuple[int, int]] = []  # (node position, placeholder index)
+    for nn in out_nodes[1:]:
         pname = (nn.meta.get("custom") or {}).get("param")
         if pname in pidx:
             updates.append((pos[nn], pidx[pname]))
@@ -399,106 +425,111 @@ def _run_worker(
     by_name = {n.name: i for i, n in enumerate(nodes)}
     for k, name in enumerate(step.state_nodes):
         updates.append((by_name[name], n_p + n_b + k))
-    ph_nodes = [i for i, n in enumerate(nodes) if n.op == "placeholder"]
     # placeholder index -> node position (parameters first, then buffers, states, inputs)
-    param_node_pos = dict(enumerate(ph_nodes))
-    mine = [i for i, d in enumerate(sched.device) if d == rank]
-    # (position, node, positions of its remote inputs | None for a placeholder); outputs skipped
-    program = [
-        (
-            i,
-            nodes[i],
-            None
-            if nodes[i].op == "placeholder"
-            else [pos[a] for a in nodes[i].all_input_nodes if sched.device[pos[a]] != rank],
-        )
-        for i in mine
-        if nodes[i].op in ("placeholder", "call_function")
-    ]
+    param_node_pos = dict(enumerate(i for i, n in enumerate(nodes) if n.op == "placeholder"))
+    mine = [i for i, d in enumerate(sched.device) if d == rank and nodes[i].op != "output"]
     # Factory ops traced with ``device=cpu`` (zeros, arange, empty, ...) create their
     # tensors on this worker's device instead.
-    node_kwargs = {i: on_device_kwargs(node.kwargs, device) for i, node, _ in program}
-    fault_pos = sched.names.index(fault.op) if fault is not None and fault.op in sched.names else -1
-    base = _SLOT * rank
-    records: list[tuple[float, float, float | None, float]] = []
-    bytes_sent = messages = 0
-
-    wait = [0.0]
-    # Every remote value this worker reads, with the leaf buffers to receive it into. gloo
-    # is a rendezvous protocol: a send moves no data until the receiver has posted the
-    # matching receive. Posting every receive with ``irecv`` right after the step's barrier
-    # lets each transfer run as soon as its producer sends, overlapping with compute here.
-    remote = sorted({j for _, _, ins in program if ins for j in ins})
+    interp = StepInterpreter(step.gm, mine, device=device)
+    # Every remote value this worker reads is waited for just before the first of its
+    # nodes that reads it.
+    first_reader: dict[int, list[int]] = {}
+    remote: set[int] = set()
+    for i in mine:
+        for a in nodes[i].all_input_nodes:
+            j = pos[a]
+            if sched.device[j] != rank and j not in remote:
+                remote.add(j)
+                first_reader.setdefault(i, []).append(j)
     examples = {j: nodes[j].meta.get("val") for j in remote}
     owned_updates = [
         (upos, p)
         for upos, p in updates
         if sched.device[param_node_pos[p]] == rank and sched.device[upos] != rank
     ]
+    base = _SLOT * rank
+    records: list[tuple] = []
+    st = _StepState()
 
     def post_receives() -> tuple[dict[int, list], dict[int, Any]]:
-        posted = {j: post_receive(examples[j], sched.device[j], j * 16) for j in remote}
+        # gloo is a rendezvous protocol: a send moves no data until the receiver has posted
+        # the matching receive. Posting every receive with ``irecv`` right after the step's
+        # barrier lets each transfer run as soon as its producer sends, overlapping with
+        # compute here.
+        posted = {j: post_receive(examples[j], sched.device[j], j * 16) for j in sorted(remote)}
         upd: dict[int, Any] = {}
         for upos, p in owned_updates:
             buf = torch.empty_like(placeholder_values[p], device="cpu")
             upd[p] = (buf, dist.irecv(buf, src=sched.device[upos], tag=(len(nodes) + p) * 16))
         return posted, upd
 
-    def recv(j: int, env: dict, posted: dict[int, list]) -> None:
-        status[base + 1] = _RECV
-        tw = time.perf_counter()
-        env[j] = finish_receive(examples[j], posted.pop(j), device)
-        wait[0] += time.perf_counter() - tw
-        status[base + 1] = _COMPUTE
+    def receive(i: int, env: list) -> None:
+        for j in first_reader[i]:
+            status[base + _AWAITED] = j
+            status[base + _STATE] = _RECV
+            start = time.perf_counter()
+            env[j] = finish_receive(examples[j], st.posted.pop(j), device)
+            end = time.perf_counter()
+            st.wait += end - start
+            status[base + _STATE] = _COMPUTE
+            if st.events is not None:
+                st.events.append((-1 - j, start, end))
+
+    def inject(i: int, env: list) -> None:
+        assert fault is not None
+        if st.step == fault.step:
+            _inject(fault)
+
+    def receive_then_inject(i: int, env: list) -> None:
+        receive(i, env)
+        inject(i, env)
+
+    def send(i: int, env: list) -> None:
+        value = env[i]
+        for d in sched.consumers[i]:
+            m, b = send_value(value, d, i * 16, st.keep, st.pending)
+            if st.step == 0:
+                st.messages += m
+                st.bytes_sent += b
+
+    def stamp(i: int, env: list) -> None:
+        if on_gpu:  # a node's span on a GPU: until its kernels have finished
+            torch.cuda.synchronize(device)
+        assert st.events is not None
+        st.events.append((i, 0.0, time.perf_counter()))
+
+    before: dict[int, Any] = {i: receive for i in first_reader}
+    fault_pos = sched.names.index(fault.op) if fault is not None and fault.op in sched.names else -1
+    if fault_pos in mine:
+        before[fault_pos] = receive_then_inject if fault_pos in first_reader else inject
+    after = {i: send for i in mine if sched.consumers[i]}
 
     for s in range(steps):
-        env: dict[int, Any] = {}
-        pending: list[Any] = []
-        keep: list[torch.Tensor] = []
-        status[base + 2] = s + 1
-        status[base + 1] = _SYNC
+        st.step = s
+        st.keep, st.pending, st.wait = [], [], 0.0
+        st.events = [] if timeline else None
+        status[base + _STEP] = s + 1
+        status[base + _STATE] = _SYNC
         dist.barrier()
         if on_gpu:
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
-        status[base + 1] = _COMPUTE
-        posted, upd = post_receives()
-        events: list[tuple[int, float, float]] | None = [] if timeline else None
-        for i, node, ins in program:
-            status[base] = i  # the one shared-memory write per node
-            if ins is None:
-                value = placeholder_values[ph_pos[node.name]]
-            else:
-                for j in ins:
-                    if j not in env:
-                        if events is not None:
-                            tr = time.perf_counter()
-                            recv(j, env, posted)
-                            events.append((-1 - j, tr, time.perf_counter()))
-                        else:
-                            recv(j, env, posted)
-                if i == fault_pos and s == fault.step:
-                    _inject(fault)
-                args = torch.fx.node.map_arg(node.args, lambda a, env=env: env[pos[a]])
-                kwargs = torch.fx.node.map_arg(node_kwargs[i], lambda a, env=env: env[pos[a]])
-                value = node.target(*args, **kwargs)
-            env[i] = value
-            for d in sched.consumers[i]:
-                m, b = send_value(value, d, i * 16, keep, pending)
-                if s == 0:
-                    messages += m
-                    bytes_sent += b
-            if events is not None:
-                if on_gpu:  # a node's span on a GPU: until its kernels have finished
-                    torch.cuda.synchronize(device)
-                events.append((i, 0.0, time.perf_counter()))
+        status[base + _STATE] = _COMPUTE
+        st.posted, upd = post_receives()
+        env = interp.walk(
+            placeholder_values,
+            before=before,
+            after=after,
+            each=stamp if timeline else None,
+            mark=(status, base + _NODE),
+        )
         # New parameter and optimizer-state values: to the owner of the placeholder.
         for upos, p in updates:
             owner = sched.device[param_node_pos[p]]
             if sched.device[upos] == rank and owner != rank:
                 w = _wire(env[upos])
-                keep.append(w)
-                pending.append(dist.isend(w, dst=owner, tag=(len(nodes) + p) * 16))
+                st.keep.append(w)
+                st.pending.append(dist.isend(w, dst=owner, tag=(len(nodes) + p) * 16))
         for upos, p in updates:
             owner = sched.device[param_node_pos[p]]
             if owner != rank:
@@ -506,22 +537,21 @@ def _run_worker(
             if sched.device[upos] == rank:
                 new = env[upos]
             else:
-                status[base + 1] = _RECV
+                status[base + _AWAITED] = upos
+                status[base + _STATE] = _RECV
                 new, work = upd[p]
                 work.wait()
                 new = _to_device(new, device)
             placeholder_values[p] = new.detach()
-        status[base + 1] = _SYNC
-        for w in pending:
+        status[base + _STATE] = _SYNC
+        for w in st.pending:
             w.wait()
         if on_gpu:
             torch.cuda.synchronize(device)
         t1 = time.perf_counter()
-        loss_pos = pos[loss_node]
         loss = float(env[loss_pos]) if sched.device[loss_pos] == rank else None
-        records.append((t0, t1, loss, t1 - t0 - wait[0], wait[0], events))
-        wait[0] = 0.0
-    status[base + 1] = _DONE
+        records.append((t0, t1, loss, t1 - t0 - st.wait, st.wait, st.events))
+    status[base + _STATE] = _DONE
     dist.barrier()
     params_out = None
     if want_params:
@@ -530,27 +560,11 @@ def _run_worker(
             for p in range(n_p)
             if sched.device[param_node_pos[p]] == rank
         }
-    del n_s
-    results.put(("ok", rank, records, params_out, bytes_sent, messages))
+    results.put(("ok", rank, records, params_out, st.bytes_sent, st.messages))
 
 
 def _to_device(x: Any, device: torch.device) -> Any:
     return x.to(device) if torch.is_tensor(x) and x.device != device else x
-
-
-def on_device_kwargs(kwargs: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    """``kwargs`` of a traced node with any ``device`` argument (factory ops traced on the
-    host: ``zeros``, ``arange``, ``empty``, ...) replaced by ``device``.
-
-    >>> on_device_kwargs({"dtype": torch.float32, "device": torch.device("cpu")},
-    ...                  torch.device("meta"))["device"]
-    device(type='meta')
-    >>> on_device_kwargs({"dim": 0}, torch.device("meta"))
-    {'dim': 0}
-    """
-    if "device" not in kwargs or kwargs["device"] is None:
-        return kwargs
-    return {**kwargs, "device": device}
 
 
 def _inject(fault: Fault) -> None:
@@ -558,6 +572,9 @@ def _inject(fault: Fault) -> None:
         os._exit(3)
     if fault.kind == "hang":
         time.sleep(3600)
+    if fault.kind == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return
     raise RuntimeError(f"injected fault in op {fault.op!r}")
 
 
@@ -595,12 +612,19 @@ def run_placement(
     ``timeline=True`` records every node's span in every worker (``RunResult.timelines``).
     ``spec`` may be ``None`` when ``step`` is given and the workers are forked.
 
-    Raises :class:`WorkerFailure` (one sentence naming the worker and op) when a worker
-    raises, exits or makes no progress for ``hang_timeout`` seconds, and
-    :class:`~meshplace.errors.InputError` for bad arguments. No worker outlives the call.
+    Raises :class:`WorkerFailure` (one sentence naming the worker and op; its attributes
+    say the same) when a worker raises, exits, is stopped or makes no progress for
+    ``hang_timeout`` seconds (``setup_timeout`` before the first step), and
+    :class:`~meshplace.errors.InputError` for bad arguments. No worker outlives the call,
+    nor the calling process if it is killed; the run's temporary folder is removed.
     """
-    if steps < 1:
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise InputError(f"steps must be a positive integer, got {steps}")
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise InputError(f"warmup must be an integer >= 0, got {warmup}")
+    for what, value in (("hang_timeout", hang_timeout), ("setup_timeout", setup_timeout)):
+        if not (isinstance(value, int | float) and 0 < value < float("inf")):
+            raise InputError(f"{what} must be a positive number of seconds, got {value}")
     if spec is None and (step is None or start_method != "fork"):
         raise InputError("run_placement needs a ModelSpec unless a traced step is forked")
     step = step or trace_step(spec)
@@ -613,8 +637,11 @@ def run_placement(
     rank_of = {d: r for r, d in enumerate(names)}
     op_device = [rank_of[d] for d in devices]
     world = len(names)
-    if fault is not None and fault.op not in {n.name for n in step.gm.graph.nodes}:
-        raise InputError(f"fault names op {fault.op!r}, which the traced graph does not have")
+    if fault is not None:
+        if fault.op not in {n.name for n in step.gm.graph.nodes}:
+            raise InputError(f"fault names op {fault.op!r}, which the traced graph does not have")
+        if fault.kind not in FAULT_KINDS:
+            raise InputError(f"fault kind {fault.kind!r} is not one of {', '.join(FAULT_KINDS)}")
 
     if start_method not in ("spawn", "fork"):
         raise InputError(f"start_method must be 'spawn' or 'fork', got {start_method!r}")
@@ -635,51 +662,59 @@ def run_placement(
                 f"{_count(len(missing), 'op')} of the traced step cannot run on a GPU "
                 f"(first: {missing[0]!r}, {target}): the step was traced on the host"
             )
+    sched = schedule_nodes(step, op_device)
     ctx = mp.get_context(start_method)
     status = ctx.Array("q", _SLOT * world, lock=False)
     results = ctx.Queue()
-    tmp = tempfile.mkdtemp(prefix="meshplace-run-")
-    store_path = os.path.join(tmp, "store")
-    procs = [
-        ctx.Process(
-            target=_worker,
-            args=(
-                r,
-                world,
-                spec,
-                op_device,
-                steps,
-                store_path,
+    with private_temp_folder("meshplace-run-") as tmp:
+        store_path = os.path.join(tmp, "store")
+        procs = [
+            ctx.Process(
+                target=_worker,
+                args=(
+                    r,
+                    world,
+                    spec,
+                    op_device,
+                    steps,
+                    store_path,
+                    status,
+                    results,
+                    fault,
+                    want_params,
+                    threads,
+                    max(hang_timeout, 5.0) * 4,
+                    step if start_method == "fork" else None,
+                    timeline,
+                    where[r],
+                    os.getpid(),
+                ),
+                daemon=True,
+                name=f"meshplace-worker-{r}",
+            )
+            for r in range(world)
+        ]
+        try:
+            for p in procs:
+                p.start()
+            # once every worker has joined the group the store is no longer read: remove it
+            # then, so that not even a SIGKILL of this process leaves the folder behind
+            ok = _collect(
+                procs,
                 status,
                 results,
-                fault,
-                want_params,
-                threads,
-                max(hang_timeout, 5.0) * 4,
-                step if start_method == "fork" else None,
-                timeline,
-                where[r],
-            ),
-            daemon=True,
-            name=f"meshplace-worker-{r}",
-        )
-        for r in range(world)
-    ]
-    node_names = [n.name for n in step.gm.graph.nodes]
-    try:
-        for p in procs:
-            p.start()
-        ok = _collect(procs, status, results, world, names, node_names, hang_timeout, setup_timeout)
-    except WorkerFailure as exc:
-        exc.pids = [p.pid for p in procs if p.pid is not None]  # type: ignore[attr-defined]
-        raise
-    finally:
-        _stop(procs)
-        try:
-            os.remove(store_path)
-            os.rmdir(tmp)
-        except OSError:
-            pass
+                names,
+                sched,
+                hang_timeout,
+                setup_timeout,
+                on_started=lambda: shutil.rmtree(tmp, ignore_errors=True),
+            )
+        except WorkerFailure as exc:
+            exc.pids = [p.pid for p in procs if p.pid is not None]
+            raise
+        finally:
+            stop_processes(procs)
+            results.close()
     return _assemble(ok, names, steps, warmup, want_params)
 
 
@@ -776,15 +811,20 @@ def _collect(
     procs: list,
     status: Any,
     results: Any,
-    world: int,
     names: list[str],
-    node_names: list[str],
+    sched: NodeSchedule,
     hang_timeout: float,
     setup_timeout: float,
+    on_started: Callable[[], Any] | None = None,
 ) -> dict[int, tuple]:
+    """Gather every worker's result; raise :class:`WorkerFailure` as soon as one fails,
+    exits, or all stall (see :func:`_stall_failure`). ``on_started()`` runs once every
+    worker has begun its first step."""
+    world = len(procs)
     ok: dict[int, tuple] = {}
     errors: dict[int, tuple[str, str]] = {}
-    last = [-1] * world
+    traces: dict[int, str] = {}
+    last: list[tuple[int, int]] = []
     last_change = time.monotonic()
     while len(ok) < world:
         try:
@@ -794,35 +834,103 @@ def _collect(
         if msg is not None:
             if msg[0] == "ok":
                 ok[msg[1]] = msg
+            elif msg[0] == "trace":
+                traces[msg[1]] = msg[2]
             elif msg[0] == "error":
                 errors[msg[1]] = (msg[2], msg[3])
-                _diagnose(procs, status, results, names, node_names, errors)
+                _diagnose(procs, status, results, names, sched, errors, traces)
             continue
         if any(p.exitcode not in (None, 0) for r, p in enumerate(procs) if r not in ok):
-            _diagnose(procs, status, results, names, node_names, errors)
+            _diagnose(procs, status, results, names, sched, errors, traces)
         now = time.monotonic()
-        progress = [(status[_SLOT * r], status[_SLOT * r + 2]) for r in range(world)]
+        progress = [(status[_SLOT * r + _NODE], status[_SLOT * r + _STEP]) for r in range(world)]
         if progress != last:
             last = progress
             last_change = now
+            if on_started is not None and all(step >= 1 for _, step in progress):
+                on_started()
+                on_started = None
             continue
-        in_setup = all(status[_SLOT * r + 2] == 0 for r in range(world))
+        in_setup = all(status[_SLOT * r + _STEP] == 0 for r in range(world))
+        stalled = now - last_change
+        if stalled > hang_timeout:
+            # a stopped worker makes no progress, set up or not: name it at once
+            for r, p in enumerate(procs):
+                if r not in ok and is_stopped(p.pid):
+                    raise _failure(
+                        r,
+                        names,
+                        sched,
+                        status,
+                        "stopped",
+                        f"hung: it is stopped (SIGSTOP or a debugger), no progress for "
+                        f"{hang_timeout:g} s while {_doing(sched, status, r)}",
+                    )
         limit = setup_timeout if in_setup else hang_timeout
-        if now - last_change > limit:
+        if stalled > limit:
             if in_setup:
                 raise WorkerFailure(
-                    f"the workers did not start within {limit:g} s (tracing or rendezvous hung)"
+                    f"the workers did not start within {limit:g} s (tracing or rendezvous hung)",
+                    cause="setup",
                 )
-            stuck = [r for r in range(world) if status[_SLOT * r + 1] == _COMPUTE] or list(
-                range(world)
-            )
-            r = stuck[0]
-            raise WorkerFailure(
-                f"worker {r} ({names[r]}) hung: no progress for {limit:g} s while "
-                f"{_STATE_NAMES.get(int(status[_SLOT * r + 1]), 'running')} op "
-                f"{node_names[status[_SLOT * r]]!r}"
-            )
+            running = [r for r in range(world) if r not in ok]
+            raise _stall_failure(names, sched, status, running, limit)
     return ok
+
+
+def _doing(sched: NodeSchedule, status: Any, rank: int) -> str:
+    """What worker ``rank`` was doing, from its status words: ``computing op 'add_1'``,
+    ``waiting to receive op 'mm'`` (the op it receives for), ``setting up``."""
+    base = _SLOT * rank
+    if status[base + _STEP] == 0:
+        return "setting up"
+    state = _STATE_NAMES.get(int(status[base + _STATE]), "running")
+    return f"{state} op {_node_at(sched, status, rank)!r}"
+
+
+def _failure(
+    rank: int, names: list[str], sched: NodeSchedule, status: Any, cause: str, text: str
+) -> WorkerFailure:
+    op = _node_at(sched, status, rank)
+    return WorkerFailure(
+        f"worker {rank} ({names[rank]}) {text}",
+        worker=rank,
+        device=names[rank],
+        op=None if op == "setup" else op,
+        cause=cause,
+    )
+
+
+def _stall_failure(
+    names: list[str], sched: NodeSchedule, status: Any, running: list[int], limit: float
+) -> WorkerFailure:
+    """Blame for a run in which no worker made progress: a worker stuck computing an op;
+    else the worker that a waiting receiver's chain of awaited values ends at (a receiving
+    worker waits on the producer of the value it awaits); else the worker furthest
+    behind."""
+    state = {r: int(status[_SLOT * r + _STATE]) for r in running}
+    computing = [r for r in running if state[r] == _COMPUTE]
+    waiter: int | None = None
+    if computing:
+        culprit = computing[0]
+    else:
+        receiving = [r for r in running if state[r] == _RECV]
+        if receiving:
+            culprit, chain = receiving[0], [receiving[0]]
+            while state.get(culprit) == _RECV:
+                awaited = int(status[_SLOT * culprit + _AWAITED])
+                producer = sched.device[awaited] if 0 <= awaited < len(sched.device) else culprit
+                if producer in chain or producer not in state:
+                    break
+                waiter, culprit = culprit, producer
+                chain.append(culprit)
+        else:
+            culprit = min(running, key=lambda r: (status[_SLOT * r + _STEP], r))
+    text = f"hung: no progress for {limit:g} s while {_doing(sched, status, culprit)}"
+    if waiter is not None:
+        awaited = int(status[_SLOT * waiter + _AWAITED])
+        text += f" (worker {waiter} waits for its value of {sched.names[awaited]!r})"
+    return _failure(culprit, names, sched, status, "hung", text)
 
 
 _COMM_WORDS = ("connection", "gloo", "closed", "timed out", "timeout", "distbackenderror", "peer")
@@ -833,48 +941,68 @@ def _diagnose(
     status: Any,
     results: Any,
     names: list[str],
-    node_names: list[str],
+    sched: NodeSchedule,
     errors: dict[int, tuple[str, str]],
+    traces: dict[int, str],
 ) -> None:
     """Find the worker that failed first and raise :class:`WorkerFailure` naming it.
 
-    A worker that loses a peer fails too (its receive errors out), so wait a moment, gather
-    every report and exit code, and prefer, in order: an error that is not a communication
-    error, a worker that died without a report (``os._exit``, a signal), any error."""
+    A worker that loses a peer fails too (its receive errors out), so gather every report
+    and exit code until each worker has reported or exited (at most half a second), and
+    prefer, in order: an error that is not a communication error, a worker that died
+    without a report (``os._exit``, a signal), any error."""
     deadline = time.monotonic() + 0.5
     while time.monotonic() < deadline:
+        if all(r in errors or p.exitcode is not None for r, p in enumerate(procs)):
+            break
         try:
             m = results.get(timeout=0.05)
         except queue.Empty:
             continue
         if m[0] == "error":
             errors[m[1]] = (m[2], m[3])
+        elif m[0] == "trace":
+            traces[m[1]] = m[2]
+    blamed: WorkerFailure | None = None
     for r, (where, text) in sorted(errors.items()):
         if not any(w in text.lower() for w in _COMM_WORDS):
-            raise WorkerFailure(f"worker {r} ({names[r]}) failed in op {where!r}: {text}")
-    for r, p in enumerate(procs):
-        if p.exitcode not in (None, 0) and r not in errors:
-            op = node_names[status[_SLOT * r]] if status[_SLOT * r + 2] else "setup"
-            raise WorkerFailure(
-                f"worker {r} ({names[r]}) exited with code {p.exitcode} while running op {op!r}"
-            )
-    if errors:
+            blamed = _reported(r, names, where, text)
+            break
+    if blamed is None:
+        for r, p in enumerate(procs):
+            if p.exitcode not in (None, 0) and r not in errors:
+                code = p.exitcode
+                how = (
+                    f"was killed by {signal.Signals(-code).name}"
+                    if code < 0 and -code in signal.valid_signals()
+                    else f"exited with code {code}"
+                )
+                blamed = _failure(
+                    r,
+                    names,
+                    sched,
+                    status,
+                    "exited",
+                    f"{how} while running op {_node_at(sched, status, r)!r}",
+                )
+                break
+    if blamed is None and errors:
         r, (where, text) = sorted(errors.items())[0]
-        raise WorkerFailure(f"worker {r} ({names[r]}) failed in op {where!r}: {text}")
+        blamed = _reported(r, names, where, text)
+    if blamed is not None:
+        if blamed.worker is not None and blamed.worker in traces:
+            blamed.details = traces[blamed.worker]  # type: ignore[attr-defined]
+        raise blamed
 
 
-def _stop(procs: list) -> None:
-    """Terminate, then kill, then join every worker: no orphans."""
-    procs = [p for p in procs if p.pid is not None]  # started ones only
-    for p in procs:
-        if p.is_alive():
-            p.terminate()
-    deadline = time.monotonic() + 3.0
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-        if p.is_alive():
-            p.kill()
-            p.join(2.0)
+def _reported(rank: int, names: list[str], where: str, text: str) -> WorkerFailure:
+    return WorkerFailure(
+        f"worker {rank} ({names[rank]}) failed in op {where!r}: {text}",
+        worker=rank,
+        device=names[rank],
+        op=None if where == "setup" else where,
+        cause="raised",
+    )
 
 
 def _assemble(
@@ -926,7 +1054,8 @@ def run_reference(
     step: TracedStep, steps: int, threads: int = 1
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Run the unplaced traced step in this process (``threads`` intra-op threads, like the
-    workers, so reductions round alike): losses per step and final parameters."""
+    workers, so reductions round alike), node by node with the workers' interpreter:
+    losses per step and final parameters."""
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -939,24 +1068,16 @@ def _reference(step: TracedStep, steps: int) -> tuple[list[float], dict[str, tor
     params, bufs, states, inputs = step.initial_state()
     losses = []
     index = {n: i for i, n in enumerate(step.param_names)}
-    nodes = list(step.gm.graph.nodes)
-    pos = {n: i for i, n in enumerate(nodes)}
-    out_nodes = tree_flatten(nodes[-1].args[0])[0]
+    interp = StepInterpreter(step.gm)
+    pos = interp.position
+    out_nodes = tree_flatten(interp.nodes[-1].args[0])[0]
     order = [index[(n.meta.get("custom") or {}).get("param")] for n in out_nodes[1:]]
-    by_name = {n.name: i for i, n in enumerate(nodes)}
+    by_name = {n.name: i for i, n in enumerate(interp.nodes)}
     state_pos = [by_name[name] for name in step.state_nodes]
     for _ in range(steps):
-        # the graph node by node (as the workers walk it), keeping every value: the new
-        # optimizer state is read from its nodes, since the step does not return it
-        values = iter([*params, *bufs, *states, *inputs])
-        env: list[Any] = [None] * len(nodes)
-        for i, node in enumerate(nodes):
-            if node.op == "placeholder":
-                env[i] = next(values)
-            elif node.op == "call_function":
-                args = torch.fx.node.map_arg(node.args, lambda a, env=env: env[pos[a]])
-                kwargs = torch.fx.node.map_arg(node.kwargs, lambda a, env=env: env[pos[a]])
-                env[i] = node.target(*args, **kwargs)
+        # every value is kept: the new optimizer state is read from its nodes, since the
+        # step does not return it
+        env = interp.walk([*params, *bufs, *states, *inputs])
         losses.append(float(env[pos[out_nodes[0]]]))
         for k, nn in zip(order, out_nodes[1:]):
             params[k] = env[pos[nn]].detach()

@@ -13,6 +13,12 @@ rebuild and re-trace the model itself (make_fx is deterministic: node names matc
 processes). Real parameters are created deterministically from a seed
 (:func:`materialize`), whatever device the model was built on.
 
+Two pieces every consumer of a traced step shares live here, below both the runtime and
+the profiler: :class:`StepInterpreter`, the one node-by-node walker of the fx graph (the
+runtime's workers, the unplaced reference run, calibration's op timing and message
+micro-benchmarks all run it), and :func:`schedule_nodes`, which fx node runs on which
+worker under a placement.
+
 Example
 -------
 >>> spec = ModelSpec("mlp", batch=4)
@@ -26,12 +32,15 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import math
-from collections.abc import Callable
+import signal
+import threading
+from collections.abc import Callable, Iterable, Mapping, MutableSequence, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.fx.node import map_arg
 
 from meshplace.errors import InputError
 from meshplace.graph.ir import OpGraph
@@ -143,6 +152,17 @@ SMALL_MODELS: dict[str, Callable[[int, str | None], tuple[torch.nn.Module, tuple
     "transformer-small": _transformer_small,
     "resnet-small": _resnet_small,
 }
+#: The sizes each small model has (the first is the default).
+SMALL_MODEL_SIZES: dict[str, tuple[str, ...]] = {
+    "mlp": ("small", "medium", "large"),
+    "nmt-small": ("small", "tiny"),
+    "dmcca-small": ("small", "tiny"),
+    "rnnlm-small": ("small",),
+    "transformer-small": ("small",),
+    "resnet-small": ("small",),
+}
+# dmcca's covariances divide by batch - 1
+_SMALL_MIN_BATCH = {"dmcca-small": 2}
 _SMALL_DEFAULT_BATCH = 4
 
 
@@ -150,23 +170,40 @@ _SMALL_DEFAULT_BATCH = 4
 class ModelSpec:
     """A picklable name for a model: a small runtime model (:data:`SMALL_MODELS`), a
     reference workload (``resnet50``…, built on the meta device and materialized) or a
-    ``file.py:fn`` whose ``fn()`` returns ``(model, example_inputs)``."""
+    ``file.py:fn`` whose ``fn()`` returns ``(model, example_inputs)``.
+
+    ``build_timeout_s`` bounds the user's ``fn()`` (``None``: no bound); see
+    :meth:`build`."""
 
     name: str
     batch: int | None = None
     size: str | None = None
     optimizer: str = "adam"
     seed: int = 0
+    build_timeout_s: float | None = None
 
     def build(self) -> tuple[torch.nn.Module, tuple, str]:
-        """``(model, example_inputs, graph_name)``; inputs may be on the meta device."""
+        """``(model, example_inputs, graph_name)``; inputs may be on the meta device.
+
+        Raises :class:`RuntimeInputError` (one sentence) for a size or batch the model does
+        not have, and for a ``file.py:fn`` that fails: ``fn()`` raises, returns something
+        else than a ``(model, example_inputs)`` pair, calls ``sys.exit`` (at import or in
+        ``fn``), or does not return within ``build_timeout_s`` seconds (checked in the main
+        thread only, where a timer signal can interrupt it)."""
         if self.name in SMALL_MODELS:
+            self._check_small()
             batch = self.batch if self.batch is not None else _SMALL_DEFAULT_BATCH
             torch.manual_seed(self.seed)
             model, inputs = SMALL_MODELS[self.name](batch, self.size)
             return model, inputs, self.name
         if ".py:" in self.name:
-            return (*_from_python(self.name), Path(self.name.rpartition(":")[0]).stem)
+            if self.batch is not None or self.size is not None:
+                raise RuntimeInputError(
+                    f"{self.name}: batch and size apply to named models; set them inside "
+                    "your build function"
+                )
+            built = _from_python(self.name, self.build_timeout_s)
+            return (*built, Path(self.name.rpartition(":")[0]).stem)
         from meshplace import models
 
         w = models.get(self.name, batch=self.batch, size=self.size)
@@ -174,6 +211,21 @@ class ModelSpec:
             self.name if len(models.available()[self.name]) == 1 else (f"{self.name}-{w.size}")
         )
         return w.model, tuple(w.example_inputs), graph_name
+
+    def _check_small(self) -> None:
+        sizes = SMALL_MODEL_SIZES[self.name]
+        if self.size is not None and self.size not in sizes:
+            raise RuntimeInputError(
+                f"model {self.name!r} has no size {self.size!r}; choose one of {', '.join(sizes)}"
+            )
+        least = _SMALL_MIN_BATCH.get(self.name, 1)
+        if self.batch is not None and (
+            isinstance(self.batch, bool) or not isinstance(self.batch, int) or self.batch < least
+        ):
+            wanted = "a positive integer" if least == 1 else f"an integer >= {least}"
+            raise RuntimeInputError(
+                f"the batch size of model {self.name!r} must be {wanted}, got {self.batch!r}"
+            )
 
 
 def known_models() -> list[str]:
@@ -183,10 +235,78 @@ def known_models() -> list[str]:
     return [*SMALL_MODELS, *models.available()]
 
 
-def _from_python(spec: str) -> tuple[torch.nn.Module, tuple]:
+class _BuildTimeout(BaseException):
+    """Raised by the timer signal in a build that runs too long (a ``BaseException``, so
+    a user's ``except Exception`` cannot swallow it)."""
+
+
+def call_with_timeout(fn: Callable[[], Any], timeout_s: float | None, what: str) -> Any:
+    """``fn()``, interrupted after ``timeout_s`` seconds with a :class:`RuntimeInputError`
+    saying ``"{what} did not return within ... s"``. The bound is a timer signal
+    (``SIGALRM``), so it holds in the main thread of a POSIX process for Python code and
+    sleeps; elsewhere, or with ``timeout_s=None``, ``fn()`` runs unbounded.
+
+    >>> call_with_timeout(lambda: 42, 1.0, "f()")
+    42
+    """
+    if (
+        timeout_s is None
+        or not hasattr(signal, "setitimer")
+        or threading.current_thread() is not threading.main_thread()
+    ):
+        return fn()
+
+    def on_alarm(signum: int, frame: Any) -> None:
+        raise _BuildTimeout
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, float(timeout_s))
+    try:
+        return fn()
+    except _BuildTimeout:
+        raise RuntimeInputError(f"{what} did not return within {timeout_s:g} s") from None
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _from_python(spec: str, timeout_s: float | None = None) -> tuple[torch.nn.Module, tuple]:
+    """Import ``FILE.py``, call its build function (bounded by ``timeout_s``) and check
+    what it returns; every failure of the user's code is one sentence."""
     from meshplace.graph.sources import load_build_function
 
-    model, inputs = load_build_function(spec)()
+    path, _, fn_name = spec.rpartition(":")
+    try:
+        fn = call_with_timeout(lambda: load_build_function(spec), timeout_s, f"importing {path}")
+    except SystemExit as exc:
+        raise RuntimeInputError(
+            f"{spec}: importing the file called sys.exit({exc.code!r}); a model file must "
+            "define its build function without exiting"
+        ) from None
+    try:
+        built = call_with_timeout(fn, timeout_s, f"{spec}: {fn_name}()")
+    except SystemExit as exc:
+        raise RuntimeInputError(
+            f"{spec}: {fn_name}() called sys.exit({exc.code!r}) instead of returning "
+            "(model, example_inputs)"
+        ) from None
+    except InputError:
+        raise
+    except Exception as exc:  # the user's builder failed: one sentence, no traceback
+        text = str(exc).strip().splitlines()
+        raise RuntimeInputError(
+            f"{spec}: {fn_name}() failed with {type(exc).__name__}"
+            + (f": {text[0]}" if text else "")
+        ) from None
+    if not (isinstance(built, tuple | list) and len(built) == 2):
+        raise RuntimeInputError(
+            f"{spec}: {fn_name}() must return (model, example_inputs), got {type(built).__name__}"
+        )
+    model, inputs = built
+    if not isinstance(model, torch.nn.Module):
+        raise RuntimeInputError(
+            f"{spec}: {fn_name}() must return a torch.nn.Module first, got {type(model).__name__}"
+        )
     return model, tuple(inputs) if isinstance(inputs, tuple | list) else (inputs,)
 
 
@@ -337,3 +457,225 @@ def _trace(model: torch.nn.Module, example: tuple, name: str, spec: ModelSpec) -
         model, example, training=True, name=name, optimizer=spec.optimizer, meta={"runtime": True}
     )
     return step.graph, step.gm, step.node_op, step.param_names, step.buffer_names, step.n_state
+
+
+# ---------------------------------------------------------------- schedule
+@dataclass
+class NodeSchedule:
+    """Where every fx node of a traced step runs under a placement: computed identically
+    in the driver, in every worker and in the calibration's message accounting.
+
+    Attributes:
+        names: fx node names, in graph order.
+        device: per node, the worker (rank) that runs it: the worker of the OpGraph op
+            that owns it; a node no op owns (the output node, an orphan) follows its first
+            input, else worker 0.
+        consumers: per node, the other workers that read its value (sorted).
+    """
+
+    names: list[str]
+    device: list[int]
+    consumers: list[list[int]]
+
+
+def schedule_nodes(step: TracedStep, op_device: Sequence[int]) -> NodeSchedule:
+    """The :class:`NodeSchedule` of ``step`` with OpGraph op *i* on worker
+    ``op_device[i]``. O(fx nodes + fx edges).
+
+    >>> step = trace_step(ModelSpec("mlp", batch=2))
+    >>> sched = schedule_nodes(step, [0] * step.graph.num_ops)
+    >>> set(sched.device), any(sched.consumers)
+    ({0}, False)
+    """
+    nodes = list(step.gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    device = [0] * len(nodes)
+    for i, n in enumerate(nodes):
+        op = step.node_op.get(n.name)
+        if op is not None:
+            device[i] = int(op_device[op])
+        else:  # output node, or an orphan: follow the first input
+            ins = n.all_input_nodes
+            device[i] = device[pos[ins[0]]] if ins else 0
+    consumers: list[list[int]] = [[] for _ in nodes]
+    for i, n in enumerate(nodes):
+        if n.op == "output":
+            continue
+        for a in n.all_input_nodes:
+            j = pos[a]
+            if device[j] != device[i] and device[i] not in consumers[j]:
+                consumers[j].append(device[i])
+    for c in consumers:
+        c.sort()
+    return NodeSchedule([n.name for n in nodes], device, consumers)
+
+
+# ---------------------------------------------------------------- interpreter
+#: A per-node hook of :meth:`StepInterpreter.walk`: called with the node's position and
+#: the list of values (``env[i]`` is node *i*'s value once it has run).
+NodeHook = Callable[[int, list], Any]
+
+_CALL, _PLACEHOLDER, _GENERIC = 0, 1, 2
+_NO_HOOKS: Mapping[int, NodeHook] = {}
+
+
+def on_device_kwargs(kwargs: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
+    """``kwargs`` of a traced node with any ``device`` argument (factory ops traced on the
+    host: ``zeros``, ``arange``, ``empty``, ...) replaced by ``device``.
+
+    >>> on_device_kwargs({"dtype": torch.float32, "device": torch.device("cpu")},
+    ...                  torch.device("meta"))["device"]
+    device(type='meta')
+    >>> on_device_kwargs({"dim": 0}, torch.device("meta"))
+    {'dim': 0}
+    """
+    if "device" not in kwargs or kwargs["device"] is None:
+        return dict(kwargs)
+    return {**kwargs, "device": device}
+
+
+class StepInterpreter(torch.fx.Interpreter):
+    """Run a traced step's fx graph node by node, in graph order, with per-node hooks:
+    the one interpreter behind the runtime's workers (each runs its own nodes, receiving
+    and sending around them), the unplaced reference run, and calibration's op timing and
+    message micro-benchmarks.
+
+    It is a :class:`torch.fx.Interpreter` and keeps its semantics — placeholders take the
+    step's flattened arguments in order (``params, buffers, states, inputs``), ``get_attr``,
+    ``call_module`` and ``call_method`` nodes go through the Interpreter's methods, and the
+    inherited :meth:`~torch.fx.Interpreter.run` works unchanged — but :meth:`walk`, the
+    hot path, does not pay ``Interpreter.run_node``'s per-node bookkeeping (a metadata
+    context, a progress bar, ``map_arg`` over a dict keyed by node: ~2.5x the time per
+    node of a small model). Each ``call_function`` node is compiled once into its target,
+    an argument template and the positions of the values to fill in; values live in a
+    list indexed by node position. Nodes whose arguments nest other nodes in a list
+    (``cat``) take the general path (``map_arg``), as do the rare other node kinds.
+
+    ``positions`` restricts the walk to those nodes (a worker's own; by default every node
+    but the output), and ``device`` replaces the ``device`` argument of factory ops traced
+    on the host (:func:`on_device_kwargs`), for a worker computing on a GPU.
+
+    >>> step = trace_step(ModelSpec("mlp", batch=2))
+    >>> params, bufs, states, inputs = step.initial_state()
+    >>> interp = StepInterpreter(step.gm)
+    >>> env = interp.walk([*params, *bufs, *states, *inputs])
+    >>> loss, new_params = interp.output(env)
+    >>> bool(torch.equal(loss, step.gm(params, bufs, states, inputs)[0]))
+    True
+    """
+
+    def __init__(
+        self,
+        gm: torch.fx.GraphModule,
+        positions: Iterable[int] | None = None,
+        *,
+        device: torch.device | None = None,
+    ) -> None:
+        super().__init__(gm, garbage_collect_values=False)
+        self.nodes: list[torch.fx.Node] = list(self.graph.nodes)
+        self.position = {n: i for i, n in enumerate(self.nodes)}
+        self.device = device
+        placeholder = {n: k for k, n in enumerate(n for n in self.nodes if n.op == "placeholder")}
+        self._placeholder_index = placeholder
+        chosen = (
+            range(len(self.nodes)) if positions is None else sorted({int(i) for i in positions})
+        )
+        self._program = [self._compile(i) for i in chosen if self.nodes[i].op != "output"]
+
+    def _compile(self, i: int) -> tuple:
+        """One entry of the walk: ``(position, kind, target, template, fills, kwargs)``."""
+        node = self.nodes[i]
+        if node.op == "placeholder":
+            return (i, _PLACEHOLDER, self._placeholder_index[node], None, None, None)
+        kwargs = node.kwargs if self.device is None else on_device_kwargs(node.kwargs, self.device)
+        flat = not any(isinstance(v, torch.fx.Node) for v in kwargs.values()) and not any(
+            isinstance(a, list | tuple | dict) and _holds_node(a) for a in node.args
+        )
+        if node.op != "call_function" or not flat:
+            return (i, _GENERIC, node, None, None, kwargs)
+        template = list(node.args)
+        fills = tuple(
+            (k, self.position[a]) for k, a in enumerate(template) if isinstance(a, torch.fx.Node)
+        )
+        return (i, _CALL, node.target, template, fills, dict(kwargs))
+
+    def new_env(self) -> list[Any]:
+        """An empty list of values, one slot per node."""
+        return [None] * len(self.nodes)
+
+    def walk(
+        self,
+        inputs: Sequence[Any],
+        env: list[Any] | None = None,
+        *,
+        before: Mapping[int, NodeHook] | None = None,
+        after: Mapping[int, NodeHook] | None = None,
+        each: NodeHook | None = None,
+        mark: tuple[MutableSequence[int], int] | None = None,
+    ) -> list[Any]:
+        """Run the nodes once; returns ``env``, the list of values by node position (a new
+        one unless given: a hook may fill slots in ahead, e.g. a received value).
+
+        ``inputs`` are the placeholders' values in placeholder order (the whole flattened
+        argument list, even when only some placeholders are walked). Hooks, each called as
+        ``hook(position, env)``: ``before[i]`` just before node *i* runs, ``after[i]`` just
+        after it, ``each`` after every node (after ``after[i]``). ``mark = (array, slot)``
+        writes each node's position to ``array[slot]`` before the node runs (the runtime
+        publishes its progress in shared memory that way). Cost per node: one call of its
+        target plus a list copy, a few checks, and the hooks given.
+        """
+        if env is None:
+            env = [None] * len(self.nodes)
+        before = before or _NO_HOOKS
+        after = after or _NO_HOOKS
+        array, slot = mark if mark is not None else (None, 0)
+        for i, kind, target, template, fills, kwargs in self._program:
+            if array is not None:
+                array[slot] = i
+            hook = before.get(i)
+            if hook is not None:
+                hook(i, env)
+            if kind == _CALL:
+                if fills:
+                    args = template.copy()
+                    for k, j in fills:
+                        args[k] = env[j]
+                    env[i] = target(*args, **kwargs)
+                else:
+                    env[i] = target(*template, **kwargs)
+            elif kind == _PLACEHOLDER:
+                env[i] = inputs[target]
+            else:
+                env[i] = self._run_general(target, kwargs, env)
+            hook = after.get(i)
+            if hook is not None:
+                hook(i, env)
+            if each is not None:
+                each(i, env)
+        return env
+
+    def _run_general(self, node: torch.fx.Node, kwargs: Mapping[str, Any], env: list) -> Any:
+        """A node through the Interpreter's own method for its kind (``call_function``,
+        ``get_attr``, ``call_module``, ``call_method``), arguments read from ``env``."""
+        position = self.position
+
+        def load(a: torch.fx.Node) -> Any:
+            return env[position[a]]
+
+        args = map_arg(node.args, load)
+        kw = map_arg(dict(kwargs), load)
+        return getattr(self, node.op)(node.target, args, kw)
+
+    def output(self, env: Sequence[Any]) -> Any:
+        """The step's result from the values of a walk over every node: what the
+        inherited :meth:`~torch.fx.Interpreter.run` returns (for a traced step,
+        ``(loss, new_params)``)."""
+        out = self.nodes[-1]
+        return self.graph.process_outputs(map_arg(out.args[0], lambda a: env[self.position[a]]))
+
+
+def _holds_node(value: Any) -> bool:
+    """Whether a (nested) argument holds an fx node."""
+    found = []
+    map_arg(value, lambda a: found.append(a) or a)
+    return bool(found)
