@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import networkx as nx
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from meshplace.graph import GraphError, Op, OpGraph
@@ -22,7 +22,8 @@ def _is_acyclic_quotient(graph: OpGraph, group_of) -> bool:
     return nx.is_directed_acyclic_graph(q)
 
 
-@settings(max_examples=150, deadline=None)
+# No wall-clock limits: neither per example (deadline) nor on generating data (too_slow).
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(random_dags(max_ops=60), st.one_of(st.none(), st.integers(1, 20)), st.booleans())
 def test_group_graph_is_always_acyclic(graph: OpGraph, max_groups, colocate: bool) -> None:
     grouping = group_ops(graph, max_groups, colocate=colocate)
@@ -37,7 +38,8 @@ def test_group_graph_is_always_acyclic(graph: OpGraph, max_groups, colocate: boo
     assert gg.param_bytes() == graph.param_bytes()
 
 
-@settings(max_examples=80, deadline=None)
+# No wall-clock limits: neither per example (deadline) nor on generating data (too_slow).
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(random_dags(max_ops=60))
 def test_group_ids_follow_a_topological_order(graph: OpGraph) -> None:
     grouping = group_ops(graph, 8)

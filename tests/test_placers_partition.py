@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from meshplace.graph.groups import group_ops
@@ -44,9 +44,13 @@ def test_valid_deterministic_fast(problems, name: str, workload: str) -> None:
     first = run_placer(name, problem, budget_s=2.0, seed=0)
     again = run_placer(name, problem, budget_s=2.0, seed=0)
     assert first.op_devices.shape == (problem.graph.num_ops,)
-    assert first.op_devices.min() >= 0 and first.op_devices.max() < problem.num_devices
+    assert np.array_equal(first.sim.placement, first.op_devices)
     assert np.array_equal(first.op_devices, again.op_devices)
-    assert first.search_time_s < 2.0
+    # Fast as fixed work: no simulations, and a budget a thousand times smaller gives the
+    # same plan (how fast in seconds: benchmarks/budgets.py).
+    assert first.evaluations == 0
+    tiny = run_placer(name, problem, budget_s=2e-3, seed=0)
+    assert np.array_equal(tiny.op_devices, first.op_devices)
     assert not first.oom and first.stats["fits"]
     # Accelerators only, and more than one of them (every workload here can be split).
     used = set(first.op_devices.tolist())
@@ -112,7 +116,8 @@ def test_metis_seed_changes_nothing_but_its_random_start(problems) -> None:
         assert np.array_equal(x, y)
 
 
-@settings(max_examples=40, deadline=None)
+# No wall-clock limits: neither per example (deadline) nor on generating data (too_slow).
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     n=st.integers(2, 14),
     density=st.floats(0.1, 1.0),
