@@ -273,7 +273,7 @@ def test_unknown_placer_lists_the_known_ones(capsys) -> None:
 def test_resolve_suggests_a_close_name_and_refuses_an_empty_list() -> None:
     with pytest.raises(PlacerError, match="did you mean 'anneal'"):
         resolve("aneal")
-    with pytest.raises(PlacerError, match="no placer named"):
+    with pytest.raises(PlacerError, match="no placer given"):
         resolve(" , ")
     assert resolve("expert, single,expert") == ["expert", "single"]
     assert resolve("all")[-3:] == ["rl", "hrl", "gnn"]

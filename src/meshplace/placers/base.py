@@ -441,7 +441,7 @@ def resolve(names: str | list[str]) -> list[str]:
         else:
             names = [n.strip() for n in names.split(",") if n.strip()]
     if not names:
-        raise PlacerError(f"no placer named; known placers: {', '.join(known)}")
+        raise PlacerError(f"no placer given; known placers: {', '.join(known)}")
     for n in names:
         if n not in known:
             close = difflib.get_close_matches(n, list(known), n=1)
