@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -415,10 +416,15 @@ def test_gpu_workers_match_unplaced() -> None:  # pragma: no cover - no GPU in C
         run_placement(spec, ["cpu0"] * step.graph.num_ops, 1, step=step, worker_devices="cuda")
 
 
+def _comm(tid: int) -> str:
+    with open(f"/proc/self/task/{tid}/comm") as f:
+        return f.read().strip()
+
+
 def test_transport_threads_policy(tmp_path, monkeypatch) -> None:
     import torch.distributed as dist
 
-    from meshplace.runtime.executor import yield_transport_threads
+    from meshplace.runtime.executor import thread_ids, yield_transport_threads
 
     monkeypatch.setenv("MESHPLACE_TRANSPORT", "fast")
     spec = ModelSpec("mlp")
@@ -427,19 +433,28 @@ def test_transport_threads_policy(tmp_path, monkeypatch) -> None:
         run_placement(None, ["cpu0"] * step.graph.num_ops, 1, step=step, start_method="fork")
     monkeypatch.delenv("MESHPLACE_TRANSPORT")
     store = dist.FileStore(str(tmp_path / "store"), 1)
+    before = thread_ids()
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    started = thread_ids() - before  # the group's threads, exactly (as the workers do)
     try:
-        assert yield_transport_threads("normal") == 0
-        changed = yield_transport_threads()  # the default: idle class
-        gloo = []
-        for tid in os.listdir("/proc/self/task"):
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                if f.read().startswith(("gloo", "pt_gloo")):
-                    gloo.append(int(tid))
-        assert changed == len(gloo) > 0
-        assert all(os.sched_getscheduler(t) == os.SCHED_IDLE for t in gloo)
+        assert started
+        assert yield_transport_threads("normal", threads=started) == 0
+        assert yield_transport_threads(threads=started) == len(started)  # default: idle
+        assert all(os.sched_getscheduler(t) == os.SCHED_IDLE for t in started)
+
+        def names() -> list[str]:
+            return [_comm(t) for t in started]
+
+        # they are gloo's: each names itself once it runs (wait for that, not a sleep)
+        deadline = time.monotonic() + 30
+        while not all(n.startswith(("gloo", "pt_gloo")) for n in names()):
+            assert time.monotonic() < deadline, names()
+            time.sleep(0.01)
+        # by name, once named, the same threads (and any of an earlier group)
+        named = [t for t in thread_ids() if _comm(t).startswith(("gloo", "pt_gloo"))]
+        assert started <= set(named) and yield_transport_threads() == len(named)
         # and back, so this process's later gloo use is not slowed
-        for t in gloo:
+        for t in named:
             os.sched_setscheduler(t, os.SCHED_OTHER, os.sched_param(0))
     finally:
         dist.destroy_process_group()

@@ -60,12 +60,15 @@ def _join_pair(rank: int, store_path: str) -> None:
 
     import torch.distributed as dist
 
+    from meshplace.runtime.executor import thread_ids, yield_transport_threads
+
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, 2)
+    before = thread_ids()
     dist.init_process_group(
         "gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60)
     )
-    from meshplace.runtime.executor import yield_transport_threads
+    transport = thread_ids() - before  # the group's threads
 
     # both have joined once past a barrier; the store is not read again, so its folder
     # goes now (not even a SIGKILL of the driver then leaves it behind)
@@ -74,7 +77,7 @@ def _join_pair(rank: int, store_path: str) -> None:
         shutil.rmtree(os.path.dirname(store_path), ignore_errors=True)
     # The same transport-thread priority as the runtime's workers: what is measured here
     # is their regime.
-    yield_transport_threads()
+    yield_transport_threads(threads=transport)
 
 
 def _pingpong(rank: int, store_path: str, sizes: Sequence[int], reps: int, out: Any) -> None:

@@ -43,7 +43,7 @@ import signal
 import statistics
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,6 +83,7 @@ __all__ = [
     "run_placement",
     "run_reference",
     "send_value",
+    "thread_ids",
     "transport_policy",
     "yield_transport_threads",
 ]
@@ -275,6 +276,7 @@ def _worker(
         step = traced if traced is not None else trace_step(spec)
         sched = schedule_nodes(step, op_device)
         store = dist.FileStore(store_path, world)
+        before = thread_ids()
         dist.init_process_group(
             "gloo",
             store=store,
@@ -282,7 +284,7 @@ def _worker(
             world_size=world,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
-        yield_transport_threads()
+        yield_transport_threads(threads=thread_ids() - before)  # the group's threads
         _run_worker(rank, step, sched, steps, status, results, fault, want_params, timeline, device)
         dist.destroy_process_group()
     except BaseException as exc:  # report one sentence, then exit non-zero
@@ -323,11 +325,25 @@ def transport_policy() -> str:
     return value
 
 
-def yield_transport_threads(policy: str | None = None) -> int:
+def thread_ids() -> set[int]:
+    """The ids of this process's threads (empty where ``/proc`` does not exist)."""
+    try:
+        return {int(t) for t in os.listdir("/proc/self/task")}
+    except OSError:
+        return set()
+
+
+def yield_transport_threads(policy: str | None = None, threads: Iterable[int] | None = None) -> int:
     """Put this process's gloo threads (``gloo_tcp_loop``, ``pt_gloo_runloop``) in the
     ``SCHED_IDLE`` class (nice 19 where that class does not exist), or at nice 10, or leave
     them, as ``policy`` (default :func:`transport_policy`) says; returns how many threads
     were changed (0 where ``/proc`` or the threads do not exist).
+
+    ``threads`` names them by id: the threads that joining the process group started
+    (:func:`thread_ids` after minus before ``init_process_group``), which is exact — a
+    new thread names itself only once it runs, so right after the join, on a busy host,
+    its name may still be its parent's. Without ``threads``, the threads already named
+    ``gloo*`` / ``pt_gloo*`` are taken.
 
     Why: gloo's event-loop thread takes a pair's lock with ``try_lock`` and, when a worker's
     compute thread holds it (posting a receive, sending), calls ``epoll_wait`` again at once
@@ -352,25 +368,28 @@ def yield_transport_threads(policy: str | None = None) -> int:
     policy = policy or transport_policy()
     if policy == "normal":
         return 0
+    if threads is None:
+        threads = [t for t in thread_ids() if _thread_name(t).startswith(("gloo", "pt_gloo"))]
     changed = 0
-    try:
-        tids = os.listdir("/proc/self/task")
-    except OSError:
-        return 0
     idle = getattr(os, "SCHED_IDLE", None)
-    for tid in tids:
+    for tid in threads:
         try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                comm = f.read().strip()
-            if comm.startswith(("gloo", "pt_gloo")):
-                if policy == "idle" and idle is not None:
-                    os.sched_setscheduler(int(tid), idle, os.sched_param(0))
-                else:
-                    os.setpriority(os.PRIO_PROCESS, int(tid), 10 if policy == "nice" else 19)
-                changed += 1
+            if policy == "idle" and idle is not None:
+                os.sched_setscheduler(int(tid), idle, os.sched_param(0))
+            else:
+                os.setpriority(os.PRIO_PROCESS, int(tid), 10 if policy == "nice" else 19)
+            changed += 1
         except OSError:  # the thread ended, or no permission: leave it
             continue
     return changed
+
+
+def _thread_name(tid: int) -> str:
+    try:
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
 
 
 class _StepState:
