@@ -167,7 +167,7 @@ def test_sigkill_of_the_driver_takes_its_workers_and_the_resource_tracker(run_en
 
 def test_a_stopped_worker_is_blamed_on_stderr_with_json_on_stdout(run_env) -> None:
     plan, env, tmp = run_env
-    driver = start_run(plan, env, "--json", "--hang-timeout", "1")
+    driver = start_run(plan, env, "--json", "--hang-timeout", "2")
     try:
         stopped = worker(driver, 1, joined=True)
         os.kill(stopped, signal.SIGSTOP)  # from outside, whatever it is doing
