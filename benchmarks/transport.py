@@ -35,11 +35,12 @@ def _post_worker(rank: int, path: str, policy: str, rounds: int, out: Any) -> No
     import torch
     import torch.distributed as dist
 
-    from meshplace.runtime.executor import yield_transport_threads
+    from meshplace.runtime.executor import thread_ids, yield_transport_threads
 
     torch.set_num_threads(1)
+    before = thread_ids()
     dist.init_process_group("gloo", store=dist.FileStore(path, 2), rank=rank, world_size=2)
-    yield_transport_threads(policy)
+    yield_transport_threads(policy, threads=thread_ids() - before)
     peer = 1 - rank
     rows = []
     for it in range(rounds):

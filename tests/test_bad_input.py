@@ -169,6 +169,8 @@ def test_json_callers_get_one_json_document_even_on_bad_input(small: Path) -> No
         assert done.returncode == 2, done.stderr
         doc = json.loads(done.stdout)  # exactly one document: json.loads refuses extra data
         assert doc["exit_status"] == 2 and doc["error"], doc
+        assert not doc["error"].startswith(("meshplace", "error")), doc  # the reason alone
+        assert doc["error"] in done.stderr
         assert "Traceback" not in done.stderr
 
 

@@ -289,7 +289,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _fail(json_output: JsonOutput | None, sentence: str, status: int) -> int:
     print(sentence, file=sys.stderr)
     if json_output is not None and not json_output.emitted:
-        json_output.emit({"error": sentence.split(": ", 1)[-1], "exit_status": status})
+        reason = sentence.removeprefix("meshplace: ").removeprefix("error: ")
+        json_output.emit({"error": reason, "exit_status": status})
     return status
 
 
