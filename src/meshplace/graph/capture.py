@@ -45,6 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from meshplace.errors import InputError
+from meshplace.graph.decompositions import capture_kernels, expert_meta
 from meshplace.graph.flops import flop_count, op_kind
 from meshplace.graph.ir import Op, OpGraph
 
@@ -387,7 +388,7 @@ def _capture(
         return loss, new_params
 
     try:
-        with fx_traceback.preserve_node_meta(), _ModulePaths(module):
+        with fx_traceback.preserve_node_meta(), _ModulePaths(module), capture_kernels():
             gm = make_fx(step, tracing_mode="fake")(f_params, f_buffers, f_states, f_inputs)
     except InputError:
         raise
@@ -412,6 +413,7 @@ def _capture(
         input_names,
         frozen_names={n for n, _ in frozen},
     )
+    graph.meta.update(expert_meta(graph))  # stacked/listed MoE experts, for sharding
     node_op = {n.name: idx for n, (idx, _) in converter.source.items()}
     for node in gm.graph.nodes:  # aliases of non-tensors: follow their first input
         if node.op == "call_function" and node.name not in node_op:

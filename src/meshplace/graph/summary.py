@@ -14,6 +14,7 @@ Example
 from __future__ import annotations
 
 import math
+from collections import Counter
 from typing import Any
 
 from meshplace.graph.groups import DEFAULT_MAX_GROUPS, group_ops
@@ -28,7 +29,10 @@ def summarize(graph: OpGraph, max_groups: int | None = DEFAULT_MAX_GROUPS) -> di
     ``flops_forward``/``flops_backward``/``flops_update``/``flops_total``,
     ``activation_bytes`` (forward outputs that backward ops read: what a training step keeps
     alive between its passes; for an inference graph, all forward outputs),
-    ``ops_by_phase``, ``ops_by_kind``, ``groups`` and ``meta``. O(V + E).
+    ``ops_by_phase``, ``ops_by_kind``, ``elementwise_targets`` (captured aten target →
+    number of its ops costed as element-wise by :mod:`meshplace.graph.flops`, a few FLOPs
+    per output element; most first: an op with real arithmetic listed here is mis-costed),
+    ``groups`` and ``meta``. O(V + E).
     """
     ops = graph.ops
     params = graph.meta.get("params")
@@ -52,6 +56,7 @@ def summarize(graph: OpGraph, max_groups: int | None = DEFAULT_MAX_GROUPS) -> di
         )
     grouping = group_ops(graph, max_groups) if ops else None
     flops = {p: graph.total_flops(p) for p in ("forward", "backward", "update")}
+    elementwise = Counter(o.target for o in ops if o.kind == "elementwise" and o.target)
     return {
         "name": graph.name,
         "ops": graph.num_ops,
@@ -66,6 +71,7 @@ def summarize(graph: OpGraph, max_groups: int | None = DEFAULT_MAX_GROUPS) -> di
         "activation_bytes": activation,
         "ops_by_phase": graph.count_by("phase"),
         "ops_by_kind": graph.count_by("kind"),
+        "elementwise_targets": dict(elementwise.most_common()),
         "groups": grouping.num_groups if grouping else 0,
         "max_groups": max_groups,
         "training": training,
