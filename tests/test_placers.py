@@ -163,9 +163,9 @@ def test_random_search_stops_at_its_deadline_and_says_so() -> None:
     assert full["stopped_by"] == "budget" and full["simulations"] == full["planned_simulations"]
     with use_clock(_clock_jumping_after(problem, 10)):
         result = run_placer("random_search", problem, BUDGET_S, seed=0)
-    # The deadline is checked between batches of 64 simulations.
-    assert result.stats["stopped_by"] == "deadline" and result.stats["simulations"] == 64
-    assert result.stats["planned_simulations"] > 64
+    # The deadline is checked before every simulation.
+    assert result.stats["stopped_by"] == "deadline" and result.stats["simulations"] == 10
+    assert result.evaluations == 10 and result.stats["planned_simulations"] > 10
 
 
 def test_warm_up_is_paid_before_the_timed_region_and_reported_apart(

@@ -389,12 +389,14 @@ def place_random_search(problem: PlacementProblem, budget_s: float, seed: int):
     best = acc[rng.integers(0, len(acc), problem.num_groups)]
     best_score, first_score = math.inf, math.inf
     done, stopped_at_deadline = 0, False
-    while done < total:
-        if done and now() > deadline:
-            stopped_at_deadline = True
-            break
+    while done < total and not stopped_at_deadline:
+        # Plans are drawn 64 at a time (the draws, hence the plans, do not depend on where
+        # a deadline stops the search); the deadline is checked before every simulation.
         batch = acc[rng.integers(0, len(acc), (min(64, total - done), problem.num_groups))]
         for plan in batch:
+            if done and now() > deadline:
+                stopped_at_deadline = True
+                break
             sim = problem.evaluate(plan)
             score = problem.score(sim)
             first_score = min(first_score, score) if done == 0 else first_score
