@@ -84,6 +84,29 @@ def _non_negative_seconds(text: str) -> float:
     return _seconds(text, zero_ok=True)
 
 
+def _add_capture_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags that shape a capture (``graph``, ``plan``, ``simulate``)."""
+    parser.add_argument(
+        "--dtype",
+        choices=["bf16", "fp16", "fp32"],
+        help="cast parameters and floating inputs to this dtype before capture "
+        "(default: as the model was built)",
+    )
+    parser.add_argument(
+        "--autocast",
+        choices=["bf16", "fp16"],
+        metavar="{bf16,fp16}",
+        help="run the forward under torch.autocast with this dtype (mixed precision: "
+        "matmuls and attention in it, reductions and norms in fp32)",
+    )
+    parser.add_argument(
+        "--no-cache",
+        action="store_true",
+        help="capture a file.py:fn model afresh instead of loading it from the capture cache "
+        "($MESHPLACE_CACHE_DIR, else $XDG_CACHE_HOME/meshplace or ~/.cache/meshplace)",
+    )
+
+
 def _parser(command: str = "*") -> argparse.ArgumentParser:
     """The argument parser. The arguments of ``shard``, ``report``, ``profile`` and ``run``
     live in their packages, whose imports are heavy (torch): they are added only when
@@ -114,6 +137,7 @@ def _parser(command: str = "*") -> argparse.ArgumentParser:
     g.add_argument(
         "--optimizer", default="adam", choices=["adam", "momentum", "sgd"], help="update ops"
     )
+    _add_capture_arguments(g)
     g.add_argument(
         "--groups", type=_positive_int, default=256, help="coarsen to at most N groups (256)"
     )
@@ -149,6 +173,7 @@ def _parser(command: str = "*") -> argparse.ArgumentParser:
     p.add_argument("--batch", type=_positive_int, help="batch size (reference workloads)")
     p.add_argument("--size", help="model size (reference workloads)")
     p.add_argument("--inference", action="store_true", help="place the inference graph")
+    _add_capture_arguments(p)
     p.add_argument(
         "--groups", type=_positive_int, default=256, help="co-location groups (default 256)"
     )
@@ -193,6 +218,7 @@ def _parser(command: str = "*") -> argparse.ArgumentParser:
     s.add_argument("--batch", type=_positive_int, help="batch size (reference workloads)")
     s.add_argument("--size", help="model size (reference workloads)")
     s.add_argument("--inference", action="store_true", help="simulate the inference graph")
+    _add_capture_arguments(s)
     s.add_argument("--plan", required=True, help="plan.json (see docs/formats.md)")
     s.add_argument("--objective", default="step", choices=["step", "throughput"])
     s.add_argument("--trace", help="write a Chrome trace (opens in Perfetto) to this file")
@@ -332,6 +358,43 @@ def _check_model_flags(args: argparse.Namespace, spec: str) -> None:
             f"{spec}: --inference applies to models captured here; a saved graph is "
             "already a training or inference graph"
         )
+    for flag in ("dtype", "autocast"):
+        if spec.endswith(".json") and getattr(args, flag, None) is not None:
+            raise InputError(
+                f"{spec}: --{flag} applies to models captured here; a saved graph keeps the "
+                "dtypes it was captured with"
+            )
+
+
+def _load_model(args: argparse.Namespace, spec: str, err: Console, verb: str = "capturing"):
+    """The :class:`~meshplace.graph.sources.GraphSource` for ``spec`` under the command's
+    capture flags; says on stderr when it came from the capture cache, and prints the
+    capture's notes (a torch.compile'd module, a stand-in loss) as ``meshplace: note:``."""
+    from meshplace.graph.sources import graph_source
+
+    with _status(err, f"{verb} {spec}…"):
+        source = graph_source(
+            spec,
+            batch=args.batch,
+            size=args.size,
+            training=not args.inference,
+            optimizer=getattr(args, "optimizer", "adam"),
+            dtype=args.dtype,
+            autocast=args.autocast,
+            cache=not args.no_cache,
+        )
+    cache = source.cache or {}
+    if cache.get("status") == "hit":
+        err.print(f"captured graph from cache ({cache['path']})", highlight=False, soft_wrap=True)
+    elif cache.get("status") == "unwritable":
+        err.print(
+            f"meshplace: note: the capture cache could not be written ({cache['reason']})",
+            highlight=False,
+            soft_wrap=True,
+        )
+    for note in source.notes:
+        err.print(f"meshplace: note: {note}", highlight=False, soft_wrap=True, markup=False)
+    return source
 
 
 def _status(console: Console, message: str):
@@ -343,23 +406,22 @@ def _cmd_graph(args: argparse.Namespace) -> int:
     check_output_paths({"--out": args.out}, inputs=[args.model])
 
     from meshplace.graph.io import save_graph
-    from meshplace.graph.sources import graph_for
     from meshplace.graph.summary import summarize
 
     err = Console(stderr=True)
     start = time.perf_counter()
-    with _status(err, f"capturing {args.model}…"):
-        graph = graph_for(
-            args.model,
-            batch=args.batch,
-            size=args.size,
-            training=not args.inference,
-            optimizer=args.optimizer,
-        )
+    source = _load_model(args, args.model, err)
+    graph = source.graph
     capture_s = time.perf_counter() - start
     with _status(err, "grouping…"):
         summary = summarize(graph, args.groups)
     summary["capture_s"] = round(capture_s, 3)
+    if source.cache is not None:
+        summary["cache"] = source.cache
+    recomputed = graph.meta.get("recomputed") or {}
+    if recomputed:
+        summary["recomputed_ops"] = len(recomputed)
+        summary["flops_recomputed"] = float(sum(o.flops for o in graph.ops if o.name in recomputed))
     if args.out:
         save_graph(graph, args.out)
         summary["out"] = args.out
@@ -388,6 +450,13 @@ def _print_graph_summary(console: Console, s: dict[str, Any]) -> None:
     if len(kinds) > 8:
         shown += f", … ({len(kinds) - 8} more kinds)"
     table.add_row("ops by kind", shown)
+    elementwise = list(s.get("elementwise_targets", {}).items())
+    if elementwise:
+        shown = ", ".join(f"{k} {v:,}" for k, v in elementwise[:6])
+        if len(elementwise) > 6:
+            shown += f", … ({len(elementwise) - 6} more)"
+        table.add_row("costed element-wise", shown)
+    table.add_row("precision", _precision(s))
     table.add_row("parameters", f"{s['params']:,}  ({human(s['params'])})")
     table.add_row("FLOPs forward", human(s["flops_forward"], "FLOP"))
     if s["training"]:
@@ -395,6 +464,13 @@ def _print_graph_summary(console: Console, s: dict[str, Any]) -> None:
         table.add_row("FLOPs update", human(s["flops_update"], "FLOP"))
         ratio = s["flops_total"] / s["flops_forward"] if s["flops_forward"] else 0.0
         table.add_row("FLOPs total", f"{human(s['flops_total'], 'FLOP')}  ({ratio:.2f}× forward)")
+        if s.get("recomputed_ops"):
+            how = meta.get("checkpoint", "")
+            table.add_row(
+                "recomputed in backward",
+                f"{s['recomputed_ops']:,} ops, {human(s['flops_recomputed'], 'FLOP')}"
+                + (f"  ({how} activation checkpointing)" if how else ""),
+            )
     table.add_row("parameter memory", human(s["param_bytes"], "B"))
     if s["state_bytes"]:
         table.add_row("optimizer state", human(s["state_bytes"], "B"))
@@ -402,10 +478,21 @@ def _print_graph_summary(console: Console, s: dict[str, Any]) -> None:
     table.add_row(label, human(s["activation_bytes"], "B"))
     table.add_row("co-location groups", f"{s['groups']:,} (at most {s['max_groups']})")
     if "capture_s" in s:
-        table.add_row("capture time", f"{s['capture_s']:.2f} s")
+        hit = (s.get("cache") or {}).get("status") == "hit"
+        table.add_row("capture time", f"{s['capture_s']:.2f} s" + (" (from cache)" if hit else ""))
     if s.get("out"):
         table.add_row("written to", s["out"])
     console.print(table)
+
+
+def _precision(s: dict[str, Any]) -> str:
+    """``parameters bfloat16, autocast bfloat16`` for the graph summary table."""
+    meta = s["meta"]
+    dtype = meta.get("dtype")
+    text = f"parameters {dtype} (--dtype)" if dtype else "parameters as built"
+    autocast = meta.get("autocast")
+    text += f", forward autocast to {autocast}" if autocast else ", no autocast"
+    return text + "; each op is costed at its output dtype's peak"
 
 
 def _cmd_workloads(args: argparse.Namespace) -> int:
@@ -448,7 +535,6 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     )
     from rich.progress import Progress, TextColumn
 
-    from meshplace.graph.sources import graph_for
     from meshplace.hardware import load_cluster
     from meshplace.placers.base import PlacementProblem, PlacerError, PlacerOptions, resolve
     from meshplace.planning import plan_report, run_placers
@@ -468,8 +554,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         raise PlacerError(f"--checkpoint-dir {args.checkpoint_dir} is not a folder")
     cluster = load_cluster(args.cluster)
     err = Console(stderr=True)
-    with _status(err, f"capturing {args.model}…"):
-        graph = graph_for(args.model, batch=args.batch, size=args.size, training=not args.inference)
+    source = _load_model(args, args.model, err)
+    graph = source.graph
     with _status(err, "grouping and preparing the simulator…"):
         problem = PlacementProblem.build(graph, cluster, args.objective, args.groups)
     problem.check_fits_somewhere()
@@ -521,6 +607,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             options=options,
         )
     report = plan_report(problem, results, args)
+    if source.cache is not None:
+        report["cache"] = source.cache
     if args.out and report["best"] is not None:
         from meshplace.plan.placement import save_plan
         from meshplace.planning import best_plan
@@ -613,7 +701,6 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     _check_model_flags(args, args.graph)
     check_output_paths({"--trace": args.trace}, inputs=[args.graph, args.cluster, args.plan])
 
-    from meshplace.graph.sources import graph_for
     from meshplace.hardware import load_cluster
     from meshplace.plan.placement import load_plan
     from meshplace.sim.simulator import Simulator
@@ -622,8 +709,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     err = Console(stderr=True)
     plan = load_plan(args.plan)
     cluster = load_cluster(args.cluster)
-    with _status(err, f"loading {args.graph}…"):
-        graph = graph_for(args.graph, batch=args.batch, size=args.size, training=not args.inference)
+    source = _load_model(args, args.graph, err, verb="loading")
+    graph = source.graph
     placement = plan.device_indices(
         graph, {d.name: i for i, d in enumerate(cluster.devices)}, cluster.name, args.plan
     )
@@ -633,6 +720,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         write_chrome_trace(sim, result, args.trace)
     summary = {"graph": graph.name, "cluster": cluster.name, "plan": args.plan}
     summary.update(result.to_dict())
+    if source.cache is not None:
+        summary["cache"] = source.cache
     if args.trace:
         summary["trace"] = args.trace
     if args.json:

@@ -19,6 +19,13 @@ that produced the underlying tensor, carrying the bytes of the view it actually 
 Parameters, buffers and inputs become ``parameter``/``buffer``/``input`` ops that own their
 bytes; the optimizer state (Adam's two moments, or momentum) is owned by the parameter op.
 
+What training runs use is captured as it runs (``docs/architecture.md``, "Capture"):
+keyword inputs and Hugging Face output objects with a ``loss`` (an output without one is
+refused); activation checkpointing, both ``torch.utils.checkpoint`` variants, with the
+recomputed forward ops in backward (``meta['recomputed']``); ``dtype`` casts and
+``autocast``; attention with dropout as the fused kernel; ``torch.compile``d modules
+through their original module.
+
 Example
 -------
 >>> import torch
@@ -30,19 +37,21 @@ Example
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import operator
+import threading
 import traceback
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.fx.traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_flatten_with_path, tree_unflatten
 
 from meshplace.errors import InputError
 from meshplace.graph.decompositions import capture_kernels, expert_meta
@@ -132,14 +141,94 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 class _BackwardTagger(TorchDispatchMode):
     """Stamps every op run by the autograd engine with the sequence number and name of the
-    autograd node being executed, which identifies the forward op it differentiates."""
+    autograd node being executed, which identifies the forward op it differentiates.
+
+    While ``backward`` is set (the gradient computation of the step), an op the engine
+    runs with grad mode *on* is a recomputation: the autograd engine runs gradient formulas
+    with grad mode off (``create_graph=False``), and both activation-checkpointing
+    variants re-run the checkpointed forward under ``torch.enable_grad()``
+    (``torch/utils/checkpoint.py``: the non-reentrant unpack hook and
+    ``CheckpointFunction.backward``). Such ops are annotated ``recompute``.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backward = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         node = torch._C._current_autograd_node()
-        if node is None:
+        if node is None:  # not run by the autograd engine (the loss's seed gradient too)
             return func(*args, **(kwargs or {}))
-        with fx_traceback.annotate({"bwd_of": node._sequence_nr(), "bwd_node": node.name()}):
+        recompute = self.backward and torch.is_grad_enabled()
+        tags = {"bwd_of": node._sequence_nr(), "bwd_node": node.name(), "recompute": recompute}
+        with fx_traceback.annotate(tags):
             return func(*args, **(kwargs or {}))
+
+
+_sdpa_lock = threading.Lock()
+_sdpa_users = 0
+_sdpa_original: Any = None
+_sdpa_local = threading.local()  # .active: the _FusedAttention blocks of this thread
+
+
+def _sdpa_fused(*args: Any, **kwargs: Any) -> Any:
+    """``scaled_dot_product_attention`` with ``dropout_p`` set to 0 while this thread
+    captures (:class:`_FusedAttention`); PyTorch's function unchanged otherwise."""
+    active = getattr(_sdpa_local, "active", None)
+    if active:
+        if len(args) > 4:  # (query, key, value, attn_mask, dropout_p, ...)
+            if args[4]:
+                args = (*args[:4], 0.0, *args[5:])
+                active[-1].calls += 1
+        elif kwargs.get("dropout_p"):
+            kwargs["dropout_p"] = 0.0
+            active[-1].calls += 1
+    return _sdpa_original(*args, **kwargs)
+
+
+class _FusedAttention:
+    """Captures ``scaled_dot_product_attention`` with dropout as the fused kernel.
+
+    On CPU fake tensors PyTorch has no fused attention kernel with dropout, so SDPA with
+    ``dropout_p > 0`` falls back to its math path: two batched matmuls, a softmax and a
+    dropout over the full (seq × seq) score matrix, written to memory — not what a GPU
+    runs (FlashAttention and the memory-efficient kernel apply dropout inside the kernel,
+    Dao et al. 2022). While this block is active, ``torch.nn.functional.
+    scaled_dot_product_attention`` is called with ``dropout_p=0``, so the fused op (kind
+    ``attention``) is captured; the in-kernel dropout's few operations per score are not
+    costed. ``calls`` counts the calls it changed.
+
+    The function is replaced in ``torch.nn.functional`` (re-entrant and thread-safe, only
+    this thread's calls change) rather than intercepted by a ``TorchFunctionMode``, because
+    function modes are not active inside the autograd engine, where activation
+    checkpointing recomputes the forward: a recomputation without the change would differ
+    from the forward (and checkpointing refuses that). Code that bound the function
+    before the capture (``from torch.nn.functional import scaled_dot_product_attention``)
+    keeps the CPU fallback.
+    """
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __enter__(self) -> _FusedAttention:
+        global _sdpa_users, _sdpa_original
+        with _sdpa_lock:
+            if _sdpa_users == 0:
+                _sdpa_original = torch.nn.functional.scaled_dot_product_attention
+                torch.nn.functional.scaled_dot_product_attention = _sdpa_fused
+            _sdpa_users += 1
+        if not hasattr(_sdpa_local, "active"):
+            _sdpa_local.active = []
+        _sdpa_local.active.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        global _sdpa_users
+        _sdpa_local.active.remove(self)
+        with _sdpa_lock:
+            _sdpa_users -= 1
+            if _sdpa_users == 0:
+                torch.nn.functional.scaled_dot_product_attention = _sdpa_original
 
 
 class _ModulePaths:
@@ -165,7 +254,9 @@ class _ModulePaths:
         hooks = torch.nn.modules.module
         self.handles = [
             hooks.register_module_forward_pre_hook(self._pre),
-            hooks.register_module_forward_hook(self._post),
+            # always_call: a forward that raises still leaves its module (non-reentrant
+            # checkpointing stops a recomputation early by raising inside the module)
+            hooks.register_module_forward_hook(self._post, always_call=True),
         ]
         return self
 
@@ -196,15 +287,70 @@ def _optimizer_update(
     return p.add(g, alpha=-1e-2)
 
 
-def _as_loss(out: Any) -> torch.Tensor:
-    tensors = [t for t in _tensors(out) if t.is_floating_point()]
-    if not tensors:
-        raise CaptureError(
-            "the model's output has no floating-point tensor to differentiate; "
-            "return a loss (or pass training=False)"
-        )
-    first = tensors[0]
-    return first if first.dim() == 0 else first.float().mean()
+_NO_LOSS = (
+    "pass labels with the inputs (for a Hugging Face model, labels=... in the keyword inputs "
+    "build() returns as (model, args, kwargs)), return a loss from forward, or give "
+    "capture() a loss_fn"
+)
+
+
+def _loss_attribute(out: Any) -> tuple[bool, Any]:
+    """``(has a loss slot, its value)`` for a mapping or an output object (Hugging Face
+    ``ModelOutput`` is both: an ordered dict whose ``loss`` attribute is None, and no key,
+    without labels)."""
+    if hasattr(out, "loss"):
+        return True, out.loss
+    if isinstance(out, Mapping):
+        return "loss" in out, out.get("loss")
+    return False, None
+
+
+def _as_loss(out: Any, loss_fn: Callable[[Any], Any] | None = None) -> tuple[torch.Tensor, str]:
+    """The scalar to differentiate and how it was chosen (``graph.meta['loss']``).
+
+    * ``loss_fn`` given: ``loss_fn(out)`` (``"loss_fn"``);
+    * a mapping or output object with a ``loss`` (Hugging Face ``ModelOutput``): that loss
+      (``"output.loss"``); one whose loss is missing or None is refused — it has logits but
+      no loss, and a step without its loss op (a 50k-vocabulary cross-entropy for a
+      language model) is mis-costed;
+    * a tensor, or a tuple/list whose first floating-point tensor is taken: a 0-dim tensor
+      is the loss (``"output"``); a larger one is reduced by its mean (``"mean"``), a
+      stand-in loss of a few FLOPs per element that the graph's ``meta['notes']`` states —
+      the reference workloads return 0-dim losses, a plain ``nn.Sequential`` does not.
+
+    A loss with more than one element (a per-sample loss) is reduced by its mean.
+    """
+    if loss_fn is not None:
+        loss, how = loss_fn(out), "loss_fn"
+        if not isinstance(loss, torch.Tensor) or not loss.is_floating_point():
+            raise CaptureError(
+                f"loss_fn returned a {type(loss).__name__}; it must return a floating-point "
+                "tensor (the loss)"
+            )
+    elif not isinstance(out, torch.Tensor | tuple | list):
+        has, loss = _loss_attribute(out)
+        what = type(out).__name__
+        if not has or loss is None:
+            state = "has loss None" if has else "has no loss"
+            raise CaptureError(
+                f"the model's output ({what}) {state}, so a training step has nothing to "
+                f"differentiate; {_NO_LOSS}"
+            )
+        if not isinstance(loss, torch.Tensor) or not loss.is_floating_point():
+            raise CaptureError(
+                f"the model's {what}.loss is a {type(loss).__name__}, not a floating-point tensor"
+            )
+        how = "output.loss"
+    else:
+        tensors = [t for t in _tensors(out) if t.is_floating_point()]
+        if not tensors:
+            raise CaptureError(
+                "the model's output has no floating-point tensor to differentiate; "
+                "return a loss (or pass training=False)"
+            )
+        loss = tensors[0]
+        how = "output" if loss.dim() == 0 else "mean"
+    return (loss if loss.dim() == 0 else loss.float().mean()), how
 
 
 def _named_dims(shape: Sequence[int], dims: dict[str, int]) -> list[str | None]:
@@ -243,40 +389,102 @@ def _describe_failure(exc: BaseException) -> str:
     return f"cannot capture the model: {construct}{_user_frame(exc)}: {first[:300]}"
 
 
+#: ``--dtype``/``--autocast`` names → torch dtypes (what capture casts to).
+DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+}
+_DTYPE_ALIASES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "half": "fp16"}
+
+
+def parse_dtype(value: str | torch.dtype | None, what: str = "dtype") -> torch.dtype | None:
+    """``"bf16"``/``"bfloat16"``/``torch.bfloat16`` → ``torch.bfloat16``; None stays None.
+
+    Raises:
+        CaptureError: a name that is not one of :data:`DTYPES` (or their long names).
+    """
+    if value is None or isinstance(value, torch.dtype):
+        if isinstance(value, torch.dtype) and value not in DTYPES.values():
+            raise CaptureError(f"{what} {value} is not one of {', '.join(DTYPES)}")
+        return value
+    key = _DTYPE_ALIASES.get(str(value).lower(), str(value).lower())
+    if key not in DTYPES:
+        raise CaptureError(f"unknown {what} {value!r}; allowed: {', '.join(DTYPES)}")
+    return DTYPES[key]
+
+
 def capture(
     module: torch.nn.Module,
     example_inputs: Sequence[Any],
     training: bool = True,
     *,
+    example_kwargs: Mapping[str, Any] | None = None,
     name: str | None = None,
     optimizer: str = "adam",
     dims: dict[str, int] | None = None,
     meta: dict[str, Any] | None = None,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    dtype: str | torch.dtype | None = None,
+    autocast: str | torch.dtype | None = None,
+    fused_attention: bool = True,
 ) -> OpGraph:
-    """Capture ``module(*example_inputs)`` as an OpGraph of one step.
+    """Capture ``module(*example_inputs, **example_kwargs)`` as an OpGraph of one step.
 
     Args:
         module: any ``torch.nn.Module`` whose forward make_fx can trace; its parameters may
-            live on the meta device (nothing is allocated either way).
-        example_inputs: positional inputs; tensors only set shapes and dtypes.
-        training: capture forward, backward and optimizer update (the model should return
-            a scalar loss; otherwise the mean of its first floating-point output is used);
-            ``False`` captures the inference forward pass under ``eval()`` and ``no_grad``.
+            live on the meta device (nothing is allocated either way). A ``torch.compile``d
+            module is captured through its original module (``_orig_mod``), with a note.
+        example_inputs: positional inputs; tensors only set shapes and dtypes. Nested
+            tuples, lists and dicts of tensors are fine; a dict alone (with no
+            ``example_kwargs``) is taken as the keyword inputs.
+        training: capture forward, backward and optimizer update (see ``loss_fn`` for how
+            the loss is chosen); ``False`` captures the inference forward pass under
+            ``eval()`` and ``no_grad``.
+        example_kwargs: keyword inputs (``input_ids=..., labels=...`` for a Hugging Face
+            model).
         name: graph name (default: the module's class name).
         optimizer: ``adam`` (default), ``momentum`` or ``sgd`` — which update ops to emit and
             how much optimizer state each parameter owns.
         dims: named dimension sizes (``{"batch": 64, "seq": 128}``); output dimensions whose
             size matches exactly one name are labelled with it.
         meta: extra entries for the graph's ``meta`` dict.
+        loss_fn: ``loss_fn(output) -> loss``. Without it the loss is the output's ``loss``
+            (an output object or dict without one is an error), a 0-dim output itself, or —
+            for a larger tensor output — its mean, a stand-in noted in ``meta['notes']``
+            (:func:`_as_loss`).
+        dtype: cast floating-point parameters, buffers and inputs to this dtype (``bf16``,
+            ``fp16``, ``fp32``) before capture, as ``model.to(dtype)`` would; None keeps the
+            dtypes the model was built with. Optimizer state has the parameters' dtype.
+        autocast: run the forward under ``torch.autocast("cpu", dtype=autocast)`` (``bf16``
+            or ``fp16``): matmuls, convolutions and attention run — and are costed — in that
+            dtype, losses in fp32, other ops in their inputs' dtype (PyTorch's CPU
+            autocast lists; CUDA's also keep softmax and layer norm in fp32).
+        fused_attention: capture ``scaled_dot_product_attention`` with dropout as the fused
+            kernel a GPU runs, not the CPU math fallback (:class:`_FusedAttention`).
 
     Returns:
-        The OpGraph, ops in execution order. Cost: one trace, O(ops).
+        The OpGraph, ops in execution order. Cost: one trace, O(ops). Activation
+        checkpointing (``torch.utils.checkpoint``, either variant) is captured with its
+        recomputation: the ops it re-runs during backward are backward-phase ops listed in
+        ``meta['recomputed']``.
 
     Raises:
         CaptureError: one sentence naming the construct that could not be traced.
     """
     return capture_step(
-        module, example_inputs, training, name=name, optimizer=optimizer, dims=dims, meta=meta
+        module,
+        example_inputs,
+        training,
+        example_kwargs=example_kwargs,
+        name=name,
+        optimizer=optimizer,
+        dims=dims,
+        meta=meta,
+        loss_fn=loss_fn,
+        dtype=dtype,
+        autocast=autocast,
+        fused_attention=fused_attention,
     ).graph
 
 
@@ -287,11 +495,14 @@ class CapturedStep:
     Attributes:
         graph: the OpGraph (identical to :func:`capture`'s).
         gm: the traced fx GraphModule; its placeholders are (parameters, buffers, optimizer
-            state, inputs), flattened in that order.
+            state, inputs), flattened in that order — the inputs as the leaves of
+            ``(example_inputs, example_kwargs)`` (for positional tensors alone: the inputs
+            in order).
         node_op: fx node name → index of the OpGraph op that owns it (views and tuple
             indexing map to the op that produced the tensor they alias).
         param_names, buffer_names: names in placeholder order; ``n_state`` optimizer state
             tensors per parameter.
+        input_names: one name per input placeholder (``x``, ``input_ids``, ``batch.0``).
     """
 
     graph: OpGraph
@@ -300,6 +511,21 @@ class CapturedStep:
     param_names: list[str]
     buffer_names: list[str]
     n_state: int
+    input_names: list[str] = field(default_factory=list)
+
+
+def _unwrap_compiled(module: torch.nn.Module) -> tuple[torch.nn.Module, list[str]]:
+    """The module ``torch.compile`` wrapped (``OptimizedModule._orig_mod``) and a note, or
+    ``module`` itself. make_fx cannot trace a dynamo-optimized module; the original module
+    runs the same computation (what inductor fuses is not modelled either way)."""
+    orig = getattr(module, "_orig_mod", None)
+    if type(module).__name__ == "OptimizedModule" and isinstance(orig, torch.nn.Module):
+        note = (
+            f"{type(orig).__name__} is torch.compile'd; captured its original module "
+            "(_orig_mod): ops are costed unfused, as eager PyTorch runs them"
+        )
+        return orig, [note]
+    return module, []
 
 
 def capture_step(
@@ -307,46 +533,122 @@ def capture_step(
     example_inputs: Sequence[Any],
     training: bool = True,
     *,
+    example_kwargs: Mapping[str, Any] | None = None,
     name: str | None = None,
     optimizer: str = "adam",
     dims: dict[str, int] | None = None,
     meta: dict[str, Any] | None = None,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    dtype: str | torch.dtype | None = None,
+    autocast: str | torch.dtype | None = None,
+    fused_attention: bool = True,
 ) -> CapturedStep:
     """:func:`capture`, also returning the fx trace and which op owns each fx node."""
     if optimizer not in OPTIMIZERS:
         raise CaptureError(f"unknown optimizer {optimizer!r}; allowed: {', '.join(OPTIMIZERS)}")
     if not isinstance(module, torch.nn.Module):
         raise CaptureError(f"capture needs a torch.nn.Module, got {type(module).__name__}")
+    if isinstance(example_inputs, Mapping) and example_kwargs is None:
+        example_inputs, example_kwargs = (), example_inputs  # {"input_ids": ...}: keywords
     if not isinstance(example_inputs, tuple | list):
         example_inputs = (example_inputs,)
+    if example_kwargs is not None and not isinstance(example_kwargs, Mapping):
+        raise CaptureError(
+            f"keyword inputs must be a dict of name → value, got {type(example_kwargs).__name__}"
+        )
+    options = _Options(
+        training=training,
+        optimizer=optimizer,
+        loss_fn=loss_fn,
+        dtype=parse_dtype(dtype),
+        autocast=parse_dtype(autocast, "autocast dtype"),
+        fused_attention=fused_attention,
+    )
+    if options.autocast is torch.float32:
+        raise CaptureError("autocast to fp32 changes nothing; give bf16 or fp16")
+    module, notes = _unwrap_compiled(module)
     was_training = module.training
     module.train(training)
     try:
         return _capture(
-            module, tuple(example_inputs), training, name, optimizer, dict(dims or {}), meta
+            module,
+            tuple(example_inputs),
+            dict(example_kwargs or {}),
+            options,
+            name,
+            dict(dims or {}),
+            meta,
+            notes,
         )
     finally:
         module.train(was_training)
 
 
+@dataclass
+class _Options:
+    """What one capture does (see :func:`capture`'s arguments)."""
+
+    training: bool
+    optimizer: str
+    loss_fn: Callable[[Any], torch.Tensor] | None
+    dtype: torch.dtype | None
+    autocast: torch.dtype | None
+    fused_attention: bool
+
+
+class _Step(torch.nn.Module):
+    """Runs one step of ``model`` as its own forward, so that ``functional_call`` keeps the
+    fake parameters in the model for the whole step — forward *and* backward.
+
+    Activation checkpointing re-runs forward code during backward; if the model's own
+    (real or meta) ``Parameter`` objects were back in place by then, as after a
+    ``functional_call`` of the forward alone, the recomputation would read them and fake
+    tensors would refuse the mix ("Please convert all Tensors to FakeTensors first").
+    """
+
+    def __init__(self, model: torch.nn.Module, run: Callable[..., Any]) -> None:
+        super().__init__()
+        self.model = model
+        self._run = run
+
+    def forward(self, *args: Any) -> Any:
+        return self._run(*args)
+
+
+def _uses_reentrant_checkpoint(loss: torch.Tensor) -> bool:
+    """Whether the autograd graph behind ``loss`` holds a reentrant checkpoint node
+    (``CheckpointFunctionBackward``), which refuses ``torch.autograd.grad``. O(nodes)."""
+    seen: set[Any] = set()
+    stack = [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if "CheckpointFunction" in node.name():
+            return True
+        stack.extend(fn for fn, _ in node.next_functions)
+    return False
+
+
 def _capture(
     module: torch.nn.Module,
     example_inputs: tuple,
-    training: bool,
+    example_kwargs: dict[str, Any],
+    opts: _Options,
     name: str | None,
-    optimizer: str,
     dims: dict[str, int],
     meta: dict[str, Any] | None,
+    notes: list[str],
 ) -> CapturedStep:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.func import functional_call
 
+    training, optimizer = opts.training, opts.optimizer
     all_params = list(module.named_parameters())
-    trainable = [(n, p) for n, p in all_params if p.requires_grad and training]
-    frozen = [(n, p) for n, p in all_params if not (p.requires_grad and training)]
-    buffers = list(module.named_buffers()) + frozen
+    trainable_names = [n for n, p in all_params if p.requires_grad and training]
     n_state = _STATE_TENSORS[optimizer] if training else 0
-    if training and not trainable:
+    if training and not trainable_names:
         raise CaptureError(
             f"{type(module).__name__} has no trainable parameters, so a training step has "
             "nothing to update; capture it with training=False (--inference)"
@@ -357,27 +659,63 @@ def _capture(
     def fake(t: Any, grad: bool = False) -> Any:
         if not isinstance(t, torch.Tensor):
             return t
+        dtype = opts.dtype if opts.dtype is not None and t.is_floating_point() else t.dtype
         with fake_mode:
-            out = torch.empty(tuple(t.shape), dtype=t.dtype, device="cpu")
+            out = torch.empty(tuple(t.shape), dtype=dtype, device="cpu")
         return out.requires_grad_(grad) if grad else out
 
-    f_params = [fake(p, grad=True) for _, p in trainable]
-    f_buffers = [fake(b) for _, b in buffers]
-    f_states = [fake(p) for _, p in trainable for _ in range(n_state)]
-    f_inputs = [fake(x) for x in example_inputs]
+    # Parameters, buffers and inputs become fake CPU tensors (cast to ``dtype`` if given);
+    # the converter reads shapes, dtypes and bytes from these, not from the model.
+    trainable = [(n, fake(p, grad=True)) for n, p in all_params if n in set(trainable_names)]
+    frozen = [(n, fake(p)) for n, p in all_params if n not in set(trainable_names)]
+    buffers = [(n, fake(b)) for n, b in module.named_buffers()] + frozen
+    f_params = [t for _, t in trainable]
+    f_buffers = [t for _, t in buffers]
+    f_states = [fake(t) for t in f_params for _ in range(n_state)]
+    leaves, spec = tree_flatten((example_inputs, example_kwargs))
+    f_inputs = [fake(x) for x in leaves]
     param_names = [n for n, _ in trainable]
     buffer_names = [n for n, _ in buffers]
+    tagger = _BackwardTagger()
+    attention = _FusedAttention() if opts.fused_attention else None
+    found: dict[str, Any] = {}
+
+    def run_forward(inputs: list) -> Any:
+        """The model's forward on the (unflattened) inputs, under autocast if asked."""
+        args, kwargs = tree_unflatten(list(inputs), spec)
+        with contextlib.ExitStack() as stack:
+            if opts.autocast is not None:
+                stack.enter_context(torch.autocast("cpu", dtype=opts.autocast))
+            return module(*args, **kwargs)
+
+    def train_step(inputs: list, params: list) -> tuple[Any, list]:
+        with tagger:
+            with fx_traceback.annotate({"phase": "forward"}):
+                loss, found["loss"] = _as_loss(run_forward(inputs), opts.loss_fn)
+            reentrant = _uses_reentrant_checkpoint(loss)
+            tagger.backward = True
+            try:
+                with fx_traceback.annotate({"phase": "backward"}):
+                    if reentrant:  # CheckpointFunction refuses autograd.grad; accumulate
+                        loss.backward()
+                        grads = [p.grad for p in params]
+                    else:
+                        grads = torch.autograd.grad(loss, params, allow_unused=True)
+            finally:
+                tagger.backward = False
+        found["reentrant"] = reentrant
+        return loss, list(grads)
 
     def step(params: list, bufs: list, states: list, inputs: list) -> Any:
         tensors = {**dict(zip(param_names, params)), **dict(zip(buffer_names, bufs))}
         if not training:
             with torch.no_grad(), fx_traceback.annotate({"phase": "forward"}):
-                return functional_call(module, tensors, tuple(inputs), strict=False)
-        with _BackwardTagger():
-            with fx_traceback.annotate({"phase": "forward"}):
-                loss = _as_loss(functional_call(module, tensors, tuple(inputs), strict=False))
-            with fx_traceback.annotate({"phase": "backward"}):
-                grads = torch.autograd.grad(loss, params, allow_unused=True)
+                return functional_call(
+                    _Step(module, run_forward), _prefixed(tensors), (inputs,), strict=False
+                )
+        loss, grads = functional_call(
+            _Step(module, train_step), _prefixed(tensors), (inputs, params), strict=False
+        )
         new_params = []
         for i, (pname, p, g) in enumerate(zip(param_names, params, grads)):
             if g is None:
@@ -388,32 +726,54 @@ def _capture(
         return loss, new_params
 
     try:
-        with fx_traceback.preserve_node_meta(), _ModulePaths(module), capture_kernels():
+        with (
+            fx_traceback.preserve_node_meta(),
+            _ModulePaths(module),
+            capture_kernels(),
+            attention or contextlib.nullcontext(),
+        ):
             gm = make_fx(step, tracing_mode="fake")(f_params, f_buffers, f_states, f_inputs)
     except InputError:
         raise
     except Exception as exc:  # any tracing failure becomes one sentence, not a traceback
         raise CaptureError(_describe_failure(exc)) from None
 
-    input_names = _input_names(module, len(example_inputs))
-    graph_meta = {
+    input_names = _input_names(module, example_inputs, example_kwargs)
+    graph_meta: dict[str, Any] = {
         "training": training,
         "optimizer": optimizer if training else None,
         "params": int(sum(p.numel() for _, p in all_params if p.requires_grad)),
         "dims": dims,
+        "dtype": _dtype_name(opts.dtype) if opts.dtype is not None else None,
+        "autocast": _dtype_name(opts.autocast) if opts.autocast is not None else None,
         **(meta or {}),
     }
+    if training:
+        graph_meta["loss"] = found.get("loss")
+        if found.get("loss") == "mean":
+            notes.append(
+                f"{type(module).__name__} returns a tensor, not a loss: the step "
+                "differentiates its mean, a stand-in with no loss op (return the loss, or "
+                "pass labels, to cost the real one)"
+            )
+    if attention is not None and attention.calls:
+        graph_meta["fused_attention_dropout"] = attention.calls
     graph = OpGraph(name or type(module).__name__, meta=graph_meta)
     converter = _Converter(graph, dims, n_state)
     converter.run(
         gm,
         trainable,
         buffers,
-        len(example_inputs),
+        len(f_inputs),
         input_names,
         frozen_names={n for n, _ in frozen},
     )
     graph.meta.update(expert_meta(graph))  # stacked/listed MoE experts, for sharding
+    if converter.recomputed:
+        graph.meta["recomputed"] = converter.recomputed
+        graph.meta["checkpoint"] = "reentrant" if found.get("reentrant") else "non-reentrant"
+    if notes:
+        graph.meta["notes"] = [*graph.meta.get("notes", []), *notes]
     node_op = {n.name: idx for n, (idx, _) in converter.source.items()}
     for node in gm.graph.nodes:  # aliases of non-tensors: follow their first input
         if node.op == "call_function" and node.name not in node_op:
@@ -427,20 +787,37 @@ def _capture(
             )
             if first is not None and first.name in node_op:
                 node_op[node.name] = node_op[first.name]
-    return CapturedStep(graph, gm, node_op, param_names, [n for n, _ in buffers], n_state)
+    return CapturedStep(
+        graph, gm, node_op, param_names, [n for n, _ in buffers], n_state, input_names
+    )
 
 
-def _input_names(module: torch.nn.Module, n: int) -> list[str]:
+def _prefixed(tensors: dict[str, Any]) -> dict[str, Any]:
+    """Parameter and buffer names as seen from :class:`_Step` (the model is ``model``)."""
+    return {f"model.{k}": v for k, v in tensors.items()}
+
+
+def _input_names(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> list[str]:
+    """One name per leaf of ``(args, kwargs)``: a positional input takes its parameter
+    name in ``forward``'s signature (or its position), a keyword input its key, and a leaf
+    inside a nested input adds its path (``batch.0``, ``inputs.mask``)."""
     try:
         params = list(inspect.signature(module.forward).parameters.values())
     except (TypeError, ValueError):
         params = []
-    names = [
+    positional = [
         p.name
         for p in params
         if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name != "self"
     ]
-    return [names[i] if i < len(names) else str(i) for i in range(n)]
+    names = []
+    for path, _ in tree_flatten_with_path((args, kwargs))[0]:
+        keys = [getattr(k, "idx", getattr(k, "key", getattr(k, "name", "?"))) for k in path]
+        top, rest = keys[1], keys[2:]
+        if keys[0] == 0:
+            top = positional[top] if isinstance(top, int) and top < len(positional) else top
+        names.append(".".join(str(k) for k in (top, *rest)))
+    return names
 
 
 class _Converter:
@@ -455,6 +832,14 @@ class _Converter:
         self.forward_by_seq: dict[int, list[tuple[torch.fx.Node, int]]] = {}
         self.pending_links: list[tuple[int, int, str]] = []
         self.op_phase: list[str] = []
+        # activation checkpointing: forward ops by (module, target, shapes), in order, and
+        # the recomputed ops (backward phase) with the forward op each one re-runs
+        self.forward_by_key: dict[tuple, list[int]] = {}
+        self.key_cursor: dict[tuple, int] = {}
+        self.recompute_of: dict[int, int | None] = {}
+        self.recompute_by_seq: dict[int, list[tuple[torch.fx.Node, int]]] = {}
+        #: recomputed op name -> name of the forward op it recomputes (None: not found)
+        self.recomputed: dict[str, str | None] = {}
 
     def _add(self, op: Op) -> int:
         idx = self.graph.add_op(op)
@@ -589,16 +974,46 @@ class _Converter:
             src, nbytes = self.source[a]
             self.graph.add_edge(src, idx, nbytes)
         self.source[node] = (idx, int(op.bytes_written))
-        if phase == "forward" and "seq_nr" in node.meta:
-            self.forward_by_seq.setdefault(node.meta["seq_nr"], []).append((node, idx))
-        if phase == "backward" and "bwd_of" in custom:
+        key = (module, op.target, tuple(map(tuple, out_shapes)))
+        if phase == "forward":
+            if "seq_nr" in node.meta:
+                self.forward_by_seq.setdefault(node.meta["seq_nr"], []).append((node, idx))
+            self.forward_by_key.setdefault(key, []).append(idx)
+        elif phase == "backward" and custom.get("recompute"):
+            self.recompute_of[idx] = self._recomputed_forward(key)
+            if "seq_nr" in node.meta:
+                self.recompute_by_seq.setdefault(node.meta["seq_nr"], []).append((node, idx))
+        elif phase == "backward" and "bwd_of" in custom:
             self.pending_links.append((idx, custom["bwd_of"], custom.get("bwd_node", "")))
 
+    def _recomputed_forward(self, key: tuple) -> int | None:
+        """The forward op a recomputed op re-runs: the next forward op of the same module,
+        target and output shapes, in execution order (recomputation replays a checkpointed
+        region's ops in their forward order; a region recomputed again starts over)."""
+        candidates = self.forward_by_key.get(key)
+        if not candidates:
+            return None
+        k = self.key_cursor.get(key, 0)
+        self.key_cursor[key] = k + 1
+        return candidates[k % len(candidates)]
+
     def _link_backward(self) -> None:
-        """Point each backward op at the forward op whose autograd node produced it."""
+        """Point each backward op at the forward op whose autograd node produced it, and
+        each recomputed op at the forward op it re-runs. A gradient op of a recomputed op
+        (reentrant checkpointing differentiates the recomputation) links to the forward
+        op that was recomputed."""
         ops = self.graph.ops
+        for idx, fwd in self.recompute_of.items():
+            ops[idx].forward_op = ops[fwd].name if fwd is not None else None
+            self.recomputed[ops[idx].name] = ops[idx].forward_op
         for idx, seq, node_name in self.pending_links:
             candidates = self.forward_by_seq.get(seq)
+            if not candidates:
+                candidates = [
+                    (n, self.recompute_of[i])
+                    for n, i in self.recompute_by_seq.get(seq, [])
+                    if self.recompute_of[i] is not None
+                ]
             if not candidates:
                 continue
             wanted = node_name.split("Backward")[0].replace("_", "").lower()
@@ -613,10 +1028,9 @@ class _Converter:
                 ops[idx].module = fwd.module
 
 
-def capture_callable(
-    fn: Callable[[], tuple[torch.nn.Module, Sequence[Any]]], **kwargs: Any
-) -> OpGraph:
-    """Capture the ``(model, example_inputs)`` pair that ``fn()`` returns."""
+def capture_callable(fn: Callable[[], tuple[Any, ...]], **kwargs: Any) -> OpGraph:
+    """Capture what ``fn()`` returns: ``(model, example_inputs)`` or
+    ``(model, example_inputs, example_kwargs)``; ``kwargs`` go to :func:`capture`."""
     try:
         built = fn()
     except Exception as exc:  # the user's builder failed: one sentence, no traceback
@@ -624,10 +1038,13 @@ def capture_callable(
             f"{getattr(fn, '__name__', 'the build function')}() failed with "
             f"{type(exc).__name__}: {exc}"
         ) from None
-    if not (isinstance(built, tuple | list) and len(built) == 2):
+    if not (
+        isinstance(built, tuple | list)
+        and (len(built) == 2 or (len(built) == 3 and isinstance(built[2], Mapping)))
+    ):
         raise CaptureError(
-            f"{getattr(fn, '__name__', 'the function')} must return (model, example_inputs), "
-            f"got {type(built).__name__}"
+            f"{getattr(fn, '__name__', 'the function')} must return (model, example_inputs) "
+            f"or (model, example_inputs, example_kwargs), got {type(built).__name__}"
         )
-    model, inputs = built
-    return capture(model, inputs, **kwargs)
+    model, inputs, *rest = built
+    return capture(model, inputs, example_kwargs=rest[0] if rest else None, **kwargs)

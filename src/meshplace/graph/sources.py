@@ -5,12 +5,20 @@ A model is named in one of three ways:
 * a reference workload: ``resnet50``, ``gpt`` (with ``size``/``batch``);
 * a graph file: ``graph.json`` (written by meshplace or by hand; see ``docs/formats.md``);
 * a Python file and function: ``path/to/file.py:build``, where ``build()`` returns
-  ``(model, example_inputs)``.
+  ``(model, example_inputs)`` or ``(model, example_inputs, example_kwargs)`` (keyword
+  inputs, as Hugging Face models take ``input_ids=..., labels=...``).
 
 Every mistake is one :class:`~meshplace.errors.InputError` sentence naming what was given: a
 folder where a file belongs, a misspelt workload (with difflib's "did you mean"), a user
 file whose import or ``build()`` raises or calls ``sys.exit``, or a ``build()`` that does not
-return ``(model, example_inputs)`` with a ``torch.nn.Module``.
+return ``(model, example_inputs[, example_kwargs])`` with a ``torch.nn.Module``.
+
+A ``file.py:build`` capture is cached (:func:`graph_source`): the graph is saved under
+:func:`cache_dir` keyed by the file's bytes, the function's name, the capture options
+(training, optimizer, dtype, autocast) and the versions of meshplace's capture code and of
+torch, so planning the same model again loads the graph instead of importing the file and
+tracing it (GPT-2: minutes). Only the named file is hashed: a change in a module it
+imports is not seen (``cache=False``, ``--no-cache``).
 
 Example
 -------
@@ -21,20 +29,46 @@ Example
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import functools
+import hashlib
+import importlib.metadata
 import importlib.util
+import json
+import os
 import sys
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from meshplace.errors import InputError
-from meshplace.graph.io import load_graph
-from meshplace.graph.ir import OpGraph
+from meshplace.graph.io import load_graph, save_graph
+from meshplace.graph.ir import GraphError, OpGraph
 
 _FORMS = "a graph file (.json), a Python file and its function (file.py:build) or a workload"
+
+
+@dataclass
+class GraphSource:
+    """A graph and where it came from.
+
+    Attributes:
+        graph: the OpGraph.
+        cache: for a ``file.py:build`` model, ``{"status": ..., "path": ...}`` — status
+            ``"hit"`` (loaded from the cache, nothing imported or traced), ``"stored"``
+            (captured and saved there), ``"off"`` (``cache=False``) or ``"unwritable"``
+            (captured; the cache folder could not be written, ``reason`` says why); None
+            for workloads and graph files.
+        notes: sentences the user should see (``graph.meta['notes']``: a
+            ``torch.compile``d module captured through ``_orig_mod``, a stand-in loss).
+    """
+
+    graph: OpGraph
+    cache: dict[str, Any] | None = None
+    notes: list[str] = field(default_factory=list)
 
 
 def graph_for(
@@ -44,8 +78,42 @@ def graph_for(
     size: str | None = None,
     training: bool = True,
     optimizer: str = "adam",
+    dtype: str | None = None,
+    autocast: str | None = None,
+    cache: bool = True,
 ) -> OpGraph:
-    """The OpGraph for ``spec`` (workload name, ``.json`` graph file or ``file.py:fn``)."""
+    """The OpGraph for ``spec`` (workload name, ``.json`` graph file or ``file.py:fn``);
+    :func:`graph_source` without the provenance."""
+    return graph_source(
+        spec,
+        batch=batch,
+        size=size,
+        training=training,
+        optimizer=optimizer,
+        dtype=dtype,
+        autocast=autocast,
+        cache=cache,
+    ).graph
+
+
+def graph_source(
+    spec: str,
+    *,
+    batch: int | None = None,
+    size: str | None = None,
+    training: bool = True,
+    optimizer: str = "adam",
+    dtype: str | None = None,
+    autocast: str | None = None,
+    cache: bool = True,
+) -> GraphSource:
+    """The OpGraph for ``spec`` and where it came from (a ``file.py:fn`` capture may come
+    from the cache, see the module docstring).
+
+    ``dtype`` (``bf16``/``fp16``/``fp32``) casts parameters and floating inputs before a
+    capture, ``autocast`` (``bf16``/``fp16``) runs its forward under ``torch.autocast``
+    (:func:`meshplace.graph.capture.capture`); neither applies to a saved graph file.
+    """
     if spec and Path(spec).is_dir():
         raise InputError(f"{spec}: is a folder; name {_FORMS}")
     if spec.endswith(".json"):
@@ -53,15 +121,45 @@ def graph_for(
             raise InputError(
                 f"{spec}: --batch and --size apply to models, not to a saved graph file"
             )
-        return load_graph(spec)
+        if dtype is not None or autocast is not None:
+            raise InputError(
+                f"{spec}: --dtype and --autocast apply to models captured here; a saved graph "
+                "keeps the dtypes it was captured with"
+            )
+        return _with_notes(GraphSource(load_graph(spec)))
     if ".py:" in spec or spec.endswith(".py"):
         if batch is not None or size is not None:
             raise InputError(
                 f"{spec}: --batch and --size apply to reference workloads; "
                 "set them inside your build function"
             )
-        return _graph_from_python(spec, training=training, optimizer=optimizer)
-    return workload_graph(spec, batch=batch, size=size, training=training, optimizer=optimizer)
+        return _with_notes(
+            _graph_from_python(
+                spec,
+                training=training,
+                optimizer=optimizer,
+                dtype=dtype,
+                autocast=autocast,
+                cache=cache,
+            )
+        )
+    graph = workload_graph(
+        spec,
+        batch=batch,
+        size=size,
+        training=training,
+        optimizer=optimizer,
+        dtype=dtype,
+        autocast=autocast,
+    )
+    return _with_notes(GraphSource(graph))
+
+
+def _with_notes(source: GraphSource) -> GraphSource:
+    notes = source.graph.meta.get("notes")
+    if isinstance(notes, list):
+        source.notes = [str(n) for n in notes]
+    return source
 
 
 def workload_graph(
@@ -71,8 +169,11 @@ def workload_graph(
     size: str | None = None,
     training: bool = True,
     optimizer: str = "adam",
+    dtype: str | None = None,
+    autocast: str | None = None,
 ) -> OpGraph:
-    """Capture reference workload ``name`` (see :mod:`meshplace.models`)."""
+    """Capture reference workload ``name`` (see :mod:`meshplace.models`), optionally cast
+    to ``dtype`` or under ``autocast`` (:func:`meshplace.graph.capture.capture`)."""
     from meshplace import models
     from meshplace.graph.capture import capture
 
@@ -98,6 +199,8 @@ def workload_graph(
         optimizer=optimizer,
         dims=w.dims,
         meta=meta,
+        dtype=dtype,
+        autocast=autocast,
     )
 
 
@@ -121,12 +224,8 @@ def _one_line(exc: BaseException, limit: int = 200) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def load_build_function(spec: str) -> Callable[[], tuple[Any, Any]]:
-    """The function named by ``FILE.py:FUNCTION``, imported from that file, wrapped so that
-    calling it returns ``(model, example_inputs)`` or raises one :class:`InputError` sentence
-    naming the file and function: when the import or the call raises, when either calls
-    ``sys.exit`` (which would otherwise end meshplace with status 0 and nothing written), and
-    when the result is not a pair whose first item is a ``torch.nn.Module``."""
+def _split_spec(spec: str) -> tuple[Path, str]:
+    """``FILE.py:FUNCTION`` → (the file, the function name), checked to exist as a file."""
     path_text, _, fn_name = spec.rpartition(":") if ".py:" in spec else (spec, "", "")
     if not fn_name:
         raise InputError(f"{spec}: name the build function as FILE.py:FUNCTION")
@@ -135,6 +234,18 @@ def load_build_function(spec: str) -> Callable[[], tuple[Any, Any]]:
         raise InputError(f"{path}: is a folder, not a Python file (name it as FILE.py:FUNCTION)")
     if not path.is_file():
         raise InputError(f"{path}: no such Python file")
+    return path, fn_name
+
+
+def load_build_function(spec: str) -> Callable[[], tuple[Any, ...]]:
+    """The function named by ``FILE.py:FUNCTION``, imported from that file, wrapped so that
+    calling it returns ``(model, example_inputs)`` — or ``(model, example_inputs,
+    example_kwargs)`` when ``build()`` returns keyword inputs too — or raises one
+    :class:`InputError` sentence naming the file and function: when the import or the call
+    raises, when either calls ``sys.exit`` (which would otherwise end meshplace with status 0
+    and nothing written), and when the result is not such a tuple whose first item is a
+    ``torch.nn.Module``."""
+    path, fn_name = _split_spec(spec)
     mod_name = f"meshplace_user_{uuid.uuid4().hex}"
     loader_spec = importlib.util.spec_from_file_location(mod_name, path)
     if loader_spec is None or loader_spec.loader is None:
@@ -162,7 +273,7 @@ def load_build_function(spec: str) -> Callable[[], tuple[Any, Any]]:
     where = f"{path}:{fn_name}"
 
     @functools.wraps(fn)
-    def build() -> tuple[Any, Any]:
+    def build() -> tuple[Any, ...]:
         try:
             built = fn()
         except SystemExit as exc:
@@ -179,34 +290,155 @@ def load_build_function(spec: str) -> Callable[[], tuple[Any, Any]]:
     return build
 
 
-def _check_built(built: Any, where: str, fn_name: str) -> tuple[Any, Any]:
+def _check_built(built: Any, where: str, fn_name: str) -> tuple[Any, ...]:
+    """``built`` as ``(model, inputs)`` or ``(model, args, kwargs)``, checked; a dict of
+    inputs in a pair is the keyword inputs (``(model, {"input_ids": ...})``)."""
     import torch
 
-    if not (isinstance(built, tuple | list) and len(built) == 2):
+    shape = "must return (model, example_inputs)"
+    if not (isinstance(built, tuple | list) and len(built) in (2, 3)):
         got = f"a {type(built).__name__}" if built is not None else "None"
         if isinstance(built, tuple | list):
             got = f"a {type(built).__name__} of {len(built)} items"
-        raise InputError(f"{where}: {fn_name}() must return (model, example_inputs), got {got}")
-    model, inputs = built
+        raise InputError(
+            f"{where}: {fn_name}() {shape}, got {got}; (model, args, kwargs) is accepted too"
+        )
+    if len(built) == 3 and not isinstance(built[2], Mapping):
+        raise InputError(
+            f"{where}: {fn_name}() {shape}, got a {type(built).__name__} of 3 items whose "
+            f"third is a {type(built[2]).__name__}; a third item must be the dict of keyword "
+            "inputs, as in (model, args, kwargs)"
+        )
+    model = built[0]
     if not isinstance(model, torch.nn.Module):
         raise InputError(
             f"{where}: {fn_name}() returned a {type(model).__name__} as the model; it must be a "
             "torch.nn.Module"
         )
-    return model, inputs
+    return tuple(built)
 
 
-def _graph_from_python(spec: str, *, training: bool, optimizer: str) -> OpGraph:
+# ----------------------------------------------------------------------- the cache
+#: Environment variable naming the capture cache folder (overrides the XDG location).
+CACHE_ENV = "MESHPLACE_CACHE_DIR"
+#: Graphs kept in the cache; the least recently used beyond this are deleted.
+CACHE_ENTRIES = 64
+
+
+def cache_dir() -> Path:
+    """Where captured graphs are cached: ``$MESHPLACE_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/meshplace``, else ``~/.cache/meshplace`` (XDG Base Directory spec)."""
+    explicit = os.environ.get(CACHE_ENV)
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg and Path(xdg).is_absolute() else Path.home() / ".cache"
+    return base / "meshplace"
+
+
+@functools.cache
+def _code_version() -> str:
+    """meshplace's version, a digest of the graph package's source (capture, FLOPs, IR) and
+    torch's version: a cached graph is reused only by the code that would capture it."""
+    from meshplace import __version__
+
+    digest = hashlib.sha256()
+    for file in sorted(Path(__file__).parent.glob("*.py")):
+        digest.update(file.name.encode())
+        digest.update(file.read_bytes())
+    try:
+        torch_version = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:  # pragma: no cover
+        torch_version = "?"
+    return f"{__version__}+{digest.hexdigest()[:16]}+torch{torch_version}"
+
+
+def cache_key(path: Path, fn_name: str, options: dict[str, Any]) -> str:
+    """SHA-256 of the file's bytes, the function name, the capture ``options`` and
+    :func:`_code_version`."""
+    head = {"function": fn_name, "options": options, "code": _code_version()}
+    digest = hashlib.sha256(json.dumps(head, sort_keys=True).encode())
+    digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def _prune(folder: Path, keep: int = CACHE_ENTRIES) -> None:
+    """Delete all but the ``keep`` most recently used cached graphs (by mtime)."""
+    try:
+        files = sorted(folder.glob("*.json"), key=lambda f: f.stat().st_mtime, reverse=True)
+        for old in files[keep:]:
+            old.unlink(missing_ok=True)
+    except OSError:  # another process pruned the same files: nothing to do
+        pass
+
+
+def _graph_from_python(
+    spec: str,
+    *,
+    training: bool,
+    optimizer: str,
+    dtype: str | None = None,
+    autocast: str | None = None,
+    cache: bool = True,
+) -> GraphSource:
+    """Capture ``FILE.py:FUNCTION``, or load it from the cache (:func:`cache_key`)."""
+    path, fn_name = _split_spec(spec)
+    options = {
+        "training": training,
+        "optimizer": optimizer,
+        "dtype": dtype,
+        "autocast": autocast,
+        "fused_attention": True,
+    }
+    name = path.stem
+    entry = cache_dir() / "graphs" / f"{cache_key(path, fn_name, options)}.json"
+    if cache and entry.is_file():
+        try:
+            graph = load_graph(entry)
+        except GraphError:  # damaged or from an incompatible writer: capture afresh
+            pass
+        else:
+            graph.name = name
+            graph.meta["workload"] = spec
+            with contextlib.suppress(OSError):
+                os.utime(entry)  # most recently used, for _prune
+            return GraphSource(graph, {"status": "hit", "path": str(entry)})
+    graph = _capture_python(spec, training, optimizer, dtype, autocast, name)
+    if not cache:
+        return GraphSource(graph, {"status": "off", "path": None})
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        save_graph(graph, entry)
+    except (OSError, InputError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else str(exc)
+        status = {"status": "unwritable", "path": str(entry), "reason": reason}
+        return GraphSource(graph, status)
+    _prune(entry.parent)
+    return GraphSource(graph, {"status": "stored", "path": str(entry)})
+
+
+def _capture_python(
+    spec: str,
+    training: bool,
+    optimizer: str,
+    dtype: str | None,
+    autocast: str | None,
+    name: str,
+) -> OpGraph:
     from meshplace.graph.capture import CaptureError, capture
 
-    model, inputs = load_build_function(spec)()
+    model, inputs, *rest = load_build_function(spec)()
+    kwargs = rest[0] if rest else None
     try:
         graph = capture(
             model,
             inputs,
             training=training,
             optimizer=optimizer,
-            name=Path(spec.rpartition(":")[0]).stem,
+            name=name,
+            example_kwargs=kwargs,
+            dtype=dtype,
+            autocast=autocast,
         )
     except CaptureError as exc:
         raise CaptureError(f"{spec}: {exc}") from None
