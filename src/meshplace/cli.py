@@ -539,9 +539,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from meshplace.placers.base import PlacementProblem, PlacerError, PlacerOptions, resolve
     from meshplace.planning import plan_report, run_placers
 
-    names = resolve(args.placer)
-    if not names:
-        raise PlacerError(f"--placer {args.placer!r} names no placer; give NAME[,NAME...] or all")
+    names = resolve(args.placer)  # unknown or no names: one sentence, with "did you mean"
     if args.finetune is not None and "gnn" not in names:
         raise PlacerError("--finetune trains the gnn placer only; add gnn to --placer")
     if args.resume and not args.checkpoint_dir:
