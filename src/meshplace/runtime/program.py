@@ -272,7 +272,12 @@ def call_with_timeout(fn: Callable[[], Any], timeout_s: float | None, what: str)
 
 def _from_python(spec: str, timeout_s: float | None = None) -> tuple[torch.nn.Module, tuple]:
     """Import ``FILE.py``, call its build function (bounded by ``timeout_s``) and check
-    what it returns; every failure of the user's code is one sentence."""
+    what it returns; every failure of the user's code is one sentence.
+
+    ``fn()`` returns ``(model, args)`` or ``(model, args, kwargs)``, unpacked as
+    :mod:`meshplace.graph.sources` does (:func:`~meshplace.graph.sources.load_build_function`
+    checks the shape); the runtime's step takes its inputs in order, so keyword inputs are
+    passed by position (:func:`_by_position`)."""
     from meshplace.graph.sources import load_build_function
 
     path, _, fn_name = spec.rpartition(":")
@@ -298,16 +303,59 @@ def _from_python(spec: str, timeout_s: float | None = None) -> tuple[torch.nn.Mo
             f"{spec}: {fn_name}() failed with {type(exc).__name__}"
             + (f": {text[0]}" if text else "")
         ) from None
-    if not (isinstance(built, tuple | list) and len(built) == 2):
+    model, inputs, *rest = built
+    kwargs = rest[0] if rest else None
+    if isinstance(inputs, Mapping) and kwargs is None:  # (model, {"input_ids": ...})
+        inputs, kwargs = (), inputs
+    args = tuple(inputs) if isinstance(inputs, tuple | list) else (inputs,)
+    if kwargs:
+        args = _by_position(model, args, dict(kwargs), f"{spec}: {fn_name}()")
+    return model, args
+
+
+def _by_position(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any], where: str) -> tuple:
+    """``model(*args, **kwargs)``'s inputs as one positional tuple, in the order of
+    ``model.forward``'s parameters; a parameter skipped between them gets its default, which
+    must be None (an absent input). A keyword that cannot be passed by position (keyword-only,
+    ``**kwargs``) or a non-None default in a gap is one :class:`RuntimeInputError` sentence.
+
+    >>> class M(torch.nn.Module):
+    ...     def forward(self, x, mask=None, labels=None):
+    ...         return x
+    >>> _by_position(M(), (1,), {"labels": 2}, "f()")
+    (1, None, 2)
+    """
+    import inspect
+
+    name = f"{type(model).__name__}.forward"
+    try:
+        signature = inspect.signature(model.forward)
+        bound = signature.bind(*args, **kwargs)
+    except (TypeError, ValueError) as exc:
         raise RuntimeInputError(
-            f"{spec}: {fn_name}() must return (model, example_inputs), got {type(built).__name__}"
-        )
-    model, inputs = built
-    if not isinstance(model, torch.nn.Module):
+            f"{where} returned inputs that {name} does not take: {exc}"
+        ) from None
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    positional = [p for p in signature.parameters.values() if p.kind in kinds]
+    by_keyword = [k for k in kwargs if k not in {p.name for p in positional}]
+    if by_keyword:
         raise RuntimeInputError(
-            f"{spec}: {fn_name}() must return a torch.nn.Module first, got {type(model).__name__}"
+            f"{where} returned keyword inputs {', '.join(by_keyword)} that {name} takes by "
+            "keyword only; the runtime passes a step's inputs by position"
         )
-    return model, tuple(inputs) if isinstance(inputs, tuple | list) else (inputs,)
+    last = max(i for i, p in enumerate(positional) if p.name in bound.arguments)
+    out = []
+    for p in positional[: last + 1]:
+        if p.name in bound.arguments:
+            out.append(bound.arguments[p.name])
+        elif p.default is None:
+            out.append(None)
+        else:
+            raise RuntimeInputError(
+                f"{where}: {name} parameter {p.name!r} lies between the given inputs and its "
+                f"default {p.default!r} is not None; pass it in the build's inputs"
+            )
+    return tuple(out)
 
 
 # ---------------------------------------------------------------- materialize
