@@ -6,7 +6,7 @@ through ``scaled_dot_product_attention`` (``enable_gqa``, causal), a SwiGLU MLP,
 ``build`` function returns ``(model, args, kwargs)`` with the token ids as ``args`` and the
 ``labels`` as a keyword input, and the model returns the loss, as Hugging Face models do.
 
-Sizes (:data:`CONFIGS`): ``tiny`` (for tests: 2 layers, d=64, 0.2 M parameters),
+Sizes (:data:`CONFIGS`): ``tiny`` (for tests: 2 layers, d=64, 0.13 M parameters),
 ``llama2-7b`` (Touvron et al. 2023, Table 1 / the released ``config.json``: d=4096, 32
 layers, 32 heads, FFN 11008, vocabulary 32000; 6.74 B parameters) and ``llama2-70b`` (d=8192,
 80 layers, 64 heads with 8 key/value heads, FFN 28672; 68.98 B). The large ones are built
