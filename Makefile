@@ -23,17 +23,17 @@ run: $(STAMP)
 test: $(STAMP)
 	# The report test opens a report in headless Chromium (Debian's package).
 	command -v chromium >/dev/null || (apt-get update && apt-get install -y --no-install-recommends chromium)
-	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks examples
+	$(BIN)/ruff format --check src tests benchmarks examples
 	$(BIN)/python -m pytest -n 2 --dist loadfile
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks examples
+	$(BIN)/ruff format --check src tests benchmarks examples
 
 format: $(STAMP)
-	$(BIN)/ruff format src tests benchmarks
-	$(BIN)/ruff check --fix src tests benchmarks
+	$(BIN)/ruff format src tests benchmarks examples
+	$(BIN)/ruff check --fix src tests benchmarks examples
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/capture.py
