@@ -82,9 +82,7 @@ def test_every_placer_returns_a_valid_plan_within_budget(workload: str, cluster:
         simulated_s = result.evaluations * problem.graph.num_ops / SIMULATED_OPS_PER_SECOND
         assert simulated_s <= BUDGET_SHARE * BUDGET_S, (name, result.evaluations)
         assert result.step_time_s >= problem.simulator.lower_bound() * (1 - 1e-9), name
-        again = run_placer(name, problem, BUDGET_S, seed=0)
-        assert np.array_equal(devices, again.op_devices), (name, "not deterministic")
-        assert again.evaluations == result.evaluations, name
+    # (determinism, the same plan and evaluations for a seed, has its own test below)
 
 
 @pytest.mark.parametrize("workload", ["dmcca", "rnnlm", "resnet50"])
@@ -94,6 +92,7 @@ def test_placers_are_deterministic_for_a_seed(workload: str) -> None:
         first = run_placer(name, problem, 2 * BUDGET_S, seed=3)
         again = run_placer(name, problem, 2 * BUDGET_S, seed=3)
         assert np.array_equal(first.op_devices, again.op_devices), name
+        assert first.evaluations == again.evaluations, name
 
 
 @pytest.mark.parametrize("workload", ["dmcca", "nmt", "inception_v3"])

@@ -23,7 +23,7 @@ from meshplace.placers import ManualClock, PlacementProblem, registry, run_place
 
 WORKLOADS = list(models.available())
 CLUSTERS = ["colocrl-4gpu", "dgx-h100", "h2-8xv100"]  # the last: 16 GPUs on 2 hosts
-BUDGET_S = 0.5  # fixed work: a quarter of the default keeps the grid affordable
+BUDGET_S = 0.25  # fixed work: an eighth of the default keeps the grid affordable
 
 
 @pytest.fixture(autouse=True)

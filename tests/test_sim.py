@@ -182,10 +182,10 @@ def test_torus_all_reduce_matches_its_closed_form(dims) -> None:
     assert simulated == pytest.approx(closed, rel=0.01)
 
 
-def test_nmt_trace_is_valid_chrome_trace_with_a_track_per_device_and_link() -> None:
+def test_rnnlm_trace_is_valid_chrome_trace_with_a_track_per_device_and_link() -> None:
     from meshplace.graph.sources import workload_graph
 
-    graph = workload_graph("nmt")
+    graph = workload_graph("rnnlm")  # an LSTM language model: small, and one op per step
     cluster = load_cluster("colocrl-4gpu")
     sim = Simulator(graph, cluster)
     # Expert-style split: embeddings on the CPU, each LSTM layer pair on its own GPU.

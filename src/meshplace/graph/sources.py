@@ -61,7 +61,8 @@ class GraphSource:
             ``"hit"`` (loaded from the cache, nothing imported or traced), ``"stored"``
             (captured and saved there), ``"off"`` (``cache=False``) or ``"unwritable"``
             (captured; the cache folder could not be written, ``reason`` says why); None
-            for workloads and graph files.
+            for graph files and reference workloads (which are cached too, silently:
+            :func:`workload_graph`).
         notes: sentences the user should see (``graph.meta['notes']``: a
             ``torch.compile``d module captured through ``_orig_mod``, a stand-in loss).
     """
@@ -151,6 +152,7 @@ def graph_source(
         optimizer=optimizer,
         dtype=dtype,
         autocast=autocast,
+        cache=cache,
     )
     return _with_notes(GraphSource(graph))
 
@@ -171,15 +173,54 @@ def workload_graph(
     optimizer: str = "adam",
     dtype: str | None = None,
     autocast: str | None = None,
+    cache: bool = True,
 ) -> OpGraph:
     """Capture reference workload ``name`` (see :mod:`meshplace.models`), optionally cast
-    to ``dtype`` or under ``autocast`` (:func:`meshplace.graph.capture.capture`)."""
+    to ``dtype`` or under ``autocast`` (:func:`meshplace.graph.capture.capture`).
+
+    With ``cache`` (the default) the graph is kept in :func:`cache_dir` under a key of the
+    workload, its size, batch and options and the code that captures it (graph and models
+    packages, torch's version), so the next call with the same arguments loads it instead
+    of capturing again (NMT: ~0.5 s instead of ~8 s)."""
     from meshplace import models
-    from meshplace.graph.capture import capture
 
     known = models.available()
     if name not in known:
         raise InputError(_unknown_workload(name, list(known)))
+    options = {
+        "workload": name,
+        "size": size,
+        "batch": batch,
+        "training": training,
+        "optimizer": optimizer,
+        "dtype": dtype,
+        "autocast": autocast,
+    }
+    head = {"options": options, "code": _code_version()}
+    key = hashlib.sha256(json.dumps(head, sort_keys=True).encode()).hexdigest()
+    entry = cache_dir() / "graphs" / f"workload-{key}.json"
+    if cache:
+        hit = _load_cached(entry)
+        if hit is not None:
+            return hit
+    graph = _capture_workload(name, batch, size, training, optimizer, dtype, autocast)
+    if cache:
+        _store_cached(graph, entry)
+    return graph
+
+
+def _capture_workload(
+    name: str,
+    batch: int | None,
+    size: str | None,
+    training: bool,
+    optimizer: str,
+    dtype: str | None,
+    autocast: str | None,
+) -> OpGraph:
+    from meshplace import models
+    from meshplace.graph.capture import capture
+
     w = models.get(name, batch=batch, size=size)  # UnknownWorkloadError is an InputError
     batch_size = w.dims.get("batch")
     graph_name = name if len(models.available()[name]) == 1 else f"{name}-{w.size}"
@@ -338,13 +379,16 @@ def cache_dir() -> Path:
 
 @functools.cache
 def _code_version() -> str:
-    """meshplace's version, a digest of the graph package's source (capture, FLOPs, IR) and
-    torch's version: a cached graph is reused only by the code that would capture it."""
+    """meshplace's version, a digest of the graph and models packages' source (capture,
+    FLOPs, IR, the reference workloads) and torch's version: a cached graph is reused only
+    by the code that would capture it."""
     from meshplace import __version__
 
     digest = hashlib.sha256()
-    for file in sorted(Path(__file__).parent.glob("*.py")):
-        digest.update(file.name.encode())
+    package = Path(__file__).parent.parent
+    sources = [*package.joinpath("graph").glob("*.py"), *package.joinpath("models").glob("*.py")]
+    for file in sorted(sources):
+        digest.update(f"{file.parent.name}/{file.name}".encode())
         digest.update(file.read_bytes())
     try:
         torch_version = importlib.metadata.version("torch")
@@ -392,29 +436,45 @@ def _graph_from_python(
     }
     name = path.stem
     entry = cache_dir() / "graphs" / f"{cache_key(path, fn_name, options)}.json"
-    if cache and entry.is_file():
-        try:
-            graph = load_graph(entry)
-        except GraphError:  # damaged or from an incompatible writer: capture afresh
-            pass
-        else:
-            graph.name = name
-            graph.meta["workload"] = spec
-            with contextlib.suppress(OSError):
-                os.utime(entry)  # most recently used, for _prune
-            return GraphSource(graph, {"status": "hit", "path": str(entry)})
+    if cache:
+        hit = _load_cached(entry)
+        if hit is not None:
+            hit.name = name
+            hit.meta["workload"] = spec
+            return GraphSource(hit, {"status": "hit", "path": str(entry)})
     graph = _capture_python(spec, training, optimizer, dtype, autocast, name)
     if not cache:
         return GraphSource(graph, {"status": "off", "path": None})
+    reason = _store_cached(graph, entry)
+    if reason is not None:
+        return GraphSource(graph, {"status": "unwritable", "path": str(entry), "reason": reason})
+    return GraphSource(graph, {"status": "stored", "path": str(entry)})
+
+
+def _load_cached(entry: Path) -> OpGraph | None:
+    """The graph cached at ``entry``, or None (absent, damaged, or from an incompatible
+    writer: the caller captures afresh)."""
+    if not entry.is_file():
+        return None
+    try:
+        graph = load_graph(entry)
+    except (GraphError, InputError):
+        return None
+    with contextlib.suppress(OSError):
+        os.utime(entry)  # most recently used, for _prune
+    return graph
+
+
+def _store_cached(graph: OpGraph, entry: Path) -> str | None:
+    """Save ``graph`` at ``entry`` (atomically) and prune the cache; returns why it could
+    not be written, or None."""
     try:
         entry.parent.mkdir(parents=True, exist_ok=True)
         save_graph(graph, entry)
     except (OSError, InputError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) else str(exc)
-        status = {"status": "unwritable", "path": str(entry), "reason": reason}
-        return GraphSource(graph, status)
+        return exc.strerror if isinstance(exc, OSError) else str(exc)
     _prune(entry.parent)
-    return GraphSource(graph, {"status": "stored", "path": str(entry)})
+    return None
 
 
 def _capture_python(
