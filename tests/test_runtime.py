@@ -421,6 +421,20 @@ def _comm(tid: int) -> str:
         return f.read().strip()
 
 
+def test_auto_transport_policy_follows_the_load_average(monkeypatch) -> None:
+    from meshplace.runtime.executor import QUIET_LOAD_SHARE, transport_policy
+
+    cores = os.cpu_count() or 1
+    monkeypatch.delenv("MESHPLACE_TRANSPORT", raising=False)
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.1, 0.1, 0.1))
+    assert transport_policy() == "idle"  # a quiet host: idle-class gloo threads
+    busy = QUIET_LOAD_SHARE * cores + 0.01
+    monkeypatch.setattr(os, "getloadavg", lambda: (busy, busy, busy))
+    assert transport_policy() == "nice"  # busy cores would starve idle-class threads
+    monkeypatch.setenv("MESHPLACE_TRANSPORT", "idle")
+    assert transport_policy() == "idle"  # an explicit choice wins
+
+
 def test_transport_threads_policy(tmp_path, monkeypatch) -> None:
     import torch.distributed as dist
 
@@ -439,7 +453,7 @@ def test_transport_threads_policy(tmp_path, monkeypatch) -> None:
     try:
         assert started
         assert yield_transport_threads("normal", threads=started) == 0
-        assert yield_transport_threads(threads=started) == len(started)  # default: idle
+        assert yield_transport_threads("idle", threads=started) == len(started)
         assert all(os.sched_getscheduler(t) == os.SCHED_IDLE for t in started)
 
         def names() -> list[str]:
@@ -452,7 +466,7 @@ def test_transport_threads_policy(tmp_path, monkeypatch) -> None:
             time.sleep(0.01)
         # by name, once named, the same threads (and any of an earlier group)
         named = [t for t in thread_ids() if _comm(t).startswith(("gloo", "pt_gloo"))]
-        assert started <= set(named) and yield_transport_threads() == len(named)
+        assert started <= set(named) and yield_transport_threads("idle") == len(named)
         # and back, so this process's later gloo use is not slowed
         for t in named:
             os.sched_setscheduler(t, os.SCHED_OTHER, os.sched_param(0))

@@ -306,22 +306,30 @@ def _node_at(sched: NodeSchedule | None, status: Any, rank: int) -> str:
     return sched.names[idx] if 0 <= idx < len(sched.names) else "setup"
 
 
-TRANSPORT_POLICIES = ("idle", "nice", "normal")
+TRANSPORT_POLICIES = ("auto", "idle", "nice", "normal")
+#: ``auto`` picks ``idle`` only while the 1-minute load average is below this share of the
+#: cores: an idle-class thread beside busy cores gets a sliver of one, and then messages
+#: crawl and a killed worker takes seconds to exit (each of its threads must run to die).
+QUIET_LOAD_SHARE = 0.75
 
 
 def transport_policy() -> str:
     """The scheduling policy for the workers' gloo threads: ``MESHPLACE_TRANSPORT`` —
-    ``idle`` (default), ``nice`` (nice 10) or ``normal`` (left alone). One sentence
+    ``auto`` (default: ``idle`` on a quiet host, ``nice`` on a busy one, by the load
+    average), ``idle``, ``nice`` (nice 10) or ``normal`` (left alone). One sentence
     (:class:`~meshplace.errors.InputError`) for anything else.
 
     >>> transport_policy() in TRANSPORT_POLICIES
     True
     """
-    value = os.environ.get("MESHPLACE_TRANSPORT", "idle").strip().lower() or "idle"
+    value = os.environ.get("MESHPLACE_TRANSPORT", "auto").strip().lower() or "auto"
     if value not in TRANSPORT_POLICIES:
         raise InputError(
             f"MESHPLACE_TRANSPORT={value!r} is not one of {', '.join(TRANSPORT_POLICIES)}"
         )
+    if value == "auto":
+        quiet = os.getloadavg()[0] < QUIET_LOAD_SHARE * (os.cpu_count() or 1)
+        return "idle" if quiet else "nice"
     return value
 
 
