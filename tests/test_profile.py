@@ -375,7 +375,10 @@ def _profile_exits_2(argv: list[str], capsys) -> str:
         (["mlp", "--threads", "-2"], "argument --threads: expected a positive integer"),
         (["mlp", "--batch", "0"], "argument --batch: expected a positive integer"),
         (["mlp", "--top", "-1"], "argument --top: expected a positive integer"),
-        (["mlp", "--build-timeout", "-1"], "argument --build-timeout: expected a positive"),
+        (
+            ["mlp", "--build-timeout", "-1"],
+            "argument --build-timeout: seconds must be finite and positive",
+        ),
         (["mlp", "--out", "missing/p.json"], "--out missing/p.json: cannot write there"),
         (["mlp", "--out", "."], "--out .: is a folder, not a file"),
         (["mlp", "--trace", "missing/t.json"], "--trace missing/t.json: cannot write there"),

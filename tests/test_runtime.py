@@ -495,8 +495,11 @@ def _one_sentence_exit_2(argv: list[str], capsys) -> str:
         (["--steps", "4", "--warmup", "4"], "--warmup 4 leaves none of --steps 4 to time"),
         (["--steps", "0"], "argument --steps: expected a positive integer"),
         (["--workers", "0"], "argument --workers: expected a positive integer"),
-        (["--hang-timeout", "0"], "argument --hang-timeout: expected a positive, finite"),
-        (["--build-timeout", "nan"], "argument --build-timeout: expected a positive, finite"),
+        (["--hang-timeout", "0"], "argument --hang-timeout: seconds must be finite and positive"),
+        (
+            ["--build-timeout", "nan"],
+            "argument --build-timeout: seconds must be finite and positive",
+        ),
         (["--placer", "singel"], "unknown placer 'singel'"),
         (["--placer", ""], "unknown placer ''"),
         (["--plan", "p.json"], "give either --plan or --placer, not both"),

@@ -21,6 +21,7 @@ from typing import Any, NoReturn
 from rich.console import Console
 from rich.table import Table
 
+from meshplace.argtypes import non_negative_seconds, positive_int, positive_seconds, seed
 from meshplace.errors import InputError
 from meshplace.util import (
     JsonOutput,
@@ -33,16 +34,6 @@ from meshplace.util import (
 EXIT_BAD_INPUT = 2
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
 class _UsageError(Exception):
     """A bad flag or argument, caught by :func:`main` like an :class:`InputError`."""
 
@@ -53,35 +44,6 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         raise _UsageError(f"meshplace: error: {message} (see {self.prog} --help)")
-
-
-def _seed(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer seed, got {text!r}") from None
-    if not 0 <= value < 2**32:
-        raise argparse.ArgumentTypeError(f"a seed is between 0 and 2**32 - 1, got {text!r}")
-    return value
-
-
-def _seconds(text: str, *, zero_ok: bool) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
-    if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
-        allowed = "finite and non-negative" if zero_ok else "finite and positive"
-        raise argparse.ArgumentTypeError(f"seconds must be {allowed}, got {text!r}")
-    return value
-
-
-def _positive_seconds(text: str) -> float:
-    return _seconds(text, zero_ok=False)
-
-
-def _non_negative_seconds(text: str) -> float:
-    return _seconds(text, zero_ok=True)
 
 
 def _add_capture_arguments(parser: argparse.ArgumentParser) -> None:
@@ -131,7 +93,7 @@ def _parser(command: str = "*") -> argparse.ArgumentParser:
     g.add_argument(
         "model", help="workload name (see `meshplace workloads`), graph.json or file.py:fn"
     )
-    g.add_argument("--batch", type=_positive_int, help="batch size (reference workloads)")
+    g.add_argument("--batch", type=positive_int, help="batch size (reference workloads)")
     g.add_argument("--size", help="model size, e.g. 124m or base (reference workloads)")
     g.add_argument("--inference", action="store_true", help="capture the inference graph")
     g.add_argument(
@@ -139,7 +101,7 @@ def _parser(command: str = "*") -> argparse.ArgumentParser:
     )
     _add_capture_arguments(g)
     g.add_argument(
-        "--groups", type=_positive_int, default=256, help="coarsen to at most N groups (256)"
+        "--groups", type=positive_int, default=256, help="coarsen to at most N groups (256)"
     )
     g.add_argument("--out", help="write the graph as JSON to this file")
     g.add_argument("--json", action="store_true", help="print a JSON object")
@@ -165,17 +127,17 @@ def _parser(command: str = "*") -> argparse.ArgumentParser:
     p.add_argument("--objective", default="step", choices=["step", "throughput"])
     p.add_argument(
         "--budget",
-        type=_positive_seconds,
+        type=positive_seconds,
         default=10.0,
         help="seconds per searching placer (default 10)",
     )
-    p.add_argument("--seed", type=_seed, default=0, help="random seed (default 0)")
-    p.add_argument("--batch", type=_positive_int, help="batch size (reference workloads)")
+    p.add_argument("--seed", type=seed, default=0, help="random seed (default 0)")
+    p.add_argument("--batch", type=positive_int, help="batch size (reference workloads)")
     p.add_argument("--size", help="model size (reference workloads)")
     p.add_argument("--inference", action="store_true", help="place the inference graph")
     _add_capture_arguments(p)
     p.add_argument(
-        "--groups", type=_positive_int, default=256, help="co-location groups (default 256)"
+        "--groups", type=positive_int, default=256, help="co-location groups (default 256)"
     )
     p.add_argument("--out", help="write the best plan to this file")
     p.add_argument("--result", help="write every placer's result as JSON to this file")
@@ -193,7 +155,7 @@ def _parser(command: str = "*") -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--finetune",
-        type=_non_negative_seconds,
+        type=non_negative_seconds,
         metavar="SECONDS",
         help="let the pretrained gnn policy train this many seconds on the model after "
         "placing it zero-shot (default: zero-shot only)",
@@ -215,7 +177,7 @@ def _parser(command: str = "*") -> argparse.ArgumentParser:
     )
     s.add_argument("--graph", required=True, help="workload name, graph.json or file.py:fn")
     s.add_argument("--cluster", required=True, help="preset name or cluster.yaml")
-    s.add_argument("--batch", type=_positive_int, help="batch size (reference workloads)")
+    s.add_argument("--batch", type=positive_int, help="batch size (reference workloads)")
     s.add_argument("--size", help="model size (reference workloads)")
     s.add_argument("--inference", action="store_true", help="simulate the inference graph")
     _add_capture_arguments(s)

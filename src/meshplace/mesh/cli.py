@@ -34,6 +34,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from meshplace.argtypes import positive_int
 from meshplace.errors import InputError
 from meshplace.mesh.cost import LayoutCost
 from meshplace.mesh.layout import AXIS_NAMES, LayoutError, parse_mesh_shape
@@ -42,23 +43,13 @@ from meshplace.mesh.search import WUS_MODES, SearchResult, search
 from meshplace.util import check_output_paths, dumps_strict_json, print_json, write_text_atomic
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
 def add_shard_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``shard`` subcommand's arguments (what ``meshplace shard --help`` shows)."""
     parser.add_argument("model", help=f"one of: {', '.join(PROGRAM_MODELS)}")
     parser.add_argument("--cluster", required=True, help="preset name or cluster.yaml")
     parser.add_argument("--mesh", help="mesh shape, e.g. 16x32 (default: search all shapes)")
     parser.add_argument(
-        "--chips", type=_positive_int, help="devices to use (default: all accelerators)"
+        "--chips", type=positive_int, help="devices to use (default: all accelerators)"
     )
     parser.add_argument(
         "--weight-update-sharding",
@@ -67,7 +58,7 @@ def add_shard_arguments(parser: argparse.ArgumentParser) -> None:
         help="shard the optimizer update over data-parallel replicas",
     )
     parser.add_argument("--size", help="model size, e.g. 5b or base")
-    parser.add_argument("--batch", type=_positive_int, help="global batch size")
+    parser.add_argument("--batch", type=positive_int, help="global batch size")
     parser.add_argument(
         "--rules",
         action="append",
@@ -75,9 +66,9 @@ def add_shard_arguments(parser: argparse.ArgumentParser) -> None:
         help="pin layout rules (AXIS x/y/z, or - to keep DIM whole)",
     )
     parser.add_argument(
-        "--max-axes", type=_positive_int, default=2, help="mesh axes to try (default 2)"
+        "--max-axes", type=positive_int, default=2, help="mesh axes to try (default 2)"
     )
-    parser.add_argument("--top", type=_positive_int, default=5, help="layouts to list (default 5)")
+    parser.add_argument("--top", type=positive_int, default=5, help="layouts to list (default 5)")
     parser.add_argument("--optimizer", choices=list(OPTIMIZERS), help="optimizer to cost")
     parser.add_argument("--out", help="also write the JSON result to this file")
     parser.add_argument("--json", action="store_true", help="print a JSON object")

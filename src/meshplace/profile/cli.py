@@ -7,8 +7,9 @@ import argparse
 import json
 from pathlib import Path
 
+from meshplace.argtypes import positive_int, positive_seconds
 from meshplace.errors import InputError
-from meshplace.runtime.cli import DEFAULT_BUILD_TIMEOUT_S, positive_int, positive_seconds
+from meshplace.runtime.cli import DEFAULT_BUILD_TIMEOUT_S
 
 
 def add_profile_arguments(parser: argparse.ArgumentParser) -> None:

@@ -23,47 +23,13 @@ import argparse
 import math
 from typing import Any
 
+from meshplace.argtypes import non_negative_int, positive_int, positive_seconds
 from meshplace.errors import InputError
 
 #: Seconds a ``FILE.py:FUNCTION`` build may take before ``run`` and ``profile`` give up.
 DEFAULT_BUILD_TIMEOUT_S = 120.0
 #: Seconds without progress in any worker before ``run`` reports a hang.
 DEFAULT_HANG_TIMEOUT_S = 20.0
-
-
-def positive_int(text: str) -> int:
-    """An argparse type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
-def non_negative_int(text: str) -> int:
-    """An argparse type: an integer >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return value
-
-
-def positive_seconds(text: str) -> float:
-    """An argparse type: a finite number of seconds > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(
-            f"expected a positive, finite number of seconds, got {text!r}"
-        )
-    return value
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
