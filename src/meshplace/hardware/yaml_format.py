@@ -53,7 +53,7 @@ from meshplace.hardware.topology import (
     build_topology,
 )
 from meshplace.hardware.units import parse_quantity
-from meshplace.util import write_text_atomic
+from meshplace.util import read_text_file, short_repr, write_text_atomic
 
 FORMAT = "meshplace.cluster"
 VERSION = 1
@@ -67,7 +67,7 @@ def _integer(value: Any) -> Any:
     """Refuse ``true``/``false`` and strings where an integer belongs (pydantic's lax mode
     reads ``true`` as 1 and ``'2'`` as 2)."""
     if isinstance(value, bool | str):
-        raise ValueError(f"expected an integer, not {_short(value)}")
+        raise ValueError(f"expected an integer, not {short_repr(value)}")
     return value
 
 
@@ -217,22 +217,7 @@ def load_cluster_file(path: str | Path) -> Cluster:
     """Read and validate a cluster YAML file. A missing file, a folder, a binary or
     non-UTF-8 file are each one :class:`ClusterError` sentence naming the file."""
     p = Path(path)
-    if p.is_dir():
-        raise ClusterError(f"{p}: is a folder, not a cluster file")
-    try:
-        raw = p.read_bytes()
-    except FileNotFoundError:
-        raise ClusterError(f"{p}: no such cluster file") from None
-    except OSError as exc:
-        raise ClusterError(f"{p}: cannot read the cluster file ({exc.strerror or exc})") from None
-    if b"\0" in raw:
-        raise ClusterError(f"{p}: is a binary file (it holds NUL bytes), not a cluster file")
-    try:
-        text = raw.decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        raise ClusterError(
-            f"{p}: is not a UTF-8 text file (byte {exc.start} is not UTF-8), so not a cluster file"
-        ) from None
+    text = read_text_file(p, "cluster", ClusterError)
     return cluster_from_yaml(text, str(p), default_name=p.stem)
 
 
@@ -441,7 +426,7 @@ def _check_keys(node: yaml.MappingNode, source: str) -> None:
         ident = (k.tag, k.value)
         if ident in seen:
             raise ClusterError(
-                f"{source}: key {_short(k.value)} appears twice in one mapping (line "
+                f"{source}: key {short_repr(k.value)} appears twice in one mapping (line "
                 f"{k.start_mark.line + 1}); each key may appear once"
             )
         seen.add(ident)
@@ -670,14 +655,6 @@ def _path(parts: list[Any]) -> str:
     return out
 
 
-def _short(value: Any) -> str:
-    try:
-        text = repr(value)
-    except ValueError:  # an int beyond sys.get_int_max_str_digits()
-        return "an integer of thousands of digits"
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
 def _describe(exc: ValidationError) -> str:
     """One sentence for the first validation error."""
     err = exc.errors()[0]
@@ -700,7 +677,7 @@ def _describe(exc: ValidationError) -> str:
         return f"field '{_path([*shown, 'generator'])}'{got}; allowed generators: {tags}"
     where = f"field {_path(shown)!r}"
     value = err.get("input")
-    got = "" if isinstance(value, dict | list) else f" (got {_short(value)})"
+    got = "" if isinstance(value, dict | list) else f" (got {short_repr(value)})"
     if etype == "value_error":
         msg = str(err.get("ctx", {}).get("error", err["msg"]))
         return f"{where}: {msg}"

@@ -50,7 +50,7 @@ from torch.utils._pytree import tree_flatten
 
 from meshplace.errors import InputError
 from meshplace.graph.flops import flop_count, op_kind
-from meshplace.util import read_json_file, write_text_atomic
+from meshplace.util import read_json_file, short_repr, write_text_atomic
 
 LEVELS = ("model", "module", "op", "kernel")
 FORMAT = "meshplace.profile"
@@ -277,13 +277,13 @@ class Profile:
         ``KeyError`` for a missing field and ``ValueError`` (one sentence) for one of the
         wrong type, e.g. a time that is not a number."""
         if not isinstance(data.get("name"), str):
-            raise ValueError(f"'name' must be a string, got {_short(data.get('name'))}")
+            raise ValueError(f"'name' must be a string, got {short_repr(data.get('name'))}")
         levels = data["levels"]
         if not (isinstance(levels, list) and all(isinstance(x, str) for x in levels)):
-            raise ValueError(f"'levels' must be a list of level names, got {_short(levels)}")
+            raise ValueError(f"'levels' must be a list of level names, got {short_repr(levels)}")
         runs = data["runs"]
         if isinstance(runs, bool) or not isinstance(runs, int) or runs < 1:
-            raise ValueError(f"'runs' must be a positive integer, got {_short(runs)}")
+            raise ValueError(f"'runs' must be a positive integer, got {short_repr(runs)}")
         return cls(
             name=data["name"],
             levels=list(levels),
@@ -318,21 +318,13 @@ class Profile:
             write_text_atomic(trace_path, json.dumps(self.chrome_trace()))
 
 
-def _short(value: Any) -> str:
-    try:
-        text = repr(value)
-    except ValueError:  # an integer beyond sys.get_int_max_str_digits()
-        return "an integer of thousands of digits"
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
 def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _mapping(value: Any, what: str) -> dict[str, Any]:
     if not isinstance(value, dict):
-        raise ValueError(f"{what!r} must be an object, got {_short(value)}")
+        raise ValueError(f"{what!r} must be an object, got {short_repr(value)}")
     return dict(value)
 
 
@@ -341,7 +333,7 @@ def _seconds_table(value: Any, what: str) -> dict[str, float]:
     table = _mapping(value, what)
     for key, x in table.items():
         if not _is_number(x):
-            raise ValueError(f"{what}[{key!r}] must be a number of seconds, got {_short(x)}")
+            raise ValueError(f"{what}[{key!r}] must be a number of seconds, got {short_repr(x)}")
     return table
 
 
@@ -351,13 +343,13 @@ def _rows(value: Any, what: str, required: Sequence[str]) -> dict[str, dict[str,
     table = _mapping(value, what)
     for key, row in table.items():
         if not isinstance(row, dict):
-            raise ValueError(f"{what}[{key!r}] must be an object, got {_short(row)}")
+            raise ValueError(f"{what}[{key!r}] must be an object, got {short_repr(row)}")
         for name in required:
             if name not in row:
                 raise ValueError(f"{what}[{key!r}] lacks {name!r}")
         for name, x in row.items():
             if name in _NUMERIC_FIELDS and not _is_number(x):
-                raise ValueError(f"{what}[{key!r}][{name!r}] must be a number, got {_short(x)}")
+                raise ValueError(f"{what}[{key!r}][{name!r}] must be a number, got {short_repr(x)}")
     return table
 
 
@@ -753,7 +745,7 @@ def load_profiles(path: str | Path) -> list[Profile]:
     except (TypeError, ValueError) as exc:
         raise ProfileError(f"{p}: not a usable profile ({exc})") from None
     raise ProfileError(
-        f"{p}: not a profile file (format {_short(fmt)}; expected {FORMAT!r} or "
+        f"{p}: not a profile file (format {short_repr(fmt)}; expected {FORMAT!r} or "
         f"{COMBINED_FORMAT!r})"
     )
 
