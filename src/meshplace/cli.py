@@ -188,13 +188,16 @@ def _parser(command: str = "*") -> argparse.ArgumentParser:
 
     sh = sub.add_parser(
         "shard",
-        help="search a Mesh-TensorFlow layout of a model on a device mesh",
-        description="Search mesh shapes and layout rules (which named tensor dimension each "
-        "mesh axis splits), with and without weight-update sharding, for the fastest layout "
-        "that fits in memory; print its cost breakdown, memory per device and runner-ups.",
+        help="shard any model over a device mesh: per-op strategies, weight-update sharding "
+        "and memory per device",
+        description="Search mesh shapes and, per mesh, every op's and parameter's sharding "
+        "of the captured training graph (an integer program: step time within device "
+        "memory), or, for the models with hand-written named-dimension programs, "
+        "Mesh-TensorFlow layout rules; print the plan, its cost breakdown, memory per device "
+        "and runner-ups.",
     )
     if wanted("shard"):
-        from meshplace.mesh.cli import add_shard_arguments
+        from meshplace.parallel.cli import add_shard_arguments
 
         add_shard_arguments(sh)
 
@@ -304,7 +307,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         return cmd_report(args)
     if args.command == "shard":
-        from meshplace.mesh.cli import cmd_shard
+        from meshplace.parallel.cli import cmd_shard
 
         return cmd_shard(args)
     if args.command == "simulate":

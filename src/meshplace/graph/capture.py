@@ -57,6 +57,7 @@ from meshplace.errors import InputError
 from meshplace.graph.decompositions import capture_kernels, expert_meta
 from meshplace.graph.flops import flop_count, op_kind
 from meshplace.graph.ir import Op, OpGraph
+from meshplace.graph.opdims import alias_map, compose, op_einsum
 
 OPTIMIZERS = ("adam", "momentum", "sgd")
 _STATE_TENSORS = {"adam": 2, "momentum": 1, "sgd": 0}
@@ -129,6 +130,13 @@ def _is_alias(target: Any) -> bool:
 def _tensors(value: Any) -> list[torch.Tensor]:
     flat, _ = tree_flatten(value)
     return [t for t in flat if isinstance(t, torch.Tensor)]
+
+
+def _outputs(value: Any) -> list[Any]:
+    """An op's outputs in order, ``None`` kept where an output is not a tensor."""
+    if isinstance(value, list | tuple):
+        return [v if isinstance(v, torch.Tensor) else None for v in value]
+    return [value] if isinstance(value, torch.Tensor) else []
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -829,6 +837,9 @@ class _Converter:
         self.n_state = n_state
         # fx node -> (index of the op that produced it, bytes it carries)
         self.source: dict[torch.fx.Node, tuple[int, int]] = {}
+        # fx node -> which output of its producer it is and the dimension map into it
+        # (meshplace.graph.opdims); a tuple-valued node holds one such pair per element
+        self.where: dict[torch.fx.Node, Any] = {}
         self.forward_by_seq: dict[int, list[tuple[torch.fx.Node, int]]] = {}
         self.pending_links: list[tuple[int, int, str]] = []
         self.op_phase: list[str] = []
@@ -840,6 +851,84 @@ class _Converter:
         self.recompute_by_seq: dict[int, list[tuple[torch.fx.Node, int]]] = {}
         #: recomputed op name -> name of the forward op it recomputes (None: not found)
         self.recomputed: dict[str, str | None] = {}
+
+    def _locate(self, node: torch.fx.Node, val: Any) -> None:
+        """Record that ``node`` is its op's own output(s), dimensions unchanged."""
+        if isinstance(val, torch.Tensor):
+            self.where[node] = (0, list(range(val.dim())))
+        elif isinstance(val, list | tuple):
+            k, parts = 0, []
+            for v in val:
+                if isinstance(v, torch.Tensor):
+                    parts.append((k, list(range(v.dim()))))
+                    k += 1
+                else:
+                    parts.append(None)
+            self.where[node] = parts
+
+    def _locate_alias(self, node: torch.fx.Node, src_node: torch.fx.Node, val: Any) -> None:
+        """Where an alias of ``src_node`` sits in its producer's outputs, and its map."""
+        parent = self.where.get(src_node)
+        if parent is None:
+            return
+        if node.target is operator.getitem:
+            k = node.args[1] if len(node.args) > 1 else None
+            if (
+                isinstance(parent, list)
+                and isinstance(k, int)
+                and 0 <= k < len(parent)
+                and parent[k] is not None
+            ):
+                self.where[node] = parent[k]
+            return
+        if isinstance(parent, list):
+            return
+        src_val = src_node.meta.get("val")
+        if not isinstance(src_val, torch.Tensor):
+            return
+        outs = [list(t.shape) for t in _tensors(val)]
+        rest = [a for a in node.args[1:]]
+        try:
+            maps = alias_map(_packet_name(node.target), rest, list(src_val.shape), outs)
+        except (IndexError, TypeError, ValueError):
+            maps = [[-1] * len(o) for o in outs]
+        out_idx, parent_map = parent
+        if isinstance(val, torch.Tensor):
+            self.where[node] = (out_idx, compose(maps[0], parent_map))
+        else:
+            self.where[node] = [(out_idx, compose(m, parent_map)) for m in maps]
+
+    def _operands(self, node: torch.fx.Node) -> tuple[list[dict], list[Any], list[Any]]:
+        """Operand records (see ``Op.operands``), the op's arguments with tensors
+        replaced by shapes, and the shapes of its tensor arguments for
+        :func:`meshplace.graph.opdims.op_einsum` (positional, lists spliced, then keyword
+        tensors)."""
+        records: list[dict] = []
+        shapes: list[Any] = []
+
+        def visit(a: Any) -> Any:
+            if isinstance(a, torch.fx.Node):
+                v = a.meta.get("val")
+                if not isinstance(v, torch.Tensor):
+                    shapes.append(None)
+                    return None
+                shape = list(v.shape)
+                shapes.append(shape)
+                loc = self.where.get(a)
+                if a in self.source and isinstance(loc, tuple):
+                    src = self.graph.ops[self.source[a][0]].name
+                    records.append({"op": src, "out": loc[0], "shape": shape, "map": loc[1]})
+                return shape
+            if isinstance(a, list | tuple) and any(isinstance(x, torch.fx.Node) for x in a):
+                return [visit(x) for x in a]
+            shapes.append(None)
+            return a
+
+        args = [visit(a) for a in node.args]
+        for v in node.kwargs.values():
+            if isinstance(v, torch.fx.Node):
+                visit(v)
+        return records, args, shapes
 
     def _add(self, op: Op) -> int:
         idx = self.graph.add_op(op)
@@ -892,6 +981,7 @@ class _Converter:
             idx = self._add(op)
             param_ops.append(idx)
             self.source[node] = (idx, nbytes)
+            self._locate(node, node.meta.get("val"))
         for (bname, b), node in zip(buffers, placeholders[n_params : n_params + n_bufs]):
             kind = "parameter" if bname in frozen_names else "buffer"
             op = self._tensor_op(
@@ -902,15 +992,18 @@ class _Converter:
                 param_bytes=_nbytes(b),
             )
             self.source[node] = (self._add(op), _nbytes(b))
+            self._locate(node, node.meta.get("val"))
         state_nodes = placeholders[n_params + n_bufs : n_params + n_bufs + n_states]
         for k, node in enumerate(state_nodes):
             owner = param_ops[k // self.n_state]
             self.source[node] = (owner, _nbytes(node.meta["val"]))
+            self._locate(node, node.meta.get("val"))
         for i, node in enumerate(placeholders[n_params + n_bufs + n_states :]):
             val = node.meta.get("val")
             if isinstance(val, torch.Tensor):
                 op = self._tensor_op(f"input:{input_names[i]}", "input", val)
                 self.source[node] = (self._add(op), _nbytes(val))
+                self._locate(node, val)
 
         for node in gm.graph.nodes:
             if node.op == "call_function":
@@ -927,6 +1020,7 @@ class _Converter:
                 own = _tensors(val)
                 nbytes = _nbytes(own[0]) if len(own) == 1 else src_bytes
                 self.source[node] = (src, min(nbytes, src_bytes) if src_bytes else nbytes)
+                self._locate_alias(node, src_node, val)
             return
 
         custom = node.meta.get("custom") or {}
@@ -955,6 +1049,20 @@ class _Converter:
             flops = flop_count(pname, in_shapes, out_shapes, node.args, dict(node.kwargs))
         except (IndexError, TypeError, AssertionError):
             flops = float(sum(math.prod(s) for s in out_shapes))
+        operands, shaped_args, arg_shapes = self._operands(node)
+        tags = getattr(node.target, "tags", ())
+        notation = op_einsum(
+            pname,
+            shaped_args,
+            arg_shapes,
+            [list(t.shape) if isinstance(t, torch.Tensor) else None for t in _outputs(val)],
+            pointwise=torch.Tag.pointwise in tags,
+        )
+        if notation is not None:
+            try:
+                notation.check_shapes([r["shape"] for r in operands], out_shapes)
+            except InputError:
+                notation = None
         op = Op(
             name=node.name,
             kind=op_kind(pname),
@@ -968,8 +1076,11 @@ class _Converter:
             bytes_read=float(sum(self.source[a][1] for a in inputs)),
             bytes_written=float(sum(_nbytes(t) for t in outs)),
             colocation=f"param:{param}" if param is not None else None,
+            einsum=str(notation) if notation is not None else None,
+            operands=operands or None,
         )
         idx = self._add(op)
+        self._locate(node, val)
         for a in inputs:
             src, nbytes = self.source[a]
             self.graph.add_edge(src, idx, nbytes)

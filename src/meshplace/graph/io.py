@@ -34,6 +34,7 @@ from meshplace.graph.ir import (
     dtype_size,
     known_dtypes,
 )
+from meshplace.graph.opdims import NotationError, OpDims
 from meshplace.util import parse_json, read_text_file, short_repr, write_text_atomic
 
 FORMAT = "meshplace.opgraph"
@@ -63,6 +64,15 @@ NonNegFloat = Annotated[float, _Number, Field(ge=0, allow_inf_nan=False)]
 NonNegInt = Annotated[int, _Number, Field(ge=0, le=MAX_INT)]
 
 
+class _OperandModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    op: Annotated[str, Field(min_length=1)]
+    out: NonNegInt = 0
+    shape: list[NonNegInt] = Field(default_factory=list)
+    map: list[Annotated[int, _Number, Field(ge=-1, le=64)]] = Field(default_factory=list)
+
+
 class _OpModel(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=False)
 
@@ -83,6 +93,8 @@ class _OpModel(BaseModel):
     measured_time: dict[str, NonNegFloat] = Field(default_factory=dict)
     colocation: str | None = None
     forward_op: str | None = None
+    einsum: str | None = None
+    operands: list[_OperandModel] | None = None
 
 
 class _EdgeModel(BaseModel):
@@ -196,6 +208,8 @@ def graph_from_dict(data: Any, source: str = "graph") -> OpGraph:
                 f"{source}: op {o.name!r} field 'forward_op' names op {o.forward_op!r}, "
                 "which the graph does not have"
             )
+    for o in graph.ops:
+        _check_notation(graph, o, source)
     try:
         graph.check_acyclic()
     except GraphError as exc:
@@ -268,6 +282,37 @@ def _check_op(om: _OpModel, source: str) -> None:
                     f"{where} field 'dim_names' gives {len(names)} names for a "
                     f"{len(shape)}-dimensional output"
                 )
+
+
+def _check_notation(graph: OpGraph, o: Op, source: str) -> None:
+    """``operands`` name existing outputs with a map per dimension into them, and
+    ``einsum`` parses and labels exactly those operands and the op's outputs."""
+    where = f"{source}: op {o.name!r}"
+    for k, rec in enumerate(o.operands or []):
+        if rec["op"] not in graph:
+            raise GraphError(
+                f"{where} field 'operands' entry {k} names op {rec['op']!r}, which the graph "
+                "does not have"
+            )
+        producer = graph.op(rec["op"])
+        if rec["out"] >= max(len(producer.output_shapes), 1):
+            raise GraphError(
+                f"{where} field 'operands' entry {k} reads output {rec['out']} of "
+                f"{rec['op']!r}, which has {len(producer.output_shapes)} outputs"
+            )
+        rank = len(producer.output_shapes[rec["out"]]) if producer.output_shapes else 0
+        if len(rec["map"]) != len(rec["shape"]) or any(d >= rank for d in rec["map"]):
+            raise GraphError(
+                f"{where} field 'operands' entry {k} needs one map entry per dimension of "
+                f"its shape, each -1 or a dimension of the producer's output (rank {rank})"
+            )
+    if o.einsum is None:
+        return
+    try:
+        dims = OpDims.parse(o.einsum)
+        dims.check_shapes([r["shape"] for r in o.operands or []], o.output_shapes)
+    except NotationError as exc:
+        raise GraphError(f"{where} field 'einsum': {exc}") from None
 
 
 def _check_meta(meta: dict[str, Any], source: str) -> None:

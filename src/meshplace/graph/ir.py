@@ -63,6 +63,11 @@ class Op:
         measured_time: seconds per execution measured on a device kind (``{"k80": 2e-4}``).
         colocation: ops sharing a key prefer one device (a parameter and its update ops).
         forward_op: for a backward op, the forward op it differentiates.
+        einsum: index notation of the op's operands and outputs
+            (:mod:`meshplace.graph.opdims`): which dimensions a mesh may split.
+        operands: one record per tensor operand, in the notation's order:
+            ``{"op": producer, "out": output index, "shape": as this op reads it,
+            "map": per dimension the producer output dimension it is (-1: none)}``.
     """
 
     name: str
@@ -82,6 +87,8 @@ class Op:
     measured_time: dict[str, float] = field(default_factory=dict)
     colocation: str | None = None
     forward_op: str | None = None
+    einsum: str | None = None
+    operands: list[dict] | None = None
 
     def output_bytes(self) -> int:
         """Bytes of all outputs (``memory_bytes`` when the op declares it)."""

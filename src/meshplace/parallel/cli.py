@@ -1,0 +1,318 @@
+"""``meshplace shard`` for any model: the captured-graph sharding search, or the hand-written
+named-dimension programs (:mod:`meshplace.mesh.cli`) where one exists.
+
+``--method auto`` (the default) uses a named-dimension program for the four models that
+have one (``transformer``, ``gpt``, ``resnet50``, ``detection``) and the captured graph
+(:func:`meshplace.parallel.search.shard_graph`) for everything else — every reference
+workload, a saved ``graph.json`` and a ``file.py:build`` model; ``--method graph`` forces
+the captured graph. The captured path prints the mesh, step time, memory per device
+against capacity, per-parameter placements (DTensor placements and the weight-update
+sharding stage), the ops taking the most time and their strategies, the collectives, and
+the runner-up meshes; ``--json`` prints the same as one object and ``--out`` writes the
+plan file (``meshplace.parallel_plan``, ``docs/formats.md``).
+
+Bad input (a mesh that does not match the chips, a memory fraction outside (0, 1], a model
+no plan fits) is one sentence and exit status 2.
+
+Example
+-------
+>>> import argparse, contextlib, io, json
+>>> ns = argparse.Namespace(model="dmcca", cluster="dgx-h100", chips=4, json=True)
+>>> buf = io.StringIO()
+>>> with contextlib.redirect_stdout(buf):
+...     code = cmd_shard(ns)
+>>> data = json.loads(buf.getvalue())
+>>> code, data["method"], data["fits"], data["chips"]
+(0, 'graph', True, 4)
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from meshplace.errors import InputError
+from meshplace.mesh import cli as mesh_cli
+from meshplace.mesh.layout import LayoutError, parse_mesh_shape
+from meshplace.mesh.program import PROGRAM_MODELS
+from meshplace.util import check_output_paths, dumps_strict_json, print_json, write_text_atomic
+
+METHODS = ("auto", "graph", "program")
+CAPTURE_OPTIMIZERS = ("adam", "momentum", "sgd")
+
+
+def add_shard_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``shard`` arguments: the named-dimension search's plus the captured graph's."""
+    mesh_cli.add_shard_arguments(parser)
+    for action in parser._actions:  # the model may be any model now, not one of four
+        if action.dest == "model":
+            action.help = (
+                "reference workload, graph.json or file.py:build (transformer, gpt, resnet50 "
+                "and detection also have hand-written named-dimension programs)"
+            )
+    parser.add_argument(
+        "--method",
+        choices=list(METHODS),
+        default="auto",
+        help="graph: shard the captured graph (any model); program: a named-dimension "
+        "program; auto: program where one exists, else graph",
+    )
+    parser.add_argument(
+        "--memory-fraction",
+        type=float,
+        default=1.0,
+        help="share of each device's memory a plan may use (0 < f <= 1, default 1)",
+    )
+    parser.add_argument(
+        "--dtype", choices=["bf16", "fp16", "fp32"], help="cast the model before capture"
+    )
+    parser.add_argument(
+        "--autocast", choices=["bf16", "fp16"], help="capture the forward under autocast"
+    )
+    parser.add_argument("--no-cache", action="store_true", help="capture a file.py model afresh")
+    parser.add_argument(
+        "--no-tie",
+        action="store_true",
+        help="decide every layer on its own (default: identical layers share a decision)",
+    )
+
+
+def _method(args: argparse.Namespace) -> str:
+    method = getattr(args, "method", "auto") or "auto"
+    if method not in METHODS:
+        raise InputError(f"--method {method!r}: choose one of {', '.join(METHODS)}")
+    if method == "program" and args.model not in PROGRAM_MODELS:
+        raise InputError(
+            f"--method program: {args.model!r} has no named-dimension program (those are: "
+            f"{', '.join(PROGRAM_MODELS)}); use --method graph"
+        )
+    if method == "auto":
+        return "program" if args.model in PROGRAM_MODELS else "graph"
+    return method
+
+
+def cmd_shard(args: argparse.Namespace) -> int:
+    """``meshplace shard``: dispatch to the program search or the captured-graph search."""
+    if _method(args) == "program":
+        return mesh_cli.cmd_shard(args)
+    out = getattr(args, "out", None)
+    check_output_paths({"--out": out}, inputs=[args.model, args.cluster])
+    result, data = shard_captured(args)
+    if out:
+        plan = result.best.plan_file(args.model, data["cluster"])
+        write_text_atomic(out, dumps_strict_json(plan) + "\n")
+    if getattr(args, "json", False):
+        print_json(data)
+    else:
+        print_captured(Console(), result, data)
+    return 0
+
+
+def shard_captured(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
+    """Capture (or load) the model and run :func:`meshplace.parallel.search.shard_graph`."""
+    from meshplace.graph.sources import graph_source
+    from meshplace.hardware import load_cluster
+    from meshplace.parallel.search import shard_graph
+
+    get = getattr
+    fraction = get(args, "memory_fraction", 1.0)
+    fraction = 1.0 if fraction is None else fraction
+    if not 0 < fraction <= 1:
+        raise InputError(
+            f"--memory-fraction {fraction}: must be greater than 0 and at most 1 (the share "
+            "of each device's memory a plan may use)"
+        )
+    optimizer = get(args, "optimizer", None) or "adam"
+    if optimizer not in CAPTURE_OPTIMIZERS:
+        raise InputError(
+            f"--optimizer {optimizer}: a captured graph's update is one of "
+            f"{', '.join(CAPTURE_OPTIMIZERS)} (lars and adafactor exist for the "
+            "named-dimension programs only)"
+        )
+    wus = get(args, "weight_update_sharding", "auto") or "auto"
+    stages = {"auto": (0, 1, 2, 3), "on": (1, 2, 3), "off": (0,)}[wus]
+    cluster = load_cluster(args.cluster)
+    mesh_text = get(args, "mesh", None)
+    shape = parse_mesh_shape(mesh_text) if mesh_text else None
+    chips = get(args, "chips", None)
+    if shape is not None and chips is not None and chips != _prod(shape):
+        raise LayoutError(
+            f"--mesh {mesh_text} has {_prod(shape)} devices but --chips is {chips}; the "
+            "product of the mesh shape must equal the chip count"
+        )
+    console = Console(stderr=True)
+    with console.status(f"capturing {args.model}…", spinner="dots") as status:
+        source = graph_source(
+            args.model,
+            batch=get(args, "batch", None),
+            size=get(args, "size", None),
+            training=True,
+            optimizer=optimizer,
+            dtype=get(args, "dtype", None),
+            autocast=get(args, "autocast", None),
+            cache=not get(args, "no_cache", False),
+        )
+        for note in source.notes:
+            console.print(f"meshplace: note: {note}", highlight=False, markup=False)
+        graph = source.graph
+        status.update(f"sharding {graph.name} on {cluster.name}…")
+        result = shard_graph(
+            graph,
+            cluster,
+            chips=chips,
+            mesh_shape=shape,
+            max_axes=get(args, "max_axes", 2) or 2,
+            memory_fraction=fraction,
+            zero_stages=stages,
+            tie_layers=not get(args, "no_tie", False),
+            pinned=mesh_cli.parse_rules(get(args, "rules", None)),
+            progress=lambda m: status.update(f"sharding {graph.name} on {cluster.name}: {m}…"),
+        )
+    best = result.best
+    top = max(1, get(args, "top", 5) or 5)
+    data: dict[str, Any] = {
+        "method": "graph",
+        "model": args.model,
+        "graph": graph.name,
+        "ops": graph.num_ops,
+        "cluster": cluster.name,
+        "chips": result.chips,
+        "parameters_count": graph.meta.get("params"),
+        "optimizer": graph.meta.get("optimizer"),
+        **best.to_dict(),
+        "runners_up": [
+            {
+                "mesh": c.mesh.label,
+                "step_time_s": c.step_time_s,
+                "slowdown": c.step_time_s / best.step_time_s if best.step_time_s else 0.0,
+                "peak_memory_bytes": c.peak_memory_bytes,
+                "fits": c.fits,
+            }
+            for c in result.candidates[1:top]
+        ],
+        "search": {
+            "seconds": result.seconds,
+            "mesh_shapes": ["x".join(map(str, s)) for s in result.mesh_shapes],
+            "failed": result.failures,
+        },
+    }
+    return result, data
+
+
+def _prod(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:,.3f} ms"
+
+
+def _gib(b: float) -> str:
+    return f"{b / 2**30:,.2f} GiB"
+
+
+def print_captured(console: Console, result: Any, data: dict[str, Any]) -> None:
+    """The tables of ``meshplace shard`` on a captured graph."""
+    best = result.best
+    mesh = best.mesh
+    head = Table(
+        title=f"{data['graph']} ({data['ops']:,} ops) on {data['chips']} chips of "
+        f"{data['cluster']}",
+        show_header=False,
+        title_justify="left",
+    )
+    head.add_column("what", style="bold")
+    head.add_column("value")
+    head.add_row("mesh", f"{mesh.label} ({mesh.mapping})")
+    for ax in mesh.axes:
+        links = "; ".join(f"{st.desc}: {st.bandwidth / 1e9:,.0f} GB/s" for st in ax.stages)
+        head.add_row(f"  axis {ax.name} ({ax.size})", links or "-")
+    head.add_row(
+        "step time",
+        f"[bold]{_ms(best.step_time_s)}[/bold] = compute {_ms(best.compute_s)} + "
+        f"communication {_ms(best.communication_s)} (not overlapped)",
+    )
+    solver = data["solver"]
+    head.add_row(
+        "search",
+        f"meshes {', '.join(data['search']['mesh_shapes'])} in {result.seconds:.2f} s; "
+        f"{solver['groups']:,} op groups in {solver['classes']:,} classes, "
+        f"{solver['variables']:,} variables, {solver['status']}",
+    )
+    if data["replicated_ops"]:
+        names = ", ".join(data["replicated_ops"][:5])
+        more = len(data["replicated_ops"]) - 5
+        head.add_row("replicated (no rule)", names + (f" and {more} more" if more > 0 else ""))
+    console.print(head)
+
+    mem = Table(title="memory per device", title_justify="left")
+    mem.add_column("part")
+    mem.add_column("bytes", justify="right")
+    for k, v in best.memory_bytes.items():
+        mem.add_row(k.replace("_", " "), _gib(v))
+    fits = "[green]fits[/green]" if best.fits else "[red]OOM[/red]"
+    mem.add_row(
+        "[bold]peak[/bold]",
+        f"[bold]{_gib(best.peak_memory_bytes)}[/bold] of {_gib(best.capacity_bytes)} {fits}",
+    )
+    console.print(mem)
+
+    params = Table(title="parameters (largest first)", title_justify="left")
+    for col in ("parameter", "shape", "placements", "update sharding"):
+        params.add_column(col)
+    rows = sorted(data["parameters"].items(), key=lambda kv: -kv[1]["local_bytes"])
+    for name, p in rows[:12]:
+        params.add_row(
+            name,
+            "x".join(map(str, p["shape"])),
+            ", ".join(p["placements"]),
+            f"ZeRO-{p['zero']}" if p["zero"] else "replicated",
+        )
+    if len(rows) > 12:
+        params.add_row(f"… {len(rows) - 12} more (--json or --out)", "", "", "")
+    console.print(params)
+
+    ops = Table(title="ops taking the most time", title_justify="left")
+    for col in ("op", "module", "phase", "index notation", "strategy", "time"):
+        ops.add_column(col, justify="right" if col == "time" else "left")
+    for r in data["top_ops"]:
+        ops.add_row(
+            r["op"], r["module"], r["phase"], r["einsum"] or "-", r["strategy"], _ms(r["seconds"])
+        )
+    console.print(ops)
+
+    coll = Table(title="collectives (per device, per step)", title_justify="left")
+    for col in ("category", "kind", "axis", "calls", "bytes", "time"):
+        coll.add_column(col, justify="right" if col in ("calls", "bytes", "time") else "left")
+    for c in data["collectives"][:10]:
+        coll.add_row(
+            c["category"],
+            c["kind"].replace("_", "-"),
+            c["axis"],
+            f"{c['calls']:,}",
+            f"{c['bytes'] / 1e6:,.1f} MB",
+            _ms(c["seconds"]),
+        )
+    if not data["collectives"]:
+        coll.add_row("(none)", "", "", "", "", "")
+    console.print(coll)
+
+    if data["runners_up"]:
+        ru = Table(title="runner-up meshes", title_justify="left")
+        for col in ("mesh", "step", "vs best", "peak memory", "fits"):
+            ru.add_column(col, justify="left" if col == "mesh" else "right")
+        for c in data["runners_up"]:
+            ru.add_row(
+                c["mesh"],
+                _ms(c["step_time_s"]),
+                f"{c['slowdown']:.3f}x",
+                _gib(c["peak_memory_bytes"]),
+                "yes" if c["fits"] else "no",
+            )
+        console.print(ru)

@@ -1,0 +1,232 @@
+"""Choosing one strategy per node of a graph: the integer program and a brute-force check.
+
+Source: the intra-operator pass of Alpa (Zheng et al., OSDI 2022, Sec. 4.2), itself after
+XLA's auto-sharding: a binary ``x[v, s]`` per node ``v`` and strategy ``s`` (exactly one
+per node), node costs linear in ``x``, and an edge cost ``c[e](s, t)`` for each pair of
+strategies at the two ends of an edge, linearised with continuous ``y[e, s, t] >= 0`` and
+the transportation constraints ``sum_t y[e,s,t] = x[u,s]``, ``sum_s y[e,s,t] = x[v,t]``
+(whose LP relaxation is tighter than ``y >= x[u,s] + x[v,t] - 1``). A memory limit is one
+more linear row: ``sum memory[v,s] x[v,s] + T <= capacity`` with ``T >= transient[v,s]
+x[v,s]`` for every node (the largest working set of one op, on top of what stays
+resident). Solved by HiGHS (``highspy``) branch and bound.
+
+Nodes here are *classes*: identical repeated blocks share one set of variables, their
+costs and memory summed (the caller multiplies), so a 100-layer model costs one layer.
+
+Complexity: variables ``sum_v S_v + sum_e S_u S_v``; rows ``V + sum_e (S_u + S_v) + V``.
+Branch and bound is exponential in the worst case; the relaxation is usually integral.
+
+Example
+-------
+>>> import numpy as np
+>>> r = solve([np.array([1.0, 0.0]), np.array([0.0, 1.0])],
+...           {(0, 1): np.array([[0.0, 5.0], [5.0, 0.0]])})
+>>> r.choice, r.objective
+([0, 0], 1.0)
+>>> brute_force([np.array([1.0, 0.0]), np.array([0.0, 1.0])],
+...             {(0, 1): np.array([[0.0, 5.0], [5.0, 0.0]])}).objective
+1.0
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+#: weight of (scaled) memory beside (scaled) time in the objective: breaks ties only
+TIE_BREAK = 1e-7
+#: solver status words
+OPTIMAL, INFEASIBLE, TIME_LIMIT = "optimal", "infeasible", "time_limit"
+
+
+@dataclass
+class Solution:
+    """One strategy index per node, the objective, memory use and the solver's word."""
+
+    choice: list[int]
+    objective: float
+    status: str
+    memory: float = 0.0
+    gap: float = 0.0
+    variables: int = 0
+
+
+def _check(node_costs: Sequence[np.ndarray], edge_costs: Mapping[tuple[int, int], np.ndarray]):
+    for (a, b), m in edge_costs.items():
+        if a == b or m.shape != (len(node_costs[a]), len(node_costs[b])):
+            raise ValueError(f"edge ({a}, {b}) cost matrix has shape {m.shape}")
+
+
+def solve(
+    node_costs: Sequence[np.ndarray],
+    edge_costs: Mapping[tuple[int, int], np.ndarray],
+    memory: Sequence[np.ndarray] | None = None,
+    transient: Sequence[np.ndarray] | None = None,
+    capacity: float | None = None,
+    *,
+    time_limit_s: float = 60.0,
+    minimise: str = "time",
+) -> Solution:
+    """Minimise node + edge costs (``minimise="time"``) or memory (``"memory"``) subject
+    to ``memory + max transient <= capacity`` (when given). See the module docstring."""
+    import highspy
+
+    _check(node_costs, edge_costs)
+    n = len(node_costs)
+    memory = memory if memory is not None else [np.zeros(len(c)) for c in node_costs]
+    transient = transient if transient is not None else [np.zeros(len(c)) for c in node_costs]
+    # HiGHS works in absolute tolerances: bring bytes and seconds to unit scale
+    mem_scale = max(
+        (float(np.max(np.abs(m))) for m in (*memory, *transient) if m.size), default=0.0
+    )
+    mem_scale = mem_scale or 1.0
+    time_scale = max((float(np.max(np.abs(c))) for c in node_costs if c.size), default=0.0)
+    edge_max = [float(np.max(m)) for m in edge_costs.values() if m.size]
+    time_scale = max([time_scale, *edge_max]) or 1.0
+    memory_s = [np.asarray(m, dtype=np.float64) / mem_scale for m in memory]
+    transient_s = [np.asarray(t, dtype=np.float64) / mem_scale for t in transient]
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    offsets[1:] = np.cumsum([len(c) for c in node_costs])
+    n_x = int(offsets[-1])
+    edges = list(edge_costs.items())
+    e_off = [n_x]
+    for _, m in edges:
+        e_off.append(e_off[-1] + m.size)
+    t_var = e_off[-1]
+    n_var = t_var + 1
+    cost = np.zeros(n_var)
+    if minimise == "time":
+        for v, c in enumerate(node_costs):
+            cost[offsets[v] : offsets[v + 1]] = c / time_scale
+        for k, (_, m) in enumerate(edges):
+            cost[e_off[k] : e_off[k + 1]] = m.reshape(-1) / time_scale
+        # among plans of equal time, the one that needs less memory
+        for v, mem in enumerate(memory_s):
+            cost[offsets[v] : offsets[v + 1]] += TIE_BREAK * mem
+    else:
+        for v, mem in enumerate(memory_s):
+            cost[offsets[v] : offsets[v + 1]] = mem
+        cost[t_var] = 1.0
+    lower = np.zeros(n_var)
+    upper = np.ones(n_var)
+    upper[t_var] = math.inf
+    rows_lo: list[float] = []
+    rows_hi: list[float] = []
+    idx: list[np.ndarray] = []
+    val: list[np.ndarray] = []
+
+    def row(cols: np.ndarray, coefs: np.ndarray, lo: float, hi: float) -> None:
+        idx.append(cols.astype(np.int32))
+        val.append(coefs.astype(np.float64))
+        rows_lo.append(lo)
+        rows_hi.append(hi)
+
+    for v in range(n):  # one strategy per node
+        cols = np.arange(offsets[v], offsets[v + 1])
+        row(cols, np.ones(len(cols)), 1.0, 1.0)
+    for k, ((a, b), m) in enumerate(edges):
+        sa, sb = m.shape
+        base = e_off[k]
+        for s in range(sa):
+            cols = np.concatenate([[offsets[a] + s], base + s * sb + np.arange(sb)])
+            row(cols, np.concatenate([[-1.0], np.ones(sb)]), 0.0, 0.0)
+        for t in range(sb):
+            cols = np.concatenate([[offsets[b] + t], base + np.arange(sa) * sb + t])
+            row(cols, np.concatenate([[-1.0], np.ones(sa)]), 0.0, 0.0)
+    if capacity is not None or minimise == "memory":
+        for v, tr in enumerate(transient_s):  # T >= transient of the chosen strategy
+            if np.any(tr > 0):
+                cols = np.concatenate([np.arange(offsets[v], offsets[v + 1]), [t_var]])
+                row(cols, np.concatenate([tr, [-1.0]]), -math.inf, 0.0)
+        if capacity is not None:
+            cols = np.concatenate([np.arange(n_x), [t_var]])
+            coefs = np.concatenate([np.concatenate(memory_s), [1.0]])
+            row(cols, coefs, -math.inf, float(capacity) / mem_scale)
+
+    h = highspy.Highs()
+    h.setOptionValue("output_flag", False)
+    h.setOptionValue("time_limit", float(time_limit_s))
+    h.setOptionValue("mip_rel_gap", 1e-6)
+    h.setOptionValue("threads", 1)
+    lp = highspy.HighsLp()
+    lp.num_col_ = n_var
+    lp.num_row_ = len(rows_lo)
+    lp.col_cost_ = cost
+    lp.col_lower_ = lower
+    lp.col_upper_ = upper
+    lp.row_lower_ = np.array(rows_lo)
+    lp.row_upper_ = np.array(rows_hi)
+    starts = np.zeros(len(idx) + 1, dtype=np.int32)
+    starts[1:] = np.cumsum([len(i) for i in idx])
+    lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
+    lp.a_matrix_.start_ = starts
+    lp.a_matrix_.index_ = np.concatenate(idx) if idx else np.zeros(0, dtype=np.int32)
+    lp.a_matrix_.value_ = np.concatenate(val) if val else np.zeros(0)
+    lp.integrality_ = [highspy.HighsVarType.kInteger] * n_x + [highspy.HighsVarType.kContinuous] * (
+        n_var - n_x
+    )
+    h.passModel(lp)
+    h.run()
+    status = h.getModelStatus()
+    if status == highspy.HighsModelStatus.kInfeasible:
+        return Solution([], math.inf, INFEASIBLE, variables=n_var)
+    sol = np.asarray(h.getSolution().col_value)
+    if sol.size != n_var:
+        word = TIME_LIMIT if status == highspy.HighsModelStatus.kTimeLimit else INFEASIBLE
+        return Solution([], math.inf, word, variables=n_var)
+    choice = [int(np.argmax(sol[offsets[v] : offsets[v + 1]])) for v in range(n)]
+    info = h.getInfo()
+    word = OPTIMAL if status == highspy.HighsModelStatus.kOptimal else TIME_LIMIT
+    return Solution(
+        choice,
+        evaluate(choice, node_costs, edge_costs),
+        word,
+        memory_of(choice, memory, transient),
+        float(getattr(info, "mip_gap", 0.0) or 0.0) if word != OPTIMAL else 0.0,
+        n_var,
+    )
+
+
+def evaluate(
+    choice: Sequence[int],
+    node_costs: Sequence[np.ndarray],
+    edge_costs: Mapping[tuple[int, int], np.ndarray],
+) -> float:
+    """Node plus edge cost of ``choice``."""
+    total = sum(float(c[s]) for c, s in zip(node_costs, choice, strict=True))
+    return total + sum(float(m[choice[a], choice[b]]) for (a, b), m in edge_costs.items())
+
+
+def memory_of(
+    choice: Sequence[int], memory: Sequence[np.ndarray], transient: Sequence[np.ndarray]
+) -> float:
+    """Resident memory plus the largest transient of ``choice``."""
+    resident = sum(float(m[s]) for m, s in zip(memory, choice, strict=True))
+    peak = max((float(t[s]) for t, s in zip(transient, choice, strict=True)), default=0.0)
+    return resident + max(peak, 0.0)
+
+
+def brute_force(
+    node_costs: Sequence[np.ndarray],
+    edge_costs: Mapping[tuple[int, int], np.ndarray],
+    memory: Sequence[np.ndarray] | None = None,
+    transient: Sequence[np.ndarray] | None = None,
+    capacity: float | None = None,
+) -> Solution:
+    """Every combination (the product of strategy counts): the oracle for :func:`solve`."""
+    _check(node_costs, edge_costs)
+    memory = memory if memory is not None else [np.zeros(len(c)) for c in node_costs]
+    transient = transient if transient is not None else [np.zeros(len(c)) for c in node_costs]
+    best = Solution([], math.inf, INFEASIBLE)
+    for combo in itertools.product(*(range(len(c)) for c in node_costs)):
+        mem = memory_of(combo, memory, transient)
+        if capacity is not None and mem > capacity * (1 + 1e-9):
+            continue
+        obj = evaluate(combo, node_costs, edge_costs)
+        if obj < best.objective:
+            best = Solution(list(combo), obj, OPTIMAL, mem)
+    return best

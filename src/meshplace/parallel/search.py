@@ -1,0 +1,462 @@
+"""Shard a captured graph: every mesh shape, one integer program each, the fastest plan that fits.
+
+For each factorisation of the chip count into 1..``max_axes`` mesh axes (laid over the
+cluster's topology by :func:`meshplace.mesh.layout.build_mesh`, as the named-dimension
+search does), :class:`meshplace.parallel.sharding.ShardingProblem` sets up strategies,
+resharding costs and memory, and :func:`meshplace.parallel.ilp.solve` picks the strategy of
+every op and parameter minimising the step's compute plus communication time within the
+device memory. The best mesh wins; the others are its runners-up. When no plan fits on any
+mesh, the least memory any plan needs is found (same program, memory as the objective) and
+one sentence says by how much it misses.
+
+The step time is the sum of every op's compute time on its block and every collective's
+time (no overlap of communication with compute is assumed, which is how Alpa's and XLA's
+auto-sharding objectives count it too).
+
+Complexity: ``mesh shapes x (problem set-up + one MIP)``; identical layers share variables.
+
+Example
+-------
+>>> import torch
+>>> from meshplace.graph.capture import capture
+>>> from meshplace.hardware import load_cluster
+>>> model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
+>>> g = capture(model, (torch.randn(32, 64),), training=True)
+>>> result = shard_graph(g, load_cluster("dgx-h100"), chips=4)
+>>> result.best.fits, [c.mesh.label for c in result.candidates][:2]
+(True, ['4', '2x2'])
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from meshplace.errors import InputError
+from meshplace.graph.ir import OpGraph
+from meshplace.hardware.cluster import Cluster
+from meshplace.mesh.layout import LayoutError, Mesh, accelerators, build_mesh
+from meshplace.mesh.search import mesh_shapes
+from meshplace.parallel import ilp
+from meshplace.parallel.sharding import (
+    ZERO_STAGES,
+    ShardingError,
+    ShardingProblem,
+    Spec,
+    Strategy,
+)
+
+PLAN_FORMAT = "meshplace.parallel_plan"
+PLAN_VERSION = 1
+
+
+@dataclass
+class ShardingPlan:
+    """The chosen strategies of one mesh and what they cost."""
+
+    mesh: Mesh
+    problem: ShardingProblem
+    choice: list[int]  # strategy per group
+    step_time_s: float
+    compute_s: float
+    communication_s: float
+    memory_bytes: dict[str, float]
+    peak_memory_bytes: float
+    capacity_bytes: float
+    status: str
+    solve_s: float
+    variables: int
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_memory_bytes <= self.capacity_bytes * (1 + 1e-9)
+
+    def strategy(self, group: int) -> Strategy:
+        return self.problem.groups[group].strategies[self.choice[group]]
+
+    def parameters(self) -> dict[str, dict[str, Any]]:
+        """Per parameter: DTensor placements per mesh axis, the JAX ``PartitionSpec``,
+        weight-update sharding, and local bytes."""
+        p = self.problem
+        out: dict[str, dict[str, Any]] = {}
+        for gi, g in enumerate(p.groups):
+            if g.kind != "parameter":
+                continue
+            op = p.graph.ops[g.anchor]
+            st = self.strategy(gi)
+            spec = st.out_specs[0][0]
+            shape = op.output_shapes[0] if op.output_shapes else []
+            out[op.name.removeprefix("param:")] = {
+                "shape": shape,
+                "placements": dtensor_placements(spec),
+                "partition_spec": partition_spec(spec, len(shape), p.axes),
+                "zero": st.zero,
+                "local_bytes": p.local_bytes(shape, p.itemsize(op.name, 0), spec),
+            }
+        return out
+
+    def inputs(self) -> dict[str, dict[str, Any]]:
+        p = self.problem
+        out = {}
+        for gi, g in enumerate(p.groups):
+            if g.kind != "input":
+                continue
+            op = p.graph.ops[g.anchor]
+            spec = self.strategy(gi).out_specs[0][0]
+            shape = op.output_shapes[0] if op.output_shapes else []
+            out[op.name.removeprefix("input:")] = {
+                "shape": shape,
+                "placements": dtensor_placements(spec),
+                "partition_spec": partition_spec(spec, len(shape), p.axes),
+            }
+        return out
+
+    def op_strategies(self) -> dict[str, str]:
+        """Strategy of every op that decides one (followers take their group's)."""
+        p = self.problem
+        return {
+            p.graph.ops[g.anchor].name: self.strategy(gi).name
+            for gi, g in enumerate(p.groups)
+            if g.kind in ("op", "fixed")
+        }
+
+    def top_ops(self, k: int = 10) -> list[dict[str, Any]]:
+        """The ``k`` groups taking the most time (compute + their internal collectives)."""
+        p = self.problem
+        rows = []
+        for gi, g in enumerate(p.groups):
+            if g.kind not in ("op", "fixed"):
+                continue
+            st = self.strategy(gi)
+            op = p.graph.ops[g.anchor]
+            rows.append(
+                {
+                    "op": op.name,
+                    "target": op.target,
+                    "module": op.module,
+                    "phase": op.phase,
+                    "einsum": op.einsum,
+                    "strategy": st.name,
+                    "followers": len(g.members) - 1,
+                    "seconds": st.compute_s + st.comm_s,
+                }
+            )
+        rows.sort(key=lambda r: -r["seconds"])
+        return rows[:k]
+
+    def collectives(self) -> list[dict[str, Any]]:
+        """Every collective the plan runs, summed by (kind, mesh axis, category)."""
+        p = self.problem
+        agg: dict[tuple[str, str, str], list[float]] = {}
+
+        def add(kind: str, axis: str, nbytes: float, t: float, cat: str) -> None:
+            row = agg.setdefault((kind, axis, cat), [0, 0.0, 0.0])
+            row[0] += 1
+            row[1] += nbytes
+            row[2] += t
+
+        for gi in range(len(p.groups)):
+            for kind, axis, nbytes, t, cat in self.strategy(gi).collectives:
+                add(kind, axis, nbytes, t, cat)
+        for (gu, gv), recs in p.group_edges().items():
+            su, sv = self.strategy(gu), self.strategy(gv)
+            for pu, out, pv, j in recs:
+                rec = p.graph.ops[p.groups[gv].members[pv]].operands[j]
+                have, need = su.out_specs[pu][out], sv.in_specs[pv][j]
+                cat = "gradients" if p.groups[gv].kind == "parameter" else "reshard"
+                _, colls = p.reshard(
+                    have, need, rec["map"], rec["shape"], p.itemsize(rec["op"], rec["out"])
+                )
+                for kind, axis, nbytes, t in colls:
+                    add(kind, axis, nbytes, t, cat)
+        rows = [
+            {"kind": k, "axis": a, "category": c, "calls": v[0], "bytes": v[1], "seconds": v[2]}
+            for (k, a, c), v in agg.items()
+        ]
+        rows.sort(key=lambda r: -r["seconds"])
+        return rows
+
+    def to_dict(self, *, detail: bool = True) -> dict[str, Any]:
+        p = self.problem
+        d: dict[str, Any] = {
+            "mesh": self.mesh.describe(),
+            "step_time_s": self.step_time_s,
+            "compute_s": self.compute_s,
+            "communication_s": self.communication_s,
+            "memory_bytes": dict(self.memory_bytes),
+            "peak_memory_bytes": self.peak_memory_bytes,
+            "memory_capacity_bytes": self.capacity_bytes,
+            "fits": self.fits,
+            "solver": {
+                "status": self.status,
+                "seconds": self.solve_s,
+                "variables": self.variables,
+                "groups": len(p.groups),
+                "classes": p.num_classes,
+            },
+        }
+        if detail:
+            d["parameters"] = self.parameters()
+            d["inputs"] = self.inputs()
+            d["top_ops"] = self.top_ops()
+            d["collectives"] = self.collectives()
+            d["replicated_ops"] = list(p.replicated_ops)
+        return d
+
+    def plan_file(self, graph_source: str, cluster: str) -> dict[str, Any]:
+        """The versioned plan document (``docs/formats.md``, ``meshplace.parallel_plan``)."""
+        g = self.problem.graph
+        return {
+            "format": PLAN_FORMAT,
+            "version": PLAN_VERSION,
+            "graph": {"source": graph_source, "name": g.name, "ops": g.num_ops},
+            "cluster": cluster,
+            "mesh": {
+                "shape": list(self.mesh.shape),
+                "axes": list(self.mesh.axis_names),
+                "devices": self.mesh.devices.tolist(),
+            },
+            "parameters": self.parameters(),
+            "inputs": self.inputs(),
+            "ops": self.op_strategies(),
+            "stages": None,
+            "predicted": {
+                "step_time_s": self.step_time_s,
+                "compute_s": self.compute_s,
+                "communication_s": self.communication_s,
+                "memory_bytes": dict(self.memory_bytes),
+                "peak_memory_bytes": self.peak_memory_bytes,
+            },
+        }
+
+
+def dtensor_placements(spec: Spec) -> list[str]:
+    """PyTorch DTensor placements, one per mesh axis (``Shard(0)``, ``Replicate()``).
+
+    >>> dtensor_placements((0, -1))
+    ['Shard(0)', 'Replicate()']
+    """
+    return [f"Shard({p})" if p >= 0 else "Replicate()" for p in spec]
+
+
+def partition_spec(spec: Spec, rank: int, axes: Sequence[str]) -> list[Any]:
+    """A JAX ``PartitionSpec`` as a list: per tensor dimension the mesh axis (or axes, in
+    mesh order) splitting it, or ``None``.
+
+    >>> partition_spec((1, 0), 2, ("x", "y"))
+    ['y', 'x']
+    >>> partition_spec((0, 0), 2, ("x", "y"))
+    [['x', 'y'], None]
+    """
+    out: list[Any] = []
+    for d in range(rank):
+        names = [a for a, p in zip(axes, spec, strict=True) if p == d]
+        out.append(None if not names else names[0] if len(names) == 1 else names)
+    return out
+
+
+@dataclass
+class ShardingResult:
+    """Every mesh tried, best first (plans that fit before plans that do not)."""
+
+    candidates: list[ShardingPlan]
+    chips: int
+    seconds: float
+    mesh_shapes: list[tuple[int, ...]]
+    failures: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def best(self) -> ShardingPlan:
+        return self.candidates[0]
+
+
+def _plan(
+    problem: ShardingProblem, sol: ilp.Solution, capacity: float, solve_s: float
+) -> ShardingPlan:
+    """Expand a class-level solution to every group and add up time and memory."""
+    choice = [sol.choice[int(problem.class_of[g])] for g in range(len(problem.groups))]
+    node, edges, _, _ = problem.cost_tables()
+    compute = comm = 0.0
+    parts: dict[str, float] = {}
+    transient = 0.0
+    for gi, g in enumerate(problem.groups):
+        st = g.strategies[choice[gi]]
+        compute += st.compute_s
+        comm += st.comm_s
+        for k, v in st.parts.items():
+            parts[k] = parts.get(k, 0.0) + v
+        transient = max(transient, st.transient)
+    step = ilp.evaluate(sol.choice, node, edges)
+    edge_comm = step - compute - comm
+    parts["transient"] = transient
+    return ShardingPlan(
+        problem.mesh,
+        problem,
+        choice,
+        step,
+        compute,
+        comm + edge_comm,
+        parts,
+        sum(parts.values()),
+        capacity,
+        sol.status,
+        solve_s,
+        sol.variables,
+    )
+
+
+def shard_graph(
+    graph: OpGraph,
+    cluster: Cluster,
+    *,
+    chips: int | None = None,
+    mesh_shape: Sequence[int] | None = None,
+    max_axes: int = 2,
+    memory_fraction: float = 1.0,
+    zero_stages: Sequence[int] = ZERO_STAGES,
+    tie_layers: bool = True,
+    time_limit_s: float = 20.0,
+    pinned: Mapping[str, str | None] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> ShardingResult:
+    """Search every mesh shape (or the given one) for the fastest plan that fits.
+
+    Raises :class:`ShardingError` (one sentence) when no plan fits any mesh, naming how much
+    memory the leanest plan needs against the capacity; :class:`LayoutError` for a mesh that
+    does not match the chips.
+    """
+    if not memory_fraction > 0 or memory_fraction > 1 or math.isnan(memory_fraction):
+        raise InputError(
+            f"memory fraction must be in (0, 1], got {memory_fraction}; it is the share of "
+            "each device's memory a plan may use"
+        )
+    if not graph.meta.get("training", True) and zero_stages != (0,):
+        zero_stages = (0,)
+    missing = sum(
+        1
+        for o in graph.ops
+        if o.kind not in ("parameter", "buffer", "input") and o.operands is None
+    )
+    if (
+        missing == sum(1 for o in graph.ops if o.kind not in ("parameter", "buffer", "input"))
+        and missing
+    ):
+        raise ShardingError(
+            f"graph {graph.name!r} has no operand records (ops without 'operands'), so no op "
+            "can be split: capture it with this version of meshplace (graph files written by "
+            "older versions or other tools lack them)"
+        )
+    accel = accelerators(cluster)
+    n = int(chips) if chips is not None else len(accel)
+    if mesh_shape is not None:
+        shapes = [tuple(int(s) for s in mesh_shape)]
+        if math.prod(shapes[0]) != n and chips is None:
+            n = math.prod(shapes[0])
+    else:
+        shapes = mesh_shapes(n, max_axes)
+    start = time.perf_counter()
+    candidates: list[ShardingPlan] = []
+    failures: dict[str, str] = {}
+    problems: list[tuple[ShardingProblem, float]] = []
+    for shape in shapes:
+        label = "x".join(map(str, shape))
+        if progress is not None:
+            progress(f"mesh {label}")
+        mesh = build_mesh(cluster, shape, chips=n)
+        dev = cluster.devices[int(mesh.devices.reshape(-1)[0])]
+        capacity = dev.spec.memory_bytes * memory_fraction
+        try:
+            problem = ShardingProblem(graph, mesh, zero_stages=zero_stages, tie_layers=tie_layers)
+            if pinned:
+                pin_inputs(problem, pinned)
+        except ShardingError as exc:
+            failures[label] = str(exc)
+            continue
+        node, edges, mem, trans = problem.cost_tables()
+        t0 = time.perf_counter()
+        sol = ilp.solve(node, edges, mem, trans, capacity, time_limit_s=time_limit_s)
+        solve_s = time.perf_counter() - t0
+        if sol.status == ilp.INFEASIBLE or not sol.choice:
+            failures[label] = "no plan fits"
+            problems.append((problem, capacity))
+            continue
+        candidates.append(_plan(problem, sol, capacity, solve_s))
+    if not candidates:
+        if problems:
+            raise ShardingError(_no_fit_sentence(graph, problems, time_limit_s))
+        raise ShardingError(
+            f"no mesh of {n} chips can shard {graph.name!r}: "
+            + "; ".join(f"{k}: {v}" for k, v in failures.items())
+        )
+    candidates.sort(key=lambda c: (not c.fits, c.step_time_s))
+    return ShardingResult(candidates, n, time.perf_counter() - start, shapes, failures)
+
+
+def _no_fit_sentence(
+    graph: OpGraph, problems: list[tuple[ShardingProblem, float]], time_limit_s: float
+) -> str:
+    best: tuple[float, str, float] | None = None
+    for problem, capacity in problems:
+        node, edges, mem, trans = problem.cost_tables()
+        sol = ilp.solve(node, edges, mem, trans, None, minimise="memory", time_limit_s=time_limit_s)
+        if sol.choice and (best is None or sol.memory / capacity < best[0] / best[2]):
+            best = (sol.memory, problem.mesh.label, capacity)
+    if best is None:
+        return f"no sharding of {graph.name!r} fits in device memory"
+    need, label, cap = best
+    gib = 2**30
+    return (
+        f"no sharding of {graph.name!r} fits: the leanest plan (mesh {label}) needs "
+        f"{need / gib:.2f} GiB per device but {cap / gib:.2f} GiB is available "
+        f"({(need - cap) / gib:.2f} GiB short); use more chips, a larger --memory-fraction, "
+        "a smaller batch, or activation checkpointing"
+    )
+
+
+def pin_inputs(problem: ShardingProblem, pinned: Mapping[str, str | None]) -> None:
+    """Keep only the strategies of parameters and inputs that follow pinned rules
+    (``{"batch": "x"}``; ``None`` keeps a dimension whole), by the graph's named
+    dimensions (``dim_names``)."""
+    axes = problem.axes
+    for name, axis in pinned.items():
+        if axis is not None and axis not in axes:
+            raise LayoutError(
+                f"layout rule {name}={axis}: mesh {problem.mesh.label} has no axis {axis!r}; "
+                f"its axes are: {', '.join(axes)}"
+            )
+    known = set()
+    for g in problem.groups:
+        if g.kind not in ("parameter", "input"):
+            continue
+        op = problem.graph.ops[g.anchor]
+        names = (op.dim_names or [[]])[0] if op.dim_names else []
+        known.update(n for n in names if n)
+        wanted = {d: pinned[n] for d, n in enumerate(names) if n in pinned}
+        if not wanted:
+            continue
+
+        def ok(st: Strategy, wanted: dict[int, str | None] = wanted) -> bool:
+            spec = st.out_specs[0][0]
+            for d, axis in wanted.items():
+                on = {a for a, p in zip(axes, spec, strict=True) if p == d}
+                if (axis is None and on) or (axis is not None and axis not in on):
+                    return False
+            return True
+
+        kept = [s for s in g.strategies if ok(s)]
+        if not kept:
+            raise LayoutError(
+                f"pinned rules cannot be met for {op.name!r} (shape {op.output_shapes[0]}) on "
+                f"mesh {problem.mesh.label}"
+            )
+        g.strategies = kept
+    unknown = set(pinned) - known
+    if unknown:
+        raise LayoutError(
+            f"layout rule {sorted(unknown)[0]}=…: no input or parameter has a dimension named "
+            f"{sorted(unknown)[0]!r}; named dimensions: {', '.join(sorted(known)) or 'none'}"
+        )
+    problem.assign_classes()

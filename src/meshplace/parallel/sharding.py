@@ -1,0 +1,701 @@
+"""Automatic SPMD sharding of a captured training graph on one device mesh.
+
+Source: the intra-operator pass of Alpa (Zheng et al., OSDI 2022, Sec. 4) on the graph
+capture gives (``meshplace.graph.capture``), with Mesh-TensorFlow's collectives
+(Shazeer et al., 2018) and ZeRO's weight-update sharding (Rajbhandari et al., SC 2020;
+Xu et al., "Automatic cross-replica sharding of weight update", 2020).
+
+What is decided
+---------------
+Every op's *strategy* on a mesh with axes ``x, y, ...``: for each mesh axis, which label of
+the op's index notation (``meshplace.graph.opdims``) it splits, or none. From it follow,
+per mesh axis, the placement of each operand the op needs and of each output it makes —
+``S(d)`` (split along dimension ``d``), ``R`` (replicated) or ``P`` (partial sums, when a
+contracted label is split) — the op's compute time (its roofline time divided by the
+number of blocks) and any halo exchange. Parameters, buffers and inputs choose a
+placement directly; a parameter also chooses its **weight-update sharding**: ``0``
+replicated update, ``1`` optimizer state sharded over the axes the parameter is
+replicated on (ZeRO-1), ``2`` and gradients (ZeRO-2), ``3`` and the parameter itself,
+gathered before forward and before backward (ZeRO-3 / FSDP).
+
+Between a producer's output placement and what a consumer needs, per mesh axis (Alpa's
+resharding table): ``P→R`` all-reduce, ``P→S`` reduce-scatter, ``S→R`` all-gather,
+``S(d)→S(d')`` all-to-all, ``R→S`` a local slice (free), each costed by
+:meth:`meshplace.mesh.layout.Mesh.collective_time` on the cluster's real rings and tori.
+
+Grouping
+--------
+Point-wise ops (labels of their operands ⊆ their output's, nothing summed or kept whole)
+follow their main operand's producer, as in Alpa: they join its group and take its
+output's placement (a partial sum is completed first). A parameter's update ops join the
+parameter. Groups in identical repeated blocks — same module path up to layer indices,
+same ops and shapes, same position in the block — form one *class*: they share a decision
+(:mod:`meshplace.parallel.ilp`), so a 48-layer model costs about one layer's solve.
+
+Memory (per device, bytes)
+--------------------------
+Parameters, gradients and optimizer state under each parameter's placement and update
+sharding; buffers and inputs; every forward output that a backward op reads (activations
+saved for backward, after any recomputation the graph already shows); and the largest
+working set of one op (operands + outputs) on top. A strategy's memory is linear in the
+decision, so the limit is a row of the integer program.
+
+Complexity: ``O(ops x S + operands x S_u x S_v)`` to build (``S``: strategies per group,
+``(labels + 1) ** axes`` at most), then :func:`meshplace.parallel.ilp.solve`.
+
+Example
+-------
+>>> import torch
+>>> from meshplace.graph.capture import capture
+>>> from meshplace.hardware import load_cluster
+>>> from meshplace.mesh.layout import build_mesh
+>>> model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
+>>> g = capture(model, (torch.randn(32, 64),), training=True)
+>>> problem = ShardingProblem(g, build_mesh(load_cluster("dgx-h100"), (8,)))
+>>> len(problem.groups) < g.num_ops
+True
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from meshplace.cost.compute import CostModel
+from meshplace.errors import InputError
+from meshplace.graph.ir import Op, OpGraph, dtype_size
+from meshplace.graph.opdims import FIXED, NotationError, OpDims, label_sizes
+from meshplace.mesh.layout import Mesh
+
+# Placement of a tensor on one mesh axis: a dimension index (split along it) or one of:
+R, P, FLAT, UNMAPPED = -1, -2, -3, -4
+SOURCE_KINDS = ("parameter", "buffer", "input")
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+class ShardingError(InputError):
+    """A sharding problem that cannot be set up or has no plan (one sentence)."""
+
+
+Spec = tuple[int, ...]
+
+
+def spec_text(spec: Spec, axes: Sequence[str]) -> str:
+    """``"S(0)@x R@y"`` style description of one tensor's placement.
+
+    >>> spec_text((0, -1), ("x", "y"))
+    'S(0)@x'
+    >>> spec_text((-1, -1), ("x", "y"))
+    'R'
+    """
+    words = []
+    for a, p in zip(axes, spec, strict=True):
+        if p >= 0:
+            words.append(f"S({p})@{a}")
+        elif p == P:
+            words.append(f"P@{a}")
+        elif p == FLAT:
+            words.append(f"F@{a}")
+    return " ".join(words) or "R"
+
+
+@dataclass
+class Strategy:
+    """One choice for a group: per member op the placements it needs and makes."""
+
+    name: str
+    assign: tuple[str | None, ...]
+    zero: int
+    in_specs: list[list[Spec]]  # per member, per operand
+    out_specs: list[list[Spec]]  # per member, per output
+    compute_s: float
+    comm_s: float = 0.0
+    memory: float = 0.0
+    transient: float = 0.0
+    parts: dict[str, float] = field(default_factory=dict)
+    collectives: list[tuple[str, str, float, float, str]] = field(default_factory=list)
+
+
+@dataclass
+class Group:
+    """Ops decided together: an anchor and the ops that follow it."""
+
+    anchor: int
+    members: list[int]
+    kind: str  # "parameter", "buffer", "input", "op", "fixed"
+    strategies: list[Strategy] = field(default_factory=list)
+    key: tuple = ()
+
+
+_DIGITS = re.compile(r"(?:^|(?<=\.))\d+(?=\.|$)")
+
+
+def _module_pattern(module: str) -> tuple[str, str]:
+    """(module path with layer indices replaced by ``*``, the indices) — ``h.3.attn`` →
+    ``("h.*.attn", "3")``."""
+    return _DIGITS.sub("*", module), ",".join(_DIGITS.findall(module))
+
+
+class ShardingProblem:
+    """Groups, strategies, costs and memory of one graph on one mesh (module docstring).
+
+    Args:
+        graph: a captured training (or inference) graph; ops need ``einsum`` and
+            ``operands`` (graphs captured by this version have them; other ops stay
+            replicated and are listed in :attr:`replicated_ops`).
+        mesh: the device mesh (:func:`meshplace.mesh.layout.build_mesh`).
+        optimizer_state_factor: optimizer state bytes per parameter byte; default from
+            the graph (its captured state) — Adam 2, momentum 1, SGD 0.
+        zero_stages: the weight-update sharding choices offered.
+        tie_layers: share one decision between identical repeated blocks.
+        cost_model: per-op compute times (roofline on the mesh's device kind).
+    """
+
+    def __init__(
+        self,
+        graph: OpGraph,
+        mesh: Mesh,
+        *,
+        zero_stages: Sequence[int] = ZERO_STAGES,
+        tie_layers: bool = True,
+        cost_model: CostModel | None = None,
+        state_bytes_per_param_byte: float | None = None,
+    ) -> None:
+        self.graph = graph
+        self.mesh = mesh
+        self.axes = tuple(mesh.axis_names)
+        self.sizes = tuple(int(s) for s in mesh.shape)
+        self.zero_stages = tuple(zero_stages)
+        self.tie_layers = tie_layers
+        dev = mesh.cluster.devices[int(mesh.devices.reshape(-1)[0])]
+        self.device = dev
+        cm = cost_model or CostModel()
+        self.op_time = cm.op_times(graph, {dev.kind: dev.spec})[dev.kind]
+        self.launch = dev.spec.launch_overhead_s
+        self.state_factor = state_bytes_per_param_byte
+        self.dims: list[OpDims | None] = []
+        for o in graph.ops:
+            d = None
+            if o.einsum is not None:
+                try:
+                    d = OpDims.parse(o.einsum)
+                except NotationError:
+                    d = None
+                if d is not None and len(d.inputs) != len(o.operands or []):
+                    d = None
+            self.dims.append(d)
+        self.replicated_ops: list[str] = []
+        self._comm_memo: dict[tuple, float] = {}
+        self._reshard_memo: dict[tuple, tuple[float, tuple]] = {}
+        self._backward_reads = self._saved_outputs()
+        self.groups: list[Group] = []
+        self.group_of = np.full(graph.num_ops, -1, dtype=np.int64)
+        self.member_pos: dict[int, int] = {}
+        self.follow_main: dict[int, int] = {}  # follower op -> operand it follows
+        self._build_groups()
+        for g in self.groups:
+            g.strategies = self._strategies(g)
+            if not g.strategies:
+                op = graph.ops[g.anchor]
+                raise ShardingError(
+                    f"op {op.name!r} ({op.target or op.kind}) has no legal placement on mesh "
+                    f"{mesh.label}"
+                )
+        self.assign_classes()
+
+    # ------------------------------------------------------------------ grouping
+    def _saved_outputs(self) -> set[tuple[int, int]]:
+        """(op, output) pairs of forward ops that a backward op reads."""
+        saved: set[tuple[int, int]] = set()
+        index = {o.name: i for i, o in enumerate(self.graph.ops)}
+        for o in self.graph.ops:
+            if o.phase != "backward":
+                continue
+            for rec in o.operands or []:
+                src = index.get(rec["op"])
+                if src is not None and self.graph.ops[src].phase == "forward":
+                    saved.add((src, rec["out"]))
+        return saved
+
+    def _follow_target(self, i: int) -> tuple[int, int] | None:
+        """(producer op, operand position) this point-wise op follows, or ``None``."""
+        op, d = self.graph.ops[i], self.dims[i]
+        if d is None or len(d.outputs) != 1 or d.whole or d.halo or any(d.sums):
+            return None
+        out = d.outputs[0]
+        labels = set(out) - {FIXED}
+        for ins in d.inputs:
+            if not set(ins) - {FIXED} <= labels:
+                return None
+        for j, ins in enumerate(d.inputs):
+            rec = op.operands[j]
+            if sorted(ins) != sorted(out) or (FIXED in ins and ins != out):
+                continue
+            if any(m < 0 for k, m in enumerate(rec["map"]) if ins[k] != FIXED):
+                continue
+            src = self.graph.index(rec["op"])
+            g = self.group_of[src]
+            if g < 0 or self.groups[g].kind != "op":
+                continue
+            return src, j
+        return None
+
+    def _build_groups(self) -> None:
+        ops = self.graph.ops
+        by_name = {o.name: i for i, o in enumerate(ops)}
+        for i, o in enumerate(ops):
+            if o.kind in SOURCE_KINDS:
+                self._new_group(i, o.kind)
+        for i, o in enumerate(ops):
+            if o.kind in SOURCE_KINDS:
+                continue
+            if o.phase == "update" and o.colocation and o.colocation in by_name:
+                owner = by_name[o.colocation]
+                g = self.group_of[owner]
+                if g >= 0 and self.groups[g].kind == "parameter":
+                    self._join(g, i)
+                    continue
+            if self.dims[i] is None:
+                self.replicated_ops.append(o.name)
+                self._new_group(i, "fixed")
+                continue
+            target = self._follow_target(i)
+            if target is not None:
+                self.follow_main[i] = target[1]
+                self._join(int(self.group_of[target[0]]), i)
+            else:
+                self._new_group(i, "op")
+
+    def _new_group(self, i: int, kind: str) -> None:
+        self.group_of[i] = len(self.groups)
+        self.member_pos[i] = 0
+        self.groups.append(Group(i, [i], kind))
+
+    def _join(self, g: int, i: int) -> None:
+        self.group_of[i] = g
+        self.member_pos[i] = len(self.groups[g].members)
+        self.groups[g].members.append(i)
+
+    # ------------------------------------------------------------------ costs
+    def comm_time(self, kind: str, nbytes: float, axis: int) -> float:
+        key = (kind, nbytes, axis)
+        t = self._comm_memo.get(key)
+        if t is None:
+            t = self.mesh.collective_time(kind, nbytes, [self.axes[axis]])
+            self._comm_memo[key] = t
+        return t
+
+    def local_bytes(self, shape: Sequence[int], itemsize: int, spec: Spec) -> float:
+        """Bytes of one device's block of a tensor placed as ``spec``."""
+        n = float(math.prod(shape)) * itemsize
+        for a, p in enumerate(spec):
+            if p >= 0 or p == FLAT:
+                n /= self.sizes[a]
+        return n
+
+    def reshard(
+        self, have: Spec, need: Spec, dim_map: Sequence[int], shape: Sequence[int], itemsize: int
+    ) -> tuple[float, tuple]:
+        """Seconds (and the collectives) to turn a producer placement ``have`` into the
+        placement ``need`` a consumer reads, through the view ``dim_map``."""
+        key = (have, need, tuple(dim_map), tuple(shape), itemsize)
+        hit = self._reshard_memo.get(key)
+        if hit is not None:
+            return hit
+        inv = {p: c for c, p in enumerate(dim_map) if p >= 0}
+        full = float(math.prod(shape)) * itemsize
+        total = 0.0
+        colls = []
+        for a, (h, n) in enumerate(zip(have, need, strict=True)):
+            if self.sizes[a] == 1:
+                continue
+            if h >= 0:
+                h = inv.get(h, UNMAPPED)
+            if h == n or (h == R and n != P):
+                continue
+            # bytes per device over this axis: the consumer's block, whole along axis a
+            nbytes = full
+            for b, q in enumerate(need):
+                if b != a and (q >= 0 or q == FLAT):
+                    nbytes /= self.sizes[b]
+            if h == P:
+                kind = "all_reduce" if n == R else "reduce_scatter"
+            elif n == R:
+                kind = "all_gather"
+            else:
+                kind, nbytes = "all_to_all", nbytes / self.sizes[a]
+            t = self.comm_time(kind, nbytes, a)
+            total += t
+            colls.append((kind, self.axes[a], nbytes, t))
+        out = (total, tuple(colls))
+        self._reshard_memo[key] = out
+        return out
+
+    def _op_seconds(self, i: int, blocks: int) -> float:
+        t = float(self.op_time[i])
+        if blocks <= 1 or t <= 0:
+            return t
+        return max(t - self.launch, 0.0) / blocks + self.launch
+
+    # ------------------------------------------------------------------ strategies
+    def _assignments(self, labels: dict[str, list[int]]) -> list[tuple[str | None, ...]]:
+        """Every assignment of a label (or none) to each mesh axis whose block counts
+        divide every size the label takes."""
+        options = [None, *labels]
+        out = []
+        for combo in itertools.product(options, repeat=len(self.sizes)):
+            ok = True
+            for lab in set(combo) - {None}:
+                n = math.prod(s for s, c in zip(self.sizes, combo, strict=True) if c == lab)
+                if n > 1 and any(size % n for size in labels[lab]):
+                    ok = False
+                    break
+            if ok:
+                # an axis of size 1 splits nothing: keep only the None choice for it
+                if any(c is not None and s == 1 for s, c in zip(self.sizes, combo, strict=True)):
+                    continue
+                out.append(combo)
+        return out
+
+    def _spec_for(self, labels: Sequence[str], assign: Sequence[str | None]) -> Spec:
+        return tuple(labels.index(a) if a is not None and a in labels else R for a in assign)
+
+    def _strategies(self, g: Group) -> list[Strategy]:
+        op = self.graph.ops[g.anchor]
+        if g.kind in SOURCE_KINDS:
+            return self._source_strategies(g, op)
+        if g.kind == "fixed":
+            return [self._fixed_strategy(g)]
+        d = self.dims[g.anchor]
+        assert d is not None
+        in_shapes = [r["shape"] for r in op.operands or []]
+        sizes = label_sizes(d, in_shapes, op.output_shapes)
+        split = {lab: sizes[lab] for lab in d.splittable() if max(sizes[lab]) > 1}
+        out = []
+        for assign in self._assignments(split):
+            ins = [self._spec_for(t, assign) for t in d.inputs]
+            outs = []
+            for t, summed in zip(d.outputs, d.sums, strict=True):
+                spec = list(self._spec_for(t, assign))
+                for a, lab in enumerate(assign):
+                    if lab is not None and spec[a] == R and lab in summed:
+                        spec[a] = P
+                outs.append(tuple(spec))
+            blocks = math.prod(s for s, lab in zip(self.sizes, assign, strict=True) if lab)
+            st = Strategy(
+                _assign_name(assign, self.axes),
+                tuple(assign),
+                0,
+                [ins],
+                [outs],
+                self._op_seconds(g.anchor, blocks),
+            )
+            self._halo(st, g.anchor, d, assign)
+            self._complete(g, st)
+            out.append(st)
+        return out
+
+    def _halo(self, st: Strategy, i: int, d: OpDims, assign: Sequence[str | None]) -> None:
+        """Halo exchange of a spatially split convolution: ``k // 2`` rows each way."""
+        if not d.halo:
+            return
+        op = self.graph.ops[i]
+        rec = op.operands[0]
+        shape, labels = rec["shape"], d.inputs[0]
+        itemsize = self.itemsize(rec["op"], rec["out"])
+        local = self.local_bytes(shape, itemsize, st.in_specs[0][0])
+        for a, lab in enumerate(assign):
+            if lab in d.halo and lab in labels:
+                rows_local = shape[labels.index(lab)] / math.prod(
+                    s for s, c in zip(self.sizes, assign, strict=True) if c == lab
+                )
+                nbytes = 2 * d.halo[lab] * local / max(rows_local, 1)
+                t = self.comm_time("collective_permute", nbytes, a)
+                st.comm_s += t
+                st.collectives.append(("collective_permute", self.axes[a], nbytes, t, "halo"))
+
+    def _fixed_strategy(self, g: Group) -> Strategy:
+        op = self.graph.ops[g.anchor]
+        rep = tuple(R for _ in self.sizes)
+        st = Strategy(
+            "R",
+            tuple(None for _ in self.sizes),
+            0,
+            [[rep for _ in op.operands or []]],
+            [[rep for _ in op.output_shapes]],
+            self._op_seconds(g.anchor, 1),
+        )
+        self._complete(g, st)
+        return st
+
+    def _source_strategies(self, g: Group, op: Op) -> list[Strategy]:
+        shape = op.output_shapes[0] if op.output_shapes else []
+        labels = [f"d{k}" for k in range(len(shape))]
+        sizes = {lab: [n] for lab, n in zip(labels, shape, strict=True) if n > 1}
+        out = []
+        for assign in self._assignments(sizes):
+            spec = self._spec_for(labels, assign)
+            replicas = math.prod(s for s, p in zip(self.sizes, spec, strict=True) if p == R)
+            stages = self.zero_stages if g.kind == "parameter" and replicas > 1 else (0,)
+            for zero in stages:
+                name = spec_text(spec, self.axes) + (f" +zero{zero}" if zero else "")
+                st = Strategy(name, tuple(assign), zero, [[]], [[spec]], 0.0)
+                self._complete(g, st)
+                out.append(st)
+        return out
+
+    def _complete(self, g: Group, st: Strategy) -> None:
+        """Fill in the followers' placements, internal resharding, compute and memory."""
+        ops = self.graph.ops
+        anchor = ops[g.anchor]
+        param_spec = st.out_specs[0][0] if g.kind == "parameter" else None
+        for i in g.members[1:]:
+            op = ops[i]
+            if g.kind == "parameter":
+                ins, outs = self._update_specs(op, anchor, param_spec, st.zero)
+                blocks = _blocks(self.sizes, param_spec, st.zero)
+            else:
+                ins, outs, blocks = self._follower_specs(i, g, st)
+            st.in_specs.append(ins)
+            st.out_specs.append(outs)
+            st.compute_s += self._op_seconds(i, blocks)
+        # resharding inside the group
+        for pos, i in enumerate(g.members):
+            for j, rec in enumerate(ops[i].operands or []):
+                src = self.graph.index(rec["op"])
+                if self.group_of[src] != self.group_of[i] or src == i:
+                    continue
+                have = st.out_specs[self.member_pos[src]][rec["out"]]
+                need = st.in_specs[pos][j]
+                t, colls = self.reshard(
+                    have, need, rec["map"], rec["shape"], self.itemsize(rec["op"], rec["out"])
+                )
+                st.comm_s += t
+                st.collectives.extend((k, a, b, tt, "reshard") for k, a, b, tt in colls)
+        if g.kind == "parameter":
+            self._weight_update_comm(g, st)
+        self._memory(g, st)
+
+    def _update_specs(
+        self, op: Op, param: Op, spec: Spec, zero: int
+    ) -> tuple[list[Spec], list[Spec]]:
+        pshape = param.output_shapes[0] if param.output_shapes else []
+        sharded = tuple(
+            FLAT if (p == R and zero >= 1 and s > 1) else p
+            for p, s in zip(spec, self.sizes, strict=True)
+        )
+        rep = tuple(R for _ in self.sizes)
+
+        def place(shape: Sequence[int]) -> Spec:
+            return sharded if list(shape) == list(pshape) else rep
+
+        ins = [place(r["shape"]) for r in op.operands or []]
+        outs = [place(s) for s in op.output_shapes]
+        return ins, outs
+
+    def _follower_specs(self, i: int, g: Group, st: Strategy) -> tuple[list[Spec], list[Spec], int]:
+        op, d = self.graph.ops[i], self.dims[i]
+        assert d is not None
+        out_labels = d.outputs[0]
+        j = self.follow_main[i]
+        rec = op.operands[j]
+        src = self.graph.index(rec["op"])
+        have = st.out_specs[self.member_pos[src]][rec["out"]]
+        inv = {p: c for c, p in enumerate(rec["map"]) if p >= 0}
+        main_labels = d.inputs[j]
+        assign: list[str | None] = []
+        for h in have:
+            c = inv.get(h) if h >= 0 else None
+            assign.append(main_labels[c] if c is not None and main_labels[c] != FIXED else None)
+        ins = [self._spec_for(t, assign) for t in d.inputs]
+        outs = [self._spec_for(out_labels, assign)]
+        blocks = math.prod(s for s, lab in zip(self.sizes, assign, strict=True) if lab)
+        return ins, outs, blocks
+
+    def _weight_update_comm(self, g: Group, st: Strategy) -> None:
+        """ZeRO's all-gathers of (updated) parameters over the replica axes."""
+        if st.zero == 0:
+            return
+        op = self.graph.ops[g.anchor]
+        spec = st.out_specs[0][0]
+        local = self.local_bytes(op.output_shapes[0], self.itemsize(op.name, 0), spec)
+        gathers = 2 if st.zero == 3 else 1  # ZeRO-3: before forward and before backward
+        for a, p in enumerate(spec):
+            if p == R and self.sizes[a] > 1:
+                t = self.comm_time("all_gather", local, a)
+                st.comm_s += gathers * t
+                st.collectives.append(("all_gather", self.axes[a], local, gathers * t, "weights"))
+
+    def itemsize(self, name: str, out: int) -> int:
+        op = self.graph.op(name)
+        dt = op.output_dtypes[out] if out < len(op.output_dtypes) else "float32"
+        return dtype_size(dt)
+
+    def _memory(self, g: Group, st: Strategy) -> None:
+        ops = self.graph.ops
+        anchor = ops[g.anchor]
+        if g.kind == "parameter":
+            spec = st.out_specs[0][0]
+            replicas = math.prod(s for s, p in zip(self.sizes, spec, strict=True) if p == R)
+            shards = math.prod(self.sizes) / replicas
+            pbytes = anchor.param_bytes / shards
+            state = (
+                anchor.state_bytes
+                if self.state_factor is None
+                else anchor.param_bytes * self.state_factor
+            ) / shards
+            trained = len(g.members) > 1
+            st.parts = {
+                "parameters": pbytes / (replicas if st.zero >= 3 else 1),
+                "gradients": pbytes / (replicas if st.zero >= 2 else 1) if trained else 0.0,
+                "optimizer_state": state / (replicas if st.zero >= 1 else 1) if trained else 0.0,
+            }
+            st.memory = sum(st.parts.values())
+        elif g.kind in ("buffer", "input"):
+            st.memory = self.local_bytes(
+                anchor.output_shapes[0] if anchor.output_shapes else [],
+                self.itemsize(anchor.name, 0),
+                st.out_specs[0][0],
+            )
+            st.parts = {"buffers" if g.kind == "buffer" else "inputs": st.memory}
+        else:
+            saved = 0.0
+            for pos, i in enumerate(g.members):
+                for k, shape in enumerate(ops[i].output_shapes):
+                    if (i, k) in self._backward_reads:
+                        saved += self.local_bytes(
+                            shape, self.itemsize(ops[i].name, k), st.out_specs[pos][k]
+                        )
+            st.memory = saved
+            st.parts = {"activations": saved}
+        work = 0.0
+        for pos, i in enumerate(g.members):
+            o = ops[i]
+            w = sum(
+                self.local_bytes(s, self.itemsize(o.name, k), st.out_specs[pos][k])
+                for k, s in enumerate(o.output_shapes)
+            )
+            w += sum(
+                self.local_bytes(r["shape"], self.itemsize(r["op"], r["out"]), st.in_specs[pos][j])
+                for j, r in enumerate(o.operands or [])
+            )
+            work = max(work, w)
+        st.transient = work
+
+    # ------------------------------------------------------------------ classes
+    def assign_classes(self) -> None:
+        """Identical repeated groups share a class (module docstring): same kind, same
+        module path up to layer indices, same member ops and shapes — the layers of a
+        stack, and the time steps of a recurrent cell applied again and again."""
+        ops = self.graph.ops
+        keys = []
+        for g in self.groups:
+            a = ops[g.anchor]
+            pattern, _ = _module_pattern(a.module)
+            sig = tuple(
+                (
+                    ops[i].target,
+                    ops[i].phase,
+                    tuple(map(tuple, ops[i].output_shapes)),
+                    ops[i].einsum,
+                    tuple(tuple(r["shape"]) for r in ops[i].operands or []),
+                )
+                for i in g.members
+            )
+            key: tuple = (g.kind, pattern, sig, len(g.strategies))
+            if not self.tie_layers or g.kind == "input":
+                key = (*key, a.name)
+            keys.append(key)
+        self.class_of = np.zeros(len(self.groups), dtype=np.int64)
+        index: dict[tuple, int] = {}
+        for gi, k in enumerate(keys):
+            self.class_of[gi] = index.setdefault(k, len(index))
+            self.groups[gi].key = k
+        self.num_classes = len(index)
+        self.class_groups: list[list[int]] = [[] for _ in range(self.num_classes)]
+        for gi in range(len(self.groups)):
+            self.class_groups[int(self.class_of[gi])].append(gi)
+
+    # ------------------------------------------------------------------ ILP inputs
+    def cost_tables(
+        self,
+    ) -> tuple[
+        list[np.ndarray], dict[tuple[int, int], np.ndarray], list[np.ndarray], list[np.ndarray]
+    ]:
+        """Per class: time per strategy, memory per strategy, transient per strategy; per
+        ordered pair of classes joined by an edge: the resharding time matrix."""
+        node = [np.zeros(len(self.groups[cg[0]].strategies)) for cg in self.class_groups]
+        mem = [np.zeros_like(c) for c in node]
+        trans = [np.zeros_like(c) for c in node]
+        for c, cg in enumerate(self.class_groups):
+            strategies = self.groups[cg[0]].strategies
+            t = np.array([s.compute_s + s.comm_s for s in strategies])
+            m = np.array([s.memory for s in strategies])
+            node[c] = t * len(cg)
+            mem[c] = m * len(cg)
+            trans[c] = np.array([s.transient for s in strategies])
+        edges: dict[tuple[int, int], np.ndarray] = {}
+        bundle_memo: dict[tuple, np.ndarray] = {}
+        for (gu, gv), recs in self.group_edges().items():
+            cu, cv = int(self.class_of[gu]), int(self.class_of[gv])
+            sig = (self.groups[gu].key, self.groups[gv].key, tuple(recs))
+            m = bundle_memo.get(sig)
+            if m is None:
+                m = self._edge_matrix(gu, gv, recs)
+                bundle_memo[sig] = m
+            if cu == cv:
+                node[cu] += np.diag(m) if m.shape[0] == m.shape[1] else 0.0
+                continue
+            if cu < cv:
+                key, mat = (cu, cv), m
+            else:
+                key, mat = (cv, cu), m.T
+            edges[key] = edges[key] + mat if key in edges else mat.copy()
+        return node, edges, mem, trans
+
+    def group_edges(self) -> dict[tuple[int, int], list[tuple]]:
+        """Operand records between different groups, bundled by (producer, consumer) group;
+        each record as (producer member pos, output, consumer member pos, operand)."""
+        out: dict[tuple[int, int], list[tuple]] = {}
+        for i, o in enumerate(self.graph.ops):
+            gv = int(self.group_of[i])
+            for j, rec in enumerate(o.operands or []):
+                src = self.graph.index(rec["op"])
+                gu = int(self.group_of[src])
+                if gu == gv:
+                    continue
+                out.setdefault((gu, gv), []).append(
+                    (self.member_pos[src], rec["out"], self.member_pos[i], j)
+                )
+        return out
+
+    def _edge_matrix(self, gu: int, gv: int, recs: list[tuple]) -> np.ndarray:
+        U, V = self.groups[gu], self.groups[gv]
+        m = np.zeros((len(U.strategies), len(V.strategies)))
+        for pu, out, pv, j in recs:
+            rec = self.graph.ops[V.members[pv]].operands[j]
+            itemsize = self.itemsize(rec["op"], rec["out"])
+            for a, su in enumerate(U.strategies):
+                have = su.out_specs[pu][out]
+                for b, sv in enumerate(V.strategies):
+                    need = sv.in_specs[pv][j]
+                    m[a, b] += self.reshard(have, need, rec["map"], rec["shape"], itemsize)[0]
+        return m
+
+
+def _blocks(sizes: Sequence[int], spec: Spec, zero: int) -> int:
+    n = 1
+    for s, p in zip(sizes, spec, strict=True):
+        if p >= 0 or (p == R and zero >= 1):
+            n *= s
+    return n
+
+
+def _assign_name(assign: Sequence[str | None], axes: Sequence[str]) -> str:
+    words = [f"{lab}@{a}" for a, lab in zip(axes, assign, strict=True) if lab is not None]
+    return " ".join(words) or "replicated"
