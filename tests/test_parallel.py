@@ -254,6 +254,17 @@ def test_integer_program_equals_brute_force(case) -> None:
         assert got.memory <= capacity * (1 + 1e-6) + 1e-6
 
 
+def test_solver_works_after_highs_ran_elsewhere_in_the_process() -> None:
+    import highspy
+
+    other = highspy.Highs()  # m_sct and others start HiGHS's process-wide scheduler first
+    other.setOptionValue("output_flag", False)
+    other.setOptionValue("threads", 2)
+    other.run()
+    got = ilp.solve([np.array([3.0, 1.0]), np.array([1.0, 3.0])], {})
+    assert (got.status, got.choice, got.objective) == (ilp.OPTIMAL, [1, 0], 2.0)
+
+
 # ------------------------------------------------------------------ command line
 def run(*argv: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run([MESHPLACE, *argv], cwd=cwd, capture_output=True, text=True, timeout=600)

@@ -37,7 +37,7 @@ from rich.table import Table
 from meshplace.argtypes import positive_int
 from meshplace.errors import InputError
 from meshplace.mesh.cost import LayoutCost
-from meshplace.mesh.layout import AXIS_NAMES, LayoutError, parse_mesh_shape
+from meshplace.mesh.layout import AXIS_NAMES, mesh_and_chips
 from meshplace.mesh.program import OPTIMIZERS, PROGRAM_MODELS, program_for
 from meshplace.mesh.search import WUS_MODES, SearchResult, search
 from meshplace.util import check_output_paths, dumps_strict_json, print_json, write_text_atomic
@@ -113,14 +113,8 @@ def shard(args: argparse.Namespace) -> tuple[SearchResult, dict[str, Any]]:
         batch=get(args, "batch", None),
         optimizer=get(args, "optimizer", None),
     )
-    mesh_text = get(args, "mesh", None)
-    shape = parse_mesh_shape(mesh_text) if mesh_text else None
     chips = get(args, "chips", None)
-    if shape is not None and chips is not None and chips != _prod(shape):
-        raise LayoutError(
-            f"--mesh {mesh_text} has {_prod(shape)} devices but --chips is {chips}; the "
-            "product of the mesh shape must equal the chip count"
-        )
+    shape = mesh_and_chips(get(args, "mesh", None), chips)
     console = Console(stderr=True)
     with console.status(
         f"searching layouts of {program.name} on {cluster.name}…", spinner="dots"
@@ -169,13 +163,6 @@ def cmd_shard(args: argparse.Namespace) -> int:
     else:
         print_result(Console(), result, data)
     return 0
-
-
-def _prod(shape: Sequence[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def _summary(c: LayoutCost, best: LayoutCost) -> dict[str, Any]:

@@ -304,6 +304,22 @@ def parse_mesh_shape(text: str) -> tuple[int, ...]:
     return shape
 
 
+def mesh_and_chips(mesh_text: str | None, chips: int | None) -> tuple[int, ...] | None:
+    """The ``--mesh`` shape (or ``None``), checked against ``--chips``: their product must
+    match (:class:`LayoutError` otherwise).
+
+    >>> mesh_and_chips("2x4", 8), mesh_and_chips(None, 8)
+    ((2, 4), None)
+    """
+    shape = parse_mesh_shape(mesh_text) if mesh_text else None
+    if shape is not None and chips is not None and chips != math.prod(shape):
+        raise LayoutError(
+            f"--mesh {mesh_text} has {math.prod(shape)} devices but --chips is {chips}; the "
+            "product of the mesh shape must equal the chip count"
+        )
+    return shape
+
+
 # ---------------------------------------------------------------------- building meshes
 def accelerators(cluster: Cluster) -> list[int]:
     """Indices of the devices a mesh may use: the cluster's accelerators

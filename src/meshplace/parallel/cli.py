@@ -36,7 +36,7 @@ from rich.table import Table
 
 from meshplace.errors import InputError
 from meshplace.mesh import cli as mesh_cli
-from meshplace.mesh.layout import LayoutError, parse_mesh_shape
+from meshplace.mesh.layout import mesh_and_chips
 from meshplace.mesh.program import PROGRAM_MODELS
 from meshplace.util import check_output_paths, dumps_strict_json, print_json, write_text_atomic
 
@@ -135,14 +135,8 @@ def shard_captured(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     wus = get(args, "weight_update_sharding", "auto") or "auto"
     stages = {"auto": (0, 1, 2, 3), "on": (1, 2, 3), "off": (0,)}[wus]
     cluster = load_cluster(args.cluster)
-    mesh_text = get(args, "mesh", None)
-    shape = parse_mesh_shape(mesh_text) if mesh_text else None
     chips = get(args, "chips", None)
-    if shape is not None and chips is not None and chips != _prod(shape):
-        raise LayoutError(
-            f"--mesh {mesh_text} has {_prod(shape)} devices but --chips is {chips}; the "
-            "product of the mesh shape must equal the chip count"
-        )
+    shape = mesh_and_chips(get(args, "mesh", None), chips)
     console = Console(stderr=True)
     with console.status(f"capturing {args.model}…", spinner="dots") as status:
         source = graph_source(
@@ -200,13 +194,6 @@ def shard_captured(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         },
     }
     return result, data
-
-
-def _prod(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def _ms(s: float) -> str:

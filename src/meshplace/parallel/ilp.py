@@ -151,7 +151,8 @@ def solve(
     h.setOptionValue("output_flag", False)
     h.setOptionValue("time_limit", float(time_limit_s))
     h.setOptionValue("mip_rel_gap", 1e-6)
-    h.setOptionValue("threads", 1)
+    # no "threads" option: HiGHS's scheduler is global to the process, and asking for another
+    # thread count after anything else in the process ran HiGHS makes run() fail
     lp = highspy.HighsLp()
     lp.num_col_ = n_var
     lp.num_row_ = len(rows_lo)
@@ -169,18 +170,20 @@ def solve(
     lp.integrality_ = [highspy.HighsVarType.kInteger] * n_x + [highspy.HighsVarType.kContinuous] * (
         n_var - n_x
     )
-    h.passModel(lp)
-    h.run()
+    if h.passModel(lp) == highspy.HighsStatus.kError or h.run() == highspy.HighsStatus.kError:
+        raise RuntimeError(f"HiGHS failed: {h.modelStatusToString(h.getModelStatus())}")
     status = h.getModelStatus()
-    if status == highspy.HighsModelStatus.kInfeasible:
+    ms = highspy.HighsModelStatus
+    if status in (ms.kInfeasible, ms.kUnboundedOrInfeasible):
         return Solution([], math.inf, INFEASIBLE, variables=n_var)
-    sol = np.asarray(h.getSolution().col_value)
-    if sol.size != n_var:
-        word = TIME_LIMIT if status == highspy.HighsModelStatus.kTimeLimit else INFEASIBLE
-        return Solution([], math.inf, word, variables=n_var)
-    choice = [int(np.argmax(sol[offsets[v] : offsets[v + 1]])) for v in range(n)]
     info = h.getInfo()
-    word = OPTIMAL if status == highspy.HighsModelStatus.kOptimal else TIME_LIMIT
+    feasible = info.primal_solution_status == 2  # kSolutionStatusFeasible
+    sol = np.asarray(h.getSolution().col_value)
+    if (status != ms.kOptimal and not feasible) or sol.size != n_var:
+        # stopped (time limit) before any plan was found
+        return Solution([], math.inf, TIME_LIMIT, variables=n_var)
+    choice = [int(np.argmax(sol[offsets[v] : offsets[v + 1]])) for v in range(n)]
+    word = OPTIMAL if status == ms.kOptimal else TIME_LIMIT
     return Solution(
         choice,
         evaluate(choice, node_costs, edge_costs),

@@ -379,9 +379,12 @@ def shard_graph(
         t0 = time.perf_counter()
         sol = ilp.solve(node, edges, mem, trans, capacity, time_limit_s=time_limit_s)
         solve_s = time.perf_counter() - t0
-        if sol.status == ilp.INFEASIBLE or not sol.choice:
+        if sol.status == ilp.INFEASIBLE:
             failures[label] = "no plan fits"
             problems.append((problem, capacity))
+            continue
+        if not sol.choice:
+            failures[label] = f"the solver found no plan in its {time_limit_s:g} s limit"
             continue
         candidates.append(_plan(problem, sol, capacity, solve_s))
     if not candidates:
