@@ -410,13 +410,20 @@ def _no_fit_sentence(
     if best is None:
         return f"no sharding of {graph.name!r} fits in device memory"
     need, label, cap = best
-    gib = 2**30
     return (
         f"no sharding of {graph.name!r} fits: the leanest plan (mesh {label}) needs "
-        f"{need / gib:.2f} GiB per device but {cap / gib:.2f} GiB is available "
-        f"({(need - cap) / gib:.2f} GiB short); use more chips, a larger --memory-fraction, "
-        "a smaller batch, or activation checkpointing"
+        f"{_size(need)} per device but {_size(cap)} is available ({_size(need - cap)} short); "
+        "use more chips, a larger --memory-fraction, a smaller batch, or activation "
+        "checkpointing"
     )
+
+
+def _size(nbytes: float) -> str:
+    """Bytes in the largest binary unit that keeps a number >= 1 (``1.50 GiB``)."""
+    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(nbytes) >= div:
+            return f"{nbytes / div:.2f} {unit}"
+    return f"{nbytes:.0f} B"
 
 
 def pin_inputs(problem: ShardingProblem, pinned: Mapping[str, str | None]) -> None:

@@ -22,6 +22,10 @@ _EXPORTS = {
     "TracedStep": "meshplace.runtime.program",
     "schedule_nodes": "meshplace.runtime.program",
     "trace_step": "meshplace.runtime.program",
+    "apply_sharding_plan": "meshplace.runtime.sharded",
+    "distribute_inputs": "meshplace.runtime.sharded",
+    "device_mesh": "meshplace.runtime.sharded",
+    "local_parameter_bytes": "meshplace.runtime.sharded",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,0 +1,148 @@
+"""Run a sharding plan on PyTorch's own engine: parameters and inputs as DTensors.
+
+Source: PyTorch DTensor (``torch.distributed.tensor``: ``DeviceMesh``,
+``distribute_tensor``, ``Shard``/``Replicate``), the engine torchtitan builds on. A plan
+file of ``meshplace shard`` (format ``meshplace.parallel_plan``, ``docs/formats.md``) gives
+each parameter and input its placements, one per mesh axis; :func:`apply_sharding_plan`
+replaces every parameter of the model by a DTensor so placed, :func:`distribute_inputs`
+does the same for the inputs, and the model's own forward and backward then run under
+DTensor's dispatch — PyTorch chooses the intermediate ops' layouts and inserts the
+collectives, no meshplace interpreter is involved. Each rank holds only its block of every
+sharded parameter (:func:`local_parameter_bytes`), which a test compares with the plan's
+prediction byte for byte.
+
+:func:`sharded_step` is the context to run the step in: tensors the model creates inside
+its forward (rotary tables, masks, ``arange``) take part as replicated DTensors
+(``implicit_replication``), and attention runs PyTorch's math kernel on CPU, because DTensor
+registers no sharding strategy for the CPU flash-attention op (CUDA's fused kernels have
+one).
+
+Not yet applied here (issue 15): weight-update sharding (``zero`` > 0 in the plan, which
+``fully_shard`` over the replica axes would give), and the plan's choices for intermediate
+ops (DTensor propagates its own from the parameters' and inputs' placements).
+
+Complexity: one ``distribute_tensor`` per parameter (a scatter from the tensor every rank
+builds).
+
+Example (one process, a 1-device mesh; a real run has one process per device)::
+
+    mesh = device_mesh(plan, "cpu")            # after torch.distributed is initialised
+    apply_sharding_plan(model, plan, mesh)
+    x = distribute_inputs(plan, {"input": x}, mesh)["input"]
+    with sharded_step():
+        loss = model(x).mean(); loss.backward()
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from meshplace.errors import InputError
+
+PLAN_FORMAT = "meshplace.parallel_plan"
+
+
+def placements(names: list[str]) -> list[Any]:
+    """DTensor placements from their plan-file names (``"Shard(0)"``, ``"Replicate()"``).
+
+    >>> placements(["Shard(1)", "Replicate()"])
+    [Shard(dim=1), Replicate()]
+    """
+    from torch.distributed.tensor import Replicate, Shard
+
+    out: list[Any] = []
+    for name in names:
+        if name == "Replicate()":
+            out.append(Replicate())
+        elif name.startswith("Shard(") and name.endswith(")") and name[6:-1].isdigit():
+            out.append(Shard(int(name[6:-1])))
+        else:
+            raise InputError(
+                f"unknown placement {name!r} in the plan; allowed: Shard(N), Replicate()"
+            )
+    return out
+
+
+def _check(plan: Mapping[str, Any]) -> None:
+    if plan.get("format") != PLAN_FORMAT:
+        raise InputError(f"not a sharding plan (field 'format' must be {PLAN_FORMAT!r})")
+
+
+def device_mesh(plan: Mapping[str, Any], device_type: str = "cpu") -> Any:
+    """The plan's ``DeviceMesh`` over the initialised process group (ranks in order)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    _check(plan)
+    shape = tuple(int(s) for s in plan["mesh"]["shape"])
+    return init_device_mesh(device_type, shape, mesh_dim_names=tuple(plan["mesh"]["axes"]))
+
+
+def apply_sharding_plan(model: torch.nn.Module, plan: Mapping[str, Any], mesh: Any) -> None:
+    """Replace every parameter the plan names by a DTensor with the plan's placements.
+
+    A parameter the plan does not name, or a name the model does not have, is an
+    :class:`InputError` (the plan was made for another model)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    _check(plan)
+    planned = plan["parameters"]
+    names = [n for n, _ in model.named_parameters()]
+    missing = [n for n in names if n not in planned]
+    extra = [n for n in planned if n not in set(names)]
+    if missing or extra:
+        which = (
+            f"the model's {missing[0]!r} is not in it"
+            if missing
+            else f"{extra[0]!r} is not a parameter of the model"
+        )
+        raise InputError(f"the plan does not match the model: {which}")
+    for name in names:
+        owner_name, _, attr = name.rpartition(".")
+        owner = model.get_submodule(owner_name) if owner_name else model
+        param = getattr(owner, attr)
+        placed = distribute_tensor(param.detach(), mesh, placements(planned[name]["placements"]))
+        setattr(owner, attr, torch.nn.Parameter(placed, requires_grad=param.requires_grad))
+
+
+def distribute_inputs(
+    plan: Mapping[str, Any], inputs: Mapping[str, torch.Tensor], mesh: Any
+) -> dict[str, Any]:
+    """The inputs as DTensors with the plan's placements (by the capture's input names)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    _check(plan)
+    out = {}
+    for name, tensor in inputs.items():
+        spec = plan["inputs"].get(name)
+        if spec is None:
+            raise InputError(
+                f"the plan has no input {name!r}; its inputs: {', '.join(plan['inputs'])}"
+            )
+        out[name] = distribute_tensor(tensor, mesh, placements(spec["placements"]))
+    return out
+
+
+@contextlib.contextmanager
+def sharded_step(device_type: str = "cpu") -> Iterator[None]:
+    """Run a forward and backward under DTensor (see the module docstring)."""
+    from torch.distributed.tensor.experimental import implicit_replication
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(implicit_replication())
+        if device_type == "cpu":
+            stack.enter_context(sdpa_kernel(SDPBackend.MATH))
+        yield
+
+
+def local_parameter_bytes(model: torch.nn.Module) -> dict[str, int]:
+    """Bytes of this rank's block of every parameter (a DTensor's local shard)."""
+    out = {}
+    for name, p in model.named_parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        out[name] = local.numel() * local.element_size()
+    return out
