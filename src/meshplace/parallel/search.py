@@ -274,11 +274,16 @@ class ShardingResult:
 
 
 def _plan(
-    problem: ShardingProblem, sol: ilp.Solution, capacity: float, solve_s: float
+    problem: ShardingProblem,
+    sol: ilp.Solution,
+    capacity: float,
+    solve_s: float,
+    tables: tuple | None = None,
 ) -> ShardingPlan:
-    """Expand a class-level solution to every group and add up time and memory."""
+    """Expand a class-level solution to every group and add up time and memory
+    (``tables``: :meth:`ShardingProblem.cost_tables`, computed again when not given)."""
     choice = [sol.choice[int(problem.class_of[g])] for g in range(len(problem.groups))]
-    node, edges, _, _ = problem.cost_tables()
+    node, edges, _, _ = tables if tables is not None else problem.cost_tables()
     compute = comm = 0.0
     parts: dict[str, float] = {}
     transient = 0.0
@@ -386,7 +391,7 @@ def shard_graph(
         if not sol.choice:
             failures[label] = f"the solver found no plan in its {time_limit_s:g} s limit"
             continue
-        candidates.append(_plan(problem, sol, capacity, solve_s))
+        candidates.append(_plan(problem, sol, capacity, solve_s, (node, edges, mem, trans)))
     if not candidates:
         if problems:
             raise ShardingError(_no_fit_sentence(graph, problems, time_limit_s))
