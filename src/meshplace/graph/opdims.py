@@ -696,23 +696,11 @@ def _rule_cat(args: list[Any], ins: list[Shape | None], outs: list[Shape | None]
     return OpDims([list(labels) for _ in shapes], [labels], [[]])
 
 
-def _rule_free(args: list[Any], ins: list[Shape | None], outs: list[Shape | None]) -> OpDims | None:
-    """Factory ops (``zeros``, ``full``, ``arange``…): no operands; each device makes its
-    block of the output."""
-    if any(s is not None for s in ins):
-        return None
-    real = [o for o in outs if o is not None]
-    if len(real) != 1:
-        return None
-    labels = [
-        lab if n != 1 else FIXED for lab, n in zip(_fresh(len(real[0])), real[0], strict=True)
-    ]
-    return OpDims([], [labels], [[]])
-
-
-def _rule_new(args: list[Any], ins: list[Shape | None], outs: list[Shape | None]) -> OpDims | None:
-    """``new_zeros``/``new_empty``…: the operand gives only dtype and device; each device
-    makes its block of the output."""
+def _rule_factory(
+    args: list[Any], ins: list[Shape | None], outs: list[Shape | None]
+) -> OpDims | None:
+    """Factory ops (``zeros``, ``arange``, ``new_zeros``…): each device makes its block of
+    the output; a tensor operand (``new_*``) gives only dtype and device."""
     real = [o for o in outs if o is not None]
     if len(real) != 1:
         return None
@@ -778,16 +766,16 @@ _RULES: dict[str, Rule] = {
     "normal_": _rule_copy_like,
     "rand_like": _rule_copy_like,
     "randn_like": _rule_copy_like,
-    "new_zeros": _rule_new,
-    "new_ones": _rule_new,
-    "new_empty": _rule_new,
-    "new_full": _rule_new,
-    "zeros": _rule_free,
-    "ones": _rule_free,
-    "full": _rule_free,
-    "empty": _rule_free,
-    "arange": _rule_free,
-    "scalar_tensor": _rule_free,
+    "new_zeros": _rule_factory,
+    "new_ones": _rule_factory,
+    "new_empty": _rule_factory,
+    "new_full": _rule_factory,
+    "zeros": _rule_factory,
+    "ones": _rule_factory,
+    "full": _rule_factory,
+    "empty": _rule_factory,
+    "arange": _rule_factory,
+    "scalar_tensor": _rule_factory,
 }
 _POOLS = {
     "max_pool2d_with_indices",

@@ -43,9 +43,9 @@ from meshplace.mesh.search import WUS_MODES, SearchResult, search
 from meshplace.util import check_output_paths, dumps_strict_json, print_json, write_text_atomic
 
 
-def add_shard_arguments(parser: argparse.ArgumentParser) -> None:
+def add_shard_arguments(parser: argparse.ArgumentParser, model_help: str | None = None) -> None:
     """The ``shard`` subcommand's arguments (what ``meshplace shard --help`` shows)."""
-    parser.add_argument("model", help=f"one of: {', '.join(PROGRAM_MODELS)}")
+    parser.add_argument("model", help=model_help or f"one of: {', '.join(PROGRAM_MODELS)}")
     parser.add_argument("--cluster", required=True, help="preset name or cluster.yaml")
     parser.add_argument("--mesh", help="mesh shape, e.g. 16x32 (default: search all shapes)")
     parser.add_argument(
@@ -190,12 +190,34 @@ _SHORT = {
 }
 
 
-def _ms(s: float) -> str:
+def format_ms(s: float) -> str:
     return f"{s * 1e3:,.3f} ms"
 
 
-def _gib(b: float) -> str:
+def format_gib(b: float) -> str:
     return f"{b / 2**30:,.2f} GiB"
+
+
+def peak_row(peak: float, capacity: float, fits: bool) -> tuple[str, str]:
+    """The last row of the memory table: peak of capacity, fits or OOM."""
+    word = "[green]fits[/green]" if fits else "[red]OOM[/red]"
+    return "[bold]peak[/bold]", f"[bold]{format_gib(peak)}[/bold] of {format_gib(capacity)} {word}"
+
+
+def mesh_table(title: str, mesh: Any) -> Table:
+    """The head table of ``meshplace shard``: the mesh, its mapping and each axis's links
+    (rows for the rest are added by the caller)."""
+    head = Table(title=title, show_header=False, title_justify="left")
+    head.add_column("what", style="bold")
+    head.add_column("value")
+    head.add_row("mesh", f"{mesh.label} ({mesh.mapping})")
+    for ax in mesh.axes:
+        links = "; ".join(
+            f"{st.desc}: {st.bandwidth / 1e9:,.0f} GB/s, {st.latency * 1e6:.1f} us/step"
+            for st in ax.stages
+        )
+        head.add_row(f"  axis {ax.name} ({ax.size})", links or "-")
+    return head
 
 
 def _bytes(b: float) -> str:
@@ -209,25 +231,12 @@ def print_result(console: Console, result: SearchResult, data: dict[str, Any]) -
     """The tables of ``meshplace shard``."""
     best = result.best
     mesh = best.mesh
-    head = Table(
-        title=f"{data['program']} on {data['chips']} chips of {data['cluster']}",
-        show_header=False,
-        title_justify="left",
-    )
-    head.add_column("what", style="bold")
-    head.add_column("value")
-    head.add_row("mesh", f"{mesh.label} ({mesh.mapping})")
-    for ax in mesh.axes:
-        links = "; ".join(
-            f"{st.desc}: {st.bandwidth / 1e9:,.0f} GB/s, {st.latency * 1e6:.1f} us/step"
-            for st in ax.stages
-        )
-        head.add_row(f"  axis {ax.name} ({ax.size})", links or "-")
+    head = mesh_table(f"{data['program']} on {data['chips']} chips of {data['cluster']}", mesh)
     head.add_row("layout rules", best.rules_label())
     head.add_row("weight-update sharding", "on" if best.weight_update_sharding else "off")
     head.add_row(
         "step time",
-        f"[bold]{_ms(best.step_time_s)}[/bold]  ({data['samples_per_s']:,.1f} samples/s)",
+        f"[bold]{format_ms(best.step_time_s)}[/bold]  ({data['samples_per_s']:,.1f} samples/s)",
     )
     head.add_row(
         "search",
@@ -241,12 +250,14 @@ def print_result(console: Console, result: SearchResult, data: dict[str, Any]) -
     for col in ("part", "time", "exposed", "overlapped"):
         cost.add_column(col, justify="left" if col == "part" else "right")
     for phase, t in best.compute_s.items():
-        cost.add_row(f"compute {phase}", _ms(t), _ms(t), "")
+        cost.add_row(f"compute {phase}", format_ms(t), format_ms(t), "")
     for cat, t in best.comm_s.items():
         if t > 0:
             exp = best.exposed_s.get(cat, 0.0)
-            cost.add_row(f"comm {cat.replace('_', ' ')}", _ms(t), _ms(exp), _ms(t - exp))
-    cost.add_row("[bold]step[/bold]", f"[bold]{_ms(best.step_time_s)}[/bold]", "", "")
+            cost.add_row(
+                f"comm {cat.replace('_', ' ')}", format_ms(t), format_ms(exp), format_ms(t - exp)
+            )
+    cost.add_row("[bold]step[/bold]", f"[bold]{format_ms(best.step_time_s)}[/bold]", "", "")
     console.print(cost)
 
     coll = Table(title="collectives (per device, per step)", title_justify="left")
@@ -271,7 +282,7 @@ def print_result(console: Console, result: SearchResult, data: dict[str, Any]) -
             axes,
             f"{int(n):,}",
             _bytes(nbytes / max(n, 1)),
-            _ms(t),
+            format_ms(t),
         )
     if not agg:
         coll.add_row("(none)", "", "", "", "", "", "")
@@ -281,12 +292,8 @@ def print_result(console: Console, result: SearchResult, data: dict[str, Any]) -
     mem.add_column("part")
     mem.add_column("bytes", justify="right")
     for k, v in best.memory.items():
-        mem.add_row(k, _gib(v))
-    fits = "[green]fits[/green]" if best.fits else "[red]OOM[/red]"
-    mem.add_row(
-        "[bold]peak[/bold]",
-        f"[bold]{_gib(best.peak_memory_bytes)}[/bold] of {_gib(best.memory_capacity_bytes)} {fits}",
-    )
+        mem.add_row(k, format_gib(v))
+    mem.add_row(*peak_row(best.peak_memory_bytes, best.memory_capacity_bytes, best.fits))
     console.print(mem)
 
     if result.ranked[1:]:
@@ -301,8 +308,8 @@ def print_result(console: Console, result: SearchResult, data: dict[str, Any]) -
                 c.mesh.label,
                 c.rules_label(),
                 "on" if c.weight_update_sharding else "off",
-                _ms(c.step_time_s),
+                format_ms(c.step_time_s),
                 f"{c.step_time_s / best.step_time_s:.3f}x",
-                _gib(c.peak_memory_bytes),
+                format_gib(c.peak_memory_bytes),
             )
         console.print(ru)

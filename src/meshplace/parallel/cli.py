@@ -36,6 +36,8 @@ from rich.table import Table
 
 from meshplace.errors import InputError
 from meshplace.mesh import cli as mesh_cli
+from meshplace.mesh.cli import format_gib as gib
+from meshplace.mesh.cli import format_ms as ms
 from meshplace.mesh.layout import mesh_and_chips
 from meshplace.mesh.program import PROGRAM_MODELS
 from meshplace.util import check_output_paths, dumps_strict_json, print_json, write_text_atomic
@@ -46,13 +48,11 @@ CAPTURE_OPTIMIZERS = ("adam", "momentum", "sgd")
 
 def add_shard_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``shard`` arguments: the named-dimension search's plus the captured graph's."""
-    mesh_cli.add_shard_arguments(parser)
-    for action in parser._actions:  # the model may be any model now, not one of four
-        if action.dest == "model":
-            action.help = (
-                "reference workload, graph.json or file.py:build (transformer, gpt, resnet50 "
-                "and detection also have hand-written named-dimension programs)"
-            )
+    mesh_cli.add_shard_arguments(
+        parser,
+        model_help="reference workload, graph.json or file.py:build (transformer, gpt, "
+        "resnet50 and detection also have hand-written named-dimension programs)",
+    )
     parser.add_argument(
         "--method",
         choices=list(METHODS),
@@ -196,34 +196,18 @@ def shard_captured(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     return result, data
 
 
-def _ms(s: float) -> str:
-    return f"{s * 1e3:,.3f} ms"
-
-
-def _gib(b: float) -> str:
-    return f"{b / 2**30:,.2f} GiB"
-
-
 def print_captured(console: Console, result: Any, data: dict[str, Any]) -> None:
     """The tables of ``meshplace shard`` on a captured graph."""
     best = result.best
     mesh = best.mesh
-    head = Table(
-        title=f"{data['graph']} ({data['ops']:,} ops) on {data['chips']} chips of "
-        f"{data['cluster']}",
-        show_header=False,
-        title_justify="left",
+    head = mesh_cli.mesh_table(
+        f"{data['graph']} ({data['ops']:,} ops) on {data['chips']} chips of {data['cluster']}",
+        mesh,
     )
-    head.add_column("what", style="bold")
-    head.add_column("value")
-    head.add_row("mesh", f"{mesh.label} ({mesh.mapping})")
-    for ax in mesh.axes:
-        links = "; ".join(f"{st.desc}: {st.bandwidth / 1e9:,.0f} GB/s" for st in ax.stages)
-        head.add_row(f"  axis {ax.name} ({ax.size})", links or "-")
     head.add_row(
         "step time",
-        f"[bold]{_ms(best.step_time_s)}[/bold] = compute {_ms(best.compute_s)} + "
-        f"communication {_ms(best.communication_s)} (not overlapped)",
+        f"[bold]{ms(best.step_time_s)}[/bold] = compute {ms(best.compute_s)} + "
+        f"communication {ms(best.communication_s)} (not overlapped)",
     )
     solver = data["solver"]
     head.add_row(
@@ -242,12 +226,8 @@ def print_captured(console: Console, result: Any, data: dict[str, Any]) -> None:
     mem.add_column("part")
     mem.add_column("bytes", justify="right")
     for k, v in best.memory_bytes.items():
-        mem.add_row(k.replace("_", " "), _gib(v))
-    fits = "[green]fits[/green]" if best.fits else "[red]OOM[/red]"
-    mem.add_row(
-        "[bold]peak[/bold]",
-        f"[bold]{_gib(best.peak_memory_bytes)}[/bold] of {_gib(best.capacity_bytes)} {fits}",
-    )
+        mem.add_row(k.replace("_", " "), gib(v))
+    mem.add_row(*mesh_cli.peak_row(best.peak_memory_bytes, best.capacity_bytes, best.fits))
     console.print(mem)
 
     params = Table(title="parameters (largest first)", title_justify="left")
@@ -270,7 +250,12 @@ def print_captured(console: Console, result: Any, data: dict[str, Any]) -> None:
         ops.add_column(col, justify="right" if col == "time" else "left")
     for r in data["top_ops"]:
         ops.add_row(
-            r["op"], r["module"], r["phase"], r["einsum"] or "-", r["strategy"], _ms(r["seconds"])
+            r["op"],
+            r["module"],
+            r["phase"],
+            r["einsum"] or "-",
+            r["strategy"],
+            ms(r["seconds"]),
         )
     console.print(ops)
 
@@ -284,7 +269,7 @@ def print_captured(console: Console, result: Any, data: dict[str, Any]) -> None:
             c["axis"],
             f"{c['calls']:,}",
             f"{c['bytes'] / 1e6:,.1f} MB",
-            _ms(c["seconds"]),
+            ms(c["seconds"]),
         )
     if not data["collectives"]:
         coll.add_row("(none)", "", "", "", "", "")
@@ -297,9 +282,9 @@ def print_captured(console: Console, result: Any, data: dict[str, Any]) -> None:
         for c in data["runners_up"]:
             ru.add_row(
                 c["mesh"],
-                _ms(c["step_time_s"]),
+                ms(c["step_time_s"]),
                 f"{c['slowdown']:.3f}x",
-                _gib(c["peak_memory_bytes"]),
+                gib(c["peak_memory_bytes"]),
                 "yes" if c["fits"] else "no",
             )
         console.print(ru)
