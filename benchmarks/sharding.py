@@ -1,19 +1,29 @@
-"""Captured-graph sharding vs the named-dimension layout search, on the same mesh and cluster.
+"""Captured-graph sharding vs the named-dimension layout search, and vs the Megatron-style grid.
 
-Issue 14's cross-check: for the models both paths know (Transformer base, GPT-2 1.5B,
-Mesh-TensorFlow's 5B LM), the best step time of :func:`meshplace.parallel.search.shard_graph`
-(the integer program on the captured graph, forward under bf16 autocast like the programs'
-bf16 activations) beside :func:`meshplace.mesh.search.search` (the hand-written programs) on
-one fixed mesh, with both searches' seconds. **Simulated** step times from meshplace's cost
-models, not measurements. The two objectives still differ in one known way: the program
+Part ``cross`` — issue 14's cross-check: for the models both paths know (Transformer base,
+GPT-2 1.5B, Mesh-TensorFlow's 5B LM), the best step time of
+:func:`meshplace.parallel.search.shard_graph` (the integer program on the captured graph,
+forward under bf16 autocast like the programs' bf16 activations) beside
+:func:`meshplace.mesh.search.search` (the hand-written programs) on one fixed mesh, with
+both searches' seconds. **Simulated** step times from meshplace's cost models, not
+measurements. The two objectives still differ in one known way: the program
 search overlaps gradient reduction with backward; the captured-graph step is compute plus
 communication with no overlap (docs/parallel.md) — the table reports both, not a verdict.
 
-Writes ``benchmarks/results/sharding.json`` and prints a Markdown table.
+Part ``grid`` — the solver against the configurations users search by hand: for GPT
+1.5B / 6.7B / 13B on 1, 4 and 8 hosts of 8 H100s (global batch 4 sequences of 1024 tokens
+per GPU, forward under bf16 autocast, Adam) and Mesh-TensorFlow's 5B model on 512 TPU-v3
+chips (its own batch), the best point of :func:`meshplace.parallel.grid.megatron_grid`
+(data x tensor parallel degrees x one ZeRO stage; tensor parallelism inside a host) beside
+:func:`meshplace.parallel.search.shard_graph` over every 1- and 2-axis mesh — both scored
+by the same cost model and memory limit, with memory per device and search seconds.
+
+Writes ``benchmarks/results/sharding.json`` (cross) and ``benchmarks/results/sharding_grid.json``
+(grid) and prints Markdown tables.
 
 Usage::
 
-    .venv/bin/python benchmarks/sharding.py [--quick]
+    .venv/bin/python benchmarks/sharding.py [--part cross|grid] [--quick]
 """
 
 from __future__ import annotations
@@ -27,7 +37,9 @@ from meshplace.hardware import load_cluster
 from meshplace.mesh.program import program_for
 from meshplace.mesh.search import search
 from meshplace.models import get
+from meshplace.parallel.grid import megatron_grid
 from meshplace.parallel.search import shard_graph
+from meshplace.parallel.sharding import ShardingError
 from meshplace.provenance import write_result
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -36,6 +48,15 @@ CASES = [
     ("transformer", "base", "dgx-h100", (2, 4), 8),
     ("gpt", "1.5b", "dgx-h100", (2, 4), 8),
     ("transformer", "mtf-5b", "tpu-v3-pod", (16, 32), 512),
+]
+GRID_CASES = [
+    # (workload, size, cluster, chips, batch: None for the workload's own)
+    *[
+        ("gpt", size, f"h{hosts}-8xh100", 8 * hosts, 4 * 8 * hosts)
+        for size in ("1.5b", "6.7b", "13b")
+        for hosts in (1, 4, 8)
+    ],
+    ("transformer", "mtf-5b", "tpu-v3-pod", 512, None),
 ]
 
 
@@ -73,10 +94,94 @@ def one(workload: str, size: str, cluster_name: str, mesh: tuple[int, ...], chip
     }
 
 
+def grid_row(workload: str, size: str, cluster_name: str, chips: int, batch: int | None) -> dict:
+    cluster = load_cluster(cluster_name)
+    w = get(workload, size=size) if batch is None else get(workload, size=size, batch=batch)
+    graph = capture(w.model, w.example_inputs, training=True, dims=w.dims, autocast="bf16")
+    grid = megatron_grid(graph, cluster, chips=chips)
+    t0 = time.perf_counter()
+    solver = shard_graph(graph, cluster, chips=chips)
+    solver_s = time.perf_counter() - t0
+    row: dict = {
+        "model": f"{workload} {size}",
+        "cluster": cluster_name,
+        "chips": chips,
+        "batch": w.example_inputs[0].shape[0],
+        "graph_ops": graph.num_ops,
+        "grid_points": [
+            {
+                "dp": p.dp,
+                "tp": p.tp,
+                "zero": p.zero,
+                "step_s": p.plan.step_time_s if p.plan else None,
+                "peak_bytes": p.plan.peak_memory_bytes if p.plan else None,
+                "fits": p.fits,
+                "reason": p.reason,
+            }
+            for p in grid.points
+        ],
+        "grid_search_s": grid.seconds,
+        "solver_search_s": solver_s,
+    }
+    try:
+        best = grid.best
+    except ShardingError as exc:  # no grid point fits: the row says so
+        row.update(grid_best=None, grid_step_s=None, grid_peak_bytes=None, grid_reason=str(exc))
+    else:
+        assert best.plan is not None
+        row.update(
+            grid_best=best.label,
+            grid_mesh=best.plan.mesh.label,
+            grid_step_s=best.plan.step_time_s,
+            grid_peak_bytes=best.plan.peak_memory_bytes,
+        )
+    plan = solver.best
+    row.update(
+        solver_mesh=plan.mesh.label,
+        solver_step_s=plan.step_time_s,
+        solver_peak_bytes=plan.peak_memory_bytes,
+        solver_fits=plan.fits,
+        solver_status=plan.status,
+        capacity_bytes=plan.capacity_bytes,
+        solver_zero=sorted({p["zero"] for p in plan.parameters().values()}),
+        gain=(row["grid_step_s"] / plan.step_time_s - 1) if row["grid_step_s"] else None,
+    )
+    return row
+
+
+def print_grid(rows: list[dict]) -> None:
+    print(
+        "| model | cluster | batch | best grid plan | grid step | grid GiB/dev | solver mesh "
+        "| solver step | solver GiB/dev | gain | grid s | solver s |"
+    )
+    print("|---|---|---:|---|---:|---:|---|---:|---:|---:|---:|---:|")
+    for r in rows:
+        grid = (
+            f"{r['grid_best']} ({r['grid_mesh']}) | {r['grid_step_s'] * 1e3:.1f} ms"
+            f" | {r['grid_peak_bytes'] / 2**30:.1f}"
+            if r["grid_step_s"]
+            else "nothing fits | - | -"
+        )
+        gain = f"{r['gain'] * 100:+.1f} %" if r["gain"] is not None else "-"
+        print(
+            f"| {r['model']} | {r['cluster']} | {r['batch']} | {grid} | {r['solver_mesh']}"
+            f" | {r['solver_step_s'] * 1e3:.1f} ms | {r['solver_peak_bytes'] / 2**30:.1f}"
+            f" | {gain} | {r['grid_search_s']:.1f} | {r['solver_search_s']:.1f} |"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="the first case only")
+    parser.add_argument("--part", choices=("cross", "grid", "all"), default="all")
+    parser.add_argument("--quick", action="store_true", help="the first case of each part only")
     args = parser.parse_args()
+    if args.part in ("grid", "all"):
+        grid_rows = [grid_row(*c) for c in (GRID_CASES[:1] if args.quick else GRID_CASES)]
+        write_result(RESULTS / "sharding_grid.json", grid_rows)
+        print_grid(grid_rows)
+        print()
+    if args.part == "grid":
+        return
     rows = [one(*case) for case in (CASES[:1] if args.quick else CASES)]
     write_result(RESULTS / "sharding.json", rows)
     print(

@@ -52,7 +52,7 @@ def test_available_lists_every_workload_with_default_first() -> None:
     ]
     assert got["nmt"] == ["2layer", "4layer"]
     assert got["transformer"] == ["base", "big", "mtf-5b"]
-    assert got["gpt"] == ["124m", "350m", "774m", "1.5b", "2.7b", "6.7b"]
+    assert got["gpt"] == ["124m", "350m", "774m", "1.5b", "2.7b", "6.7b", "13b"]
     assert got["dmcca"] == ["4view", "8view"]
     for name, sizes in got.items():
         assert get(name).size == sizes[0]
@@ -133,6 +133,7 @@ def test_exact_parameter_counts(name: str, size: str | None, expected: int) -> N
         ("gpt", "1.5b", 1.5e9, 1.6e9),
         ("gpt", "2.7b", 2.7e9 * 0.97, 2.7e9 * 1.03),
         ("gpt", "6.7b", 6.7e9 * 0.97, 6.7e9 * 1.03),
+        ("gpt", "13b", 13.0e9 * 0.97, 13.0e9 * 1.03),
     ],
 )
 def test_parameter_counts_match_the_papers(name: str, size: str, low: float, high: float) -> None:

@@ -317,3 +317,53 @@ def test_a_mesh_that_divides_nothing_keeps_every_parameter_replicated() -> None:
     g = capture(model, inputs, training=True)
     best = shard_graph(g, load_cluster("dgx-h100"), mesh_shape=(3,), zero_stages=(0,)).best
     assert all(p["placements"] == ["Replicate()"] for p in best.parameters().values())
+
+
+# ------------------------------------------------------------------ the Megatron-style grid
+def test_grid_points_are_what_they_say_and_the_solver_is_never_worse() -> None:
+    from meshplace.parallel.grid import megatron_grid
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(512, 2048), torch.nn.GELU(), torch.nn.Linear(2048, 512)
+    )
+    g = capture(model, (torch.randn(64, 512),), training=True)
+    cluster = load_cluster("dgx-h100")
+    grid = megatron_grid(g, cluster, chips=4, zero_stages=(0, 1, 3))
+    assert sorted((p.dp, p.tp, p.zero) for p in grid.points) == [
+        (1, 4, 0), (2, 2, 0), (2, 2, 1), (2, 2, 3), (4, 1, 0), (4, 1, 1), (4, 1, 3)
+    ]  # fmt: skip
+    for point in grid.points:
+        plan = point.plan
+        assert plan is not None and plan.fits and plan.status == ilp.OPTIMAL
+        axes = list(plan.problem.axes)
+        dp = axes.index(point.data_axis) if point.data_axis else None
+        tp = axes.index(point.tensor_axis) if point.tensor_axis else None
+        assert plan.mesh.shape[dp] == point.dp if dp is not None else point.dp == 1
+        assert plan.mesh.shape[tp] == point.tp if tp is not None else point.tp == 1
+        for name, p in plan.parameters().items():
+            if dp is not None:  # replicated over the data axis, with the point's ZeRO stage
+                assert p["placements"][dp] == "Replicate()" and p["zero"] == point.zero, name
+            if tp is not None and len(p["shape"]) == 2:  # every matrix is tensor-parallel
+                assert p["placements"][tp] in ("Shard(0)", "Shard(1)"), (point.label, name)
+        for inp in plan.inputs().values():  # the batch is split over the data axis only
+            want = ["Replicate()"] * len(axes)
+            if dp is not None:
+                want[dp] = "Shard(0)"
+            assert inp["placements"] == want, (point.label, inp)
+    best = grid.best
+    solver = shard_graph(g, cluster, chips=4, zero_stages=(0, 1, 3)).best
+    assert solver.status == ilp.OPTIMAL
+    # the grid's plans are plans the solver could choose: it is never slower
+    assert solver.step_time_s <= best.plan.step_time_s * (1 + 1e-9)
+
+
+def test_a_grid_point_whose_batch_does_not_divide_says_why() -> None:
+    from meshplace.parallel.grid import megatron_grid
+
+    model, args = mlp(batch=6)
+    g = capture(model, args, training=True)
+    grid = megatron_grid(g, load_cluster("dgx-h100"), chips=4, zero_stages=(0,))
+    reasons = {(p.dp, p.tp): p.reason for p in grid.points}
+    assert "batch split 4 ways" in reasons[(4, 1)] and reasons[(2, 2)] == ""
+    assert grid.best.dp in (1, 2)

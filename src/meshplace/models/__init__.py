@@ -12,7 +12,7 @@ nmt           2layer, 4layer                              Wu et al. 2016 (GNMT)
 inception_v3  default                                     Szegedy et al. 2016
 resnet50      default                                     He et al. 2016 (v1.5)
 transformer   base, big, mtf-5b                           Vaswani 2017; Shazeer et al. 2018
-gpt           124m, 350m, 774m, 1.5b, 2.7b, 6.7b          Radford 2019; Brown et al. 2020
+gpt           124m, 350m, 774m, 1.5b, 2.7b, 6.7b, 13b     Radford 2019; Brown et al. 2020
 dmcca         4view, 8view                                Somandepalli et al. 2019
 ============  ==========================================  =====================================
 

@@ -22,10 +22,12 @@ the scores, which the FLOP count reflects.
 | 1.5b | 48     | 1600    | 25    | GPT-2 XL                     | 1,557,611,200 |
 | 2.7b | 32     | 2560    | 32    | GPT-3 2.7B, Brown Table 2.1  | 2,648,931,840 |
 | 6.7b | 32     | 4096    | 32    | GPT-3 6.7B, Brown Table 2.1  | 6,654,210,048 |
+| 13b  | 40     | 5120    | 40    | GPT-3 13B, Brown Table 2.1   | 12,853,534,720 |
 
 GPT-3 trains with a 2048-token context (Table 2.1); here every size uses context 1024 so that the
 sizes share one sequence length (a 2048 context would add 2.6 M / 4.2 M position-embedding
-parameters to ``2.7b`` / ``6.7b``).  GPT-3's alternating sparse attention is not modelled (dense
+parameters to ``2.7b`` / ``6.7b``).  GPT-3 13B's table row prints ``d_model`` 5140 beside 40
+heads of 128; ``13b`` uses 5120 = 40 x 128, as OPT-13B and Megatron-LM's 13B configuration do.  GPT-3's alternating sparse attention is not modelled (dense
 attention everywhere).
 
 Module paths: ``embedding``, ``position_embedding``, ``layers.N.ln_1``, ``layers.N.attn``
@@ -42,7 +44,7 @@ from torch import nn
 
 from meshplace.models.base import Workload, token_ids
 
-SIZES: tuple[str, ...] = ("124m", "350m", "774m", "1.5b", "2.7b", "6.7b")
+SIZES: tuple[str, ...] = ("124m", "350m", "774m", "1.5b", "2.7b", "6.7b", "13b")
 DEFAULT_BATCH = 8
 
 VOCAB = 50_257
@@ -66,6 +68,7 @@ CONFIGS = {
     "1.5b": Config(48, 1600, 25),
     "2.7b": Config(32, 2560, 32),
     "6.7b": Config(32, 4096, 32),
+    "13b": Config(40, 5120, 40),
 }
 
 

@@ -273,7 +273,7 @@ class ShardingResult:
         return self.candidates[0]
 
 
-def _plan(
+def plan_from_solution(
     problem: ShardingProblem,
     sol: ilp.Solution,
     capacity: float,
@@ -391,7 +391,7 @@ def shard_graph(
         if not sol.choice:
             failures[label] = f"the solver found no plan in its {time_limit_s:g} s limit"
             continue
-        candidates.append(_plan(problem, sol, capacity, solve_s, (node, edges, mem, trans)))
+        candidates.append(plan_from_solution(problem, sol, capacity, solve_s, (node, edges, mem, trans)))
     if not candidates:
         if problems:
             raise ShardingError(_no_fit_sentence(graph, problems, time_limit_s))

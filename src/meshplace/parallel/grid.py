@@ -1,0 +1,241 @@
+"""The Megatron-style grid: data × tensor parallel degrees × one ZeRO stage, scored like the solver.
+
+Source: the configuration space of Megatron-LM (Shoeybi et al., 2019, Sec. 3; Narayanan
+et al., SC 2021, Sec. 3.3) with ZeRO's stages (Rajbhandari et al., SC 2020) — what users
+search by hand: a data-parallel degree ``dp`` and a tensor-parallel degree ``tp`` with
+``dp * tp = chips``, tensor parallelism kept inside a host, and one weight-update sharding
+stage for every parameter.
+
+How a grid point is scored
+--------------------------
+On the mesh ``(dp, tp)`` (laid over the topology by :func:`meshplace.mesh.layout.build_mesh`,
+which puts the small axis on the fast links), the strategies of
+:class:`meshplace.parallel.sharding.ShardingProblem` are restricted to what the grid point
+means, and the same integer program as :func:`meshplace.parallel.search.shard_graph` fills
+in the rest:
+
+- every input is split along its batch dimension (named ``batch``, else dimension 0) over
+  the data axis and replicated over the tensor axis;
+- every parameter is replicated over the data axis; over the tensor axis every matrix (rank
+  >= 2) is split along its first or second dimension — Megatron's column- and row-parallel
+  layers, vocabulary-parallel embeddings — and a vector (bias, norm scale) is split or
+  replicated; a matrix whose dimensions ``tp`` divides neither stays replicated;
+- every parameter that is replicated somewhere uses the grid point's ZeRO stage;
+- op strategies are free: activations take the cheapest placement consistent with those
+  parameters, which is Megatron's own layout when that is cheapest, and never worse.
+
+So the grid's best plan is a lower bound on what a hand search over ``dp x tp x ZeRO``
+finds under meshplace's cost model, and every grid plan is a plan the solver could pick
+(the solver searches a superset: every mesh shape, every strategy, ZeRO per parameter).
+
+Complexity: ``divisors(chips) x stages`` integer programs, each smaller than the solver's
+(parameters and inputs have one or two strategies).
+
+Example
+-------
+>>> import torch
+>>> from meshplace.graph.capture import capture
+>>> from meshplace.hardware import load_cluster
+>>> model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
+>>> g = capture(model, (torch.randn(32, 64),), training=True)
+>>> grid = megatron_grid(g, load_cluster("dgx-h100"), chips=4, zero_stages=(0, 3))
+>>> sorted((p.dp, p.tp, p.zero) for p in grid.points)[:3]
+[(1, 4, 0), (2, 2, 0), (2, 2, 3)]
+>>> grid.best.plan.fits
+True
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from meshplace.graph.ir import OpGraph
+from meshplace.hardware.cluster import Cluster
+from meshplace.mesh.layout import accelerators, build_mesh
+from meshplace.parallel import ilp
+from meshplace.parallel.search import ShardingPlan, plan_from_solution
+from meshplace.parallel.sharding import ZERO_STAGES, R, ShardingError, ShardingProblem, Strategy
+
+
+@dataclass
+class GridPoint:
+    """One ``(dp, tp, zero)`` configuration and its plan (``None`` with a reason when
+    it cannot run: the batch does not divide, or nothing fits)."""
+
+    dp: int
+    tp: int
+    zero: int
+    plan: ShardingPlan | None
+    reason: str = ""
+    seconds: float = 0.0
+    data_axis: str | None = None
+    tensor_axis: str | None = None
+
+    @property
+    def label(self) -> str:
+        return f"dp{self.dp} x tp{self.tp} zero{self.zero}"
+
+    @property
+    def fits(self) -> bool:
+        return self.plan is not None and self.plan.fits
+
+
+@dataclass
+class GridResult:
+    """Every grid point tried; :attr:`best` is the fastest that fits."""
+
+    points: list[GridPoint]
+    seconds: float
+
+    @property
+    def best(self) -> GridPoint:
+        fitting = [p for p in self.points if p.fits]
+        if not fitting:
+            raise ShardingError(
+                "no data x tensor parallel x ZeRO grid point fits: "
+                + "; ".join(f"{p.label}: {p.reason or 'does not fit'}" for p in self.points[:4])
+            )
+        return min(fitting, key=lambda p: p.plan.step_time_s)  # type: ignore[union-attr]
+
+
+def default_max_tensor_parallel(cluster: Cluster, chips: int) -> int:
+    """Megatron's rule: tensor parallelism stays inside a host (the accelerators that share
+    its fast links); on a torus every chip is one hop class, so any degree is allowed.
+
+    >>> from meshplace.hardware import load_cluster
+    >>> default_max_tensor_parallel(load_cluster("h2-8xh100"), 16)
+    8
+    """
+    if cluster.dims is not None:
+        return chips
+    per_host: dict[str, int] = {}
+    for i in accelerators(cluster):
+        host = cluster.devices[i].host
+        per_host[host] = per_host.get(host, 0) + 1
+    return min(chips, max(per_host.values(), default=chips))
+
+
+def _replicated(st: Strategy) -> bool:
+    """Whether a source strategy replicates its tensor on every mesh axis."""
+    return all(p == R for p in st.out_specs[0][0])
+
+
+def restrict_to_grid(problem: ShardingProblem, dp_axis: int | None, tp_axis: int | None) -> None:
+    """Keep only the strategies of inputs and parameters that a grid point allows (module
+    docstring). Raises :class:`ShardingError` naming the tensor when none is left."""
+
+    def on(spec: tuple[int, ...], axis: int | None) -> int:
+        return R if axis is None else spec[axis]
+
+    for g in problem.groups:
+        if g.kind not in ("parameter", "input"):
+            continue
+        op = problem.graph.ops[g.anchor]
+        shape = op.output_shapes[0] if op.output_shapes else []
+        if g.kind == "input":
+            names = (op.dim_names or [[]])[0] or []
+            batch = names.index("batch") if "batch" in names else 0
+            want_dp = batch if shape and dp_axis is not None else R
+
+            def ok(st: Strategy, want_dp: int = want_dp) -> bool:
+                spec = st.out_specs[0][0]
+                return on(spec, dp_axis) == want_dp and on(spec, tp_axis) == R
+
+            kept = [s for s in g.strategies if ok(s)]
+        else:
+            allowed_tp = (0, 1) if len(shape) >= 2 else (R, 0)
+
+            def ok(st: Strategy, allowed_tp: tuple[int, ...] = allowed_tp) -> bool:
+                spec = st.out_specs[0][0]
+                return on(spec, dp_axis) == R and on(spec, tp_axis) in allowed_tp
+
+            kept = [s for s in g.strategies if ok(s)]
+            if not kept:  # tp divides neither dimension: the matrix stays replicated
+                kept = [s for s in g.strategies if _replicated(s)]
+        if not kept:
+            ways = problem.sizes[dp_axis] if dp_axis is not None else 1
+            raise ShardingError(
+                f"{op.name} (shape {shape}) has no placement on mesh {problem.mesh.label} that "
+                f"the grid allows (batch split {ways} ways over the data axis)"
+            )
+        g.strategies = kept
+    problem.assign_classes()
+
+
+def megatron_grid(
+    graph: OpGraph,
+    cluster: Cluster,
+    *,
+    chips: int | None = None,
+    memory_fraction: float = 1.0,
+    max_tensor_parallel: int | None = None,
+    zero_stages: Sequence[int] = ZERO_STAGES,
+    time_limit_s: float = 20.0,
+) -> GridResult:
+    """Score every ``dp x tp x ZeRO`` point (module docstring); :attr:`GridResult.best` is
+    the fastest that fits."""
+    n = int(chips) if chips is not None else len(accelerators(cluster))
+    max_tp = max_tensor_parallel or default_max_tensor_parallel(cluster, n)
+    start = time.perf_counter()
+    points: list[GridPoint] = []
+    for tp in (d for d in range(1, n + 1) if n % d == 0 and d <= max_tp):
+        dp = n // tp
+        sizes = [s for s in (dp, tp) if s > 1] or [1]
+        mesh = build_mesh(cluster, sorted(sizes), chips=n)
+        # roles by size; equal sizes: the tensor axis is the one with faster collectives
+        if dp > 1 and tp > 1:
+            if dp == tp:
+                t0 = mesh.collective_time("all_reduce", 2**26, [mesh.axis_names[0]])
+                t1 = mesh.collective_time("all_reduce", 2**26, [mesh.axis_names[1]])
+                tp_axis = 0 if t0 < t1 else 1
+            else:
+                tp_axis = 0 if mesh.shape[0] == tp else 1
+            dp_axis: int | None = 1 - tp_axis
+        else:
+            tp_axis = 0 if tp > 1 else None
+            dp_axis = 0 if dp > 1 else None
+        capacity = cluster.devices[int(mesh.devices.reshape(-1)[0])].spec.memory_bytes
+        capacity *= memory_fraction
+        stages = zero_stages if dp > 1 else (0,)
+        names = {
+            "data_axis": mesh.axis_names[dp_axis] if dp_axis is not None else None,
+            "tensor_axis": mesh.axis_names[tp_axis] if tp_axis is not None else None,
+        }
+        for zero in stages:
+            t0 = time.perf_counter()
+            try:
+                problem = ShardingProblem(graph, mesh, zero_stages=(zero,))
+                restrict_to_grid(problem, dp_axis, tp_axis)
+            except ShardingError as exc:
+                points.append(GridPoint(dp, tp, zero, None, str(exc), **names))
+                continue
+            tables = problem.cost_tables()
+            node, edges, mem, trans = tables
+            sol = ilp.solve(node, edges, mem, trans, capacity, time_limit_s=time_limit_s)
+            if not sol.choice:
+                why = "does not fit" if sol.status == ilp.INFEASIBLE else "solver time limit"
+                points.append(GridPoint(dp, tp, zero, None, why, time.perf_counter() - t0, **names))
+                continue
+            plan = plan_from_solution(problem, sol, capacity, time.perf_counter() - t0, tables)
+            points.append(GridPoint(dp, tp, zero, plan, "", time.perf_counter() - t0, **names))
+    if not points:
+        raise ShardingError(f"no grid point for {n} chips")
+    return GridResult(points, time.perf_counter() - start)
+
+
+def grid_label(point: GridPoint) -> str:
+    """``dp8 x tp8 zero1 (8x8)`` — the point and its mesh."""
+    mesh = point.plan.mesh.label if point.plan is not None else "-"
+    return f"{point.label} ({mesh})"
+
+
+__all__ = [
+    "GridPoint",
+    "GridResult",
+    "default_max_tensor_parallel",
+    "grid_label",
+    "megatron_grid",
+    "restrict_to_grid",
+]
