@@ -367,3 +367,31 @@ def test_a_grid_point_whose_batch_does_not_divide_says_why() -> None:
     reasons = {(p.dp, p.tp): p.reason for p in grid.points}
     assert "batch split 4 ways" in reasons[(4, 1)] and reasons[(2, 2)] == ""
     assert grid.best.dp in (1, 2)
+
+
+def test_fused_compute_makes_each_point_wise_chain_and_optimizer_update_one_kernel() -> None:
+    model, args = mlp(d_in=256, hidden=1024, batch=64)
+    g = capture(model, args, training=True)
+    mesh = build_mesh(load_cluster("dgx-h100"), (2,))
+    eager = ShardingProblem(g, mesh, zero_stages=(0,))
+    fused = ShardingProblem(g, mesh, zero_stages=(0,), compute="fused")
+    launch = eager.launch
+    chains = 0
+    for ge, gf in zip(eager.groups, fused.groups, strict=True):
+        kernels = sum(1 for i in ge.members[1:] if eager.op_time[i] > 0)
+        for se, sf in zip(ge.strategies, gf.strategies, strict=True):
+            assert se.name == sf.name and se.comm_s == sf.comm_s and se.memory == sf.memory
+            if kernels >= 2:  # a chain of launches becomes one, and moves fewer bytes
+                assert sf.compute_s <= se.compute_s - (kernels - 1) * launch * 0.999
+                chains += 1
+            elif len(ge.members) == 1:
+                assert sf.compute_s == se.compute_s
+    assert chains > 0
+    # a parameter's Adam update (a dozen element-wise ops) is one kernel: at least the
+    # bytes of weight, gradient, two moments read and weight, two moments written
+    p = next(g for g in fused.groups if g.kind == "parameter" and len(g.members) > 3)
+    nbytes = fused.graph.ops[p.anchor].param_bytes
+    st = p.strategies[0]
+    assert st.compute_s >= 7 * nbytes * fused.byte_s[p.members[1]] + launch
+    with pytest.raises(ShardingError, match="unknown compute model"):
+        ShardingProblem(g, mesh, compute="compiled")

@@ -93,6 +93,26 @@ class CostModel:
     use_measured: bool = True
     message_cpu: dict[str, tuple[float, float, float, float]] = field(default_factory=dict)
 
+    def roofline_terms(self, graph: OpGraph, spec: DeviceLike) -> tuple[np.ndarray, np.ndarray]:
+        """Per op, the two sides of the roofline on one device kind: seconds of arithmetic
+        (``flops / (peak x e_c)``) and seconds per byte moved (``1 / (bandwidth x e_m)``).
+        A fusing compiler's kernel is ``max(sum of arithmetic, bytes it moves x that rate)
+        + one launch`` (:class:`meshplace.parallel.sharding.ShardingProblem`,
+        ``compute="fused"``). O(V)."""
+        ops = graph.ops
+        flops = graph.arrays().flops
+        arith = np.zeros(len(ops))
+        per_byte = np.zeros(len(ops))
+        peaks: dict[str, float] = {}
+        for i, o in enumerate(ops):
+            ec, em = self.efficiency.get(o.kind, self.fallback)
+            dt = o.output_dtypes[0] if o.output_dtypes else "float32"
+            if dt not in peaks:
+                peaks[dt] = spec.peak(dt)
+            arith[i] = flops[i] / (peaks[dt] * ec)
+            per_byte[i] = 1.0 / (spec.memory_bandwidth * em)
+        return arith, per_byte
+
     def op_times(self, graph: OpGraph, kinds: Mapping[str, DeviceLike]) -> dict[str, np.ndarray]:
         """Seconds per op for each device kind in ``kinds`` (kind → spec). O(V · kinds)."""
         arrays = graph.arrays()

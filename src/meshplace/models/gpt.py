@@ -27,8 +27,8 @@ the scores, which the FLOP count reflects.
 GPT-3 trains with a 2048-token context (Table 2.1); here every size uses context 1024 so that the
 sizes share one sequence length (a 2048 context would add 2.6 M / 4.2 M position-embedding
 parameters to ``2.7b`` / ``6.7b``).  GPT-3 13B's table row prints ``d_model`` 5140 beside 40
-heads of 128; ``13b`` uses 5120 = 40 x 128, as OPT-13B and Megatron-LM's 13B configuration do.  GPT-3's alternating sparse attention is not modelled (dense
-attention everywhere).
+heads of 128; ``13b`` uses 5120 = 40 x 128, as OPT-13B and Megatron-LM's 13B configuration
+do.  GPT-3's alternating sparse attention is not modelled (dense attention everywhere).
 
 Module paths: ``embedding``, ``position_embedding``, ``layers.N.ln_1``, ``layers.N.attn``
 (``qkv``, ``proj``), ``layers.N.ln_2``, ``layers.N.mlp`` (``fc``, ``proj``), ``ln_f``, ``lm_head``.

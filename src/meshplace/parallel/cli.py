@@ -40,6 +40,7 @@ from meshplace.mesh.cli import format_gib as gib
 from meshplace.mesh.cli import format_ms as ms
 from meshplace.mesh.layout import mesh_and_chips
 from meshplace.mesh.program import PROGRAM_MODELS
+from meshplace.parallel.sharding import COMPUTE_MODELS
 from meshplace.util import check_output_paths, dumps_strict_json, print_json, write_text_atomic
 
 METHODS = ("auto", "graph", "program")
@@ -73,6 +74,13 @@ def add_shard_arguments(parser: argparse.ArgumentParser) -> None:
         "--autocast", choices=["bf16", "fp16"], help="capture the forward under autocast"
     )
     parser.add_argument("--no-cache", action="store_true", help="capture a file.py model afresh")
+    parser.add_argument(
+        "--compute",
+        choices=list(COMPUTE_MODELS),
+        default="eager",
+        help="eager: every op its own kernel (PyTorch eager); fused: point-wise chains and "
+        "optimizer updates one kernel each (torch.compile, XLA) (default eager)",
+    )
     parser.add_argument(
         "--no-tie",
         action="store_true",
@@ -162,6 +170,7 @@ def shard_captured(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
             memory_fraction=fraction,
             zero_stages=stages,
             tie_layers=not get(args, "no_tie", False),
+            compute=get(args, "compute", "eager") or "eager",
             pinned=mesh_cli.parse_rules(get(args, "rules", None)),
             progress=lambda m: status.update(f"sharding {graph.name} on {cluster.name}: {m}…"),
         )

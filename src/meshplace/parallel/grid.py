@@ -173,6 +173,7 @@ def megatron_grid(
     max_tensor_parallel: int | None = None,
     zero_stages: Sequence[int] = ZERO_STAGES,
     time_limit_s: float = 20.0,
+    compute: str = "eager",
 ) -> GridResult:
     """Score every ``dp x tp x ZeRO`` point (module docstring); :attr:`GridResult.best` is
     the fastest that fits."""
@@ -206,7 +207,7 @@ def megatron_grid(
         for zero in stages:
             t0 = time.perf_counter()
             try:
-                problem = ShardingProblem(graph, mesh, zero_stages=(zero,))
+                problem = ShardingProblem(graph, mesh, zero_stages=(zero,), compute=compute)
                 restrict_to_grid(problem, dp_axis, tp_axis)
             except ShardingError as exc:
                 points.append(GridPoint(dp, tp, zero, None, str(exc), **names))

@@ -325,13 +325,15 @@ def shard_graph(
     tie_layers: bool = True,
     time_limit_s: float = 20.0,
     pinned: Mapping[str, str | None] | None = None,
+    compute: str = "eager",
     progress: Callable[[str], None] | None = None,
 ) -> ShardingResult:
     """Search every mesh shape (or the given one) for the fastest plan that fits.
 
-    Raises :class:`ShardingError` (one sentence) when no plan fits any mesh, naming how much
-    memory the leanest plan needs against the capacity; :class:`LayoutError` for a mesh that
-    does not match the chips.
+    ``compute`` picks the compute model (:class:`ShardingProblem`: ``"eager"`` or
+    ``"fused"``). Raises :class:`ShardingError` (one sentence) when no plan fits any mesh,
+    naming how much memory the leanest plan needs against the capacity; :class:`LayoutError`
+    for a mesh that does not match the chips.
     """
     if not memory_fraction > 0 or memory_fraction > 1 or math.isnan(memory_fraction):
         raise InputError(
@@ -374,7 +376,9 @@ def shard_graph(
         dev = cluster.devices[int(mesh.devices.reshape(-1)[0])]
         capacity = dev.spec.memory_bytes * memory_fraction
         try:
-            problem = ShardingProblem(graph, mesh, zero_stages=zero_stages, tie_layers=tie_layers)
+            problem = ShardingProblem(
+                graph, mesh, zero_stages=zero_stages, tie_layers=tie_layers, compute=compute
+            )
             if pinned:
                 pin_inputs(problem, pinned)
         except ShardingError as exc:
@@ -391,7 +395,8 @@ def shard_graph(
         if not sol.choice:
             failures[label] = f"the solver found no plan in its {time_limit_s:g} s limit"
             continue
-        candidates.append(plan_from_solution(problem, sol, capacity, solve_s, (node, edges, mem, trans)))
+        tables = (node, edges, mem, trans)
+        candidates.append(plan_from_solution(problem, sol, capacity, solve_s, tables))
     if not candidates:
         if problems:
             raise ShardingError(_no_fit_sentence(graph, problems, time_limit_s))

@@ -75,6 +75,7 @@ from meshplace.mesh.layout import Mesh
 # Placement of a tensor on one mesh axis: a dimension index (split along it) or one of:
 R, P, FLAT, UNMAPPED = -1, -2, -3, -4
 SOURCE_KINDS = ("parameter", "buffer", "input")
+COMPUTE_MODELS = ("eager", "fused")
 ZERO_STAGES = (0, 1, 2, 3)
 
 
@@ -154,6 +155,12 @@ class ShardingProblem:
         zero_stages: the weight-update sharding choices offered.
         tie_layers: share one decision between identical repeated blocks.
         cost_model: per-op compute times (roofline on the mesh's device kind).
+        compute: ``"eager"`` — every op is its own kernel (its roofline time plus a launch),
+            as PyTorch eager runs the step; ``"fused"`` — a group's point-wise followers
+            (and a parameter's optimizer update) are one kernel, as a fusing compiler
+            (XLA, TorchInductor, fused optimizers) emits: ``max(their arithmetic, the bytes
+            that enter or leave the chain / bandwidth) + one launch``; the anchor (matmul,
+            convolution, attention, norm) stays its own library kernel.
     """
 
     def __init__(
@@ -165,7 +172,13 @@ class ShardingProblem:
         tie_layers: bool = True,
         cost_model: CostModel | None = None,
         state_bytes_per_param_byte: float | None = None,
+        compute: str = "eager",
     ) -> None:
+        if compute not in COMPUTE_MODELS:
+            raise ShardingError(
+                f"unknown compute model {compute!r}; choose one of: {', '.join(COMPUTE_MODELS)}"
+            )
+        self.compute = compute
         self.graph = graph
         self.mesh = mesh
         self.axes = tuple(mesh.axis_names)
@@ -176,6 +189,7 @@ class ShardingProblem:
         self.device = dev
         cm = cost_model or CostModel()
         self.op_time = cm.op_times(graph, {dev.kind: dev.spec})[dev.kind]
+        self.arith_s, self.byte_s = cm.roofline_terms(graph, dev.spec)
         self.launch = dev.spec.launch_overhead_s
         self.state_factor = state_bytes_per_param_byte
         self.dims: list[OpDims | None] = []
@@ -198,6 +212,7 @@ class ShardingProblem:
         self.member_pos: dict[int, int] = {}
         self.follow_main: dict[int, int] = {}  # follower op -> operand it follows
         self._build_groups()
+        self.chain_bytes = self._chain_bytes() if compute == "fused" else {}
         for g in self.groups:
             g.strategies = self._strategies(g)
             if not g.strategies:
@@ -270,6 +285,36 @@ class ShardingProblem:
                 self._join(int(self.group_of[target[0]]), i)
             else:
                 self._new_group(i, "op")
+
+    def _chain_bytes(self) -> dict[int, float]:
+        """Per follower, the bytes its fused chain moves on its behalf (whole tensors): the
+        operands it reads from outside the chain (the anchor's output included) and the
+        outputs it writes that leave the chain (read by another group's op, or saved for
+        backward, or by nobody: the step's results, such as updated weights). O(operands)."""
+        ops = self.graph.ops
+        leaves: set[tuple[int, int]] = set(self._backward_reads)
+        read: set[tuple[int, int]] = set()
+        for i, o in enumerate(ops):
+            for rec in o.operands or []:
+                src = self.graph.index(rec["op"])
+                read.add((src, rec["out"]))
+                g = self.group_of[src]
+                if g < 0 or self.group_of[i] != g or self.groups[g].anchor == i:
+                    leaves.add((src, rec["out"]))
+        out: dict[int, float] = {}
+        for g in self.groups:
+            chain = set(g.members[1:])
+            for i in chain:
+                o = ops[i]
+                n = 0.0
+                for rec in o.operands or []:
+                    if self.graph.index(rec["op"]) not in chain:
+                        n += math.prod(rec["shape"]) * self.itemsize(rec["op"], rec["out"])
+                for k, shape in enumerate(o.output_shapes):
+                    if (i, k) in leaves or (i, k) not in read:
+                        n += math.prod(shape) * self.itemsize(o.name, k)
+                out[i] = n
+        return out
 
     def _new_group(self, i: int, kind: str) -> None:
         self.group_of[i] = len(self.groups)
@@ -454,6 +499,7 @@ class ShardingProblem:
         ops = self.graph.ops
         anchor = ops[g.anchor]
         param_spec = st.out_specs[0][0] if g.kind == "parameter" else None
+        arith = moved = 0.0  # the followers as one fused kernel (compute="fused")
         for i in g.members[1:]:
             op = ops[i]
             if g.kind == "parameter":
@@ -463,7 +509,13 @@ class ShardingProblem:
                 ins, outs, blocks = self._follower_specs(i, g, st)
             st.in_specs.append(ins)
             st.out_specs.append(outs)
-            st.compute_s += self._op_seconds(i, blocks)
+            if self.compute == "fused":
+                arith += self.arith_s[i] / blocks
+                moved += self.chain_bytes.get(i, 0.0) * self.byte_s[i] / blocks
+            else:
+                st.compute_s += self._op_seconds(i, blocks)
+        if self.compute == "fused" and len(g.members) > 1:
+            st.compute_s += max(arith, moved) + self.launch
         # resharding inside the group
         for pos, i in enumerate(g.members):
             for j, rec in enumerate(ops[i].operands or []):
