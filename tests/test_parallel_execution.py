@@ -62,6 +62,33 @@ def loss_of(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> Any:
     return out["loss"] if isinstance(out, dict) else out.loss
 
 
+def tight_plan(graph: Any) -> Any:
+    """The solver's plan on a 2x2 mesh of H100s under a memory limit just above the
+    leanest plan's, so that weights and activations are split (no ZeRO)."""
+    cluster = load_cluster("dgx-h100")
+    mesh = build_mesh(cluster, (2, 2))
+    problem = ShardingProblem(graph, mesh, zero_stages=(0,))
+    lean = ilp.solve(*problem.cost_tables(), None, minimise="memory").memory
+    capacity = cluster.devices[int(mesh.devices.reshape(-1)[0])].spec.memory_bytes
+    return shard_graph(
+        graph, cluster, mesh_shape=(2, 2), zero_stages=(0,), memory_fraction=1.02 * lean / capacity
+    ).best
+
+
+def on_four_ranks(target: Any, which: str, plan: Any, tmp_path: Path) -> None:
+    """Run ``target(rank, 4, which, plan, store, out_dir)`` on 4 spawned gloo ranks."""
+    ctx = mp.get_context("spawn")
+    procs = [
+        ctx.Process(target=target, args=(r, 4, which, plan, str(tmp_path / "store"), str(tmp_path)))
+        for r in range(4)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=240)
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+
+
 def _worker(rank: int, world: int, which: str, plan: dict, store_path: str, out_dir: str) -> None:
     store = dist.FileStore(store_path, world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
@@ -91,16 +118,8 @@ def test_a_sharded_plan_runs_on_dtensor_and_matches_the_unsharded_step(
 ) -> None:
     model, args, kwargs = build(which)
     g = capture(model, args, example_kwargs=kwargs, training=True)
-    cluster = load_cluster("dgx-h100")
-    # a memory limit just above the leanest plan forces the weights to be sharded
-    mesh = build_mesh(cluster, (2, 2))
-    problem = ShardingProblem(g, mesh, zero_stages=(0,))
-    lean = ilp.solve(*problem.cost_tables(), None, minimise="memory").memory
-    capacity = cluster.devices[int(mesh.devices.reshape(-1)[0])].spec.memory_bytes
-    best = shard_graph(
-        g, cluster, mesh_shape=(2, 2), zero_stages=(0,), memory_fraction=1.02 * lean / capacity
-    ).best
-    plan = json.loads(json.dumps(best.plan_file(which, cluster.name)))
+    best = tight_plan(g)
+    plan = json.loads(json.dumps(best.plan_file(which, "dgx-h100")))
     sharded = [n for n, p in plan["parameters"].items() if "Shard" in " ".join(p["placements"])]
     assert len(sharded) >= 2, plan["parameters"]
 
@@ -108,18 +127,7 @@ def test_a_sharded_plan_runs_on_dtensor_and_matches_the_unsharded_step(
     ref_loss = loss_of(ref_model, ref_args, ref_kwargs)
     ref_loss.backward()
 
-    ctx = mp.get_context("spawn")
-    procs = [
-        ctx.Process(
-            target=_worker, args=(r, 4, which, plan, str(tmp_path / "store"), str(tmp_path))
-        )
-        for r in range(4)
-    ]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=240)
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    on_four_ranks(_worker, which, plan, tmp_path)
     for rank in range(4):
         got = torch.load(tmp_path / f"rank{rank}.pt")
         assert torch.allclose(got["loss"], ref_loss, rtol=1e-5, atol=1e-6)

@@ -604,7 +604,11 @@ def _rule_embedding_backward(
     return OpDims([[*il, "d"], il], [["v", "d"]], [[x for x in il if x != FIXED]])
 
 
-def _rule_attention(backward: bool) -> Rule:
+def _rule_attention(backward: bool, causal_arg: int) -> Rule:
+    """Fused attention (and its gradient). Query length ``s`` may be split — unless the
+    attention is causal (``args[causal_arg]``): a block of queries then needs its offset
+    into the causal mask, which the kernel does not take, so ``s`` stays whole."""
+
     def rule(args: list[Any], ins: list[Shape | None], outs: list[Shape | None]) -> OpDims | None:
         shapes = [s for s in ins if s is not None]
         off = 1 if backward else 0  # the backward takes grad_out first
@@ -617,6 +621,8 @@ def _rule_attention(backward: bool) -> Rule:
         ql, kl, vl = ["b", h, "s", "e"], ["b", h, "t", "e"], ["b", h, "t", "f"]
         ol = ["b", h, "s", "f"]
         whole = ["t", "e", "f"]
+        if len(args) > causal_arg and args[causal_arg] is True:
+            whole.append("s")
         operands: list[list[str]] = []
         rest = shapes[off + 3 :]
         if backward:
@@ -736,13 +742,13 @@ _RULES: dict[str, Rule] = {
     "native_batch_norm_backward": _rule_batch_norm_backward,
     "embedding": _rule_embedding,
     "embedding_dense_backward": _rule_embedding_backward,
-    "_scaled_dot_product_flash_attention_for_cpu": _rule_attention(False),
-    "_scaled_dot_product_flash_attention": _rule_attention(False),
-    "_scaled_dot_product_efficient_attention": _rule_attention(False),
-    "_scaled_dot_product_cudnn_attention": _rule_attention(False),
-    "_scaled_dot_product_flash_attention_for_cpu_backward": _rule_attention(True),
-    "_scaled_dot_product_flash_attention_backward": _rule_attention(True),
-    "_scaled_dot_product_efficient_attention_backward": _rule_attention(True),
+    "_scaled_dot_product_flash_attention_for_cpu": _rule_attention(False, 4),
+    "_scaled_dot_product_flash_attention": _rule_attention(False, 4),
+    "_scaled_dot_product_efficient_attention": _rule_attention(False, 6),
+    "_scaled_dot_product_cudnn_attention": _rule_attention(False, 6),
+    "_scaled_dot_product_flash_attention_for_cpu_backward": _rule_attention(True, 7),
+    "_scaled_dot_product_flash_attention_backward": _rule_attention(True, 11),
+    "_scaled_dot_product_efficient_attention_backward": _rule_attention(True, 11),
     "nll_loss_forward": _rule_nll(False),
     "nll_loss2d_forward": _rule_nll(False),
     "nll_loss_backward": _rule_nll(True),

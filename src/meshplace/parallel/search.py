@@ -179,6 +179,42 @@ class ShardingPlan:
         rows.sort(key=lambda r: -r["seconds"])
         return rows
 
+    def live_peak(self) -> tuple[float, str]:
+        """(bytes, op) — the largest amount of this plan's local tensor data alive at once
+        while the step runs its ops in graph order: every output from the op making it
+        to its last reader (or the end of the step when nobody reads it), parameters,
+        buffers, inputs and optimizer state throughout, each at its planned placement;
+        the optimizer's new weights and state overwrite the old (an in-place update).
+        The liveness view of memory, against which a run's live tensor bytes are
+        measured (``meshplace.runtime.spmd``); the solver's limit uses the cheaper
+        resident + largest working set bound (:attr:`peak_memory_bytes`). O(operands)."""
+        p = self.problem
+        ops = p.graph.ops
+        last: dict[tuple[int, int], int] = {}
+        for i, o in enumerate(ops):
+            for rec in o.operands or []:
+                last[(p.graph.index(rec["op"]), rec["out"])] = i
+        resident = self.memory_bytes.get("optimizer_state", 0.0)
+        dying: dict[int, float] = {}
+        live = resident
+        peak, where = live, ""
+        for i, o in enumerate(ops):
+            st = self.strategy(int(p.group_of[i]))
+            pos = p.member_pos[i]
+            for k, shape in enumerate(o.output_shapes):
+                end = last.get((i, k), len(ops))
+                if o.phase == "update" and end == len(ops):
+                    continue  # the new weight or optimizer state, written in place
+                nbytes = p.local_bytes(shape, p.itemsize(o.name, k), st.out_specs[pos][k])
+                live += nbytes
+                if o.kind in ("parameter", "buffer", "input"):
+                    continue
+                dying[end] = dying.get(end, 0.0) + nbytes
+            if live > peak:
+                peak, where = live, o.name
+            live -= dying.pop(i, 0.0)
+        return peak, where
+
     def to_dict(self, *, detail: bool = True) -> dict[str, Any]:
         p = self.problem
         d: dict[str, Any] = {

@@ -356,11 +356,20 @@ class ShardingProblem:
         full = float(math.prod(shape)) * itemsize
         total = 0.0
         colls = []
+        # a split that the view carries onto a dimension its blocks do not divide (64 rows
+        # in 4 blocks read as 2 x 32) is not a split of the consumer's tensor: gather it
+        ways: dict[int, int] = {}
+        for a, h in enumerate(have):
+            if h >= 0 and h in inv:
+                ways[inv[h]] = ways.get(inv[h], 1) * self.sizes[a]
+        uneven = {c for c, w in ways.items() if c < len(shape) and shape[c] % w}
         for a, (h, n) in enumerate(zip(have, need, strict=True)):
             if self.sizes[a] == 1:
                 continue
             if h >= 0:
                 h = inv.get(h, UNMAPPED)
+                if h in uneven:
+                    h = UNMAPPED
             if h == n or (h == R and n != P):
                 continue
             # bytes per device over this axis: the consumer's block, whole along axis a
