@@ -284,6 +284,8 @@ def test_shard_any_model_through_the_command_line(tmp_path: Path) -> None:
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert plan["format"] == "meshplace.parallel_plan" and plan["version"] == 1
     assert set(plan["parameters"]) == set(data["parameters"])
+    live = plan["predicted"]["live_peak_bytes"]
+    assert live == data["live_peak_bytes"] and live >= data["memory_bytes"]["parameters"] > 0
     table = run("shard", "rnnlm", "--cluster", "dgx-h100", "--mesh", "2", cwd=tmp_path)
     assert table.returncode == 0, table.stderr[-2000:]
     assert "memory per device" in table.stdout and "parameters" in table.stdout

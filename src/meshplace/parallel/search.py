@@ -235,6 +235,7 @@ class ShardingPlan:
             },
         }
         if detail:
+            d["live_peak_bytes"], d["live_peak_op"] = self.live_peak()
             d["parameters"] = self.parameters()
             d["inputs"] = self.inputs()
             d["top_ops"] = self.top_ops()
@@ -265,6 +266,7 @@ class ShardingPlan:
                 "communication_s": self.communication_s,
                 "memory_bytes": dict(self.memory_bytes),
                 "peak_memory_bytes": self.peak_memory_bytes,
+                "live_peak_bytes": self.live_peak()[0],
             },
         }
 
