@@ -11,7 +11,6 @@ import collections
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 import torch.distributed as dist
 
@@ -52,36 +51,48 @@ def traced(which: str) -> tuple[Any, list, list, list, list]:
     return step, params, buffers, states, [*args, *kwargs.values()]
 
 
+MODELS = ("mlp", "llama", "conv")
+
+
 def _spmd_worker(
-    rank: int, world: int, which: str, plan: Any, store_path: str, out_dir: str
+    rank: int, world: int, models: tuple[str, ...], plans: dict, store_path: str, out_dir: str
 ) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     store = dist.FileStore(store_path, world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     try:
-        mesh = init_device_mesh("cpu", tuple(plan.mesh.shape), mesh_dim_names=plan.problem.axes)
-        step, *state = traced(which)  # a traced step does not pickle: trace it again
-        with CollectiveLog(mesh) as log:
-            out, interp = run_plan(step, plan, mesh, *state, log=log)
-        leaves = [
-            t.full_tensor() if hasattr(t, "full_tensor") else t
-            for t in torch.utils._pytree.tree_leaves(out)
-        ]
-        result = {"out": leaves, "by_node": interp.by_node, "peak": interp.peak_bytes}
-        torch.save(result, Path(out_dir) / f"spmd{rank}.pt")
+        first = plans[models[0]]  # every plan here is on the same 2x2 mesh: one DeviceMesh
+        mesh = init_device_mesh("cpu", tuple(first.mesh.shape), mesh_dim_names=first.problem.axes)
+        for which in models:  # one set of processes for every model: start-up is the cost
+            plan = plans[which]
+            assert tuple(plan.mesh.shape) == tuple(mesh.shape)
+            step, *state = traced(which)  # a traced step does not pickle: trace it again
+            with CollectiveLog(mesh) as log:
+                out, interp = run_plan(step, plan, mesh, *state, log=log)
+            leaves = [
+                t.full_tensor() if hasattr(t, "full_tensor") else t
+                for t in torch.utils._pytree.tree_leaves(out)
+            ]
+            result = {"out": leaves, "by_node": interp.by_node, "peak": interp.peak_bytes}
+            torch.save(result, Path(out_dir) / f"{which}{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("which", ["mlp", "llama", "conv"])
 def test_the_plan_runs_op_by_op_with_the_collectives_and_memory_it_charged(
-    tmp_path: Path, which: str
+    tmp_path: Path,
 ) -> None:
-    step, *state = traced(which)
-    plan = tight_plan(step.graph)
-    on_four_ranks(_spmd_worker, which, plan, tmp_path)
+    cases = {which: traced(which) for which in MODELS}
+    plans = {which: tight_plan(case[0].graph) for which, case in cases.items()}
+    on_four_ranks(_spmd_worker, MODELS, plans, tmp_path)
+    for which, (step, *state) in cases.items():
+        check_run(which, step, state, plans[which], tmp_path)
 
+
+def check_run(which: str, step: Any, state: list, plan: Any, tmp_path: Path) -> None:
+    """Outputs, collectives and memory of the 4 ranks' run of ``which`` against the
+    one-process step and the plan."""
     reference = torch.utils._pytree.tree_leaves(step.gm(*state))
     planned = planned_collectives(plan)
     # gloo has no all-to-all: DTensor runs it as an all-gather and a local slice
@@ -91,7 +102,7 @@ def test_the_plan_runs_op_by_op_with_the_collectives_and_memory_it_charged(
     }
     predicted_peak, _ = plan.live_peak()
     for rank in range(4):
-        got = torch.load(tmp_path / f"spmd{rank}.pt", weights_only=False)
+        got = torch.load(tmp_path / f"{which}{rank}.pt", weights_only=False)
         # loss and the updated parameters equal the unsharded step
         assert len(got["out"]) == len(reference)
         for a, b in zip(got["out"], reference, strict=True):

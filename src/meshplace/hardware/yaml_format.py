@@ -273,6 +273,8 @@ def parse_yaml(text: str, source: str = "cluster.yaml") -> Any:
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         problem = getattr(exc, "problem", None) or "malformed YAML"
+        if "nesting depth" in str(problem):  # libyaml's own limit (PyYAML >= 6.0.4)
+            raise ClusterError(_too_deep(source)) from None
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         raise ClusterError(f"{source}: not valid YAML ({problem}{where})") from None
     except RecursionError:

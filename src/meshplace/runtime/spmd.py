@@ -7,8 +7,10 @@ of the captured step (``meshplace.graph.capture.capture_step``), each operand is
 ``Shard(d)``, ``R`` → ``Replicate()``, ``P`` → ``Partial()``), and DTensor then runs the
 op on the local blocks. So the collectives that run are exactly the resharding the plan
 charged — or, where DTensor cannot run an op in the planned layout, the extra collectives
-it inserts, which :class:`CollectiveLog` records (kind and mesh axis) for comparison with
-:meth:`meshplace.parallel.search.ShardingPlan.collectives`.
+it inserts, which :class:`CollectiveLog` records (kind and mesh axis, per op) for
+comparison with :func:`planned_collectives`. The peak of live tensor bytes each rank holds
+is measured along the way, for comparison with
+:meth:`meshplace.parallel.search.ShardingPlan.live_peak`.
 
 This is the *check* of a plan, the way ``jax.experimental.shard_map`` checks a sharding:
 it walks the traced step with :class:`torch.fx.Interpreter`. The path a user trains with
@@ -17,16 +19,20 @@ is :mod:`meshplace.runtime.sharded` (the model's own modules on DTensor paramete
 Weight-update sharding (``zero`` > 0, a flattened shard) has no DTensor placement; plans
 with it are refused (one sentence).
 
-Complexity: one redistribute per operand whose placement changes, plus the step itself.
+Complexity: one redistribute per operand whose placement changes, plus the step itself;
+the memory measurement walks the live values after every node (O(nodes x live values)),
+which is fine for the small models a check runs.
 
-Example (inside an initialised 4-rank process group; see tests/test_parallel_execution.py)::
+Example (inside an initialised 4-rank process group; see tests/test_parallel_spmd.py)::
 
     step = capture_step(model, args, training=True)
-    plan = shard_graph(step.graph, cluster, mesh_shape=(2, 2)).best
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("x", "y"))
+    plan = shard_graph(step.graph, cluster, mesh_shape=(2, 2), zero_stages=(0,)).best
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=plan.problem.axes)
     with CollectiveLog(mesh) as log:
-        loss, new_params = run_plan(step, plan, mesh, params, buffers, states, inputs)
-    log.counts()   # {("all_reduce", "y"): 3, ...}
+        out, interp = run_plan(step, plan, mesh, params, buffers, states, inputs, log=log)
+    interp.by_node      # {"addmm_1": [("all_reduce", "y")], ...}
+    planned_collectives(plan)   # the same shape, from the plan's resharding table
+    interp.peak_bytes, plan.live_peak()
 """
 
 from __future__ import annotations
@@ -93,19 +99,20 @@ class CollectiveLog(TorchDispatchMode):
             mesh.get_group(i).group_name: name for i, name in enumerate(mesh.mesh_dim_names)
         }
         self.calls: list[tuple[str, str]] = []
-        self.ops: list = []
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
         kwargs = kwargs or {}
         ns = getattr(func, "namespace", "")
         name = func.overloadpacket.__name__
         if ns in ("_c10d_functional", "c10d_functional", "_dtensor") and name in _KINDS:
             group = kwargs.get("group_name", args[-1] if args else None)
-            self.ops.append((name, str([getattr(a, "shape", a) for a in args])))
             self.calls.append((_KINDS[name], self.axis_of.get(group, "?")))
         return func(*args, **kwargs)
 
     def counts(self) -> dict[tuple[str, str], int]:
+        """How many collectives of each (kind, mesh axis) ran."""
         return dict(collections.Counter(self.calls))
 
 
