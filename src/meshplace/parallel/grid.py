@@ -56,7 +56,14 @@ from meshplace.hardware.cluster import Cluster
 from meshplace.mesh.layout import accelerators, build_mesh
 from meshplace.parallel import ilp
 from meshplace.parallel.search import ShardingPlan, plan_from_solution
-from meshplace.parallel.sharding import ZERO_STAGES, R, ShardingError, ShardingProblem, Strategy
+from meshplace.parallel.sharding import (
+    ZERO_STAGES,
+    Group,
+    R,
+    ShardingError,
+    ShardingProblem,
+    Strategy,
+)
 
 
 @dataclass
@@ -117,51 +124,41 @@ def default_max_tensor_parallel(cluster: Cluster, chips: int) -> int:
     return min(chips, max(per_host.values(), default=chips))
 
 
-def _replicated(st: Strategy) -> bool:
-    """Whether a source strategy replicates its tensor on every mesh axis."""
-    return all(p == R for p in st.out_specs[0][0])
-
-
-def restrict_to_grid(problem: ShardingProblem, dp_axis: int | None, tp_axis: int | None) -> None:
-    """Keep only the strategies of inputs and parameters that a grid point allows (module
-    docstring). Raises :class:`ShardingError` naming the tensor when none is left."""
+def restrict_to_grid(
+    problem: ShardingProblem, dp_axis: int | None, tp_axis: int | None, zero: int
+) -> ShardingProblem:
+    """The problem restricted to what a grid point allows (module docstring). Raises
+    :class:`ShardingError` naming the tensor left with no placement."""
 
     def on(spec: tuple[int, ...], axis: int | None) -> int:
         return R if axis is None else spec[axis]
 
-    for g in problem.groups:
+    def keep(g: Group, st: Strategy) -> bool:
         if g.kind not in ("parameter", "input"):
-            continue
+            return True
         op = problem.graph.ops[g.anchor]
         shape = op.output_shapes[0] if op.output_shapes else []
+        spec = st.out_specs[0][0]
         if g.kind == "input":
             names = (op.dim_names or [[]])[0] or []
             batch = names.index("batch") if "batch" in names else 0
             want_dp = batch if shape and dp_axis is not None else R
+            return on(spec, dp_axis) == want_dp and on(spec, tp_axis) == R
+        if st.zero != (zero if any(p == R for p in spec) else 0):
+            return False
+        if on(spec, dp_axis) != R:
+            return False
+        split_tp = (0, 1) if len(shape) >= 2 else (R, 0)
+        if on(spec, tp_axis) in split_tp:
+            return True
+        # tp divides neither dimension of this matrix: it stays replicated
+        return all(p == R for p in spec) and not any(
+            on(o.out_specs[0][0], dp_axis) == R and on(o.out_specs[0][0], tp_axis) in split_tp
+            for o in g.strategies
+        )
 
-            def ok(st: Strategy, want_dp: int = want_dp) -> bool:
-                spec = st.out_specs[0][0]
-                return on(spec, dp_axis) == want_dp and on(spec, tp_axis) == R
-
-            kept = [s for s in g.strategies if ok(s)]
-        else:
-            allowed_tp = (0, 1) if len(shape) >= 2 else (R, 0)
-
-            def ok(st: Strategy, allowed_tp: tuple[int, ...] = allowed_tp) -> bool:
-                spec = st.out_specs[0][0]
-                return on(spec, dp_axis) == R and on(spec, tp_axis) in allowed_tp
-
-            kept = [s for s in g.strategies if ok(s)]
-            if not kept:  # tp divides neither dimension: the matrix stays replicated
-                kept = [s for s in g.strategies if _replicated(s)]
-        if not kept:
-            ways = problem.sizes[dp_axis] if dp_axis is not None else 1
-            raise ShardingError(
-                f"{op.name} (shape {shape}) has no placement on mesh {problem.mesh.label} that "
-                f"the grid allows (batch split {ways} ways over the data axis)"
-            )
-        g.strategies = kept
-    problem.assign_classes()
+    ways = problem.sizes[dp_axis] if dp_axis is not None else 1
+    return problem.restricted(keep, f"that the grid allows (batch split {ways} ways)")
 
 
 def megatron_grid(
@@ -199,16 +196,21 @@ def megatron_grid(
             dp_axis = 0 if dp > 1 else None
         capacity = cluster.devices[int(mesh.devices.reshape(-1)[0])].spec.memory_bytes
         capacity *= memory_fraction
-        stages = zero_stages if dp > 1 else (0,)
+        stages = tuple(zero_stages) if dp > 1 else (0,)
         names = {
             "data_axis": mesh.axis_names[dp_axis] if dp_axis is not None else None,
             "tensor_axis": mesh.axis_names[tp_axis] if tp_axis is not None else None,
         }
+        # one set-up per mesh, restricted once per ZeRO stage
+        try:
+            full = ShardingProblem(graph, mesh, zero_stages=stages, compute=compute)
+        except ShardingError as exc:
+            points.extend(GridPoint(dp, tp, z, None, str(exc), **names) for z in stages)
+            continue
         for zero in stages:
             t0 = time.perf_counter()
             try:
-                problem = ShardingProblem(graph, mesh, zero_stages=(zero,), compute=compute)
-                restrict_to_grid(problem, dp_axis, tp_axis)
+                problem = restrict_to_grid(full, dp_axis, tp_axis, zero)
             except ShardingError as exc:
                 points.append(GridPoint(dp, tp, zero, None, str(exc), **names))
                 continue

@@ -58,10 +58,12 @@ True
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import itertools
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -681,6 +683,26 @@ class ShardingProblem:
         self.class_groups: list[list[int]] = [[] for _ in range(self.num_classes)]
         for gi in range(len(self.groups)):
             self.class_groups[int(self.class_of[gi])].append(gi)
+
+    def restricted(self, keep: Callable[[Group, Strategy], bool], why: str = "") -> ShardingProblem:
+        """A copy offering only the strategies ``keep`` accepts, with classes drawn again;
+        the set-up (groups, costs, resharding memo) is shared, so one problem serves many
+        restrictions. A group left with none is a :class:`ShardingError` naming its op and
+        ``why``. O(groups x S)."""
+        out = copy.copy(self)
+        out.groups = []
+        for g in self.groups:
+            kept = [st for st in g.strategies if keep(g, st)]
+            if not kept:
+                op = self.graph.ops[g.anchor]
+                shape = op.output_shapes[0] if op.output_shapes else []
+                raise ShardingError(
+                    f"{op.name} (shape {shape}) has no placement left on mesh "
+                    f"{self.mesh.label}{' ' + why if why else ''}"
+                )
+            out.groups.append(dataclasses.replace(g, strategies=kept))
+        out.assign_classes()
+        return out
 
     # ------------------------------------------------------------------ ILP inputs
     def cost_tables(
