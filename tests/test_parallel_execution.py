@@ -74,12 +74,30 @@ def tight_plan(graph: Any) -> Any:
     ).best
 
 
-def on_four_ranks(target: Any, models: tuple[str, ...], plans: dict, tmp_path: Path) -> None:
-    """Run ``target(rank, 4, models, plans, store, out_dir)`` on 4 spawned gloo ranks."""
+def _rank(
+    body: Any, rank: int, models: tuple[str, ...], plans: dict, store_path: str, out_dir: str
+) -> None:
+    """One spawned rank: join the gloo group, run ``body(rank, models, plans, out_dir)``,
+    leave the group and end the process without interpreter finalisation, where gloo's
+    worker threads still holding finished work can abort it (pytorch/pytorch#179291)."""
+    import os
+
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 4), rank=rank, world_size=4)
+    body(rank, models, plans, out_dir)
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def on_four_ranks(body: Any, models: tuple[str, ...], plans: dict, tmp_path: Path) -> None:
+    """Run ``body(rank, models, plans, out_dir)`` on 4 spawned gloo ranks; each must end
+    cleanly (an exception in ``body`` exits non-zero)."""
     ctx = mp.get_context("spawn")
     procs = [
         ctx.Process(
-            target=target, args=(r, 4, models, plans, str(tmp_path / "store"), str(tmp_path))
+            target=_rank, args=(body, r, models, plans, str(tmp_path / "store"), str(tmp_path))
         )
         for r in range(4)
     ]
@@ -93,37 +111,30 @@ def on_four_ranks(target: Any, models: tuple[str, ...], plans: dict, tmp_path: P
 MODELS = ("mlp", "llama")
 
 
-def _worker(
-    rank: int, world: int, models: tuple[str, ...], plans: dict, store_path: str, out_dir: str
-) -> None:
-    store = dist.FileStore(store_path, world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-    try:
-        for which in models:  # one set of processes for both models: start-up is the cost
-            plan = plans[which]
-            mesh = device_mesh(plan, "cpu")
-            model, args, kwargs = build(which)
-            apply_sharding_plan(model, plan, mesh)
-            names = list(plan["inputs"])  # positional inputs first, then keywords, as captured
-            placed = distribute_inputs(
-                plan, dict(zip(names, [*args, *kwargs.values()], strict=True)), mesh
+def _worker(rank: int, models: tuple[str, ...], plans: dict, out_dir: str) -> None:
+    for which in models:  # one set of processes for both models: start-up is the cost
+        plan = plans[which]
+        mesh = device_mesh(plan, "cpu")
+        model, args, kwargs = build(which)
+        apply_sharding_plan(model, plan, mesh)
+        names = list(plan["inputs"])  # positional inputs first, then keywords, as captured
+        placed = distribute_inputs(
+            plan, dict(zip(names, [*args, *kwargs.values()], strict=True)), mesh
+        )
+        with sharded_step("cpu"):
+            loss = loss_of(
+                model,
+                tuple(placed[n] for n in names[: len(args)]),
+                {k: placed[k] for k in kwargs},
             )
-            with sharded_step("cpu"):
-                loss = loss_of(
-                    model,
-                    tuple(placed[n] for n in names[: len(args)]),
-                    {k: placed[k] for k in kwargs},
-                )
-                loss.backward()
-            grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
-            result = {
-                "loss": loss.full_tensor(),
-                "grads": grads,
-                "local": local_parameter_bytes(model),
-            }
-            torch.save(result, Path(out_dir) / f"{which}{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+            loss.backward()
+        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+        result = {
+            "loss": loss.full_tensor(),
+            "grads": grads,
+            "local": local_parameter_bytes(model),
+        }
+        torch.save(result, Path(out_dir) / f"{which}{rank}.pt")
 
 
 def test_a_sharded_plan_runs_on_dtensor_and_matches_the_unsharded_step(tmp_path: Path) -> None:

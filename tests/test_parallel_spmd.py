@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from meshplace.runtime.spmd import CollectiveLog, planned_collectives, run_plan
 from tests.test_parallel_execution import build, on_four_ranks, tight_plan
@@ -54,30 +53,23 @@ def traced(which: str) -> tuple[Any, list, list, list, list]:
 MODELS = ("mlp", "llama", "conv")
 
 
-def _spmd_worker(
-    rank: int, world: int, models: tuple[str, ...], plans: dict, store_path: str, out_dir: str
-) -> None:
+def _spmd_worker(rank: int, models: tuple[str, ...], plans: dict, out_dir: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
-    store = dist.FileStore(store_path, world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-    try:
-        first = plans[models[0]]  # every plan here is on the same 2x2 mesh: one DeviceMesh
-        mesh = init_device_mesh("cpu", tuple(first.mesh.shape), mesh_dim_names=first.problem.axes)
-        for which in models:  # one set of processes for every model: start-up is the cost
-            plan = plans[which]
-            assert tuple(plan.mesh.shape) == tuple(mesh.shape)
-            step, *state = traced(which)  # a traced step does not pickle: trace it again
-            with CollectiveLog(mesh) as log:
-                out, interp = run_plan(step, plan, mesh, *state, log=log)
-            leaves = [
-                t.full_tensor() if hasattr(t, "full_tensor") else t
-                for t in torch.utils._pytree.tree_leaves(out)
-            ]
-            result = {"out": leaves, "by_node": interp.by_node, "peak": interp.peak_bytes}
-            torch.save(result, Path(out_dir) / f"{which}{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    first = plans[models[0]]  # every plan here is on the same 2x2 mesh: one DeviceMesh
+    mesh = init_device_mesh("cpu", tuple(first.mesh.shape), mesh_dim_names=first.problem.axes)
+    for which in models:  # one set of processes for every model: start-up is the cost
+        plan = plans[which]
+        assert tuple(plan.mesh.shape) == tuple(mesh.shape)
+        step, *state = traced(which)  # a traced step does not pickle: trace it again
+        with CollectiveLog(mesh) as log:
+            out, interp = run_plan(step, plan, mesh, *state, log=log)
+        leaves = [
+            t.full_tensor() if hasattr(t, "full_tensor") else t
+            for t in torch.utils._pytree.tree_leaves(out)
+        ]
+        result = {"out": leaves, "by_node": interp.by_node, "peak": interp.peak_bytes}
+        torch.save(result, Path(out_dir) / f"{which}{rank}.pt")
 
 
 def test_the_plan_runs_op_by_op_with_the_collectives_and_memory_it_charged(
