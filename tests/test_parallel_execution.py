@@ -19,7 +19,6 @@ import torch.multiprocessing as mp
 from meshplace.graph.capture import capture
 from meshplace.hardware import load_cluster
 from meshplace.mesh.layout import build_mesh
-from meshplace.parallel import ilp
 from meshplace.parallel.search import shard_graph
 from meshplace.parallel.sharding import ShardingProblem
 from meshplace.runtime.sharded import (
@@ -67,7 +66,7 @@ def tight_plan(graph: Any) -> Any:
     cluster = load_cluster("dgx-h100")
     mesh = build_mesh(cluster, (2, 2))
     problem = ShardingProblem(graph, mesh, zero_stages=(0,))
-    lean = ilp.solve(*problem.cost_tables(), None, minimise="memory").memory
+    lean = problem.cost_tables().solve(None, minimise="memory").memory
     capacity = cluster.devices[int(mesh.devices.reshape(-1)[0])].spec.memory_bytes
     return shard_graph(
         graph, cluster, mesh_shape=(2, 2), zero_stages=(0,), memory_fraction=1.02 * lean / capacity

@@ -171,6 +171,7 @@ def megatron_grid(
     zero_stages: Sequence[int] = ZERO_STAGES,
     time_limit_s: float = 20.0,
     compute: str = "eager",
+    overlap: bool = True,
 ) -> GridResult:
     """Score every ``dp x tp x ZeRO`` point (module docstring); :attr:`GridResult.best` is
     the fastest that fits."""
@@ -203,7 +204,9 @@ def megatron_grid(
         }
         # one set-up per mesh, restricted once per ZeRO stage
         try:
-            full = ShardingProblem(graph, mesh, zero_stages=stages, compute=compute)
+            full = ShardingProblem(
+                graph, mesh, zero_stages=stages, compute=compute, overlap=overlap
+            )
         except ShardingError as exc:
             points.extend(GridPoint(dp, tp, z, None, str(exc), **names) for z in stages)
             continue
@@ -214,14 +217,12 @@ def megatron_grid(
             except ShardingError as exc:
                 points.append(GridPoint(dp, tp, zero, None, str(exc), **names))
                 continue
-            tables = problem.cost_tables()
-            node, edges, mem, trans = tables
-            sol = ilp.solve(node, edges, mem, trans, capacity, time_limit_s=time_limit_s)
+            sol = problem.cost_tables().solve(capacity, time_limit_s=time_limit_s)
             if not sol.choice:
                 why = "does not fit" if sol.status == ilp.INFEASIBLE else "solver time limit"
                 points.append(GridPoint(dp, tp, zero, None, why, time.perf_counter() - t0, **names))
                 continue
-            plan = plan_from_solution(problem, sol, capacity, time.perf_counter() - t0, tables)
+            plan = plan_from_solution(problem, sol, capacity, time.perf_counter() - t0)
             points.append(GridPoint(dp, tp, zero, plan, "", time.perf_counter() - t0, **names))
     if not points:
         raise ShardingError(f"no grid point for {n} chips")

@@ -10,6 +10,15 @@ more linear row: ``sum memory[v,s] x[v,s] + T <= capacity`` with ``T >= transien
 x[v,s]`` for every node (the largest working set of one op, on top of what stays
 resident). Solved by HiGHS (``highspy``) branch and bound.
 
+Communication that overlaps compute enters as *exposures*: a continuous ``e >= 0`` added
+to the objective with rows ``e >= R[k] . q`` for every row ``k``, where each ``q_j`` is a
+linear form of the choice (a :class:`Quantity`: per node a value per strategy, per edge a
+value per pair of strategies; one equality row defines it). Minimising makes
+``e = max(0, max_k R[k] . q)`` — exactly the exposed tail of a collective stream that runs
+beside compute (:meth:`meshplace.parallel.sharding.ShardingProblem.cost_tables`), whose
+finish time is a maximum over the events it could start from. A ``Quantity`` is a value *per
+instance* of a class, so a row sums counts of instances, not dense per-strategy terms.
+
 Nodes here are *classes*: identical repeated blocks share one set of variables, their
 costs and memory summed (the caller multiplies), so a 100-layer model costs one layer.
 
@@ -33,7 +42,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -55,10 +64,81 @@ class Solution:
     variables: int = 0
 
 
-def _check(node_costs: Sequence[np.ndarray], edge_costs: Mapping[tuple[int, int], np.ndarray]):
+@dataclass
+class Quantity:
+    """A linear form of the choice: ``sum node[v][s] x[v, s] + sum edge[e][s, t] y[e, s, t]``
+    (``edge`` keys must be keys of the edge costs; a matrix of zeros there creates one)."""
+
+    node: dict[int, np.ndarray] = field(default_factory=dict)
+    edge: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
+
+    def value(self, choice: Sequence[int]) -> float:
+        v = sum(float(c[choice[k]]) for k, c in self.node.items())
+        return v + sum(float(m[choice[a], choice[b]]) for (a, b), m in self.edge.items())
+
+
+@dataclass
+class Tables:
+    """Everything :func:`solve` reads, as one object (what a sharding problem hands over):
+    node and edge costs, memory and transient per strategy, and the exposures (rows over
+    ``quantities``, module docstring)."""
+
+    node: list[np.ndarray]
+    edges: dict[tuple[int, int], np.ndarray]
+    memory: list[np.ndarray]
+    transient: list[np.ndarray]
+    quantities: list[Quantity] = field(default_factory=list)
+    exposures: list[np.ndarray] = field(default_factory=list)
+
+    def solve(
+        self,
+        capacity: float | None = None,
+        *,
+        time_limit_s: float = 60.0,
+        minimise: str = "time",
+    ) -> Solution:
+        return solve(
+            self.node,
+            self.edges,
+            self.memory,
+            self.transient,
+            capacity,
+            time_limit_s=time_limit_s,
+            minimise=minimise,
+            quantities=self.quantities,
+            exposures=self.exposures,
+        )
+
+    def evaluate(self, choice: Sequence[int]) -> float:
+        return evaluate(choice, self.node, self.edges, self.quantities, self.exposures)
+
+
+def _check(
+    node_costs: Sequence[np.ndarray],
+    edge_costs: Mapping[tuple[int, int], np.ndarray],
+    quantities: Sequence[Quantity] = (),
+    exposures: Sequence[np.ndarray] = (),
+) -> None:
     for (a, b), m in edge_costs.items():
         if a == b or m.shape != (len(node_costs[a]), len(node_costs[b])):
             raise ValueError(f"edge ({a}, {b}) cost matrix has shape {m.shape}")
+    for q in quantities:
+        for k, m in q.edge.items():
+            if k not in edge_costs or m.shape != edge_costs[k].shape:
+                raise ValueError(f"quantity on edge {k} that the edge costs do not have")
+        for v, c in q.node.items():
+            if c.shape != (len(node_costs[v]),):
+                raise ValueError(f"quantity on node {v} has shape {c.shape}")
+    for r in exposures:
+        if r.ndim != 2 or r.shape[1] != len(quantities):
+            raise ValueError(f"exposure rows of shape {r.shape} for {len(quantities)} quantities")
+
+
+def exposure(rows: np.ndarray, values: np.ndarray) -> float:
+    """``max(0, max_k rows[k] . values)``: the exposed part of one overlapped stream."""
+    if rows.shape[0] == 0:
+        return 0.0
+    return max(0.0, float(np.max(rows @ values)))
 
 
 def solve(
@@ -70,12 +150,17 @@ def solve(
     *,
     time_limit_s: float = 60.0,
     minimise: str = "time",
+    quantities: Sequence[Quantity] = (),
+    exposures: Sequence[np.ndarray] = (),
 ) -> Solution:
-    """Minimise node + edge costs (``minimise="time"``) or memory (``"memory"``) subject
-    to ``memory + max transient <= capacity`` (when given). See the module docstring."""
+    """Minimise node + edge costs + exposures (``minimise="time"``) or memory
+    (``"memory"``, exposures ignored) subject to ``memory + max transient <= capacity``
+    (when given). See the module docstring."""
     import highspy
 
-    _check(node_costs, edge_costs)
+    _check(node_costs, edge_costs, quantities, exposures)
+    if minimise != "time":
+        quantities, exposures = (), ()
     n = len(node_costs)
     memory = memory if memory is not None else [np.zeros(len(c)) for c in node_costs]
     transient = transient if transient is not None else [np.zeros(len(c)) for c in node_costs]
@@ -86,7 +171,13 @@ def solve(
     mem_scale = mem_scale or 1.0
     time_scale = max((float(np.max(np.abs(c))) for c in node_costs if c.size), default=0.0)
     edge_max = [float(np.max(m)) for m in edge_costs.values() if m.size]
-    time_scale = max([time_scale, *edge_max]) or 1.0
+    q_max = [
+        float(np.max(np.abs(c)))
+        for q in quantities
+        for c in (*q.node.values(), *q.edge.values())
+        if c.size
+    ]
+    time_scale = max([time_scale, *edge_max, *q_max]) or 1.0
     memory_s = [np.asarray(m, dtype=np.float64) / mem_scale for m in memory]
     transient_s = [np.asarray(t, dtype=np.float64) / mem_scale for t in transient]
     offsets = np.zeros(n + 1, dtype=np.int64)
@@ -97,7 +188,10 @@ def solve(
     for _, m in edges:
         e_off.append(e_off[-1] + m.size)
     t_var = e_off[-1]
-    n_var = t_var + 1
+    q_off = t_var + 1  # the quantities, then one exposure variable per stream
+    x_off = q_off + len(quantities)
+    n_var = x_off + len(exposures)
+    edge_index = {key: k for k, (key, _) in enumerate(edges)}
     cost = np.zeros(n_var)
     if minimise == "time":
         for v, c in enumerate(node_costs):
@@ -107,6 +201,7 @@ def solve(
         # among plans of equal time, the one that needs less memory
         for v, mem in enumerate(memory_s):
             cost[offsets[v] : offsets[v + 1]] += TIE_BREAK * mem
+        cost[x_off:] = 1.0  # quantities and exposures are in units of time_scale
     else:
         for v, mem in enumerate(memory_s):
             cost[offsets[v] : offsets[v + 1]] = mem
@@ -114,6 +209,8 @@ def solve(
     lower = np.zeros(n_var)
     upper = np.ones(n_var)
     upper[t_var] = math.inf
+    lower[q_off:x_off] = -math.inf
+    upper[q_off:] = math.inf
     rows_lo: list[float] = []
     rows_hi: list[float] = []
     idx: list[np.ndarray] = []
@@ -137,6 +234,26 @@ def solve(
         for t in range(sb):
             cols = np.concatenate([[offsets[b] + t], base + np.arange(sa) * sb + t])
             row(cols, np.concatenate([[-1.0], np.ones(sa)]), 0.0, 0.0)
+    for j, q in enumerate(quantities):  # q_j - (its linear form) = 0
+        cols_l = [np.array([q_off + j])]
+        coef_l = [np.array([1.0])]
+        for v, c in q.node.items():
+            cols_l.append(np.arange(offsets[v], offsets[v + 1]))
+            coef_l.append(-np.asarray(c, dtype=np.float64) / time_scale)
+        for key, m in q.edge.items():
+            k = edge_index[key]
+            cols_l.append(np.arange(e_off[k], e_off[k + 1]))
+            coef_l.append(-np.asarray(m, dtype=np.float64).reshape(-1) / time_scale)
+        row(np.concatenate(cols_l), np.concatenate(coef_l), 0.0, 0.0)
+    for e, rows in enumerate(exposures):  # R[k] . q - e <= 0
+        for r in rows:
+            nz = np.flatnonzero(r)
+            row(
+                np.concatenate([q_off + nz, [x_off + e]]),
+                np.concatenate([r[nz], [-1.0]]),
+                -math.inf,
+                0.0,
+            )
     if capacity is not None or minimise == "memory":
         for v, tr in enumerate(transient_s):  # T >= transient of the chosen strategy
             if np.any(tr > 0):
@@ -186,7 +303,7 @@ def solve(
     word = OPTIMAL if status == ms.kOptimal else TIME_LIMIT
     return Solution(
         choice,
-        evaluate(choice, node_costs, edge_costs),
+        evaluate(choice, node_costs, edge_costs, quantities, exposures),
         word,
         memory_of(choice, memory, transient),
         float(getattr(info, "mip_gap", 0.0) or 0.0) if word != OPTIMAL else 0.0,
@@ -198,10 +315,16 @@ def evaluate(
     choice: Sequence[int],
     node_costs: Sequence[np.ndarray],
     edge_costs: Mapping[tuple[int, int], np.ndarray],
+    quantities: Sequence[Quantity] = (),
+    exposures: Sequence[np.ndarray] = (),
 ) -> float:
-    """Node plus edge cost of ``choice``."""
+    """Node plus edge cost of ``choice``, plus each exposure."""
     total = sum(float(c[s]) for c, s in zip(node_costs, choice, strict=True))
-    return total + sum(float(m[choice[a], choice[b]]) for (a, b), m in edge_costs.items())
+    total += sum(float(m[choice[a], choice[b]]) for (a, b), m in edge_costs.items())
+    if exposures:
+        values = np.array([q.value(choice) for q in quantities])
+        total += sum(exposure(r, values) for r in exposures)
+    return total
 
 
 def memory_of(
@@ -219,9 +342,11 @@ def brute_force(
     memory: Sequence[np.ndarray] | None = None,
     transient: Sequence[np.ndarray] | None = None,
     capacity: float | None = None,
+    quantities: Sequence[Quantity] = (),
+    exposures: Sequence[np.ndarray] = (),
 ) -> Solution:
     """Every combination (the product of strategy counts): the oracle for :func:`solve`."""
-    _check(node_costs, edge_costs)
+    _check(node_costs, edge_costs, quantities, exposures)
     memory = memory if memory is not None else [np.zeros(len(c)) for c in node_costs]
     transient = transient if transient is not None else [np.zeros(len(c)) for c in node_costs]
     best = Solution([], math.inf, INFEASIBLE)
@@ -229,7 +354,7 @@ def brute_force(
         mem = memory_of(combo, memory, transient)
         if capacity is not None and mem > capacity * (1 + 1e-9):
             continue
-        obj = evaluate(combo, node_costs, edge_costs)
+        obj = evaluate(combo, node_costs, edge_costs, quantities, exposures)
         if obj < best.objective:
             best = Solution(list(combo), obj, OPTIMAL, mem)
     return best

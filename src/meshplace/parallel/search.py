@@ -9,9 +9,11 @@ device memory. The best mesh wins; the others are its runners-up. When no plan f
 mesh, the least memory any plan needs is found (same program, memory as the objective) and
 one sentence says by how much it misses.
 
-The step time is the sum of every op's compute time on its block and every collective's
-time (no overlap of communication with compute is assumed, which is how Alpa's and XLA's
-auto-sharding objectives count it too).
+The step time is every op's compute time on its block, the collectives the next op waits
+for, and the exposed tails of the two streams that overlap compute — gradient reductions
+behind backward, ZeRO's parameter all-gathers prefetched ahead of their readers
+(:meth:`ShardingProblem.cost_tables`; ``overlap=False`` counts every collective in full,
+as Alpa's and XLA's auto-sharding objectives do).
 
 Complexity: ``mesh shapes x (problem set-up + one MIP)``; identical layers share variables.
 
@@ -62,13 +64,20 @@ class ShardingPlan:
     choice: list[int]  # strategy per group
     step_time_s: float
     compute_s: float
-    communication_s: float
+    communication_s: float  # every collective in full
     memory_bytes: dict[str, float]
     peak_memory_bytes: float
     capacity_bytes: float
     status: str
     solve_s: float
     variables: int
+    timeline: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def exposed_communication_s(self) -> float:
+        """Communication compute waits for: blocking collectives and the exposed tails
+        of the overlapped gradient reductions and parameter gathers."""
+        return self.step_time_s - self.compute_s
 
     @property
     def fits(self) -> bool:
@@ -158,15 +167,17 @@ class ShardingPlan:
             row[1] += nbytes
             row[2] += t
 
+        timeline = p.events()
         for gi in range(len(p.groups)):
             for kind, axis, nbytes, t, cat in self.strategy(gi).collectives:
-                add(kind, axis, nbytes, t, cat)
-        for (gu, gv), recs in p.group_edges().items():
+                # a weight gradient's partial sums completed inside its group
+                add(kind, axis, nbytes, t, "gradients" if gi in timeline.tail else cat)
+        for (gu, gv), recs in timeline.bundles.items():
             su, sv = self.strategy(gu), self.strategy(gv)
+            cat = "gradients" if (gu, gv) in timeline.reductions else "reshard"
             for pu, out, pv, j in recs:
                 rec = p.graph.ops[p.groups[gv].members[pv]].operands[j]
                 have, need = su.out_specs[pu][out], sv.in_specs[pv][j]
-                cat = "gradients" if p.groups[gv].kind == "parameter" else "reshard"
                 _, colls = p.reshard(
                     have, need, rec["map"], rec["shape"], p.itemsize(rec["op"], rec["out"])
                 )
@@ -222,6 +233,8 @@ class ShardingPlan:
             "step_time_s": self.step_time_s,
             "compute_s": self.compute_s,
             "communication_s": self.communication_s,
+            "exposed_communication_s": self.exposed_communication_s,
+            "timeline": dict(self.timeline),
             "memory_bytes": dict(self.memory_bytes),
             "peak_memory_bytes": self.peak_memory_bytes,
             "memory_capacity_bytes": self.capacity_bytes,
@@ -264,6 +277,7 @@ class ShardingPlan:
                 "step_time_s": self.step_time_s,
                 "compute_s": self.compute_s,
                 "communication_s": self.communication_s,
+                "exposed_communication_s": self.exposed_communication_s,
                 "memory_bytes": dict(self.memory_bytes),
                 "peak_memory_bytes": self.peak_memory_bytes,
                 "live_peak_bytes": self.live_peak()[0],
@@ -312,42 +326,34 @@ class ShardingResult:
 
 
 def plan_from_solution(
-    problem: ShardingProblem,
-    sol: ilp.Solution,
-    capacity: float,
-    solve_s: float,
-    tables: tuple | None = None,
+    problem: ShardingProblem, sol: ilp.Solution, capacity: float, solve_s: float
 ) -> ShardingPlan:
-    """Expand a class-level solution to every group and add up time and memory
-    (``tables``: :meth:`ShardingProblem.cost_tables`, computed again when not given)."""
+    """Expand a class-level solution to every group; its time is the problem's exact
+    timeline (:meth:`ShardingProblem.timeline`), its memory the sum of the parts."""
     choice = [sol.choice[int(problem.class_of[g])] for g in range(len(problem.groups))]
-    node, edges, _, _ = tables if tables is not None else problem.cost_tables()
-    compute = comm = 0.0
     parts: dict[str, float] = {}
     transient = 0.0
     for gi, g in enumerate(problem.groups):
         st = g.strategies[choice[gi]]
-        compute += st.compute_s
-        comm += st.comm_s
         for k, v in st.parts.items():
             parts[k] = parts.get(k, 0.0) + v
         transient = max(transient, st.transient)
-    step = ilp.evaluate(sol.choice, node, edges)
-    edge_comm = step - compute - comm
     parts["transient"] = transient
+    tl = problem.timeline(choice)
     return ShardingPlan(
         problem.mesh,
         problem,
         choice,
-        step,
-        compute,
-        comm + edge_comm,
+        tl["step_s"],
+        tl["compute_s"],
+        tl["blocking_comm_s"] + tl["backward_stream_s"] + tl["forward_gathers_s"],
         parts,
         sum(parts.values()),
         capacity,
         sol.status,
         solve_s,
         sol.variables,
+        tl,
     )
 
 
@@ -364,14 +370,16 @@ def shard_graph(
     time_limit_s: float = 20.0,
     pinned: Mapping[str, str | None] | None = None,
     compute: str = "eager",
+    overlap: bool = True,
     progress: Callable[[str], None] | None = None,
 ) -> ShardingResult:
     """Search every mesh shape (or the given one) for the fastest plan that fits.
 
     ``compute`` picks the compute model (:class:`ShardingProblem`: ``"eager"`` or
-    ``"fused"``). Raises :class:`ShardingError` (one sentence) when no plan fits any mesh,
-    naming how much memory the leanest plan needs against the capacity; :class:`LayoutError`
-    for a mesh that does not match the chips.
+    ``"fused"``), ``overlap`` whether gradient reductions and parameter gathers overlap
+    compute (:meth:`ShardingProblem.cost_tables`). Raises :class:`ShardingError` (one
+    sentence) when no plan fits any mesh, naming how much memory the leanest plan needs
+    against the capacity; :class:`LayoutError` for a mesh that does not match the chips.
     """
     if not memory_fraction > 0 or memory_fraction > 1 or math.isnan(memory_fraction):
         raise InputError(
@@ -415,16 +423,21 @@ def shard_graph(
         capacity = dev.spec.memory_bytes * memory_fraction
         try:
             problem = ShardingProblem(
-                graph, mesh, zero_stages=zero_stages, tie_layers=tie_layers, compute=compute
+                graph,
+                mesh,
+                zero_stages=zero_stages,
+                tie_layers=tie_layers,
+                compute=compute,
+                overlap=overlap,
             )
             if pinned:
                 pin_inputs(problem, pinned)
         except ShardingError as exc:
             failures[label] = str(exc)
             continue
-        node, edges, mem, trans = problem.cost_tables()
+        tables = problem.cost_tables()
         t0 = time.perf_counter()
-        sol = ilp.solve(node, edges, mem, trans, capacity, time_limit_s=time_limit_s)
+        sol = tables.solve(capacity, time_limit_s=time_limit_s)
         solve_s = time.perf_counter() - t0
         if sol.status == ilp.INFEASIBLE:
             failures[label] = "no plan fits"
@@ -433,8 +446,7 @@ def shard_graph(
         if not sol.choice:
             failures[label] = f"the solver found no plan in its {time_limit_s:g} s limit"
             continue
-        tables = (node, edges, mem, trans)
-        candidates.append(plan_from_solution(problem, sol, capacity, solve_s, tables))
+        candidates.append(plan_from_solution(problem, sol, capacity, solve_s))
     if not candidates:
         if problems:
             raise ShardingError(_no_fit_sentence(graph, problems, time_limit_s))
@@ -451,8 +463,7 @@ def _no_fit_sentence(
 ) -> str:
     best: tuple[float, str, float] | None = None
     for problem, capacity in problems:
-        node, edges, mem, trans = problem.cost_tables()
-        sol = ilp.solve(node, edges, mem, trans, None, minimise="memory", time_limit_s=time_limit_s)
+        sol = problem.cost_tables().solve(None, minimise="memory", time_limit_s=time_limit_s)
         if sol.choice and (best is None or sol.memory / capacity < best[0] / best[2]):
             best = (sol.memory, problem.mesh.label, capacity)
     if best is None:

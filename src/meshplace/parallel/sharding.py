@@ -65,6 +65,7 @@ import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -73,6 +74,7 @@ from meshplace.errors import InputError
 from meshplace.graph.ir import Op, OpGraph, dtype_size
 from meshplace.graph.opdims import FIXED, NotationError, OpDims, label_sizes
 from meshplace.mesh.layout import Mesh
+from meshplace.parallel.ilp import Quantity, Tables
 
 # Placement of a tensor on one mesh axis: a dimension index (split along it) or one of:
 R, P, FLAT, UNMAPPED = -1, -2, -3, -4
@@ -117,7 +119,9 @@ class Strategy:
     in_specs: list[list[Spec]]  # per member, per operand
     out_specs: list[list[Spec]]  # per member, per output
     compute_s: float
-    comm_s: float = 0.0
+    comm_s: float = 0.0  # collectives the next op waits for (resharding inside, halos)
+    gather_s: float = 0.0  # one all-gather of a ZeRO-sharded parameter (overlappable)
+    gathers: int = 0  # how many per step: ZeRO-1/2 once (updated weights), ZeRO-3 twice
     memory: float = 0.0
     transient: float = 0.0
     parts: dict[str, float] = field(default_factory=dict)
@@ -163,6 +167,10 @@ class ShardingProblem:
             (XLA, TorchInductor, fused optimizers) emits: ``max(their arithmetic, the bytes
             that enter or leave the chain / bandwidth) + one launch``; the anchor (matmul,
             convolution, attention, norm) stays its own library kernel.
+        overlap: gradient reductions and ZeRO's parameter all-gathers run on
+            communication streams beside compute and only their exposed tails count
+            (:meth:`cost_tables`); ``False`` counts every collective in full (Alpa's and
+            XLA's objective).
     """
 
     def __init__(
@@ -175,12 +183,15 @@ class ShardingProblem:
         cost_model: CostModel | None = None,
         state_bytes_per_param_byte: float | None = None,
         compute: str = "eager",
+        overlap: bool = True,
     ) -> None:
         if compute not in COMPUTE_MODELS:
             raise ShardingError(
                 f"unknown compute model {compute!r}; choose one of: {', '.join(COMPUTE_MODELS)}"
             )
         self.compute = compute
+        self.overlap = overlap
+        self._timeline: Timeline | None = None
         self.graph = graph
         self.mesh = mesh
         self.axes = tuple(mesh.axis_names)
@@ -365,13 +376,37 @@ class ShardingProblem:
             if h >= 0 and h in inv:
                 ways[inv[h]] = ways.get(inv[h], 1) * self.sizes[a]
         uneven = {c for c, w in ways.items() if c < len(shape) and shape[c] % w}
-        for a, (h, n) in enumerate(zip(have, need, strict=True)):
-            if self.sizes[a] == 1:
-                continue
+        mapped = []
+        for h in have:
             if h >= 0:
                 h = inv.get(h, UNMAPPED)
                 if h in uneven:
                     h = UNMAPPED
+            mapped.append(h)
+        # a dimension split over several axes is nested in mesh order (the first axis
+        # outermost, as DTensor lays blocks out): when the producer's splits of a dimension
+        # are not a prefix of the consumer's (nor the reverse), the blocks are in another
+        # order, and the producer's splits past the common prefix are gathered first
+        for c in {h for h in mapped if h >= 0}:
+            on_have = [a for a, h in enumerate(mapped) if h == c and self.sizes[a] > 1]
+            on_need = [a for a, n in enumerate(need) if n == c and self.sizes[a] > 1]
+            k = 0
+            while k < min(len(on_have), len(on_need)) and on_have[k] == on_need[k]:
+                k += 1
+            if k == len(on_have) or k == len(on_need):
+                continue
+            for a in reversed(on_have[k:]):  # innermost first
+                nbytes = full
+                for b, q in enumerate(mapped):
+                    if b != a and (q >= 0 or q == FLAT):
+                        nbytes /= self.sizes[b]
+                t = self.comm_time("all_gather", nbytes, a)
+                total += t
+                colls.append(("all_gather", self.axes[a], nbytes, t))
+                mapped[a] = R
+        for a, (h, n) in enumerate(zip(mapped, need, strict=True)):
+            if self.sizes[a] == 1:
+                continue
             if h == n or (h == R and n != P):
                 continue
             # bytes per device over this axis: the consumer's block, whole along axis a
@@ -587,12 +622,14 @@ class ShardingProblem:
         op = self.graph.ops[g.anchor]
         spec = st.out_specs[0][0]
         local = self.local_bytes(op.output_shapes[0], self.itemsize(op.name, 0), spec)
-        gathers = 2 if st.zero == 3 else 1  # ZeRO-3: before forward and before backward
+        st.gathers = 2 if st.zero == 3 else 1  # ZeRO-3: before forward and before backward
         for a, p in enumerate(spec):
             if p == R and self.sizes[a] > 1:
                 t = self.comm_time("all_gather", local, a)
-                st.comm_s += gathers * t
-                st.collectives.append(("all_gather", self.axes[a], local, gathers * t, "weights"))
+                st.gather_s += t
+                st.collectives.append(
+                    ("all_gather", self.axes[a], local, st.gathers * t, "weights")
+                )
 
     def itemsize(self, name: str, out: int) -> int:
         op = self.graph.op(name)
@@ -705,41 +742,347 @@ class ShardingProblem:
         return out
 
     # ------------------------------------------------------------------ ILP inputs
-    def cost_tables(
-        self,
-    ) -> tuple[
-        list[np.ndarray], dict[tuple[int, int], np.ndarray], list[np.ndarray], list[np.ndarray]
-    ]:
-        """Per class: time per strategy, memory per strategy, transient per strategy; per
-        ordered pair of classes joined by an edge: the resharding time matrix."""
+    def cost_tables(self, checkpoints: int = 48) -> Tables:
+        """The integer program of this problem (:class:`meshplace.parallel.ilp.Tables`).
+
+        Per class: blocking time per strategy (compute and the collectives its ops wait
+        for), memory and transient per strategy; per ordered pair of classes joined by an
+        edge: the resharding time matrix. With :attr:`overlap`, two communication streams
+        run beside compute, as FSDP2 and Megatron's distributed optimizer run them (the
+        timeline of :mod:`meshplace.mesh.cost`, per op instead of per layer):
+
+        - *backward stream*: a gradient's reduction (all-reduce, reduce-scatter: the edge
+          into its parameter, or the collectives inside its *tail*, the weight-gradient
+          matmul and the cast or sum after it that nothing in backward waits for,
+          :meth:`_gradient_tail`) starts when the op making it finishes; ZeRO-3's
+          all-gathers in backward share these links, each issued when backward reaches the
+          parameter read before it (FSDP's prefetch); one after another; the optimizer
+          update waits for the last. Exposed: ``max(0, max_k (jobs issued at or after k) -
+          (blocking work after k))``.
+        - *forward gathers*: ZeRO's all-gather of a parameter (the updated weights at
+          ZeRO-1/2, the shards at ZeRO-3) must finish before its first forward reader;
+          prefetched in order from the start of the step. Exposed: ``max(0, max_k
+          (gathers up to k) - (blocking work before k))``.
+
+        Not modelled: the two streams and blocking collectives sharing a link's bandwidth
+        (each is costed as if it had the link alone, as :mod:`meshplace.mesh.cost` does).
+
+        Each is an exposure of the integer program over per-instance quantities (one per
+        class, one per edge bundle); ``checkpoints`` bounds its rows per stream (the first
+        and last third of the events' positions, the rest evenly spread — a lower bound on
+        the exposure when there are more positions; :meth:`timeline` is exact and is what a
+        plan reports). O(groups + operands + checkpoints x events)."""
+        tl = self.events()
         node = [np.zeros(len(self.groups[cg[0]].strategies)) for cg in self.class_groups]
         mem = [np.zeros_like(c) for c in node]
         trans = [np.zeros_like(c) for c in node]
+        quantities: list[Quantity] = []
+        split_q: dict[int, tuple[int, int]] = {}  # class -> (its compute, its internal comm)
         for c, cg in enumerate(self.class_groups):
             strategies = self.groups[cg[0]].strategies
-            t = np.array([s.compute_s + s.comm_s for s in strategies])
-            m = np.array([s.memory for s in strategies])
-            node[c] = t * len(cg)
-            mem[c] = m * len(cg)
+            compute = np.array([s.compute_s for s in strategies])
+            comm = np.array([s.comm_s for s in strategies])
+            gather = np.array([s.gather_s * s.gathers for s in strategies])
+            in_tail = sum(1 for g in cg if g in tl.tail)  # their comm is a reduction
+            node[c] = (compute + comm) * len(cg) - comm * in_tail
+            if not self.overlap:
+                node[c] += gather * len(cg)
+            mem[c] = np.array([s.memory for s in strategies]) * len(cg)
             trans[c] = np.array([s.transient for s in strategies])
+            quantities.append(Quantity(node={c: compute + comm}))  # c: one instance's work
+        for c, cg in enumerate(self.class_groups):
+            if any(g in tl.tail for g in cg):
+                strategies = self.groups[cg[0]].strategies
+                split_q[c] = (len(quantities), len(quantities) + 1)
+                quantities.append(Quantity(node={c: np.array([s.compute_s for s in strategies])}))
+                quantities.append(Quantity(node={c: np.array([s.comm_s for s in strategies])}))
+        gather_q: dict[tuple[int, int], int] = {}  # (class, which gather) -> quantity
+        for c, cg in enumerate(self.class_groups):
+            strategies = self.groups[cg[0]].strategies
+            if self.overlap and any(s.gathers for s in strategies):
+                for which in (1, 2):
+                    v = np.array([s.gather_s if s.gathers >= which else 0.0 for s in strategies])
+                    gather_q[(c, which)] = len(quantities)
+                    quantities.append(Quantity(node={c: v}))
         edges: dict[tuple[int, int], np.ndarray] = {}
         bundle_memo: dict[tuple, np.ndarray] = {}
-        for (gu, gv), recs in self.group_edges().items():
+        bundle_q: dict[tuple, int] = {}
+        edge_q: dict[tuple[int, int], int] = {}  # (producer group, consumer group) -> quantity
+        for (gu, gv), recs in tl.bundles.items():
             cu, cv = int(self.class_of[gu]), int(self.class_of[gv])
             sig = (self.groups[gu].key, self.groups[gv].key, tuple(recs))
             m = bundle_memo.get(sig)
             if m is None:
                 m = self._edge_matrix(gu, gv, recs)
                 bundle_memo[sig] = m
+            background = self.overlap and (gu, gv) in tl.reductions
             if cu == cv:
-                node[cu] += np.diag(m) if m.shape[0] == m.shape[1] else 0.0
-                continue
-            if cu < cv:
-                key, mat = (cu, cv), m
+                diag = np.diag(m) if m.shape[0] == m.shape[1] else np.zeros(m.shape[0])
+                if not background:
+                    node[cu] += diag
+                q = Quantity(node={cu: diag})
             else:
-                key, mat = (cv, cu), m.T
-            edges[key] = edges[key] + mat if key in edges else mat.copy()
-        return node, edges, mem, trans
+                key, mat = ((cu, cv), m) if cu < cv else ((cv, cu), m.T)
+                if key not in edges:
+                    edges[key] = np.zeros_like(mat)
+                if not background:
+                    edges[key] += mat
+                q = Quantity(edge={key: mat})
+            if self.overlap:
+                qi = bundle_q.get(sig)
+                if qi is None:
+                    qi = bundle_q[sig] = len(quantities)
+                    quantities.append(q)
+                edge_q[(gu, gv)] = qi
+        exposures: list[np.ndarray] = []
+        if self.overlap:
+            nq = len(quantities)
+            work_pos = np.array([p for p, _ in tl.work], dtype=np.int64)
+            work_q = np.array(
+                [self._work_quantity(k, tl.tail, split_q, edge_q) for _, k in tl.work]
+            )
+            fb = work_pos < tl.update_start
+            work_pos, work_q = work_pos[fb], work_q[fb]
+            red_pos = np.array([p for p, _ in tl.reduce_events], dtype=np.int64)
+            red_q = np.array(
+                [
+                    self._reduction_quantity(e, split_q, edge_q, gather_q)
+                    for _, e in tl.reduce_events
+                ],
+                dtype=np.int64,
+            )
+            keep = red_q >= 0
+            red_pos, red_q = red_pos[keep], red_q[keep]
+            gat_pos = np.array([p for p, _, _ in tl.gather_events], dtype=np.int64)
+            gat_q = np.array(
+                [gather_q.get((int(self.class_of[g]), w), -1) for _, g, w in tl.gather_events],
+                dtype=np.int64,
+            )
+            keep = gat_q >= 0
+            gat_pos, gat_q = gat_pos[keep], gat_q[keep]
+            for pos, qs, after in ((red_pos, red_q, True), (gat_pos, gat_q, False)):
+                if pos.size == 0:
+                    continue
+                rows = []
+                for p in _checkpoints(np.unique(pos), checkpoints, last=after):
+                    if after:  # released at or after p, against work after p
+                        plus, minus = qs[pos >= p], work_q[work_pos > p]
+                    else:  # needed by p, against work before p
+                        plus, minus = qs[pos <= p], work_q[work_pos < p]
+                    rows.append(
+                        np.bincount(plus, minlength=nq).astype(float)
+                        - np.bincount(minus, minlength=nq)
+                    )
+                exposures.append(np.array(rows))
+        if not self.overlap:
+            return Tables(node, edges, mem, trans)
+        return Tables(node, edges, mem, trans, quantities, exposures)
+
+    def _reduction_quantity(
+        self,
+        item: tuple,
+        split_q: dict[int, tuple[int, int]],
+        edge_q: dict[tuple[int, int], int],
+        gather_q: dict[tuple[int, int], int],
+    ) -> int:
+        """The quantity of one job of the reduction stream (``-1``: none for this class)."""
+        kind, key = item
+        if kind == "edge":
+            return edge_q[key]
+        c = int(self.class_of[key])
+        if kind == "internal":
+            return split_q[c][1]
+        return gather_q.get((c, 2), -1)
+
+    def _work_quantity(
+        self,
+        item: tuple,
+        tail: set[int],
+        split_q: dict[int, tuple[int, int]],
+        edge_q: dict[tuple[int, int], int],
+    ) -> int:
+        """The quantity of one work item: an edge bundle's, a group's class (compute and
+        collectives), or only its compute for a group of a gradient's tail."""
+        kind, key = item
+        if kind == "edge":
+            return edge_q[key]
+        c = int(self.class_of[key])
+        return split_q[c][0] if key in tail else c
+
+    def events(self) -> Timeline:
+        """Where on the step's timeline each group's work, each edge bundle and each
+        overlapped collective sits (graph positions; strategy-independent, so computed
+        once and shared by :meth:`restricted` copies). O(operands)."""
+        if self._timeline is not None:
+            return self._timeline
+        ops = self.graph.ops
+        n = len(ops)
+        update_start = next((i for i, o in enumerate(ops) if o.phase == "update"), n)
+        first_backward = next((i for i, o in enumerate(ops) if o.phase == "backward"), update_start)
+        bundles = self.group_edges()
+        work: list[tuple[int, tuple]] = []
+        for gi, g in enumerate(self.groups):
+            pos = g.members[1] if g.kind in SOURCE_KINDS and len(g.members) > 1 else g.anchor
+            work.append((pos, ("node", gi)))
+        tail = self._gradient_tail(bundles) if self.overlap else set()
+        reductions: set[tuple[int, int]] = set()
+        reduce_events: list[tuple[int, tuple]] = []
+        for gi in sorted(tail):  # a tail group's own collectives complete its gradient
+            reduce_events.append((self.groups[gi].anchor, ("internal", gi)))
+        for (gu, gv), recs in bundles.items():
+            U, V = self.groups[gu], self.groups[gv]
+            # into the update, or between two groups of a weight gradient's tail (the
+            # gradient's partial sums completed before its cast): nothing in backward waits
+            if V.kind == "parameter" or (gv in tail and gu in tail):
+                reductions.add((gu, gv))
+                release = max(U.members[pu] for pu, _, _, _ in recs)
+                reduce_events.append((release, ("edge", (gu, gv))))
+            else:
+                work.append((min(V.members[pv] for _, _, pv, _ in recs), ("edge", (gu, gv))))
+        readers: dict[int, list[int]] = {}
+        for i, o in enumerate(ops):
+            for rec in o.operands or []:
+                readers.setdefault(self.graph.index(rec["op"]), []).append(i)
+        gather_events: list[tuple[int, int, int]] = []
+        regather: list[tuple[int, int]] = []
+        for gi, g in enumerate(self.groups):
+            if g.kind != "parameter":
+                continue
+            outside = [i for i in readers.get(g.anchor, []) if self.group_of[i] != gi]
+            fwd = [i for i in outside if ops[i].phase != "backward"]
+            bwd = [i for i in outside if ops[i].phase == "backward"]
+            gather_events.append((min(fwd or outside or [0]), gi, 1))
+            regather.append((min(bwd or [first_backward]), gi))
+        # ZeRO-3's gathers in backward share the links with the gradient reductions: they
+        # join that stream, each issued when the backward reaches the parameter read
+        # before it (FSDP's prefetch of the next layer), the first at backward's start
+        regather.sort()
+        issue = first_backward
+        for need, gi in regather:
+            reduce_events.append((min(issue, need), ("gather", gi)))
+            issue = need
+        work.sort(key=lambda e: e[0])
+        reduce_events.sort(key=lambda e: e[0])
+        gather_events.sort(key=lambda e: e[0])
+        self._timeline = Timeline(
+            update_start, bundles, work, reductions, reduce_events, gather_events, tail
+        )
+        return self._timeline
+
+    def _gradient_tail(self, bundles: dict[tuple[int, int], list[tuple]]) -> set[int]:
+        """Backward groups whose outputs only parameters' updates read, directly or through
+        other such groups: a weight gradient's cast to the parameter's dtype (autocast),
+        the sum of a shared weight's gradients, the weight-gradient matmul itself. Nothing
+        in backward waits for them, so a collective between two of them (the matmul's
+        partial sums completed before the cast) is a gradient reduction like one into the
+        parameter (the stream of :meth:`cost_tables`); their own work stays on the compute
+        stream where it sits. A fixed point, O(groups x depth)."""
+        readers: dict[int, set[int]] = {}
+        for gu, gv in bundles:
+            readers.setdefault(gu, set()).add(gv)
+        ops = self.graph.ops
+        candidates = [
+            gi
+            for gi, g in enumerate(self.groups)
+            if g.kind in ("op", "fixed")
+            and gi in readers
+            and all(ops[i].phase == "backward" for i in g.members)
+        ]
+        tail: set[int] = set()
+        grew = True
+        while grew:
+            grew = False
+            for gi in candidates:
+                if gi not in tail and all(
+                    self.groups[r].kind == "parameter" or r in tail for r in readers[gi]
+                ):
+                    tail.add(gi)
+                    grew = True
+        return tail
+
+    def timeline(self, choice: Sequence[int]) -> dict[str, float]:
+        """The step of one strategy per group, exactly (:meth:`cost_tables` with every
+        event a checkpoint): ``step_s``, ``compute_s``, ``blocking_comm_s`` (collectives
+        compute waits for), ``update_s`` (blocking work of the optimizer phase),
+        ``backward_stream_s``/``backward_stream_exposed_s`` (gradient reductions and
+        ZeRO-3's gathers in backward) and ``forward_gathers_s``/``forward_gathers_exposed_s``
+        (ZeRO's gathers ahead of forward). Without :attr:`overlap`
+        the last two pairs are exposed in full. O(groups + operands)."""
+        tl = self.events()
+        strat = [g.strategies[choice[gi]] for gi, g in enumerate(self.groups)]
+        memo: dict[tuple[int, int], float] = {}
+
+        def bundle(key: tuple[int, int]) -> float:
+            t = memo.get(key)
+            if t is None:
+                gu, gv = key
+                t = 0.0
+                for pu, out, pv, j in tl.bundles[key]:
+                    rec = self.graph.ops[self.groups[gv].members[pv]].operands[j]
+                    t += self.reshard(
+                        strat[gu].out_specs[pu][out],
+                        strat[gv].in_specs[pv][j],
+                        rec["map"],
+                        rec["shape"],
+                        self.itemsize(rec["op"], rec["out"]),
+                    )[0]
+                memo[key] = t
+            return t
+
+        compute = float(sum(st.compute_s for st in strat))
+        blocking = float(sum(st.comm_s for gi, st in enumerate(strat) if gi not in tl.tail))
+        work_pos, work_t = [], []
+        for pos, (kind, key) in tl.work:
+            if kind == "node":
+                t = float(strat[key].compute_s)
+                if key not in tl.tail:
+                    t += strat[key].comm_s
+            else:
+                t = bundle(key)
+                blocking += t
+            work_pos.append(pos)
+            work_t.append(t)
+        wp, wt = np.array(work_pos, dtype=np.int64), np.array(work_t)
+        fb = wp < tl.update_start
+        update = float(wt[~fb].sum())
+        wp, wt = wp[fb], wt[fb]
+        before = np.concatenate([[0.0], np.cumsum(wt)])  # work strictly before index k
+        fb_work = float(before[-1])
+        rp = np.array([p for p, _ in tl.reduce_events], dtype=np.int64)
+
+        def job(kind: str, key: Any) -> float:
+            if kind == "edge":
+                return bundle(key)
+            st = strat[key]
+            if kind == "internal":
+                return st.comm_s
+            return st.gather_s if st.gathers >= 2 else 0.0  # ZeRO-3's gather in backward
+
+        rt = np.array([job(*e) for _, e in tl.reduce_events])
+        gp = np.array([p for p, _, _ in tl.gather_events], dtype=np.int64)
+        gt = np.array(
+            [strat[g].gather_s if strat[g].gathers >= 1 else 0.0 for _, g, _ in tl.gather_events]
+        )
+        reduce_total, gather_total = float(rt.sum()), float(gt.sum())
+        if self.overlap:
+            suffix = np.cumsum(rt[::-1])[::-1]  # released at or after event k
+            after = fb_work - before[np.searchsorted(wp, rp, side="right")]
+            reduce_exposed = max(0.0, float(np.max(suffix - after))) if rt.size else 0.0
+            prefix = np.cumsum(gt)
+            ahead = before[np.searchsorted(wp, gp, side="left")]
+            gather_exposed = max(0.0, float(np.max(prefix - ahead))) if gt.size else 0.0
+        else:
+            reduce_exposed, gather_exposed = reduce_total, gather_total
+        return {
+            "step_s": fb_work + update + reduce_exposed + gather_exposed,
+            "compute_s": compute,
+            "blocking_comm_s": blocking,
+            "update_s": update,
+            "backward_stream_s": reduce_total,
+            "backward_stream_exposed_s": reduce_exposed,
+            "forward_gathers_s": gather_total,
+            "forward_gathers_exposed_s": gather_exposed,
+        }
 
     def group_edges(self) -> dict[tuple[int, int], list[tuple]]:
         """Operand records between different groups, bundled by (producer, consumer) group;
@@ -769,6 +1112,32 @@ class ShardingProblem:
                     need = sv.in_specs[pv][j]
                     m[a, b] += self.reshard(have, need, rec["map"], rec["shape"], itemsize)[0]
         return m
+
+
+@dataclass
+class Timeline:
+    """Positions (graph order) of a problem's work and overlapped collectives."""
+
+    update_start: int  # first op of the optimizer phase
+    bundles: dict[tuple[int, int], list[tuple]]  # group_edges()
+    work: list[tuple[int, tuple]]  # (position, ("node", group) | ("edge", (gu, gv)))
+    reductions: set[tuple[int, int]]  # bundles into a parameter or its gradient tail
+    # (release position, ("edge", bundle) | ("internal", tail group))
+    reduce_events: list[tuple[int, tuple]]
+    gather_events: list[tuple[int, int, int]]  # (position needed, parameter group, 1st/2nd)
+    tail: set[int]  # groups of weight gradients' tails (ShardingProblem._gradient_tail)
+
+
+def _checkpoints(positions: np.ndarray, limit: int, *, last: bool) -> np.ndarray:
+    """At most ``limit`` of the sorted ``positions``: a third at the end that matters
+    most (``last``: the end, else the start), the rest evenly spread."""
+    if positions.size <= limit:
+        return positions
+    k = limit // 3
+    edge = positions[-k:] if last else positions[:k]
+    rest = positions[:-k] if last else positions[k:]
+    spread = rest[np.linspace(0, rest.size - 1, limit - k).round().astype(np.int64)]
+    return np.unique(np.concatenate([edge, spread]))
 
 
 def _blocks(sizes: Sequence[int], spec: Spec, zero: int) -> int:

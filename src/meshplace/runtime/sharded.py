@@ -106,6 +106,25 @@ def apply_sharding_plan(model: torch.nn.Module, plan: Mapping[str, Any], mesh: A
         param = getattr(owner, attr)
         placed = distribute_tensor(param.detach(), mesh, placements(planned[name]["placements"]))
         setattr(owner, attr, torch.nn.Parameter(placed, requires_grad=param.requires_grad))
+        vocabulary_split = "Shard(0)" in planned[name]["placements"]
+        if isinstance(owner, torch.nn.Embedding) and attr == "weight" and vocabulary_split:
+            owner.register_forward_hook(_complete_partial_sums)
+
+
+def _complete_partial_sums(module: torch.nn.Module, args: Any, out: Any) -> Any:
+    """Sum a vocabulary-split embedding's output over the axes it is partial on, once.
+
+    DTensor marks such an output with a masked partial placement whose mask the first
+    reduction consumes; a second reader of the same tensor (a residual and a norm) then
+    fails inside DTensor (``_MaskPartial._reduce_shard_value``). Completing the sum at the
+    module's boundary is what ``parallelize_module``'s ``RowwiseParallel`` does for a
+    vocabulary-parallel embedding (torchtitan)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if not isinstance(out, DTensor) or not any(p.is_partial() for p in out.placements):
+        return out
+    done = [Replicate() if p.is_partial() else p for p in out.placements]
+    return out.redistribute(out.device_mesh, done)
 
 
 def distribute_inputs(
