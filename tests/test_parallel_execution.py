@@ -60,16 +60,20 @@ def loss_of(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> Any:
     return out["loss"] if isinstance(out, dict) else out.loss
 
 
-def tight_plan(graph: Any) -> Any:
-    """The solver's plan on a 2x2 mesh of H100s under a memory limit just above the
-    leanest plan's, so that weights and activations are split (no ZeRO)."""
+def tight_plan(graph: Any, mesh_shape: tuple[int, ...] = (2, 2)) -> Any:
+    """The solver's plan on a mesh of H100s (2x2 unless told) under a memory limit just
+    above the leanest plan's, so that weights and activations are split (no ZeRO)."""
     cluster = load_cluster("dgx-h100")
-    mesh = build_mesh(cluster, (2, 2))
+    mesh = build_mesh(cluster, mesh_shape)
     problem = ShardingProblem(graph, mesh, zero_stages=(0,))
     lean = problem.cost_tables().solve(None, minimise="memory").memory
     capacity = cluster.devices[int(mesh.devices.reshape(-1)[0])].spec.memory_bytes
     return shard_graph(
-        graph, cluster, mesh_shape=(2, 2), zero_stages=(0,), memory_fraction=1.02 * lean / capacity
+        graph,
+        cluster,
+        mesh_shape=mesh_shape,
+        zero_stages=(0,),
+        memory_fraction=1.02 * lean / capacity,
     ).best
 
 
@@ -141,7 +145,12 @@ def test_a_sharded_plan_runs_on_dtensor_and_matches_the_unsharded_step(tmp_path:
     for which in MODELS:
         model, args, kwargs = build(which)
         g = capture(model, args, example_kwargs=kwargs, training=True)
-        plan = json.loads(json.dumps(tight_plan(g).plan_file(which, "dgx-h100")))
+        # DTensor's own view rule mis-shapes a dimension split over two mesh axes that a
+        # view then splits (pytorch/pytorch#177972): the 2x2 Llama plan does that to its
+        # q/k/v projections, so the Llama runs on a 1-D mesh here (the 2x2 plan runs op by
+        # op in tests/test_parallel_spmd.py, where the plan, not DTensor, picks the layouts)
+        shape = (4,) if which == "llama" else (2, 2)
+        plan = json.loads(json.dumps(tight_plan(g, shape).plan_file(which, "dgx-h100")))
         sharded = [n for n, p in plan["parameters"].items() if "Shard" in " ".join(p["placements"])]
         assert len(sharded) >= 2, (which, plan["parameters"])
         plans[which] = plan

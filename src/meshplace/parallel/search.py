@@ -174,7 +174,13 @@ class ShardingPlan:
                 add(kind, axis, nbytes, t, "gradients" if gi in timeline.tail else cat)
         for (gu, gv), recs in timeline.bundles.items():
             su, sv = self.strategy(gu), self.strategy(gv)
-            cat = "gradients" if (gu, gv) in timeline.reductions else "reshard"
+            cat = (
+                "gradients"
+                if (gu, gv) in timeline.reductions
+                else "weights"
+                if (gu, gv) in timeline.prefetches
+                else "reshard"
+            )
             for pu, out, pv, j in recs:
                 rec = p.graph.ops[p.groups[gv].members[pv]].operands[j]
                 have, need = su.out_specs[pu][out], sv.in_specs[pv][j]

@@ -815,7 +815,7 @@ class ShardingProblem:
             if m is None:
                 m = self._edge_matrix(gu, gv, recs)
                 bundle_memo[sig] = m
-            background = self.overlap and (gu, gv) in tl.reductions
+            background = self.overlap and ((gu, gv) in tl.reductions or (gu, gv) in tl.prefetches)
             if cu == cv:
                 diag = np.diag(m) if m.shape[0] == m.shape[1] else np.zeros(m.shape[0])
                 if not background:
@@ -853,9 +853,12 @@ class ShardingProblem:
             )
             keep = red_q >= 0
             red_pos, red_q = red_pos[keep], red_q[keep]
-            gat_pos = np.array([p for p, _, _ in tl.gather_events], dtype=np.int64)
+            gat_pos = np.array([p for p, _ in tl.gather_events], dtype=np.int64)
             gat_q = np.array(
-                [gather_q.get((int(self.class_of[g]), w), -1) for _, g, w in tl.gather_events],
+                [
+                    self._reduction_quantity(e, split_q, edge_q, gather_q)
+                    for _, e in tl.gather_events
+                ],
                 dtype=np.int64,
             )
             keep = gat_q >= 0
@@ -885,14 +888,14 @@ class ShardingProblem:
         edge_q: dict[tuple[int, int], int],
         gather_q: dict[tuple[int, int], int],
     ) -> int:
-        """The quantity of one job of the reduction stream (``-1``: none for this class)."""
+        """The quantity of one job of an overlapped stream (``-1``: none for this class)."""
         kind, key = item
         if kind == "edge":
             return edge_q[key]
         c = int(self.class_of[key])
         if kind == "internal":
             return split_q[c][1]
-        return gather_q.get((c, 2), -1)
+        return gather_q.get((c, 1 if kind == "gather" else 2), -1)
 
     def _work_quantity(
         self,
@@ -925,49 +928,101 @@ class ShardingProblem:
             pos = g.members[1] if g.kind in SOURCE_KINDS and len(g.members) > 1 else g.anchor
             work.append((pos, ("node", gi)))
         tail = self._gradient_tail(bundles) if self.overlap else set()
+        head = self._parameter_head(bundles) if self.overlap else set()
         reductions: set[tuple[int, int]] = set()
+        prefetches: set[tuple[int, int]] = set()
         reduce_events: list[tuple[int, tuple]] = []
+        gather_events: list[tuple[int, tuple]] = []
+        regather: list[tuple[int, tuple]] = []
         for gi in sorted(tail):  # a tail group's own collectives complete its gradient
             reduce_events.append((self.groups[gi].anchor, ("internal", gi)))
         for (gu, gv), recs in bundles.items():
             U, V = self.groups[gu], self.groups[gv]
+            need = min(V.members[pv] for _, _, pv, _ in recs)
             # into the update, or between two groups of a weight gradient's tail (the
             # gradient's partial sums completed before its cast): nothing in backward waits
             if V.kind == "parameter" or (gv in tail and gu in tail):
                 reductions.add((gu, gv))
                 release = max(U.members[pu] for pu, _, _, _ in recs)
                 reduce_events.append((release, ("edge", (gu, gv))))
+            elif (
+                self.overlap
+                and (U.kind == "parameter" or gu in head)
+                and ops[need].phase in ("forward", "backward")
+            ):
+                # made of parameters only: fetched ahead of its reader, as FSDP prefetches
+                prefetches.add((gu, gv))
+                if ops[need].phase == "forward":
+                    gather_events.append((need, ("edge", (gu, gv))))
+                else:
+                    regather.append((need, ("edge", (gu, gv))))
             else:
-                work.append((min(V.members[pv] for _, _, pv, _ in recs), ("edge", (gu, gv))))
+                work.append((need, ("edge", (gu, gv))))
         readers: dict[int, list[int]] = {}
         for i, o in enumerate(ops):
             for rec in o.operands or []:
                 readers.setdefault(self.graph.index(rec["op"]), []).append(i)
-        gather_events: list[tuple[int, int, int]] = []
-        regather: list[tuple[int, int]] = []
         for gi, g in enumerate(self.groups):
             if g.kind != "parameter":
                 continue
             outside = [i for i in readers.get(g.anchor, []) if self.group_of[i] != gi]
             fwd = [i for i in outside if ops[i].phase != "backward"]
             bwd = [i for i in outside if ops[i].phase == "backward"]
-            gather_events.append((min(fwd or outside or [0]), gi, 1))
-            regather.append((min(bwd or [first_backward]), gi))
-        # ZeRO-3's gathers in backward share the links with the gradient reductions: they
-        # join that stream, each issued when the backward reaches the parameter read
-        # before it (FSDP's prefetch of the next layer), the first at backward's start
-        regather.sort()
+            gather_events.append((min(fwd or outside or [0]), ("gather", gi)))
+            regather.append((min(bwd or [first_backward]), ("regather", gi)))
+        # fetches in backward (ZeRO-3's second gathers, resharding of parameters and of
+        # what is made of them alone) share the links with the gradient reductions: they
+        # join that stream, each issued when backward reaches the fetch before it (FSDP's
+        # prefetch of the next layer), the first at backward's start
+        regather.sort(key=lambda e: e[0])
         issue = first_backward
-        for need, gi in regather:
-            reduce_events.append((min(issue, need), ("gather", gi)))
+        for need, item in regather:
+            reduce_events.append((min(issue, need), item))
             issue = need
         work.sort(key=lambda e: e[0])
         reduce_events.sort(key=lambda e: e[0])
         gather_events.sort(key=lambda e: e[0])
         self._timeline = Timeline(
-            update_start, bundles, work, reductions, reduce_events, gather_events, tail
+            update_start,
+            bundles,
+            work,
+            reductions,
+            prefetches,
+            reduce_events,
+            gather_events,
+            tail,
+            head,
         )
         return self._timeline
+
+    def _parameter_head(self, bundles: dict[tuple[int, int], list[tuple]]) -> set[int]:
+        """Forward groups that read only parameters, directly or through other such
+        groups: a weight's cast to the compute dtype (autocast), a transposed or tied
+        weight. What they make depends on nothing the step computes, so resharding it
+        (and the parameter itself) can be fetched ahead of its reader, as FSDP all-gathers
+        the next layer's weights. A fixed point, O(groups x depth)."""
+        producers: dict[int, set[int]] = {}
+        for gu, gv in bundles:
+            producers.setdefault(gv, set()).add(gu)
+        ops = self.graph.ops
+        candidates = [
+            gi
+            for gi, g in enumerate(self.groups)
+            if g.kind in ("op", "fixed")
+            and gi in producers
+            and all(ops[i].phase == "forward" for i in g.members)
+        ]
+        head: set[int] = set()
+        grew = True
+        while grew:
+            grew = False
+            for gi in candidates:
+                if gi not in head and all(
+                    self.groups[u].kind == "parameter" or u in head for u in producers[gi]
+                ):
+                    head.add(gi)
+                    grew = True
+        return head
 
     def _gradient_tail(self, bundles: dict[tuple[int, int], list[tuple]]) -> set[int]:
         """Backward groups whose outputs only parameters' updates read, directly or through
@@ -1056,13 +1111,11 @@ class ShardingProblem:
             st = strat[key]
             if kind == "internal":
                 return st.comm_s
-            return st.gather_s if st.gathers >= 2 else 0.0  # ZeRO-3's gather in backward
+            return st.gather_s if st.gathers >= (1 if kind == "gather" else 2) else 0.0
 
         rt = np.array([job(*e) for _, e in tl.reduce_events])
-        gp = np.array([p for p, _, _ in tl.gather_events], dtype=np.int64)
-        gt = np.array(
-            [strat[g].gather_s if strat[g].gathers >= 1 else 0.0 for _, g, _ in tl.gather_events]
-        )
+        gp = np.array([p for p, _ in tl.gather_events], dtype=np.int64)
+        gt = np.array([job(*e) for _, e in tl.gather_events])
         reduce_total, gather_total = float(rt.sum()), float(gt.sum())
         if self.overlap:
             suffix = np.cumsum(rt[::-1])[::-1]  # released at or after event k
@@ -1122,10 +1175,13 @@ class Timeline:
     bundles: dict[tuple[int, int], list[tuple]]  # group_edges()
     work: list[tuple[int, tuple]]  # (position, ("node", group) | ("edge", (gu, gv)))
     reductions: set[tuple[int, int]]  # bundles into a parameter or its gradient tail
+    prefetches: set[tuple[int, int]]  # bundles out of a parameter or its head
     # (release position, ("edge", bundle) | ("internal", tail group))
     reduce_events: list[tuple[int, tuple]]
-    gather_events: list[tuple[int, int, int]]  # (position needed, parameter group, 1st/2nd)
+    # (position needed, ("gather", parameter group) | ("edge", bundle)) ahead of forward
+    gather_events: list[tuple[int, tuple]]
     tail: set[int]  # groups of weight gradients' tails (ShardingProblem._gradient_tail)
+    head: set[int]  # groups made of parameters only (ShardingProblem._parameter_head)
 
 
 def _checkpoints(positions: np.ndarray, limit: int, *, last: bool) -> np.ndarray:
