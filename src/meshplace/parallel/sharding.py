@@ -1000,29 +1000,11 @@ class ShardingProblem:
         groups: a weight's cast to the compute dtype (autocast), a transposed or tied
         weight. What they make depends on nothing the step computes, so resharding it
         (and the parameter itself) can be fetched ahead of its reader, as FSDP all-gathers
-        the next layer's weights. A fixed point, O(groups x depth)."""
+        the next layer's weights. O(groups x depth)."""
         producers: dict[int, set[int]] = {}
         for gu, gv in bundles:
             producers.setdefault(gv, set()).add(gu)
-        ops = self.graph.ops
-        candidates = [
-            gi
-            for gi, g in enumerate(self.groups)
-            if g.kind in ("op", "fixed")
-            and gi in producers
-            and all(ops[i].phase == "forward" for i in g.members)
-        ]
-        head: set[int] = set()
-        grew = True
-        while grew:
-            grew = False
-            for gi in candidates:
-                if gi not in head and all(
-                    self.groups[u].kind == "parameter" or u in head for u in producers[gi]
-                ):
-                    head.add(gi)
-                    grew = True
-        return head
+        return self._only_parameters(producers, "forward")
 
     def _gradient_tail(self, bundles: dict[tuple[int, int], list[tuple]]) -> set[int]:
         """Backward groups whose outputs only parameters' updates read, directly or through
@@ -1031,29 +1013,34 @@ class ShardingProblem:
         in backward waits for them, so a collective between two of them (the matmul's
         partial sums completed before the cast) is a gradient reduction like one into the
         parameter (the stream of :meth:`cost_tables`); their own work stays on the compute
-        stream where it sits. A fixed point, O(groups x depth)."""
+        stream where it sits. O(groups x depth)."""
         readers: dict[int, set[int]] = {}
         for gu, gv in bundles:
             readers.setdefault(gu, set()).add(gv)
+        return self._only_parameters(readers, "backward")
+
+    def _only_parameters(self, linked: dict[int, set[int]], phase: str) -> set[int]:
+        """The op groups of ``phase`` whose every linked group (producers
+        or readers) is a parameter or one of them: the least fixed point, grown from none."""
         ops = self.graph.ops
         candidates = [
             gi
             for gi, g in enumerate(self.groups)
             if g.kind in ("op", "fixed")
-            and gi in readers
-            and all(ops[i].phase == "backward" for i in g.members)
+            and gi in linked
+            and all(ops[i].phase == phase for i in g.members)
         ]
-        tail: set[int] = set()
+        found: set[int] = set()
         grew = True
         while grew:
             grew = False
             for gi in candidates:
-                if gi not in tail and all(
-                    self.groups[r].kind == "parameter" or r in tail for r in readers[gi]
+                if gi not in found and all(
+                    self.groups[u].kind == "parameter" or u in found for u in linked[gi]
                 ):
-                    tail.add(gi)
+                    found.add(gi)
                     grew = True
-        return tail
+        return found
 
     def timeline(self, choice: Sequence[int]) -> dict[str, float]:
         """The step of one strategy per group, exactly (:meth:`cost_tables` with every
