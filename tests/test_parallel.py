@@ -429,6 +429,13 @@ def test_shard_any_model_through_the_command_line(tmp_path: Path) -> None:
     assert set(plan["parameters"]) == set(data["parameters"])
     live = plan["predicted"]["live_peak_bytes"]
     assert live == data["live_peak_bytes"] and live >= data["memory_bytes"]["parameters"] > 0
+    # the step is compute and the communication it waits for; the rest overlaps compute
+    exposed = data["exposed_communication_s"]
+    assert 0 <= exposed <= data["communication_s"]
+    assert data["step_time_s"] == pytest.approx(data["compute_s"] + exposed, rel=1e-12)
+    assert plan["predicted"]["exposed_communication_s"] == exposed
+    tl = data["timeline"]
+    assert tl["backward_stream_s"] > tl["backward_stream_exposed_s"] >= 0
     table = run("shard", "rnnlm", "--cluster", "dgx-h100", "--mesh", "2", cwd=tmp_path)
     assert table.returncode == 0, table.stderr[-2000:]
     assert "memory per device" in table.stdout and "parameters" in table.stdout

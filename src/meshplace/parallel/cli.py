@@ -216,10 +216,9 @@ def print_captured(console: Console, result: Any, data: dict[str, Any]) -> None:
     head.add_row(
         "step time",
         f"[bold]{ms(best.step_time_s)}[/bold] = compute {ms(best.compute_s)} + exposed "
-        f"communication {ms(best.exposed_communication_s)} (of {ms(best.communication_s)}; "
-        f"gradient reductions {ms(best.timeline.get('backward_stream_s', 0.0))} behind backward "
-        f"and parameter gathers {ms(best.timeline.get('forward_gathers_s', 0.0))} ahead of "
-        "forward overlap compute)",
+        f"communication {ms(best.exposed_communication_s)} (of {ms(best.communication_s)}: "
+        f"reductions {ms(best.timeline.get('backward_stream_s', 0.0))} behind backward, "
+        f"gathers {ms(best.timeline.get('forward_gathers_s', 0.0))} ahead of forward)",
     )
     solver = data["solver"]
     head.add_row(

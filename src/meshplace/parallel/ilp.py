@@ -268,8 +268,10 @@ def solve(
     h.setOptionValue("output_flag", False)
     h.setOptionValue("time_limit", float(time_limit_s))
     h.setOptionValue("mip_rel_gap", 1e-6)
-    # no "threads" option: HiGHS's scheduler is global to the process, and asking for another
-    # thread count after anything else in the process ran HiGHS makes run() fail
+    # One thread: HiGHS 1.16's parallel branch and bound crashes the process now and then on
+    # these programs (a segmentation fault in about one solve in four of GPT-1.5B's grid
+    # points; the class of ERGO-Code/HiGHS#2885), and one thread is also deterministic.
+    h.setOptionValue("threads", 1)
     lp = highspy.HighsLp()
     lp.num_col_ = n_var
     lp.num_row_ = len(rows_lo)
@@ -287,8 +289,14 @@ def solve(
     lp.integrality_ = [highspy.HighsVarType.kInteger] * n_x + [highspy.HighsVarType.kContinuous] * (
         n_var - n_x
     )
-    if h.passModel(lp) == highspy.HighsStatus.kError or h.run() == highspy.HighsStatus.kError:
-        raise RuntimeError(f"HiGHS failed: {h.modelStatusToString(h.getModelStatus())}")
+    if h.passModel(lp) == highspy.HighsStatus.kError:
+        raise RuntimeError("HiGHS refused the integer program")
+    if h.run() == highspy.HighsStatus.kError:
+        # HiGHS's scheduler is global to the process: when something else here started it
+        # with more threads, run() refuses one thread until the scheduler is reset
+        highspy.Highs.resetGlobalScheduler(True)
+        if h.run() == highspy.HighsStatus.kError:
+            raise RuntimeError(f"HiGHS failed: {h.modelStatusToString(h.getModelStatus())}")
     status = h.getModelStatus()
     ms = highspy.HighsModelStatus
     if status in (ms.kInfeasible, ms.kUnboundedOrInfeasible):
