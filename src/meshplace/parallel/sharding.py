@@ -843,26 +843,18 @@ class ShardingProblem:
             )
             fb = work_pos < tl.update_start
             work_pos, work_q = work_pos[fb], work_q[fb]
-            red_pos = np.array([p for p, _ in tl.reduce_events], dtype=np.int64)
-            red_q = np.array(
-                [
-                    self._reduction_quantity(e, split_q, edge_q, gather_q)
-                    for _, e in tl.reduce_events
-                ],
-                dtype=np.int64,
-            )
-            keep = red_q >= 0
-            red_pos, red_q = red_pos[keep], red_q[keep]
-            gat_pos = np.array([p for p, _ in tl.gather_events], dtype=np.int64)
-            gat_q = np.array(
-                [
-                    self._reduction_quantity(e, split_q, edge_q, gather_q)
-                    for _, e in tl.gather_events
-                ],
-                dtype=np.int64,
-            )
-            keep = gat_q >= 0
-            gat_pos, gat_q = gat_pos[keep], gat_q[keep]
+
+            def stream(events: list[tuple[int, tuple]]) -> tuple[np.ndarray, np.ndarray]:
+                """Positions and quantities of a stream's jobs (none for this class: left out)."""
+                pos = np.array([p for p, _ in events], dtype=np.int64)
+                qs = np.array(
+                    [self._reduction_quantity(e, split_q, edge_q, gather_q) for _, e in events],
+                    dtype=np.int64,
+                )
+                return pos[qs >= 0], qs[qs >= 0]
+
+            red_pos, red_q = stream(tl.reduce_events)
+            gat_pos, gat_q = stream(tl.gather_events)
             for pos, qs, after in ((red_pos, red_q, True), (gat_pos, gat_q, False)):
                 if pos.size == 0:
                     continue
