@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshplace.graph import CaptureError, capture
+from meshplace.graph import CaptureError, OpGraph, capture
 from meshplace.graph.flops import flop_count, op_kind
 
 
@@ -72,6 +72,21 @@ def test_parameters_own_their_bytes_and_optimizer_state() -> None:
     sgd = capture(_MLP(), _mlp_inputs(), training=True, optimizer="sgd")
     assert sgd.op("param:fc1.weight").state_bytes == 0
     assert sgd.count_by("phase")["update"] < g.count_by("phase")["update"]
+    # optimizer.step() writes the new moments and weight over the old: per parameter the
+    # three ops doing so (Adam), one (SGD), each an update op of that parameter
+    n_params = len(list(_MLP().parameters()))
+    for graph, per_param in ((g, 3), (sgd, 1)):
+        written = [graph.op(n) for n in graph.meta["in_place_updates"]]
+        assert len(written) == per_param * n_params
+        assert {o.phase for o in written} == {"update"}
+    adam_ops = sorted(o.target.split(".")[1] for o in written_ops(g, "fc1.weight"))
+    assert adam_ops == ["add", "addcdiv", "addcmul"]
+
+
+def written_ops(graph: OpGraph, param: str) -> list:
+    """The in-place-update ops of one parameter."""
+    ops = [graph.op(n) for n in graph.meta["in_place_updates"]]
+    return [o for o in ops if o.colocation == f"param:{param}"]
 
 
 def test_inference_graph_has_only_forward_ops() -> None:

@@ -275,6 +275,13 @@ class _ModulePaths:
             self.stack.pop().__exit__(None, None, None)
 
 
+def _overwrites(value: str) -> contextlib.AbstractContextManager:
+    """Marks the ops making a parameter's new weight (``value="weight"``) or optimizer
+    state (``"state0"``...): ``optimizer.step()`` writes the last of them over the old
+    value in place (``graph.meta["in_place_updates"]``, for memory liveness)."""
+    return fx_traceback.annotate({"overwrites": value})
+
+
 def _optimizer_update(
     optimizer: str, p: torch.Tensor, g: torch.Tensor, state: list[torch.Tensor]
 ) -> torch.Tensor:
@@ -285,14 +292,24 @@ def _optimizer_update(
     """
     if optimizer == "adam":
         m, v = state
-        m = m.mul(0.9).add(g, alpha=0.1)
-        v = v.mul(0.999).addcmul(g, g, value=0.001)
-        return p.addcdiv(m, v.sqrt().add(1e-8), value=-1e-3)
+        m = m.mul(0.9)
+        with _overwrites("state0"):
+            m = m.add(g, alpha=0.1)
+        v = v.mul(0.999)
+        with _overwrites("state1"):
+            v = v.addcmul(g, g, value=0.001)
+        denominator = v.sqrt().add(1e-8)
+        with _overwrites("weight"):
+            return p.addcdiv(m, denominator, value=-1e-3)
     if optimizer == "momentum":
         (buf,) = state
-        buf = buf.mul(0.9).add(g)
-        return p.add(buf, alpha=-1e-2)
-    return p.add(g, alpha=-1e-2)
+        buf = buf.mul(0.9)
+        with _overwrites("state0"):
+            buf = buf.add(g)
+        with _overwrites("weight"):
+            return p.add(buf, alpha=-1e-2)
+    with _overwrites("weight"):
+        return p.add(g, alpha=-1e-2)
 
 
 _NO_LOSS = (
@@ -777,6 +794,8 @@ def _capture(
         frozen_names={n for n, _ in frozen},
     )
     graph.meta.update(expert_meta(graph))  # stacked/listed MoE experts, for sharding
+    if converter.overwrites:
+        graph.meta["in_place_updates"] = sorted(converter.overwrites.values())
     if converter.recomputed:
         graph.meta["recomputed"] = converter.recomputed
         graph.meta["checkpoint"] = "reentrant" if found.get("reentrant") else "non-reentrant"
@@ -851,6 +870,8 @@ class _Converter:
         self.recompute_by_seq: dict[int, list[tuple[torch.fx.Node, int]]] = {}
         #: recomputed op name -> name of the forward op it recomputes (None: not found)
         self.recomputed: dict[str, str | None] = {}
+        #: (parameter, "weight" | "state<k>") -> the op writing its new value in place
+        self.overwrites: dict[tuple[str, str], str] = {}
 
     def _locate(self, node: torch.fx.Node, val: Any) -> None:
         """Record that ``node`` is its op's own output(s), dimensions unchanged."""
@@ -1080,6 +1101,8 @@ class _Converter:
             operands=operands or None,
         )
         idx = self._add(op)
+        if param is not None and "overwrites" in custom:  # the last op marked is the write
+            self.overwrites[(param, custom["overwrites"])] = op.name
         self._locate(node, val)
         for a in inputs:
             src, nbytes = self.source[a]

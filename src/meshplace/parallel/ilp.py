@@ -268,9 +268,9 @@ def solve(
     h.setOptionValue("output_flag", False)
     h.setOptionValue("time_limit", float(time_limit_s))
     h.setOptionValue("mip_rel_gap", 1e-6)
-    # One thread: HiGHS 1.16's parallel branch and bound crashes the process now and then on
-    # these programs (a segmentation fault in about one solve in four of GPT-1.5B's grid
-    # points; the class of ERGO-Code/HiGHS#2885), and one thread is also deterministic.
+    # One thread: deterministic, and these programs are small enough that parallel branch
+    # and bound gains little. (HiGHS 1.16.0 segfaults on some sequences of these programs
+    # whatever the thread count; pyproject.toml pins 1.15.1, which does not.)
     h.setOptionValue("threads", 1)
     lp = highspy.HighsLp()
     lp.num_col_ = n_var

@@ -201,7 +201,9 @@ class ShardingPlan:
         while the step runs its ops in graph order: every output from the op making it
         to its last reader (or the end of the step when nobody reads it), parameters,
         buffers, inputs and optimizer state throughout, each at its planned placement;
-        the optimizer's new weights and state overwrite the old (an in-place update).
+        the optimizer's new weights and state overwrite the old in place, as
+        ``optimizer.step()`` does (the ops ``graph.meta["in_place_updates"]`` names, or in
+        graphs captured before it, every update value nothing reads).
         The liveness view of memory, against which a run's live tensor bytes are
         measured (``meshplace.runtime.spmd``); the solver's limit uses the cheaper
         resident + largest working set bound (:attr:`peak_memory_bytes`). O(operands)."""
@@ -211,6 +213,7 @@ class ShardingPlan:
         for i, o in enumerate(ops):
             for rec in o.operands or []:
                 last[(p.graph.index(rec["op"]), rec["out"])] = i
+        in_place = set(p.graph.meta.get("in_place_updates", ()))
         resident = self.memory_bytes.get("optimizer_state", 0.0)
         dying: dict[int, float] = {}
         live = resident
@@ -220,7 +223,7 @@ class ShardingPlan:
             pos = p.member_pos[i]
             for k, shape in enumerate(o.output_shapes):
                 end = last.get((i, k), len(ops))
-                if o.phase == "update" and end == len(ops):
+                if o.name in in_place or (o.phase == "update" and end == len(ops)):
                     continue  # the new weight or optimizer state, written in place
                 nbytes = p.local_bytes(shape, p.itemsize(o.name, k), st.out_specs[pos][k])
                 live += nbytes
