@@ -3,16 +3,18 @@
 Part ``cross`` — issue 14's cross-check: for the models both paths know (Transformer base,
 GPT-2 1.5B, Mesh-TensorFlow's 5B LM), the best step time of
 :func:`meshplace.parallel.search.shard_graph` (the integer program on the captured graph,
-forward under bf16 autocast like the programs' bf16 activations) beside
-:func:`meshplace.mesh.search.search` (the hand-written programs) on one fixed mesh, with
-both searches' seconds. **Simulated** step times from meshplace's cost models, not
-measurements. Both overlap gradient reductions with backward and weight gathers with
-forward. The searches' spaces differ (the captured graph also offers ZeRO-3 and a ZeRO
-stage per parameter, the programs weight-update sharding for all or none), so the table
-also costs the *same layout* on both paths: the captured graph with every named dimension
-pinned to the program's best rules (``pin_inputs``; dimensions the captured parameters do
-not name, such as ``heads`` inside a fused projection, stay free) and, for Mesh-TensorFlow's
-5B model, its hand layout on 16x32 chips (``meshplace.mesh.search.hand_layout``).
+forward under bf16 autocast) beside :func:`meshplace.mesh.search.search` (the hand-written
+programs, built with ``kernels="pytorch"`` so that they describe the kernels the captured
+model runs: FlashAttention, autocast's weight and activation casts, biases inside ``addmm``)
+on one fixed mesh, with both searches' seconds. **Simulated** step times from meshplace's
+cost models, not measurements. Both overlap gradient reductions with backward and weight
+gathers with forward. The searches' spaces differ (the captured graph also offers ZeRO-3 and
+a ZeRO stage per parameter, the programs weight-update sharding for all or none), so the
+table also costs the *same layout* on both paths: the captured graph with every named
+dimension pinned to the program's best rules (``pin_inputs``; dimensions the captured
+parameters do not name, such as ``heads`` inside a fused projection, stay free) and, for
+Mesh-TensorFlow's 5B model, its hand layout on 16x32 chips
+(``meshplace.mesh.search.hand_layout``).
 
 Part ``grid`` — the solver against the configurations users search by hand: for GPT
 1.5B / 6.7B / 13B on 1, 4 and 8 hosts of 8 H100s (global batch 4 sequences of 1024 tokens
@@ -22,17 +24,28 @@ chips (its own batch), the best point of :func:`meshplace.parallel.grid.megatron
 :func:`meshplace.parallel.search.shard_graph` over every 1- and 2-axis mesh — both scored
 by the same cost model and memory limit, with memory per device and search seconds.
 
-Writes ``benchmarks/results/sharding.json`` (cross) and ``benchmarks/results/sharding_grid.json``
-(grid) and prints Markdown tables.
+Part ``models`` — issue 14's first acceptance item as a user runs it: ``meshplace shard
+MODEL --method graph --json`` (a subprocess each, the command exactly as typed) for every
+reference workload at its default size and ``examples/llama.py:build_tiny``, on
+``dgx-h100`` (8 H100s), ``h4-8xh100`` (32) and ``tpu-v3-pod --chips 512``: the mesh chosen,
+step time, memory per device against capacity, the solver's status on that mesh, the ops
+no rule covers, the search's seconds (capture excluded) and the command's wall seconds, or
+the one sentence it exits 2 with.
+
+Writes ``benchmarks/results/sharding.json`` (cross), ``benchmarks/results/sharding_grid.json``
+(grid) and ``benchmarks/results/sharding_models.json`` (models) and prints Markdown tables.
 
 Usage::
 
-    .venv/bin/python benchmarks/sharding.py [--part cross|grid] [--quick]
+    .venv/bin/python benchmarks/sharding.py [--part cross|grid|models|all] [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -40,13 +53,14 @@ from meshplace.graph.capture import capture
 from meshplace.hardware import load_cluster
 from meshplace.mesh.program import program_for
 from meshplace.mesh.search import evaluate_layout, hand_layout, search
-from meshplace.models import get
+from meshplace.models import available, get
 from meshplace.parallel.grid import megatron_grid
 from meshplace.parallel.search import shard_graph
 from meshplace.parallel.sharding import ShardingError
 from meshplace.provenance import write_result
 
-RESULTS = Path(__file__).resolve().parent / "results"
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
 CASES = [
     # (workload, size, cluster, mesh, chips)
     ("transformer", "base", "dgx-h100", (2, 4), 8),
@@ -62,6 +76,79 @@ GRID_CASES = [
     ],
     ("transformer", "mtf-5b", "tpu-v3-pod", 512, None),
 ]
+
+
+MODEL_CLUSTERS = [
+    # (cluster, chips: None for all its accelerators)
+    ("dgx-h100", None),
+    ("h4-8xh100", None),
+    ("tpu-v3-pod", 512),
+]
+
+
+def model_row(model: str, cluster: str, chips: int | None) -> dict:
+    """One ``meshplace shard MODEL --method graph --json`` run, summarised."""
+    executable = str(Path(sys.executable).with_name("meshplace"))  # the venv's entry point
+    command = [executable, "shard", model, "--cluster", cluster]
+    command += ["--method", "graph", "--json"] + (["--chips", str(chips)] if chips else [])
+    t0 = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+    row: dict = {
+        "model": model,
+        "cluster": cluster,
+        "chips": chips,
+        "command": "meshplace " + " ".join(command[1:]),
+        "exit_code": done.returncode,
+        "wall_s": time.perf_counter() - t0,
+    }
+    if done.returncode != 0:
+        row["message"] = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else ""
+        return row
+    data = json.loads(done.stdout)
+    row.update(
+        ops=data["ops"],
+        chips=data["chips"],
+        mesh=data["mesh"]["shape"],
+        step_time_s=data["step_time_s"],
+        peak_memory_bytes=data["peak_memory_bytes"],
+        memory_capacity_bytes=data["memory_capacity_bytes"],
+        fits=data["fits"],
+        solver_status=data["solver"]["status"],
+        solver_s=data["solver"]["seconds"],
+        search_s=data["search"]["seconds"],
+        meshes=len(data["search"]["mesh_shapes"]),
+        replicated_ops=data["replicated_ops"],
+    )
+    return row
+
+
+def print_header(columns: str, numeric: str) -> None:
+    """A Markdown table's header: ``columns`` separated by ``|``; ``numeric`` one letter
+    per column, ``r`` for right-aligned numbers, ``l`` for text."""
+    names = [c.strip() for c in columns.split("|")]
+    print("| " + " | ".join(names) + " |")
+    print("|" + "|".join("---:" if a == "r" else "---" for a in numeric) + "|")
+
+
+def print_models(rows: list[dict]) -> None:
+    print_header(
+        "model | cluster (chips) | ops | mesh | step | GiB/dev (capacity) | solver on that mesh"
+        " | meshes | search s | command s | ops no rule covers",
+        "llrlrrlrrrl",
+    )
+    for r in rows:
+        where = f"{r['cluster']} ({r['chips']})"
+        if r["exit_code"] != 0:
+            print(f"| {r['model']} | {where} | | exit {r['exit_code']}: {r['message']} |||||||")
+            continue
+        kinds = sorted({n.rstrip("_0123456789") or n for n in r["replicated_ops"]})
+        print(
+            f"| {r['model']} | {where} | {r['ops']:,} | {'x'.join(map(str, r['mesh']))}"
+            f" | {r['step_time_s'] * 1e3:.2f} ms | {r['peak_memory_bytes'] / 2**30:.2f}"
+            f" ({r['memory_capacity_bytes'] / 2**30:.0f}) | {r['solver_status']}"
+            f" | {r['meshes']} | {r['search_s']:.1f} | {r['wall_s']:.1f}"
+            f" | {len(r['replicated_ops'])}{' (' + ', '.join(kinds) + ')' if kinds else ''} |"
+        )
 
 
 def pinned_like(graph, rules: dict[str, str], zero: bool) -> dict:
@@ -82,7 +169,9 @@ def pinned_like(graph, rules: dict[str, str], zero: bool) -> dict:
 
 def one(workload: str, size: str, cluster_name: str, mesh: tuple[int, ...], chips: int) -> dict:
     cluster = load_cluster(cluster_name)
-    program = program_for(workload, size=size)
+    # the program lowered as the captured PyTorch model runs (FlashAttention, autocast's
+    # casts, biases in addmm): both paths cost the same computation
+    program = program_for(workload, size=size, kernels="pytorch")
     t0 = time.perf_counter()
     named = search(program, cluster, chips=chips, mesh_shape=mesh).best
     named_s = time.perf_counter() - t0
@@ -208,11 +297,11 @@ def grid_row(workload: str, size: str, cluster_name: str, chips: int, batch: int
 
 
 def print_grid(rows: list[dict]) -> None:
-    print(
-        "| model | cluster | batch | best grid plan | grid step | grid GiB/dev | solver mesh "
-        "| solver step | solver GiB/dev | gain | grid s | solver s |"
+    print_header(
+        "model | cluster | batch | best grid plan | grid step | grid GiB/dev | solver mesh"
+        " | solver step | solver GiB/dev | gain | grid s | solver s",
+        "llrlrrlrrrrr",
     )
-    print("|---|---|---:|---|---:|---:|---|---:|---:|---:|---:|---:|")
     for r in rows:
         grid = (
             f"{r['grid_best']} ({r['grid_mesh']}) | {r['grid_step_s'] * 1e3:.1f} ms"
@@ -230,7 +319,7 @@ def print_grid(rows: list[dict]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=("cross", "grid", "all"), default="all")
+    parser.add_argument("--part", choices=("cross", "grid", "models", "all"), default="all")
     parser.add_argument("--quick", action="store_true", help="the first case of each part only")
     args = parser.parse_args()
     if args.part in ("grid", "all"):
@@ -238,17 +327,24 @@ def main() -> None:
         write_result(RESULTS / "sharding_grid.json", grid_rows)
         print_grid(grid_rows)
         print()
-    if args.part == "grid":
+    if args.part in ("models", "all"):
+        models = [*available(), "examples/llama.py:build_tiny"]
+        cases = [(m, c, n) for m in models for c, n in MODEL_CLUSTERS]
+        model_rows = [model_row(*c) for c in (cases[:1] if args.quick else cases)]
+        write_result(RESULTS / "sharding_models.json", model_rows)
+        print_models(model_rows)
+        print()
+    if args.part in ("grid", "models"):
         return
     rows = [one(*case) for case in (CASES[:1] if args.quick else CASES)]
     write_result(RESULTS / "sharding.json", rows)
-    print(
-        "| model | cluster | mesh | program step (compute + exposed comm) | program rules "
-        "| captured, eager (compute + exposed comm) | eager / program | captured, fused "
-        "(compute + exposed comm) | fused / program | captured, fused, program's layout "
-        "| same layout / program | peak GiB (program / captured) | capture s | ILP search s |"
+    print_header(
+        "model | cluster | mesh | program step (compute + exposed comm) | program rules"
+        " | captured, eager (compute + exposed comm) | eager / program | captured, fused"
+        " (compute + exposed comm) | fused / program | captured, fused, program's layout"
+        " | same layout / program | peak GiB (program / captured) | capture s | ILP search s",
+        "lllrlrrrrrrrrr",
     )
-    print("|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(
             f"| {r['model']} | {r['cluster']} | {r['mesh']} | {r['program_step_s'] * 1e3:.2f} ms"

@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from meshplace.errors import InputError
 from meshplace.hardware import load_cluster
 from meshplace.mesh.cost import evaluate
 from meshplace.mesh.jax_export import dtensor_placements, partition_specs
@@ -229,3 +230,60 @@ def test_exports_as_partition_specs_and_dtensor_placements():
     assert dt["placements"]["x"] == ["Shard(0)", "Replicate()"]
     assert dt["placements"]["fc1_w"] == ["Replicate()", "Shard(1)"]
     assert dt["device_mesh"] == {"mesh_dim_names": ["x", "y"], "shape": [2, 4]}
+
+
+SMALL_LM = {
+    "batch": 8,
+    "seq": 256,
+    "d_model": 64,
+    "d_ff": 128,
+    "heads": 4,
+    "d_kv": 16,
+    "layers": 2,
+    "vocab": 64,
+}
+
+
+def test_pytorch_kernels_keep_attention_scores_on_chip_and_cast_each_weight_once(pod):
+    mesh_tf = transformer_lm(SMALL_LM, bias=True, norm="layer")
+    torch_like = transformer_lm(SMALL_LM, bias=True, norm="layer", kernels="pytorch")
+    # the default lowering is Mesh-TensorFlow's: every value materialised, nothing cast
+    assert all(t.materialised for t in mesh_tf.tensors.values())
+    assert not any(o.casts or o.epilogue for o in mesh_tf.ops)
+    # FlashAttention: scores and probabilities (and their gradients) stay on chip
+    on_chip = {n for n, t in torch_like.tensors.items() if not t.materialised}
+    assert {"layer.scores", "layer.softmax"} <= on_chip
+    assert all({"seq", "kv_seq"} <= set(torch_like.tensors[n].names) for n in on_chip)
+    # autocast: each weight and bias a forward matmul reads is cast once per step, and its
+    # gradient widened once; the norm's float32 output is cast once for q, k and v together
+    for phase in ("forward", "backward"):
+        cast = [x for o in torch_like.ops if o.phase == phase for x in o.casts]
+        assert len(cast) == len(set(cast))
+        assert {f"layer.{p}_w" for p in ("q", "k", "v", "o", "fc1", "fc2")} <= set(cast)
+        assert {f"layer.{p}_bias" for p in ("q", "k", "v", "o", "fc1", "fc2")} <= set(cast)
+    norm_casts = [(o.name, o.phase) for o in torch_like.ops if "layer.attn_norm" in o.casts]
+    assert norm_casts == [("layer.q", "forward"), ("layer.q.d0", "backward")]
+    readers = [o.name for o in torch_like.ops if "layer.attn_norm" in o.reads_cast]
+    assert readers[:3] == ["layer.q", "layer.k", "layer.v"]
+    # same layout, same FLOPs: the seq x seq scores no longer count as saved activations,
+    # and the bias adds cost nothing of their own (addmm's epilogue)
+    mesh = build_mesh(pod, (4,), chips=4)
+    a = evaluate(mesh_tf, mesh, {"batch": "x"})
+    b = evaluate(torch_like, mesh, {"batch": "x"})
+    scores = 8 * 4 * 256 * 256 * 2 / 4  # bf16, batch split 4 ways
+    assert a.memory["activations"] - b.memory["activations"] >= 2 * 2 * scores  # 2 layers
+    assert mesh_tf.forward_flops() == torch_like.forward_flops()
+
+
+def test_pytorch_kernels_project_keys_before_gathering_the_sequence(pod):
+    prog = transformer_lm(SMALL_LM, kernels="pytorch")
+    cost = evaluate(prog, build_mesh(pod, (4,), chips=4), {"seq": "x"})
+    gathered = {c.op for c in cost.collectives if c.kind == "all_gather"}
+    assert gathered == {"layer.k_all", "layer.v_all"}  # k and v, not the layer's input
+    (ag,) = [c for c in cost.collectives if c.op == "layer.k_all"]
+    assert ag.nbytes == 8 * 256 * 4 * 16 * 2  # the whole sequence of keys, bf16
+
+
+def test_unknown_kernels_is_an_input_error():
+    with pytest.raises(InputError, match="kernels 'xla'"):
+        transformer_lm(SMALL_LM, kernels="xla")

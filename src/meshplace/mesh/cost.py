@@ -32,7 +32,11 @@ weight gradient        names its einsum sums over that are split (the data-paral
 
 Compute per op is a roofline on the local shard: ``max(flops / (peak_bf16 x e_c),
 bytes / (bandwidth x e_m)) + launch`` with the efficiencies of
-:data:`meshplace.cost.compute.DEFAULT_EFFICIENCY`. Activations are bfloat16, weights,
+:data:`meshplace.cost.compute.DEFAULT_EFFICIENCY`. A program built with
+``kernels="pytorch"`` (:data:`meshplace.mesh.program.KERNELS`) also says which values a
+fused kernel keeps on chip (no bytes, no launch for the op making them, not saved), which
+bias adds are a matmul's epilogue (free) and which weights pass through autocast's cast
+kernels (6 bytes per element each way, a launch each). Activations are bfloat16, weights,
 gradients and optimizer slots float32. Collective times come from
 :meth:`meshplace.mesh.layout.Mesh.collective_time` (ring / torus formulas of
 :func:`meshplace.cost.collectives.collective_time` with the axis's real link bandwidth).
@@ -86,6 +90,7 @@ from meshplace.mesh.layout import LayoutError, Mesh, check_tensor
 from meshplace.mesh.program import Op, Program
 
 GRAD_BYTES = 4  # float32 gradients and optimizer slots
+CAST_BYTES = 2  # autocast's copies (kernels="pytorch") are bfloat16
 STAT_BYTES = 4
 _EFF = {**DEFAULT_EFFICIENCY, "pointwise": (0.5, 0.7), "softmax": (0.5, 0.7), "pool": (0.5, 0.7)}
 
@@ -283,9 +288,10 @@ class Evaluator:
             self._comm_memo[key] = t
         return t
 
-    def _roofline(self, flops: float, nbytes: float, eff: str) -> float:
+    def _roofline(self, flops: float, nbytes: float, eff: str, launch: bool = True) -> float:
         ec, em = _EFF.get(eff, FALLBACK_EFFICIENCY)
-        return max(flops / (self.peak * ec), nbytes / (self.bandwidth * em)) + self.launch
+        work = max(flops / (self.peak * ec), nbytes / (self.bandwidth * em))
+        return work + self.launch if launch else work
 
     # ------------------------------------------------------------------ per op
     def op_cost(self, i: int, rules: Mapping[str, str | None]) -> _OpCost:
@@ -305,8 +311,15 @@ class Evaluator:
             if a and not (o.partial and any(n in part for part in o.partial)):
                 split *= self.axis_size[a]
         out_local = self._local(o.output, rules)
-        out_bytes = out_local * t[o.output].itemsize
-        in_bytes = sum(self._local(x, rules) * t[x].itemsize for x in o.inputs if x in t)
+        out_bytes = out_local * t[o.output].itemsize  # what a collective of the output moves
+        # what the kernel moves: nothing for values kept on chip by a fused kernel; a weight
+        # read through a cast in the activation dtype
+        in_bytes = sum(
+            self._local(x, rules) * (CAST_BYTES if x in o.reads_cast else t[x].itemsize)
+            for x in o.inputs
+            if x in t and t[x].materialised
+        )
+        kept = out_bytes if t[o.output].materialised else 0.0
         comm: list[tuple[str, tuple[str, ...], float, float, str]] = []
         partial: tuple[str, ...] = ()
 
@@ -323,9 +336,20 @@ class Evaluator:
                 if not o.gather and dst and dst != src:
                     add("reduce_scatter", (dst,), in_bytes)
             if not comm:
-                out_bytes = 0.0  # a view
+                kept = 0.0  # a view
+        elif o.epilogue:  # inside the producer's kernel, writing the producer's buffer
+            compute = kept = 0.0
+            for x in o.casts:
+                compute += self._roofline(
+                    0.0, self._local(x, rules) * (4 + CAST_BYTES), "pointwise"
+                )
         else:
-            compute = self._roofline(o.flops / split, in_bytes + out_bytes, o.eff)
+            # an op whose output stays on chip is part of its consumer's kernel: no launch
+            materialised = t[o.output].materialised
+            compute = self._roofline(o.flops / split, in_bytes + kept, o.eff, materialised)
+            for x in o.casts:  # autocast's copy kernel: float32 <-> bfloat16, both ways
+                cast_bytes = self._local(x, rules) * (4 + CAST_BYTES)
+                compute += self._roofline(0.0, cast_bytes, "pointwise")
             if o.grad_param is not None:
                 partial = self._axes(o.reduce, rules)
             elif o.kind == "einsum" and not o.defer:
@@ -353,7 +377,7 @@ class Evaluator:
                     if a and rows > 0:
                         per_row = local / (sizes[name] / self.axis_size[a])
                         add("collective_permute", (a,), 2 * rows * per_row, "halo")
-        return _OpCost(compute, tuple(comm), sum(c[3] for c in comm), out_bytes, partial)
+        return _OpCost(compute, tuple(comm), sum(c[3] for c in comm), kept, partial)
 
     # ------------------------------------------------------------------ per layout
     def evaluate(

@@ -48,17 +48,27 @@ from typing import Any
 from meshplace.errors import InputError
 
 PHASES = ("forward", "backward", "update")
+#: How ops become kernels. ``mesh-tf``: as Mesh-TensorFlow lowers the program (attention
+#: scores materialised, biases their own op, weights read as stored). ``pytorch``: as the
+#: captured PyTorch models run under bf16 autocast (FlashAttention via
+#: ``scaled_dot_product_attention``; keys and values projected before they are gathered;
+#: biases inside ``addmm``; per-step casts of float32 weights and their gradients): the
+#: computation :mod:`meshplace.parallel` costs on the captured graph, for cross-checks.
+KERNELS = ("mesh-tf", "pytorch")
 
 
 @dataclass(frozen=True)
 class Tensor:
     """A named-dimension tensor: ``dims`` is ``((name, size), ...)``; ``kind`` is ``input``,
-    ``param``, ``activation`` or ``grad``; ``itemsize`` bytes per element."""
+    ``param``, ``activation`` or ``grad``; ``itemsize`` bytes per element. ``materialised``
+    is False for a value that lives only inside one fused kernel (FlashAttention's scores
+    and probabilities, and their gradients): it moves no memory and is not saved."""
 
     name: str
     dims: tuple[tuple[str, int], ...]
     kind: str
     itemsize: int
+    materialised: bool = True
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -97,6 +107,13 @@ class Op:
     partial: tuple[tuple[str, ...], ...] = ()  # accumulate: summed names per contribution
     update_bytes: float = 0.0  # update: bytes moved per parameter element
     alias: bool = False  # output is a view of the input (no time, no memory)
+    # kernels="pytorch" (autocast): float32 operands this op reads as a copy in the
+    # activation dtype (``reads_cast``), and those whose cast kernel it pays for, being the
+    # copy's first reader (``casts``: forward, float32 -> bf16; the backward op writing that
+    # operand's gradient pays the kernel widening it back)
+    reads_cast: tuple[str, ...] = ()
+    casts: tuple[str, ...] = ()
+    epilogue: bool = False  # a bias add fused into the matmul before it (addmm): no kernel
 
 
 @dataclass(frozen=True)
@@ -187,10 +204,16 @@ class ProgramBuilder:
     [('h', 'forward'), ('h.dw', 'backward'), ('w.update', 'update')]
     """
 
-    def __init__(self, name: str, *, act_bytes: int = 2, param_bytes: int = 4) -> None:
+    def __init__(
+        self, name: str, *, act_bytes: int = 2, param_bytes: int = 4, kernels: str = "mesh-tf"
+    ) -> None:
+        if kernels not in KERNELS:
+            raise InputError(f"kernels {kernels!r}: choose one of {', '.join(KERNELS)}")
         self.name = name
         self.act_bytes = act_bytes
         self.param_bytes = param_bytes
+        self.kernels = kernels
+        self._cast: set[str] = set()  # float32 tensors autocast has made a bf16 copy of
         self.tensors: dict[str, Tensor] = {}
         self.ops: list[Op] = []
         self.units: list[Unit] = [Unit("main")]
@@ -233,12 +256,14 @@ class ProgramBuilder:
                     return s
         raise InputError(f"program {self.name!r}: size of dimension {name!r} is unknown here")
 
-    def _tensor(self, name: str, dims: tuple[tuple[str, int], ...], kind: str) -> str:
+    def _tensor(
+        self, name: str, dims: tuple[tuple[str, int], ...], kind: str, materialised: bool = True
+    ) -> str:
         names = [n for n, _ in dims]
         if len(set(names)) != len(names):
             raise InputError(f"program {self.name!r}: tensor {name!r} repeats a dimension name")
         itemsize = self.param_bytes if kind == "param" else self.act_bytes
-        self.tensors[name] = Tensor(name, dims, kind, itemsize)
+        self.tensors[name] = Tensor(name, dims, kind, itemsize, materialised)
         return name
 
     def input(self, name: str, dims: Sequence[tuple[str, int]], itemsize: int = 0) -> str:
@@ -268,9 +293,10 @@ class ProgramBuilder:
         out_dims,
         flops: float,
         eff: str,
+        materialise: bool = True,
         **kw: Any,
     ) -> str:
-        out = self._tensor(self._name(name), out_dims, "activation")
+        out = self._tensor(self._name(name), out_dims, "activation", materialise)
         self.ops.append(
             Op(out, kind, tuple(inputs), out, "forward", self._unit, float(flops), eff, **kw)
         )
@@ -286,8 +312,11 @@ class ProgramBuilder:
         *,
         scale: float = 1.0,
         eff: str = "matmul",
+        materialise: bool = True,
     ) -> str:
-        """``out = sum over the other names of a * b``; 2 FLOPs per multiply-add."""
+        """``out = sum over the other names of a * b``; 2 FLOPs per multiply-add.
+        ``materialise=False``: the output stays inside a fused kernel with its consumer.
+        Under ``kernels="pytorch"`` a float32 parameter operand is read through a cast."""
         ins = [a] if b is None else [a, b]
         od = self._out_dims(out, ins)
         space: dict[str, int] = {}
@@ -295,7 +324,19 @@ class ProgramBuilder:
             space.update(self.tensors[t].dims)
         space.update(od)
         flops = 2.0 * math.prod(space.values()) * scale
-        return self._op(name, "einsum", ins, od, flops, eff)
+        wide = self._autocast_reads(ins)
+        casts = tuple(t for t in wide if t not in self._cast)
+        self._cast.update(casts)
+        return self._op(
+            name, "einsum", ins, od, flops, eff, materialise, reads_cast=wide, casts=casts
+        )
+
+    def _autocast_reads(self, ins: Sequence[str]) -> tuple[str, ...]:
+        """Under ``kernels="pytorch"``, the operands wider than the activation dtype that
+        autocast hands a matmul as a cast copy (weights, float32 activations)."""
+        if self.kernels != "pytorch":
+            return ()
+        return tuple(t for t in ins if self.tensors[t].itemsize > self.act_bytes)
 
     def gather(self, name: str, ids: str, table: str, out: Sequence[str]) -> str:
         """Embedding lookup, costed as Mesh-TensorFlow lowers it: a one-hot einsum over the
@@ -303,7 +344,10 @@ class ProgramBuilder:
         ins = [ids, table]
         od = self._out_dims(out, ins)
         flops = 2.0 * math.prod(s for _, s in od)
-        return self._op(name, "einsum", ins, od, flops, "embedding")
+        n = self._op(name, "einsum", ins, od, flops, "embedding")
+        if self.kernels == "pytorch":  # autocast leaves embedding in the table's float32
+            self.tensors[n] = replace(self.tensors[n], itemsize=self.tensors[table].itemsize)
+        return n
 
     def pointwise(
         self,
@@ -312,12 +356,33 @@ class ProgramBuilder:
         *,
         flops_per: float = 1.0,
         identity_grad: bool = False,
+        epilogue: bool = False,
     ) -> str:
-        """Elementwise op over the first input's dims; other inputs broadcast (biases)."""
+        """Elementwise op over the first input's dims; other inputs broadcast (biases).
+        ``epilogue=True``: done inside the kernel producing the first input (a bias in
+        ``addmm``), so it costs no time of its own."""
         od = self.tensors[inputs[0]].dims
+        casts = ()
+        if epilogue:  # addmm reads its bias through autocast's cast, like the weight
+            casts = tuple(t for t in self._autocast_reads(inputs[1:]) if t not in self._cast)
+            self._cast.update(casts)
         n = self._op(
-            name, "pointwise", inputs, od, flops_per * math.prod(s for _, s in od), "pointwise"
+            name,
+            "pointwise",
+            inputs,
+            od,
+            flops_per * math.prod(s for _, s in od),
+            "pointwise",
+            epilogue=epilogue,
+            reads_cast=casts,
+            casts=casts,
         )
+        if self.kernels == "pytorch" and not epilogue:  # type promotion: the widest wins
+            widest = max(
+                (self.tensors[t].itemsize for t in inputs if t not in self.params),
+                default=self.act_bytes,
+            )
+            self.tensors[n] = replace(self.tensors[n], itemsize=widest)
         if identity_grad:
             self._identity.add(n)
         return n
@@ -334,22 +399,27 @@ class ProgramBuilder:
         flops_per: float = 5,
         eff: str = "layer_norm",
         drop: bool = False,
+        materialise: bool = True,
     ) -> str:
         """Norm or softmax over ``reduce`` (output like ``x``; ``drop=True`` removes the
         reduced names: a loss)."""
         xd = self.tensors[x].dims
         od = tuple(d for d in xd if not (drop and d[0] in reduce))
-        return self._op(
+        n = self._op(
             name,
             "reduce",
             [x, *params],
             od,
             flops_per * math.prod(s for _, s in xd),
             eff,
+            materialise,
             reduce=tuple(reduce),
             local=tuple(local),
             stats=float(stats),
         )
+        if self.kernels == "pytorch" and eff == "layer_norm":  # autocast runs norms in fp32
+            self.tensors[n] = replace(self.tensors[n], itemsize=4)
+        return n
 
     def rename(self, name: str, x: str, renames: Mapping[str, str]) -> str:
         """The same data under other dimension names (Mesh-TensorFlow ``rename_dimension``);
@@ -475,9 +545,13 @@ def _differentiate(b: ProgramBuilder) -> list[Op]:
     contributions: dict[str, list[tuple[str, tuple[int, ...], tuple[str, ...]]]] = {}
     out: list[Op] = []
 
-    def new_grad(name: str, like: str) -> str:
+    def new_grad(name: str, like: str, narrow: bool = False) -> str:
+        """The gradient of ``like``: in the activation dtype, or under autocast (a float32
+        activation not read through a cast, ``narrow=False``) in ``like``'s own dtype."""
         t = tensors[like]
-        tensors[name] = Tensor(name, t.dims, "grad", b.act_bytes)
+        wide = b.kernels == "pytorch" and t.kind == "activation" and not narrow
+        itemsize = t.itemsize if wide else b.act_bytes
+        tensors[name] = Tensor(name, t.dims, "grad", itemsize, t.materialised)
         return name
 
     def grad_of(o: Op) -> str | None:
@@ -566,13 +640,15 @@ def _differentiate(b: ProgramBuilder) -> list[Op]:
                     name,
                     "einsum",
                     (g, *others),
-                    new_grad(name, x),
+                    new_grad(name, x, narrow=x in o.reads_cast),
                     "backward",
                     o.unit,
                     o.flops,
                     o.eff + ("_grad" if o.eff in ("embedding", "attention") else ""),
                     reduce=summed,
                     grad_param=gp,
+                    reads_cast=tuple(t for t in others if t in o.reads_cast),
+                    casts=(x,) if x in o.casts else (),
                 )
             elif o.kind in ("conv", "pool"):
                 if is_param:
@@ -620,7 +696,7 @@ def _differentiate(b: ProgramBuilder) -> list[Op]:
                 op = Op(
                     name,
                     "pointwise",
-                    (g, o.inputs[0]),
+                    (g,) if o.epilogue else (g, o.inputs[0]),  # a bias's gradient sums g
                     new_grad(name, x),
                     "backward",
                     o.unit,
@@ -628,6 +704,7 @@ def _differentiate(b: ProgramBuilder) -> list[Op]:
                     "pointwise",
                     grad_param=gp,
                     reduce=summed,
+                    casts=(x,) if x in o.casts else (),
                 )
             elif o.kind == "reduce" and o.stats and o.output and tensors[o.output].dims == xt.dims:
                 # norm / softmax backward: one more synchronised reduction
@@ -674,15 +751,16 @@ def transformer_lm(
     causal: bool = True,
     name: str = "transformer-lm",
     act_bytes: int = 2,
+    kernels: str = "mesh-tf",
 ) -> Program:
     """Decoder-only Transformer LM (Mesh-TensorFlow's LM, GPT): pre-norm layers with
     multi-head attention (keys renamed ``seq`` -> ``kv_seq``) and a ReLU/GELU MLP.
 
-    ``dims`` needs batch, seq, d_model, d_ff, heads, d_kv, layers, vocab. O(1) ops (one
-    layer stored with ``repeat = layers``).
+    ``dims`` needs batch, seq, d_model, d_ff, heads, d_kv, layers, vocab; ``kernels`` is
+    one of :data:`KERNELS`. O(1) ops (one layer stored with ``repeat = layers``).
     """
     d = _need(dims, ("batch", "seq", "d_model", "d_ff", "heads", "d_kv", "layers", "vocab"))
-    b = ProgramBuilder(name, act_bytes=act_bytes)
+    b = ProgramBuilder(name, act_bytes=act_bytes, kernels=kernels)
     b.cfg = d
     B, S, D = ("batch", d["batch"]), ("seq", d["seq"]), ("d_model", d["d_model"])
     V = ("vocab", d["vocab"])
@@ -717,17 +795,18 @@ def transformer_encdec(
     optimizer: str = "adam",
     name: str = "transformer",
     act_bytes: int = 2,
+    kernels: str = "mesh-tf",
 ) -> Program:
     """Encoder-decoder Transformer of Vaswani et al. 2017 (post-norm LayerNorm, biases,
     ReLU, embedding tied with the softmax). ``dims`` needs batch, src_seq, tgt_seq (or
-    seq), d_model, d_ff, heads, d_kv, layers, vocab."""
+    seq), d_model, d_ff, heads, d_kv, layers, vocab; ``kernels`` is one of :data:`KERNELS`."""
     dd = dict(dims)
     dd.setdefault("src_seq", dd.get("seq", 0))
     dd.setdefault("tgt_seq", dd.get("seq", 0))
     d = _need(
         dd, ("batch", "src_seq", "tgt_seq", "d_model", "d_ff", "heads", "d_kv", "layers", "vocab")
     )
-    b = ProgramBuilder(name, act_bytes=act_bytes)
+    b = ProgramBuilder(name, act_bytes=act_bytes, kernels=kernels)
     b.cfg = d
     B, D, V = ("batch", d["batch"]), ("d_model", d["d_model"]), ("vocab", d["vocab"])
     Ss, St = ("src_seq", d["src_seq"]), ("tgt_seq", d["tgt_seq"])
@@ -809,7 +888,10 @@ def _dense(b: ProgramBuilder, name: str, x: str, w_dims, out, bias: bool) -> str
     y = b.einsum(name, x, w, out)
     if bias:
         bdims = [dd for dd in w_dims if dd[0] in out]
-        y = b.pointwise(f"{name}_b", [y, b.param(f"{name}_bias", bdims)], identity_grad=True)
+        bias_p = b.param(f"{name}_bias", bdims)
+        y = b.pointwise(
+            f"{name}_b", [y, bias_p], identity_grad=True, epilogue=b.kernels == "pytorch"
+        )
     return y
 
 
@@ -833,11 +915,29 @@ def _attention_sublayer(
     xn = _norm(b, f"{prefix}attn_norm", x, norm) if pre_norm else x
     scale = 0.5 if causal else 1.0
     q = _dense(b, f"{prefix}q", xn, [D, *hd], ["batch", seq, "heads", "d_kv"], bias)
-    mem = b.rename(f"{prefix}kv_in", xn, {seq: kv}) if memory is None else memory
-    k = _dense(b, f"{prefix}k", mem, [D, *hd], ["batch", kv, "heads", "d_kv"], bias)
-    v = _dense(b, f"{prefix}v", mem, [D, *hd], ["batch", kv, "heads", "d_kv"], bias)
-    s = b.einsum(f"{prefix}scores", q, k, ["batch", "heads", seq, kv], scale=scale, eff="attention")
-    p = b.reduce(f"{prefix}softmax", s, [kv], stats=2, flops_per=5, eff="softmax")
+    pytorch = b.kernels == "pytorch"
+    if memory is None and pytorch:  # project each block of the sequence, then gather
+        k = _dense(b, f"{prefix}k", xn, [D, *hd], ["batch", seq, "heads", "d_kv"], bias)
+        v = _dense(b, f"{prefix}v", xn, [D, *hd], ["batch", seq, "heads", "d_kv"], bias)
+        k = b.rename(f"{prefix}k_all", k, {seq: kv})
+        v = b.rename(f"{prefix}v_all", v, {seq: kv})
+    else:  # Mesh-TensorFlow: gather the input, project the whole sequence everywhere
+        mem = b.rename(f"{prefix}kv_in", xn, {seq: kv}) if memory is None else memory
+        k = _dense(b, f"{prefix}k", mem, [D, *hd], ["batch", kv, "heads", "d_kv"], bias)
+        v = _dense(b, f"{prefix}v", mem, [D, *hd], ["batch", kv, "heads", "d_kv"], bias)
+    # pytorch: FlashAttention keeps scores and probabilities (and their gradients) on chip
+    s = b.einsum(
+        f"{prefix}scores",
+        q,
+        k,
+        ["batch", "heads", seq, kv],
+        scale=scale,
+        eff="attention",
+        materialise=not pytorch,
+    )
+    p = b.reduce(
+        f"{prefix}softmax", s, [kv], stats=2, flops_per=5, eff="softmax", materialise=not pytorch
+    )
     o = b.einsum(
         f"{prefix}context", p, v, ["batch", seq, "heads", "d_kv"], scale=scale, eff="attention"
     )
@@ -1019,10 +1119,17 @@ PROGRAM_MODELS = ("transformer", "gpt", "resnet50", "detection")
 
 
 def program_for(
-    model: str, *, size: str | None = None, batch: int | None = None, optimizer: str | None = None
+    model: str,
+    *,
+    size: str | None = None,
+    batch: int | None = None,
+    optimizer: str | None = None,
+    kernels: str = "mesh-tf",
 ) -> Program:
     """The named-dimension program of a reference workload (``meshplace.models.get`` gives
     its dimensions) or of the ``detection`` net. Raises ``InputError`` for other models.
+    ``kernels`` (:data:`KERNELS`) says how the Transformers' ops become kernels: as
+    Mesh-TensorFlow lowers them (default) or as the captured PyTorch model runs.
 
     ``transformer`` sizes base/big are the encoder-decoder (Adam); ``mtf-5b`` (alias ``5b``)
     is Mesh-TensorFlow's LM (Adafactor, as in the paper); ``gpt`` is the GPT-2/3 LM (Adam);
@@ -1057,9 +1164,12 @@ def program_for(
             activation="relu",
             optimizer=optimizer or "adafactor",
             name=label,
+            kernels=kernels,
         )
     elif model == "transformer":
-        prog = transformer_encdec(w.dims, optimizer=optimizer or "adam", name=label)
+        prog = transformer_encdec(
+            w.dims, optimizer=optimizer or "adam", name=label, kernels=kernels
+        )
     elif model == "gpt":
         prog = transformer_lm(
             w.dims,
@@ -1069,6 +1179,7 @@ def program_for(
             activation="gelu",
             optimizer=optimizer or "adam",
             name=label,
+            kernels=kernels,
         )
     else:
         prog = resnet50(w.dims, optimizer=optimizer or "lars", name=label)
