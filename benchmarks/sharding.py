@@ -4,17 +4,18 @@ Part ``cross`` — issue 14's cross-check: for the models both paths know (Trans
 GPT-2 1.5B, Mesh-TensorFlow's 5B LM), the best step time of
 :func:`meshplace.parallel.search.shard_graph` (the integer program on the captured graph,
 forward under bf16 autocast) beside :func:`meshplace.mesh.search.search` (the hand-written
-programs, built with ``kernels="pytorch"`` so that they describe the kernels the captured
-model runs: FlashAttention, autocast's weight and activation casts, biases inside ``addmm``)
-on one fixed mesh, with both searches' seconds. **Simulated** step times from meshplace's
-cost models, not measurements. Both overlap gradient reductions with backward and weight
-gathers with forward. The searches' spaces differ (the captured graph also offers ZeRO-3 and
-a ZeRO stage per parameter, the programs weight-update sharding for all or none), so the
-table also costs the *same layout* on both paths: the captured graph with every named
-dimension pinned to the program's best rules (``pin_inputs``; dimensions the captured
-parameters do not name, such as ``heads`` inside a fused projection, stay free) and, for
-Mesh-TensorFlow's 5B model, its hand layout on 16x32 chips
-(``meshplace.mesh.search.hand_layout``).
+programs, built with ``kernels="pytorch-fused"`` so that they describe the kernels the
+captured model runs under ``torch.compile``: FlashAttention, autocast's weight and
+activation casts, biases inside ``addmm``, point-wise chains fused as the captured graph's
+``compute="fused"`` fuses them) on one fixed mesh, with both searches' seconds.
+**Simulated** step times from meshplace's cost models, not measurements. Both overlap
+gradient reductions with backward and weight gathers with forward. The searches' spaces
+differ (the captured graph also offers ZeRO-3 and a ZeRO stage per parameter, the programs
+weight-update sharding for all or none), so the table also costs the *same layout* on both
+paths: the captured graph with every named dimension pinned to the program's best rules
+(``pin_inputs``; dimensions the captured parameters do not name, such as ``heads`` inside a
+fused projection, stay free) and, for Mesh-TensorFlow's 5B model, its hand layout on 16x32
+chips (``meshplace.mesh.search.hand_layout``).
 
 Part ``grid`` — the solver against the configurations users search by hand: for GPT
 1.5B / 6.7B / 13B on 1, 4 and 8 hosts of 8 H100s (global batch 4 sequences of 1024 tokens
@@ -170,8 +171,9 @@ def pinned_like(graph, rules: dict[str, str], zero: bool) -> dict:
 def one(workload: str, size: str, cluster_name: str, mesh: tuple[int, ...], chips: int) -> dict:
     cluster = load_cluster(cluster_name)
     # the program lowered as the captured PyTorch model runs (FlashAttention, autocast's
-    # casts, biases in addmm): both paths cost the same computation
-    program = program_for(workload, size=size, kernels="pytorch")
+    # casts, biases in addmm, point-wise chains fused like compute="fused"): both paths
+    # cost the same computation
+    program = program_for(workload, size=size, kernels="pytorch-fused")
     t0 = time.perf_counter()
     named = search(program, cluster, chips=chips, mesh_shape=mesh).best
     named_s = time.perf_counter() - t0

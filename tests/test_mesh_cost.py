@@ -287,3 +287,23 @@ def test_pytorch_kernels_project_keys_before_gathering_the_sequence(pod):
 def test_unknown_kernels_is_an_input_error():
     with pytest.raises(InputError, match="kernels 'xla'"):
         transformer_lm(SMALL_LM, kernels="xla")
+
+
+def test_pytorch_fused_kernels_run_a_pointwise_chain_as_one_kernel(pod):
+    def program(kernels: str):
+        b = ProgramBuilder("chain", kernels=kernels)
+        x = b.input("x", [("batch", 512), ("d_model", 1024)])
+        a = b.pointwise("a", [x])  # read only by b: stays inside the fused kernel
+        c = b.pointwise("c", [a])
+        w = b.param("w", [("d_model", 1024), ("d_ff", 1024)])
+        b.einsum("y", c, w, ["batch", "d_ff"])
+        return b.build("sgd", search_dims=("batch", "d_model", "d_ff"), samples=512)
+
+    mesh = build_mesh(pod, (4,), chips=4)
+    eager = evaluate(program("pytorch"), mesh, {"batch": "x"})
+    fused = evaluate(program("pytorch-fused"), mesh, {"batch": "x"})
+    assert program("pytorch-fused").meta["kernels"] == "pytorch-fused"
+    a_bytes = 512 * 1024 * 2 / 4  # bf16, batch split 4 ways
+    assert eager.memory["activations"] - fused.memory["activations"] == a_bytes
+    assert fused.compute_s["forward"] < eager.compute_s["forward"]
+    assert fused.compute_s["backward"] == eager.compute_s["backward"]  # nothing to fuse

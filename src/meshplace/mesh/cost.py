@@ -241,6 +241,7 @@ class Evaluator:
             elif o.phase == "backward":
                 self.unit_bwd[o.unit].append(i)
         self.update_op = {o.inputs[0]: i for i, o in enumerate(self.ops) if o.phase == "update"}
+        self.chains = _pointwise_chains(program) if program.meta.get("kernels") == FUSED else None
 
     # ------------------------------------------------------------------ helpers
     def check(self, rules: Mapping[str, str | None]) -> None:
@@ -314,12 +315,18 @@ class Evaluator:
         out_bytes = out_local * t[o.output].itemsize  # what a collective of the output moves
         # what the kernel moves: nothing for values kept on chip by a fused kernel; a weight
         # read through a cast in the activation dtype
+        inside: tuple[str, ...] = ()  # operands that come from this op's fused chain
+        launch = t[o.output].materialised  # an op whose output stays on chip: no launch
+        kept = out_bytes if t[o.output].materialised else 0.0
+        if self.chains is not None and i in self.chains:
+            inside, leaves, head = self.chains[i]
+            launch = launch and head
+            kept = kept if leaves else 0.0
         in_bytes = sum(
             self._local(x, rules) * (CAST_BYTES if x in o.reads_cast else t[x].itemsize)
             for x in o.inputs
-            if x in t and t[x].materialised
+            if x in t and t[x].materialised and x not in inside
         )
-        kept = out_bytes if t[o.output].materialised else 0.0
         comm: list[tuple[str, tuple[str, ...], float, float, str]] = []
         partial: tuple[str, ...] = ()
 
@@ -344,9 +351,7 @@ class Evaluator:
                     0.0, self._local(x, rules) * (4 + CAST_BYTES), "pointwise"
                 )
         else:
-            # an op whose output stays on chip is part of its consumer's kernel: no launch
-            materialised = t[o.output].materialised
-            compute = self._roofline(o.flops / split, in_bytes + kept, o.eff, materialised)
+            compute = self._roofline(o.flops / split, in_bytes + kept, o.eff, launch)
             for x in o.casts:  # autocast's copy kernel: float32 <-> bfloat16, both ways
                 cast_bytes = self._local(x, rules) * (4 + CAST_BYTES)
                 compute += self._roofline(0.0, cast_bytes, "pointwise")
@@ -557,6 +562,43 @@ class Evaluator:
             colls,
             self.program.samples,
         )
+
+
+FUSED = "pytorch-fused"
+
+
+def _pointwise_chains(program: Program) -> dict[int, tuple[tuple[str, ...], bool, bool]]:
+    """For ``kernels="pytorch-fused"``: which point-wise ops run as one kernel, as
+    ``torch.compile`` fuses them (and as :mod:`meshplace.parallel.sharding`'s
+    ``compute="fused"`` does on the captured graph). A point-wise or accumulate op joins the
+    chain of a point-wise producer of one of its operands in the same unit and phase; per
+    chained op: ``(operands from inside its chain, whether its output is read outside the
+    chain or by nobody, whether it starts the chain)``. The chain is one launch; values
+    that stay inside it move no memory. O(ops + operands)."""
+    ops = program.ops
+    producer = {o.output: i for i, o in enumerate(ops)}
+    readers: dict[str, list[int]] = {}
+    for i, o in enumerate(ops):
+        for x in o.inputs:
+            readers.setdefault(x, []).append(i)
+    chain: dict[int, int] = {}  # op -> its chain's first op
+    for i, o in enumerate(ops):
+        if o.kind not in ("pointwise", "accumulate") or o.epilogue or o.phase == "update":
+            continue
+        chain[i] = i
+        for x in o.inputs:
+            p = producer.get(x)
+            if p in chain and ops[p].unit == o.unit and ops[p].phase == o.phase:
+                chain[i] = chain[p]
+                break
+    out = {}
+    for i, head in chain.items():
+        o = ops[i]
+        inside = tuple(x for x in o.inputs if chain.get(producer.get(x, -1)) == head)
+        users = readers.get(o.output, [])
+        leaves = not users or any(chain.get(r) != head for r in users)
+        out[i] = (inside, leaves, head == i)
+    return out
 
 
 def _chain(end: float, start: float, lead: float, work: float, k: int) -> float:

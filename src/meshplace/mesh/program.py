@@ -52,9 +52,12 @@ PHASES = ("forward", "backward", "update")
 #: scores materialised, biases their own op, weights read as stored). ``pytorch``: as the
 #: captured PyTorch models run under bf16 autocast (FlashAttention via
 #: ``scaled_dot_product_attention``; keys and values projected before they are gathered;
-#: biases inside ``addmm``; per-step casts of float32 weights and their gradients): the
-#: computation :mod:`meshplace.parallel` costs on the captured graph, for cross-checks.
-KERNELS = ("mesh-tf", "pytorch")
+#: biases inside ``addmm``; per-step casts of float32 weights and their gradients), every
+#: other op its own kernel (eager). ``pytorch-fused``: the same, with each chain of
+#: point-wise ops one kernel (``torch.compile``). The last two are the computations
+#: :mod:`meshplace.parallel` costs on the captured graph (``compute="eager"`` /
+#: ``"fused"``), for cross-checks.
+KERNELS = ("mesh-tf", "pytorch", "pytorch-fused")
 
 
 @dataclass(frozen=True)
@@ -334,7 +337,7 @@ class ProgramBuilder:
     def _autocast_reads(self, ins: Sequence[str]) -> tuple[str, ...]:
         """Under ``kernels="pytorch"``, the operands wider than the activation dtype that
         autocast hands a matmul as a cast copy (weights, float32 activations)."""
-        if self.kernels != "pytorch":
+        if not self.kernels.startswith("pytorch"):
             return ()
         return tuple(t for t in ins if self.tensors[t].itemsize > self.act_bytes)
 
@@ -345,7 +348,7 @@ class ProgramBuilder:
         od = self._out_dims(out, ins)
         flops = 2.0 * math.prod(s for _, s in od)
         n = self._op(name, "einsum", ins, od, flops, "embedding")
-        if self.kernels == "pytorch":  # autocast leaves embedding in the table's float32
+        if self.kernels.startswith("pytorch"):  # autocast leaves embedding in the table's float32
             self.tensors[n] = replace(self.tensors[n], itemsize=self.tensors[table].itemsize)
         return n
 
@@ -377,7 +380,7 @@ class ProgramBuilder:
             reads_cast=casts,
             casts=casts,
         )
-        if self.kernels == "pytorch" and not epilogue:  # type promotion: the widest wins
+        if self.kernels.startswith("pytorch") and not epilogue:  # type promotion: the widest wins
             widest = max(
                 (self.tensors[t].itemsize for t in inputs if t not in self.params),
                 default=self.act_bytes,
@@ -417,7 +420,7 @@ class ProgramBuilder:
             local=tuple(local),
             stats=float(stats),
         )
-        if self.kernels == "pytorch" and eff == "layer_norm":  # autocast runs norms in fp32
+        if self.kernels.startswith("pytorch") and eff == "layer_norm":  # autocast: fp32 norms
             self.tensors[n] = replace(self.tensors[n], itemsize=4)
         return n
 
@@ -527,7 +530,7 @@ class ProgramBuilder:
             tuple(search_dims),
             opt,
             samples,
-            dict(meta or {}),
+            {**(meta or {}), **({"kernels": self.kernels} if self.kernels != "mesh-tf" else {})},
         )
 
 
@@ -549,7 +552,7 @@ def _differentiate(b: ProgramBuilder) -> list[Op]:
         """The gradient of ``like``: in the activation dtype, or under autocast (a float32
         activation not read through a cast, ``narrow=False``) in ``like``'s own dtype."""
         t = tensors[like]
-        wide = b.kernels == "pytorch" and t.kind == "activation" and not narrow
+        wide = b.kernels.startswith("pytorch") and t.kind == "activation" and not narrow
         itemsize = t.itemsize if wide else b.act_bytes
         tensors[name] = Tensor(name, t.dims, "grad", itemsize, t.materialised)
         return name
@@ -890,7 +893,7 @@ def _dense(b: ProgramBuilder, name: str, x: str, w_dims, out, bias: bool) -> str
         bdims = [dd for dd in w_dims if dd[0] in out]
         bias_p = b.param(f"{name}_bias", bdims)
         y = b.pointwise(
-            f"{name}_b", [y, bias_p], identity_grad=True, epilogue=b.kernels == "pytorch"
+            f"{name}_b", [y, bias_p], identity_grad=True, epilogue=b.kernels.startswith("pytorch")
         )
     return y
 
@@ -915,7 +918,7 @@ def _attention_sublayer(
     xn = _norm(b, f"{prefix}attn_norm", x, norm) if pre_norm else x
     scale = 0.5 if causal else 1.0
     q = _dense(b, f"{prefix}q", xn, [D, *hd], ["batch", seq, "heads", "d_kv"], bias)
-    pytorch = b.kernels == "pytorch"
+    pytorch = b.kernels.startswith("pytorch")
     if memory is None and pytorch:  # project each block of the sequence, then gather
         k = _dense(b, f"{prefix}k", xn, [D, *hd], ["batch", seq, "heads", "d_kv"], bias)
         v = _dense(b, f"{prefix}v", xn, [D, *hd], ["batch", seq, "heads", "d_kv"], bias)
