@@ -307,3 +307,22 @@ def test_pytorch_fused_kernels_run_a_pointwise_chain_as_one_kernel(pod):
     assert eager.memory["activations"] - fused.memory["activations"] == a_bytes
     assert fused.compute_s["forward"] < eager.compute_s["forward"]
     assert fused.compute_s["backward"] == eager.compute_s["backward"]  # nothing to fuse
+
+
+def test_a_fused_qkv_projection_is_split_free_and_its_gradient_concatenated_once(pod):
+    separate = transformer_lm(SMALL_LM, bias=True, norm="layer", kernels="pytorch")
+    fused = transformer_lm(SMALL_LM, bias=True, norm="layer", kernels="pytorch", fused_qkv=True)
+    assert fused.param_count() == separate.param_count()
+    assert fused.tensors["layer.qkv_w"].names == ("d_model", "qkv", "heads", "d_kv")
+    splits = [o for o in fused.ops if o.kind == "split"]
+    assert [o.output for o in splits] == ["layer.q", "layer.k", "layer.v"]
+    # backward: the three gradients meet in one op writing the whole projection's gradient
+    (concat,) = [o for o in fused.ops if o.kind == "accumulate" and o.output == "dlayer.qkv_b"]
+    assert len(concat.inputs) == 3
+    assert fused.forward_flops() == separate.forward_flops()
+    mesh = build_mesh(pod, (4,), chips=4)
+    cost = evaluate(fused, mesh, {"seq": "x"})
+    gathered = {c.op for c in cost.collectives if c.kind == "all_gather"}
+    assert gathered == {"layer.k_all", "layer.v_all"}
+    # fewer kernels: one projection, one cast of its weight and bias, one update each
+    assert cost.compute_s["update"] < evaluate(separate, mesh, {"seq": "x"}).compute_s["update"]

@@ -344,6 +344,8 @@ class Evaluator:
                     add("reduce_scatter", (dst,), in_bytes)
             if not comm:
                 kept = 0.0  # a view
+        elif o.kind == "split":  # a view of a part of its input
+            compute = kept = 0.0
         elif o.epilogue:  # inside the producer's kernel, writing the producer's buffer
             compute = kept = 0.0
             for x in o.casts:

@@ -92,7 +92,7 @@ class Op:
     what communication a layout implies (see :mod:`meshplace.mesh.cost`)."""
 
     name: str
-    kind: str  # einsum | pointwise | reduce | relayout | conv | pool | accumulate | update
+    kind: str  # einsum | pointwise | reduce | relayout | split | conv | pool | accumulate | update
     inputs: tuple[str, ...]
     output: str
     phase: str
@@ -424,6 +424,16 @@ class ProgramBuilder:
             self.tensors[n] = replace(self.tensors[n], itemsize=4)
         return n
 
+    def split(self, x: str, dim: str, names: Sequence[str]) -> list[str]:
+        """``x`` cut along ``dim`` into ``len(names)`` views (``torch.split`` of a fused
+        projection: q, k and v out of one ``qkv`` matmul), each without ``dim``. Free;
+        their gradients are concatenated back into one (a kernel moving ``x``'s bytes twice)."""
+        size = dict(self.tensors[x].dims)[dim]
+        if size != len(names):
+            raise InputError(f"program {self.name!r}: split of {x!r} along {dim!r} needs {size}")
+        od = tuple((n, s) for n, s in self.tensors[x].dims if n != dim)
+        return [self._op(n, "split", [x], od, 0.0, "pointwise", alias=True) for n in names]
+
     def rename(self, name: str, x: str, renames: Mapping[str, str]) -> str:
         """The same data under other dimension names (Mesh-TensorFlow ``rename_dimension``);
         free unless the layout splits the old and new names differently."""
@@ -594,6 +604,9 @@ def _differentiate(b: ProgramBuilder) -> list[Op]:
     for o in reversed(b.ops):
         if o.output not in requires:
             continue
+        if o.kind == "split":  # each part's gradient goes to the whole, concatenated there
+            contributions.setdefault(o.inputs[0], []).extend(contributions.pop(o.output, []))
+            continue
         if o.kind == "relayout":
             # Renaming is linear: move each gradient contribution back separately, so partial
             # sums (e.g. from the k and v projections) are summed with those of q before a
@@ -755,12 +768,15 @@ def transformer_lm(
     name: str = "transformer-lm",
     act_bytes: int = 2,
     kernels: str = "mesh-tf",
+    fused_qkv: bool = False,
 ) -> Program:
     """Decoder-only Transformer LM (Mesh-TensorFlow's LM, GPT): pre-norm layers with
     multi-head attention (keys renamed ``seq`` -> ``kv_seq``) and a ReLU/GELU MLP.
 
     ``dims`` needs batch, seq, d_model, d_ff, heads, d_kv, layers, vocab; ``kernels`` is
-    one of :data:`KERNELS`. O(1) ops (one layer stored with ``repeat = layers``).
+    one of :data:`KERNELS`; ``fused_qkv``: one projection makes q, k and v (a ``qkv``
+    dimension of size 3, split after), as GPT-2's ``c_attn``. O(1) ops (one layer stored
+    with ``repeat = layers``).
     """
     d = _need(dims, ("batch", "seq", "d_model", "d_ff", "heads", "d_kv", "layers", "vocab"))
     b = ProgramBuilder(name, act_bytes=act_bytes, kernels=kernels)
@@ -775,7 +791,15 @@ def transformer_lm(
         x = b.pointwise("x0", [x, pos], identity_grad=True)
     with b.block("layer", repeat=d["layers"]):
         x = _attention_sublayer(
-            b, x, "seq", "kv_seq", norm=norm, bias=bias, causal=causal, pre_norm=True
+            b,
+            x,
+            "seq",
+            "kv_seq",
+            norm=norm,
+            bias=bias,
+            causal=causal,
+            pre_norm=True,
+            fused_qkv=fused_qkv,
         )
         x = _mlp_sublayer(b, x, norm=norm, bias=bias, activation=activation, pre_norm=True)
     with b.block("head"):
@@ -910,6 +934,7 @@ def _attention_sublayer(
     pre_norm: bool,
     memory: str | None = None,
     prefix: str = "",
+    fused_qkv: bool = False,
 ) -> str:
     t = b.tensors[x]
     sizes = dict(t.dims)
@@ -917,11 +942,17 @@ def _attention_sublayer(
     D = ("d_model", sizes["d_model"])
     xn = _norm(b, f"{prefix}attn_norm", x, norm) if pre_norm else x
     scale = 0.5 if causal else 1.0
-    q = _dense(b, f"{prefix}q", xn, [D, *hd], ["batch", seq, "heads", "d_kv"], bias)
     pytorch = b.kernels.startswith("pytorch")
-    if memory is None and pytorch:  # project each block of the sequence, then gather
-        k = _dense(b, f"{prefix}k", xn, [D, *hd], ["batch", seq, "heads", "d_kv"], bias)
-        v = _dense(b, f"{prefix}v", xn, [D, *hd], ["batch", seq, "heads", "d_kv"], bias)
+    if fused_qkv:  # one projection for q, k and v (GPT-2's c_attn), split after
+        qkv_out = ["batch", seq, "qkv", "heads", "d_kv"]
+        qkv = _dense(b, f"{prefix}qkv", xn, [D, ("qkv", 3), *hd], qkv_out, bias)
+        q, k, v = b.split(qkv, "qkv", [f"{prefix}{n}" for n in ("q", "k", "v")])
+    else:
+        q = _dense(b, f"{prefix}q", xn, [D, *hd], ["batch", seq, "heads", "d_kv"], bias)
+    if memory is None and (pytorch or fused_qkv):  # project each block, then gather
+        if not fused_qkv:
+            k = _dense(b, f"{prefix}k", xn, [D, *hd], ["batch", seq, "heads", "d_kv"], bias)
+            v = _dense(b, f"{prefix}v", xn, [D, *hd], ["batch", seq, "heads", "d_kv"], bias)
         k = b.rename(f"{prefix}k_all", k, {seq: kv})
         v = b.rename(f"{prefix}v_all", v, {seq: kv})
     else:  # Mesh-TensorFlow: gather the input, project the whole sequence everywhere
@@ -1132,7 +1163,8 @@ def program_for(
     """The named-dimension program of a reference workload (``meshplace.models.get`` gives
     its dimensions) or of the ``detection`` net. Raises ``InputError`` for other models.
     ``kernels`` (:data:`KERNELS`) says how the Transformers' ops become kernels: as
-    Mesh-TensorFlow lowers them (default) or as the captured PyTorch model runs.
+    Mesh-TensorFlow lowers them (default) or as the captured PyTorch model runs (GPT then
+    also has the PyTorch model's single q/k/v projection).
 
     ``transformer`` sizes base/big are the encoder-decoder (Adam); ``mtf-5b`` (alias ``5b``)
     is Mesh-TensorFlow's LM (Adafactor, as in the paper); ``gpt`` is the GPT-2/3 LM (Adam);
@@ -1183,6 +1215,7 @@ def program_for(
             optimizer=optimizer or "adam",
             name=label,
             kernels=kernels,
+            fused_qkv=kernels != "mesh-tf",  # the PyTorch model's one qkv projection
         )
     else:
         prog = resnet50(w.dims, optimizer=optimizer or "lars", name=label)
