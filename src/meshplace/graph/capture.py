@@ -330,7 +330,7 @@ def _loss_attribute(out: Any) -> tuple[bool, Any]:
     return False, None
 
 
-def _as_loss(out: Any, loss_fn: Callable[[Any], Any] | None = None) -> tuple[torch.Tensor, str]:
+def as_loss(out: Any, loss_fn: Callable[[Any], Any] | None = None) -> tuple[torch.Tensor, str]:
     """The scalar to differentiate and how it was chosen (``graph.meta['loss']``).
 
     * ``loss_fn`` given: ``loss_fn(out)`` (``"loss_fn"``);
@@ -477,7 +477,7 @@ def capture(
         loss_fn: ``loss_fn(output) -> loss``. Without it the loss is the output's ``loss``
             (an output object or dict without one is an error), a 0-dim output itself, or —
             for a larger tensor output — its mean, a stand-in noted in ``meta['notes']``
-            (:func:`_as_loss`).
+            (:func:`as_loss`).
         dtype: cast floating-point parameters, buffers and inputs to this dtype (``bf16``,
             ``fp16``, ``fp32``) before capture, as ``model.to(dtype)`` would; None keeps the
             dtypes the model was built with. Optimizer state has the parameters' dtype.
@@ -716,7 +716,7 @@ def _capture(
     def train_step(inputs: list, params: list) -> tuple[Any, list]:
         with tagger:
             with fx_traceback.annotate({"phase": "forward"}):
-                loss, found["loss"] = _as_loss(run_forward(inputs), opts.loss_fn)
+                loss, found["loss"] = as_loss(run_forward(inputs), opts.loss_fn)
             reentrant = _uses_reentrant_checkpoint(loss)
             tagger.backward = True
             try:

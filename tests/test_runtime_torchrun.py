@@ -1,0 +1,102 @@
+"""A sharding plan run by torchrun (``python -m meshplace.runtime``) on 2 gloo ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from meshplace.graph.capture import capture
+from meshplace.graph.sources import load_build_function
+from tests.test_parallel_execution import tight_plan
+
+MODEL = """\
+import torch
+
+
+def build():
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)
+    )
+    return model, (torch.randn(32, 64),)
+"""
+
+
+def _torchrun(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    """``torchrun --standalone`` (a free rendezvous port on 127.0.0.1 for this test alone)
+    with 2 processes of ``python -m meshplace.runtime ARGS``."""
+    head = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [*head, "-m", "meshplace.runtime", *args],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=240,
+    )
+
+
+def test_a_plan_trains_under_torchrun_like_one_process_and_each_rank_holds_its_share(
+    tmp_path: Path,
+) -> None:
+    source = f"{tmp_path / 'mlp.py'}:build"
+    (tmp_path / "mlp.py").write_text(MODEL)
+    torch.manual_seed(0)
+    model, (x,) = load_build_function(source)()
+    plan = tight_plan(capture(model, (x,), training=True), (2,)).plan_file(source, "dgx-h100")
+    assert any("Shard" in " ".join(p["placements"]) for p in plan["parameters"].values())
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    done = _torchrun(tmp_path, "--plan", "plan.json", "--steps", "3", "--warmup", "1", "--json")
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout)  # rank 0 prints exactly one JSON document
+    # the same three Adam steps in one process
+    torch.manual_seed(0)
+    model, (x,) = load_build_function(source)()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    expected = []
+    for _ in range(3):
+        loss = model(x).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        expected.append(float(loss.detach()))
+    assert torch.allclose(
+        torch.tensor(report["measured"]["losses"]), torch.tensor(expected), rtol=1e-5, atol=1e-6
+    )
+    assert report["world_size"] == 2 and report["steps"] == 3 and report["warmup"] == 1
+    assert report["measured"]["step_time_s"] > 0
+    # each rank holds its block of every parameter and of Adam's two moments, as predicted
+    memory = report["memory_per_rank"]
+    for kind in ("parameters", "optimizer_state"):
+        assert memory[kind]["measured"] == [memory[kind]["predicted"]] * 2, kind
+    assert report["notes"] == []
+
+
+def test_bad_runs_are_one_sentence_and_exit_2(tmp_path: Path) -> None:
+    (tmp_path / "plan.json").write_text(
+        json.dumps({"format": "meshplace.parallel_plan", "mesh": {"shape": [4]}, "graph": {}})
+    )
+    env_world = {"WORLD_SIZE": "2", "RANK": "0"}
+    cases = [
+        (["--plan", "missing.json"], "does not exist"),
+        (["--plan", "plan.json"], "FILE.py:build"),
+        (["--plan", "plan.json", "--model", "m.py:build"], "needs 4 processes, torchrun started 2"),
+        (["--plan", "plan.json", "--steps", "2", "--warmup", "2"], "fewer than --steps"),
+    ]
+    for args, message in cases:
+        done = subprocess.run(
+            [sys.executable, "-m", "meshplace.runtime", *args],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            env={**os.environ, **env_world},
+            timeout=120,
+        )
+        assert done.returncode == 2, (args, done.stderr)
+        assert message in done.stderr and done.stderr.count("\n") == 1, (args, done.stderr)
+        assert done.stdout == ""
