@@ -1,4 +1,5 @@
-"""A sharding plan run by torchrun (``python -m meshplace.runtime``) on 2 gloo ranks."""
+"""A sharding plan run by torchrun on 2 gloo ranks: ``meshplace run --plan`` starts
+``torchrun -m meshplace.runtime``."""
 
 from __future__ import annotations
 
@@ -26,13 +27,12 @@ def build():
 """
 
 
-def _torchrun(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    """``torchrun --standalone`` (a free rendezvous port on 127.0.0.1 for this test alone)
-    with 2 processes of ``python -m meshplace.runtime ARGS``."""
-    head = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+def _meshplace_run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    """``meshplace run ARGS`` (a sharding plan: torchrun ``--standalone``, so a free
+    rendezvous port on 127.0.0.1 for this test alone)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(
-        [*head, "-m", "meshplace.runtime", *args],
+        [sys.executable, "-m", "meshplace.cli", "run", *args],
         capture_output=True,
         text=True,
         cwd=tmp_path,
@@ -51,8 +51,11 @@ def test_a_plan_trains_under_torchrun_like_one_process_and_each_rank_holds_its_s
     plan = tight_plan(capture(model, (x,), training=True), (2,)).plan_file(source, "dgx-h100")
     assert any("Shard" in " ".join(p["placements"]) for p in plan["parameters"].values())
     (tmp_path / "plan.json").write_text(json.dumps(plan))
-    done = _torchrun(tmp_path, "--plan", "plan.json", "--steps", "3", "--warmup", "1", "--json")
+    done = _meshplace_run(
+        tmp_path, "--plan", "plan.json", "--steps", "3", "--warmup", "1", "--json"
+    )
     assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip(), done.stderr[-3000:]
     report = json.loads(done.stdout)  # rank 0 prints exactly one JSON document
     # the same three Adam steps in one process
     torch.manual_seed(0)
@@ -100,3 +103,11 @@ def test_bad_runs_are_one_sentence_and_exit_2(tmp_path: Path) -> None:
         assert done.returncode == 2, (args, done.stderr)
         assert message in done.stderr and done.stderr.count("\n") == 1, (args, done.stderr)
         assert done.stdout == ""
+    # through meshplace run: the same checks before torchrun starts
+    for args, message in (
+        (["--plan", "plan.json", "--graph", "m.py:build", "--cluster-out", "c.yaml"], "does not"),
+        (["--plan", "plan.json", "--graph", "m.py:build", "--worker-devices", "cuda:0"], "cpu or"),
+    ):
+        done = _meshplace_run(tmp_path, *args)
+        assert done.returncode == 2, (args, done.stderr)
+        assert message in done.stderr and done.stderr.count("\n") == 1, (args, done.stderr)

@@ -34,12 +34,17 @@ DEFAULT_HANG_TIMEOUT_S = 20.0
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``meshplace run``."""
-    parser.add_argument("--plan", help="plan JSON (meshplace.plan) to execute")
+    parser.add_argument(
+        "--plan",
+        help="plan JSON to execute: a placement (meshplace.plan) on local workers, or a "
+        "sharding plan (meshplace.parallel_plan, from meshplace shard --out) under torchrun, "
+        "one process per mesh device",
+    )
     parser.add_argument(
         "--graph",
-        required=True,
         help="model: a small runtime model (mlp, nmt-small, dmcca-small, rnnlm-small, "
-        "transformer-small, resnet-small), a reference workload, or FILE.py:FUNCTION",
+        "transformer-small, resnet-small), a reference workload, or FILE.py:FUNCTION "
+        "(a sharding plan's own model by default)",
     )
     parser.add_argument("--placer", help="instead of --plan: place with this placer first")
     parser.add_argument("--workers", type=positive_int, default=2, help="local devices (default 2)")
@@ -172,6 +177,77 @@ def _devices_for(
     return [local[i] for i in res.op_devices.tolist()], f"placer {args.placer}"
 
 
+def _sharding_plan(path: str | None) -> dict[str, Any] | None:
+    """The plan at ``path`` when it is a sharding plan (``meshplace.parallel_plan``)."""
+    import json
+    from pathlib import Path
+
+    if not path:
+        return None
+    try:
+        plan = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None  # the placement-plan reader says what is wrong with it
+    is_sharding = isinstance(plan, dict) and plan.get("format") == "meshplace.parallel_plan"
+    return plan if is_sharding else None
+
+
+def run_sharding_plan(args: argparse.Namespace, plan: dict[str, Any]) -> int:
+    """``meshplace run --plan SHARDING_PLAN``: start torchrun with one process per mesh
+    device on this host, each running :mod:`meshplace.runtime.launch`; its exit status.
+    Every check that needs no process is made first (one sentence, exit 2)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from meshplace.runtime.launch import model_source
+    from meshplace.util import print_json
+
+    for flag, value in (
+        ("--placer", args.placer),
+        ("--cluster-out", args.cluster_out),
+        ("--batch", args.batch),
+        ("--size", args.size),
+    ):
+        if value is not None:
+            raise InputError(f"{flag} does not apply to a sharding plan ({args.plan})")
+    devices = args.worker_devices
+    if devices not in ("cpu", "cuda"):
+        raise InputError(
+            f"--worker-devices {devices!r}: a sharding plan runs one process per mesh device "
+            "on cpu or cuda"
+        )
+    if args.warmup is not None and args.warmup >= args.steps:
+        raise InputError(f"--warmup {args.warmup} must be fewer than --steps {args.steps}")
+    warmup = args.warmup if args.warmup is not None else min(2, args.steps - 1)
+    source = model_source(plan, args.graph)
+    nproc = math.prod(int(s) for s in plan["mesh"]["shape"])
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc-per-node", str(nproc), "-m", "meshplace.runtime", "--plan", args.plan]
+    command += ["--model", source, "--steps", str(args.steps), "--warmup", str(warmup)]
+    command += ["--device", devices] + (["--json"] if args.json else [])
+    env = {**os.environ}
+    env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default, without its banner
+    if not args.json:
+        return subprocess.run(command, check=False, env=env).returncode
+    # rank 0 prints the report as one JSON line; it becomes this command's JSON document
+    done = subprocess.run(command, check=False, env=env, stdout=subprocess.PIPE, text=True)
+    lines = done.stdout.splitlines()
+    documents = [line for line in lines if line.startswith("{")]
+    for line in lines:
+        if not line.startswith("{"):
+            print(line, file=sys.stderr)
+    if done.returncode == 0 and len(documents) == 1:
+        print_json(json.loads(documents[0]))
+        return 0
+    status = done.returncode or 1
+    error = f"torchrun ended with exit status {done.returncode} (its ranks' messages: stderr)"
+    print(f"meshplace: error: {error}", file=sys.stderr)
+    print_json({"error": error, "exit_status": status})
+    return status
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     """Run ``meshplace run``; returns the exit code (1 when a worker fails)."""
     import sys
@@ -179,6 +255,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     from meshplace.runtime.processes import WorkerFailure, interrupt_on_sigterm
     from meshplace.util import print_json
 
+    sharding = _sharding_plan(args.plan)
+    if sharding is not None:
+        return run_sharding_plan(args, sharding)
+    if not args.graph:
+        raise InputError("meshplace run needs --graph MODEL for a placement plan or --placer")
     plan = check_run_arguments(args)
     # SIGTERM unwinds like Ctrl-C: workers stopped, temporary folders removed
     with interrupt_on_sigterm():
