@@ -42,11 +42,23 @@ def _git(*args: str) -> str | None:
     return out.stdout.strip()
 
 
-def provenance(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """The commit (and whether the tree had uncommitted changes), the command line, the
-    time, the versions and the machine's load that a result was measured under."""
-    argv = list(sys.argv if argv is None else argv)
+def _code_state() -> tuple[str | None, bool | None]:
+    """The checked-out commit and whether tracked files differ from it."""
     status = _git("status", "--porcelain", "--untracked-files=no")
+    return _git("rev-parse", "HEAD"), (bool(status) if status is not None else None)
+
+
+#: The code a benchmark runs is the code when it started (it imports this module first):
+#: a commit made while a long benchmark runs must not be stamped on its results.
+_AT_IMPORT = _code_state()
+
+
+def provenance(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """The commit (and whether the tree had uncommitted changes) when this module was
+    imported — when the benchmark started —, the command line, the time, the versions and
+    the machine's load that a result was measured under."""
+    argv = list(sys.argv if argv is None else argv)
+    commit, dirty = _AT_IMPORT
     try:
         from importlib.metadata import version
 
@@ -55,8 +67,8 @@ def provenance(argv: Sequence[str] | None = None) -> dict[str, Any]:
         torch_version = None
     return {
         "command": "python " + shlex.join(argv),
-        "commit": _git("rev-parse", "HEAD"),
-        "dirty": bool(status) if status is not None else None,
+        "commit": commit,
+        "dirty": dirty,
         "date_utc": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "meshplace": __version__,
         "python": platform.python_version(),
