@@ -68,7 +68,12 @@ def _spmd_worker(rank: int, models: tuple[str, ...], plans: dict, out_dir: str) 
             t.full_tensor() if hasattr(t, "full_tensor") else t
             for t in torch.utils._pytree.tree_leaves(out)
         ]
-        result = {"out": leaves, "by_node": interp.by_node, "peak": interp.peak_bytes}
+        result = {
+            "out": leaves,
+            "by_node": interp.by_node,
+            "peak": interp.peak_bytes,
+            "resident": interp.resident_bytes,
+        }
         torch.save(result, Path(out_dir) / f"{which}{rank}.pt")
 
 
@@ -115,8 +120,10 @@ def check_run(which: str, step: Any, state: list, plan: Any, tmp_path: Path) -> 
                 f"{dict(sorted(ran.items()))}; live peak predicted {predicted_peak:,.0f} B, "
                 f"measured {got['peak']:,} B; solver bound {plan.peak_memory_bytes:,.0f} B"
             )
-        # memory: the live tensor bytes this rank held at its peak against the plan's
-        # liveness prediction
+        # memory: this rank's parameter and optimizer-state blocks exactly as predicted
+        for kind in ("parameters", "optimizer_state"):
+            assert got["resident"][kind] == plan.memory_bytes[kind], (which, kind)
+        # and the live tensor bytes it held at its peak against the plan's liveness count
         assert abs(got["peak"] - predicted_peak) <= 0.10 * got["peak"], (
             which,
             got["peak"],

@@ -159,6 +159,8 @@ class PlanInterpreter(torch.fx.Interpreter):
         self.gathered: list[str] = []  # views whose input had to be gathered first
         self.peak_bytes = 0
         self.peak_node = ""
+        #: bytes of this rank's blocks of the parameters and of the optimizer state
+        self.resident_bytes: dict[str, int] = {}
 
     def _run_view(self, n: torch.fx.Node) -> Any:
         """A node the plan folds into an edge (a view, a tuple index): DTensor carries the
@@ -382,6 +384,11 @@ def source_placements(plan: Any) -> dict[str, list[int]]:
     return out
 
 
+def _local_nbytes(t: Any) -> int:
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return local.numel() * local.element_size()
+
+
 def run_plan(
     step: Any,
     plan: Any,
@@ -396,7 +403,8 @@ def run_plan(
     under ``plan`` on ``mesh``: sources placed as planned (from the whole tensors every
     rank holds), every op's operands redistributed as planned; returns the traced step's
     outputs (DTensors). With ``log`` (active around the call), the interpreter is returned
-    too, its ``by_node`` naming the collectives each node ran."""
+    too, its ``by_node`` naming the collectives each node ran and its ``resident_bytes``
+    this rank's parameter and optimizer-state bytes."""
     specs = source_placements(plan)
     placed: list[Any] = []
     for name, t in zip(step.param_names, params, strict=True):
@@ -410,6 +418,13 @@ def run_plan(
         spec = specs.get(f"input:{name}", [R] * mesh.ndim)
         placed.append(place_whole(t, mesh, spec) if isinstance(t, torch.Tensor) else t)
     interp = PlanInterpreter(step.gm, plan, mesh, log)
+    n_params = len(step.param_names)
+    first_state = n_params + len(step.buffer_names)
+    state_blocks = placed[first_state : first_state + len(states)]
+    interp.resident_bytes = {
+        "parameters": sum(_local_nbytes(t) for t in placed[:n_params]),
+        "optimizer_state": sum(_local_nbytes(t) for t in state_blocks),
+    }
     out = interp.run(*placed)
     return (out, interp) if log is not None else out
 
