@@ -14,6 +14,7 @@ import torch
 from meshplace.graph.capture import capture
 from meshplace.graph.sources import load_build_function
 from tests.test_parallel_execution import tight_plan
+from tests.test_runtime_faults import session_processes, wait_for
 
 MODEL = """\
 import torch
@@ -111,3 +112,36 @@ def test_bad_runs_are_one_sentence_and_exit_2(tmp_path: Path) -> None:
         done = _meshplace_run(tmp_path, *args)
         assert done.returncode == 2, (args, done.stderr)
         assert message in done.stderr and done.stderr.count("\n") == 1, (args, done.stderr)
+
+
+def test_a_rank_killed_mid_run_ends_the_job_with_one_sentence_and_no_processes(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "mlp.py").write_text(MODEL)
+    plan = {
+        "format": "meshplace.parallel_plan",
+        "graph": {"source": f"{tmp_path / 'mlp.py'}:build"},
+        "mesh": {"shape": [2], "axes": ["x"]},
+        "parameters": {
+            name: {"placements": ["Replicate()"], "zero": 0}
+            for name in ("0.weight", "0.bias", "2.weight", "2.bias")
+        },
+        "inputs": {"input": {"placements": ["Shard(0)"]}},
+    }
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MESHPLACE_TORCHRUN_FAULT": "1:1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "meshplace.cli", "run", "--plan", "plan.json", "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        start_new_session=True,  # its own session: every process it starts is findable
+    )
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 1, err[-2000:]
+    sentence = "rank 1 was killed by SIGKILL; torchrun stopped the other ranks (exit status 1)"
+    assert err.splitlines()[-1] == f"meshplace: error: {sentence}"
+    assert json.loads(out) == {"error": sentence, "exit_status": 1}
+    wait_for(lambda: not session_processes(proc.pid), "every rank to be gone", timeout=30)

@@ -229,23 +229,53 @@ def run_sharding_plan(args: argparse.Namespace, plan: dict[str, Any]) -> int:
     command += ["--device", devices] + (["--json"] if args.json else [])
     env = {**os.environ}
     env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default, without its banner
-    if not args.json:
-        return subprocess.run(command, check=False, env=env).returncode
-    # rank 0 prints the report as one JSON line; it becomes this command's JSON document
-    done = subprocess.run(command, check=False, env=env, stdout=subprocess.PIPE, text=True)
+    # torchrun's elastic agent ends every rank when one dies; its messages (and the ranks')
+    # pass through on stderr, and a failure ends with one sentence naming the rank
+    done = subprocess.run(command, check=False, env=env, capture_output=True, text=True)
+    sys.stderr.write(done.stderr)
     lines = done.stdout.splitlines()
-    documents = [line for line in lines if line.startswith("{")]
+    documents = [line for line in lines if args.json and line.startswith("{")]
     for line in lines:
-        if not line.startswith("{"):
-            print(line, file=sys.stderr)
-    if done.returncode == 0 and len(documents) == 1:
-        print_json(json.loads(documents[0]))
+        if line not in documents:
+            print(line, file=sys.stderr if args.json else sys.stdout)
+    if done.returncode == 0:
+        if args.json and len(documents) == 1:
+            print_json(json.loads(documents[0]))
         return 0
-    status = done.returncode or 1
-    error = f"torchrun ended with exit status {done.returncode} (its ranks' messages: stderr)"
-    print(f"meshplace: error: {error}", file=sys.stderr)
-    print_json({"error": error, "exit_status": status})
-    return status
+    if done.returncode == 2 and "meshplace: error: " in done.stderr:
+        error = done.stderr.rsplit("meshplace: error: ", 1)[1].splitlines()[0]
+    else:
+        error = failed_rank_sentence(done.stderr, done.returncode)
+        print(f"meshplace: error: {error}", file=sys.stderr)
+    if args.json:
+        print_json({"error": error, "exit_status": done.returncode or 1})
+    return done.returncode or 1
+
+
+def failed_rank_sentence(stderr: str, status: int) -> str:
+    """One sentence on a torchrun job that failed, naming the first rank torchrun reports
+    as failed (``exitcode: -9 ... local_rank: 1``) and how it ended.
+
+    >>> failed_rank_sentence("... failed (exitcode: -9) local_rank: 1 (pid: 7) of ...", 1)
+    'rank 1 was killed by SIGKILL; torchrun stopped the other ranks (exit status 1)'
+    >>> failed_rank_sentence("", 1)
+    "torchrun ended with exit status 1 (the ranks' messages are above)"
+    """
+    import re
+    import signal
+
+    found = re.search(r"exitcode: (-?\d+)\)? local_rank: (\d+)", stderr)
+    if found is None:
+        return f"torchrun ended with exit status {status} (the ranks' messages are above)"
+    code, rank = int(found.group(1)), found.group(2)
+    if code < 0:
+        try:
+            how = f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            how = f"was killed by signal {-code}"
+    else:
+        how = f"exited with status {code}"
+    return f"rank {rank} {how}; torchrun stopped the other ranks (exit status {status})"
 
 
 def cmd_run(args: argparse.Namespace) -> int:

@@ -38,6 +38,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import statistics
 import sys
 import time
@@ -46,6 +47,10 @@ from typing import Any
 
 from meshplace.argtypes import non_negative_int, positive_int
 from meshplace.errors import InputError
+
+#: Fault injection for tests: ``"RANK:STEP"`` makes that rank kill itself (SIGKILL) as
+#: that step starts, as a crashed or OOM-killed process would end.
+FAULT_ENV = "MESHPLACE_TORCHRUN_FAULT"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -160,7 +165,11 @@ def run_sharded_plan(
     times: list[float] = []
     losses: list[float] = []
     grad_bytes = 0
-    for _ in range(steps):
+    fault = os.environ.get(FAULT_ENV, "")
+    rank = torch.distributed.get_rank()
+    for step in range(steps):
+        if fault == f"{rank}:{step}":
+            os.kill(os.getpid(), signal.SIGKILL)
         torch.distributed.barrier()
         start = time.perf_counter()
         with sharded_step(device_type):
