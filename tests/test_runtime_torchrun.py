@@ -13,7 +13,8 @@ import torch
 
 from meshplace.graph.capture import capture
 from meshplace.graph.sources import load_build_function
-from tests.test_parallel_execution import tight_plan
+from meshplace.hardware import load_cluster
+from meshplace.parallel.search import shard_graph
 from tests.test_runtime_faults import session_processes, wait_for
 
 MODEL = """\
@@ -49,7 +50,10 @@ def test_a_plan_trains_under_torchrun_like_one_process_and_each_rank_holds_its_s
     (tmp_path / "mlp.py").write_text(MODEL)
     torch.manual_seed(0)
     model, (x,) = load_build_function(source)()
-    plan = tight_plan(capture(model, (x,), training=True), (2,)).plan_file(source, "dgx-h100")
+    graph = capture(model, (x,), training=True)
+    plan = shard_graph(graph, load_cluster("dgx-h100"), chips=2).best.plan_file(source, "dgx-h100")
+    zero = {n: p["zero"] for n, p in plan["parameters"].items()}
+    assert any(zero.values()), zero  # weight-update sharding is exercised
     assert any("Shard" in " ".join(p["placements"]) for p in plan["parameters"].values())
     (tmp_path / "plan.json").write_text(json.dumps(plan))
     done = _meshplace_run(
@@ -74,11 +78,17 @@ def test_a_plan_trains_under_torchrun_like_one_process_and_each_rank_holds_its_s
     )
     assert report["world_size"] == 2 and report["steps"] == 3 and report["warmup"] == 1
     assert report["measured"]["step_time_s"] > 0
-    # each rank holds its block of every parameter and of Adam's two moments, as predicted
+    # each rank holds its block of Adam's two moments as predicted (ZeRO included), and
+    # its block of every parameter, except that stage 3 runs as stage 2 (kept whole)
     memory = report["memory_per_rank"]
-    for kind in ("parameters", "optimizer_state"):
-        assert memory[kind]["measured"] == [memory[kind]["predicted"]] * 2, kind
-    assert report["notes"] == []
+    assert memory["optimizer_state"]["measured"] == [memory["optimizer_state"]["predicted"]] * 2
+    whole = dict(model.named_parameters())
+    kept = sum(
+        whole[n].numel() * 4 // 2  # the other half of a parameter replicated over 2 ranks
+        for n, z in zero.items()
+        if z >= 3
+    )
+    assert memory["parameters"]["measured"] == [memory["parameters"]["predicted"] + kept] * 2
 
 
 def test_bad_runs_are_one_sentence_and_exit_2(tmp_path: Path) -> None:

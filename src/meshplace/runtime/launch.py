@@ -22,8 +22,9 @@ The plan's predicted step time is for the cluster it was made for (``plan["clust
 on other hardware it is printed for reference, not as a prediction of this run (issue 15's
 calibration is what will make it one).
 
-Not yet here (issue 15): weight-update sharding (``zero`` > 0 parameters run replicated
-and are listed in ``notes``), building each rank's share without the whole model first
+Weight-update sharding (``zero`` > 0) is applied per parameter
+(:class:`WeightUpdateSharding`: ZeRO stages 1 and 2 on DTensor; stage 3 runs as stage
+2). Not yet here (issue 15): building each rank's share without the whole model first
 (every rank builds the full model, then keeps its blocks), pipelined and op-placement
 plans.
 
@@ -42,6 +43,7 @@ import signal
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -114,6 +116,102 @@ def model_source(plan: dict[str, Any], override: str | None) -> str:
     return str(source)
 
 
+def zero_placements(placements: list[Any], shape: Sequence[int], mesh_shape: Sequence[int]) -> list:
+    """The plan's placements of a parameter with every replica axis (``Replicate``) turned
+    into ``Shard(d)``, ``d`` the first dimension whose block that axis's size divides (the
+    plan's ZeRO shard is a flat ``1/N``: the same bytes where it divides evenly).
+
+    >>> from torch.distributed.tensor import Replicate, Shard
+    >>> zero_placements([Shard(0), Replicate()], [8, 6], [4, 3])
+    [Shard(dim=0), Shard(dim=1)]
+    """
+    from torch.distributed.tensor import Shard
+
+    local = list(shape)
+    for p, size in zip(placements, mesh_shape, strict=True):
+        if p.is_shard():
+            local[p.dim] //= size
+    out = list(placements)
+    for axis, (p, size) in enumerate(zip(placements, mesh_shape, strict=True)):
+        if p.is_replicate() and size > 1:
+            d = next((d for d, n in enumerate(local) if n % size == 0), 0)
+            out[axis] = Shard(d)
+            local[d] //= size
+    return out
+
+
+class WeightUpdateSharding:
+    """The plan's weight-update sharding, per parameter, on DTensor.
+
+    Source: Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion
+    Parameter Models" (SC 2020), Sec. 5: stage 1 shards the optimizer state over the
+    data-parallel replicas, stage 2 the gradients too, stage 3 the parameters too. Here a
+    parameter's replica axes are the mesh axes its plan placement replicates it over.
+
+    The optimizer updates a master copy of the parameter sharded over its replica axes
+    (:func:`zero_placements`). After backward (:meth:`after_backward`) the gradient is
+    redistributed onto it — a reduce-scatter where it is a partial sum, a local slice where
+    already reduced — and from stage 2 the whole gradient is dropped; after the step
+    (:meth:`after_step`) the updated shard is all-gathered into the parameter.
+
+    Stage 3 runs as stage 2 (listed in :attr:`whole`): keeping only the shard between uses
+    needs FSDP's gather before each module's forward and backward. Storing the parameter
+    as a sharded DTensor instead lets DTensor use it as a tensor-parallel weight, which
+    changes the computation and fails on views DTensor cannot split (Llama's k/v heads).
+
+    O(parameters) per step, plus the collectives.
+    """
+
+    def __init__(self, model: Any, plan: dict[str, Any], mesh: Any) -> None:
+        import torch
+
+        self.mesh = mesh
+        self.masters: dict[str, tuple[Any, Any, int]] = {}
+        self.uneven: list[str] = []
+        self.whole: list[str] = []  # stage-3 parameters kept whole between steps
+        for name, param in list(model.named_parameters()):
+            zero = int(plan["parameters"][name].get("zero", 0))
+            if zero == 0 or not any(p.is_replicate() for p in param.placements):
+                continue
+            target = zero_placements(list(param.placements), param.shape, mesh.shape)
+            shard = torch.nn.Parameter(param.detach().redistribute(mesh, target))
+            whole = param.numel() * param.element_size()
+            if _local_bytes(shard) * math.prod(mesh.shape) != whole:
+                self.uneven.append(name)  # no dimension divides: blocks of unequal size
+            if zero >= 3:
+                self.whole.append(name)
+            self.masters[name] = (param, shard, zero)
+
+    def optimizer_parameters(self, model: Any) -> list[Any]:
+        """What the optimizer updates: each stage-1/2 parameter's master shard in its
+        place, every other parameter as it is."""
+        return [self.masters[n][1] if n in self.masters else p for n, p in model.named_parameters()]
+
+    def after_backward(self) -> None:
+        for param, shard, zero in self.masters.values():
+            if param.grad is not None:
+                shard.grad = param.grad.redistribute(self.mesh, shard.placements)
+                if zero >= 2:
+                    param.grad = None
+
+    def after_step(self) -> None:
+        import torch
+
+        with torch.no_grad():
+            for param, shard, _ in self.masters.values():
+                param.to_local().copy_(shard.redistribute(self.mesh, param.placements).to_local())
+
+    def gradient_bytes(self, model: Any) -> int:
+        """This rank's gradient bytes between backward and the step: every parameter's
+        own, and the master shards' of stage 2 (whose whole gradients are gone)."""
+        own = sum(_local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
+        return own + sum(
+            _local_bytes(s.grad)
+            for _, s, z in self.masters.values()
+            if z >= 2 and s.grad is not None
+        )
+
+
 def _local_bytes(t: Any) -> int:
     local = t.to_local() if hasattr(t, "to_local") else t
     return local.numel() * local.element_size()
@@ -149,6 +247,7 @@ def run_sharded_plan(
     model.to(device)
     mesh = device_mesh(plan, device_type)
     apply_sharding_plan(model, plan, mesh)
+    zero = WeightUpdateSharding(model, plan, mesh)
     names = list(plan["inputs"])  # positional inputs first, then keywords, as captured
     values = [a.to(device) for a in [*args, *kwargs.values()]]
     if len(values) != len(names):
@@ -159,7 +258,7 @@ def run_sharded_plan(
     placed = distribute_inputs(plan, dict(zip(names, values, strict=True)), mesh)
     pos = tuple(placed[n] for n in names[: len(args)])
     kw = {k: placed[k] for k in kwargs}
-    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    optimizer = torch.optim.Adam(zero.optimizer_parameters(model), lr=lr)
     if device_type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     times: list[float] = []
@@ -175,9 +274,12 @@ def run_sharded_plan(
         with sharded_step(device_type):
             loss, _how = as_loss(model(*pos, **kw))
             loss.backward()
-        grad_bytes = sum(_local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
+        zero.after_backward()
+        grad_bytes = zero.gradient_bytes(model)
         optimizer.step()
+        zero.after_step()
         optimizer.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
         if device_type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
@@ -202,6 +304,8 @@ def run_sharded_plan(
         "gradients": grad_bytes,
         "optimizer_state": state_bytes,
         "peak_bytes": peak,
+        "uneven": zero.uneven,
+        "whole": zero.whole,
     }
 
 
@@ -214,12 +318,19 @@ def summarise(
     timed = slowest[min(warmup, steps - 1) :]
     predicted = plan.get("predicted") or {}
     memory = predicted.get("memory_bytes") or {}
-    zero = sorted(n for n, p in plan["parameters"].items() if p.get("zero", 0) > 0)
     notes = []
-    if zero:
+    whole = per_rank[0].get("whole", [])
+    if whole:
         notes.append(
-            f"{len(zero)} parameters have weight-update sharding (zero > 0) in the plan; "
-            "they ran replicated over their data-parallel axes"
+            f"{len(whole)} parameters have ZeRO stage 3 in the plan; they ran as stage 2 "
+            "(whole parameters between steps, so more parameter bytes than predicted)"
+        )
+    uneven = per_rank[0].get("uneven", [])
+    if uneven:
+        notes.append(
+            f"{len(uneven)} parameters with weight-update sharding have no dimension their "
+            f"replica count divides ({', '.join(uneven[:3])}): their blocks are uneven, the "
+            "plan's flat shards are not"
         )
     return {
         "model": source,
