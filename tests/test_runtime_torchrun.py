@@ -78,10 +78,11 @@ def test_a_plan_trains_under_torchrun_like_one_process_and_each_rank_holds_its_s
     )
     assert report["world_size"] == 2 and report["steps"] == 3 and report["warmup"] == 1
     assert report["measured"]["step_time_s"] > 0
-    # each rank holds its block of Adam's two moments as predicted (ZeRO included), and
-    # its block of every parameter, except that stage 3 runs as stage 2 (kept whole)
+    # each rank holds its block of every gradient and of Adam's two moments as predicted
+    # (ZeRO included), and of every parameter, except that stage 3 runs as stage 2
     memory = report["memory_per_rank"]
-    assert memory["optimizer_state"]["measured"] == [memory["optimizer_state"]["predicted"]] * 2
+    for kind in ("gradients", "optimizer_state"):
+        assert memory[kind]["measured"] == [memory[kind]["predicted"]] * 2, kind
     whole = dict(model.named_parameters())
     kept = sum(
         whole[n].numel() * 4 // 2  # the other half of a parameter replicated over 2 ranks

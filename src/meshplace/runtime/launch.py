@@ -140,6 +140,18 @@ def zero_placements(placements: list[Any], shape: Sequence[int], mesh_shape: Seq
     return out
 
 
+def place_gradients_like_parameters(model: Any) -> None:
+    """Give every DTensor gradient its parameter's placements, as the plan places them:
+    where DTensor ran a split weight's matmul on the gathered weight, the gradient comes
+    back whole (a local slice makes it the parameter's block) or as a partial sum (a
+    reduce-scatter). O(parameters)."""
+    for p in model.parameters():
+        g = p.grad
+        placed = getattr(g, "placements", None)
+        if placed is not None and tuple(placed) != tuple(p.placements):
+            p.grad = g.redistribute(p.device_mesh, p.placements)
+
+
 class WeightUpdateSharding:
     """The plan's weight-update sharding, per parameter, on DTensor.
 
@@ -274,6 +286,7 @@ def run_sharded_plan(
         with sharded_step(device_type):
             loss, _how = as_loss(model(*pos, **kw))
             loss.backward()
+        place_gradients_like_parameters(model)
         zero.after_backward()
         grad_bytes = zero.gradient_bytes(model)
         optimizer.step()
