@@ -156,3 +156,17 @@ def test_a_rank_killed_mid_run_ends_the_job_with_one_sentence_and_no_processes(
     assert err.splitlines()[-1] == f"meshplace: error: {sentence}"
     assert json.loads(out) == {"error": sentence, "exit_status": 1}
     wait_for(lambda: not session_processes(proc.pid), "every rank to be gone", timeout=30)
+
+
+def test_a_plan_splitting_a_convolution_weight_is_refused_in_one_sentence() -> None:
+    import pytest
+
+    from meshplace.errors import InputError
+    from meshplace.runtime.launch import refuse_split_convolutions
+
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU())
+    whole = {"0.weight": {"placements": ["Replicate()", "Replicate()"]}}
+    refuse_split_convolutions(model, {"parameters": whole})  # whole weights run
+    split = {"0.weight": {"placements": ["Shard(1)", "Replicate()"]}}
+    with pytest.raises(InputError, match=r"splits convolution parameter '0\.weight'"):
+        refuse_split_convolutions(model, {"parameters": split})

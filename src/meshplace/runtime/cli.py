@@ -242,11 +242,11 @@ def run_sharding_plan(args: argparse.Namespace, plan: dict[str, Any]) -> int:
         if args.json and len(documents) == 1:
             print_json(json.loads(documents[0]))
         return 0
-    if done.returncode == 2 and "meshplace: error: " in done.stderr:
+    if "meshplace: error: " in done.stderr:  # a rank refused the plan in one sentence
         error = done.stderr.rsplit("meshplace: error: ", 1)[1].splitlines()[0]
     else:
         error = failed_rank_sentence(done.stderr, done.returncode)
-        print(f"meshplace: error: {error}", file=sys.stderr)
+    print(f"meshplace: error: {error}", file=sys.stderr)  # the last line, after torchrun's
     if args.json:
         print_json({"error": error, "exit_status": done.returncode or 1})
     return done.returncode or 1

@@ -140,6 +140,27 @@ def zero_placements(placements: list[Any], shape: Sequence[int], mesh_shape: Seq
     return out
 
 
+def refuse_split_convolutions(model: Any, plan: dict[str, Any]) -> None:
+    """DTensor's convolution runs only on whole weights (and batch-split inputs): a plan
+    that splits a convolution's weight is one sentence here, not an error deep in a rank.
+    ``meshplace.runtime.spmd.run_plan`` executes such plans op by op."""
+    import torch
+
+    convs = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
+    for name, module in model.named_modules():
+        if not isinstance(module, convs):
+            continue
+        for pname, _ in module.named_parameters(recurse=False):
+            full = f"{name}.{pname}" if name else pname
+            placements = plan["parameters"].get(full, {}).get("placements", [])
+            if any(p != "Replicate()" for p in placements):
+                raise InputError(
+                    f"the plan splits convolution parameter {full!r} ({', '.join(placements)}), "
+                    "and DTensor's convolution needs it whole; run it op by op with "
+                    "meshplace.runtime.spmd.run_plan, or shard with the convolutions replicated"
+                )
+
+
 def place_gradients_like_parameters(model: Any) -> None:
     """Give every DTensor gradient its parameter's placements, as the plan places them:
     where DTensor ran a split weight's matmul on the gathered weight, the gradient comes
@@ -255,6 +276,7 @@ def run_sharded_plan(
     built = load_build_function(source)()
     model, args = built[0], tuple(built[1])
     kwargs = dict(built[2]) if len(built) > 2 else {}
+    refuse_split_convolutions(model, plan)
     device = torch.device(device_type, torch.cuda.current_device() if device_type == "cuda" else 0)
     model.to(device)
     mesh = device_mesh(plan, device_type)
