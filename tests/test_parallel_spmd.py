@@ -120,8 +120,9 @@ def check_run(which: str, step: Any, state: list, plan: Any, tmp_path: Path) -> 
                 f"{dict(sorted(ran.items()))}; live peak predicted {predicted_peak:,.0f} B, "
                 f"measured {got['peak']:,} B; solver bound {plan.peak_memory_bytes:,.0f} B"
             )
-        # memory: this rank's parameter and optimizer-state blocks exactly as predicted
-        for kind in ("parameters", "optimizer_state"):
+        # memory: this rank's parameter, gradient and optimizer-state blocks exactly as
+        # predicted
+        for kind in ("parameters", "gradients", "optimizer_state"):
             assert got["resident"][kind] == plan.memory_bytes[kind], (which, kind)
         # and the live tensor bytes it held at its peak against the plan's liveness count
         assert abs(got["peak"] - predicted_peak) <= 0.10 * got["peak"], (

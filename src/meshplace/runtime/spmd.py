@@ -159,8 +159,12 @@ class PlanInterpreter(torch.fx.Interpreter):
         self.gathered: list[str] = []  # views whose input had to be gathered first
         self.peak_bytes = 0
         self.peak_node = ""
-        #: bytes of this rank's blocks of the parameters and of the optimizer state
+        #: bytes of this rank's blocks of the parameters, their gradients (as the optimizer
+        #: update reads them) and the optimizer state
         self.resident_bytes: dict[str, int] = {}
+        #: fx node name -> position of the gradient among its arguments: the first update
+        #: node reading each parameter's gradient (:func:`gradient_readers`)
+        self.gradient_readers: dict[str, int] = {}
 
     def _run_view(self, n: torch.fx.Node) -> Any:
         """A node the plan folds into an edge (a view, a tuple index): DTensor carries the
@@ -273,6 +277,11 @@ class PlanInterpreter(torch.fx.Interpreter):
 
         args = tuple(walk(a) for a in args)
         kwargs = {k: place(v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        if n.name in self.gradient_readers:
+            grad = args[self.gradient_readers[n.name]]
+            self.resident_bytes["gradients"] = self.resident_bytes.get("gradients", 0) + (
+                _local_nbytes(grad)
+            )
         if n.target in _LOCAL_OPS:
             return self._run_local(n, op, args, kwargs, out_specs)
         out = getattr(self, n.op)(n.target, args, kwargs)
@@ -384,6 +393,27 @@ def source_placements(plan: Any) -> dict[str, list[int]]:
     return out
 
 
+def gradient_readers(step: Any) -> dict[str, int]:
+    """Per parameter of a captured step, the first optimizer-update node that reads its
+    gradient, and the gradient's position among that node's arguments (1): the state's
+    ``m.mul(b).add(g, …)`` (:func:`meshplace.runtime.program.new_state_nodes`), or, without
+    optimizer state (SGD), the weight's ``p.add(g, …)``. O(nodes)."""
+    from meshplace.runtime.program import new_state_nodes
+
+    n_params, n_bufs = len(step.param_names), len(step.buffer_names)
+    if step.n_state:
+        nodes = new_state_nodes(step.gm, n_params, n_bufs, step.n_state)
+        return {nodes[k * step.n_state]: 1 for k in range(n_params)}
+    placeholders = [n for n in step.gm.graph.nodes if n.op == "placeholder"][:n_params]
+    out = {}
+    for ph in placeholders:
+        for user in ph.users:
+            if user.args and user.args[0] is ph and len(user.args) > 1:
+                out[user.name] = 1
+                break
+    return out
+
+
 def _local_nbytes(t: Any) -> int:
     local = t.to_local() if hasattr(t, "to_local") else t
     return local.numel() * local.element_size()
@@ -404,7 +434,7 @@ def run_plan(
     rank holds), every op's operands redistributed as planned; returns the traced step's
     outputs (DTensors). With ``log`` (active around the call), the interpreter is returned
     too, its ``by_node`` naming the collectives each node ran and its ``resident_bytes``
-    this rank's parameter and optimizer-state bytes."""
+    this rank's parameter, gradient and optimizer-state bytes."""
     specs = source_placements(plan)
     placed: list[Any] = []
     for name, t in zip(step.param_names, params, strict=True):
@@ -425,6 +455,7 @@ def run_plan(
         "parameters": sum(_local_nbytes(t) for t in placed[:n_params]),
         "optimizer_state": sum(_local_nbytes(t) for t in state_blocks),
     }
+    interp.gradient_readers = gradient_readers(step)
     out = interp.run(*placed)
     return (out, interp) if log is not None else out
 
