@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from meshplace.graph.capture import capture
 from meshplace.hardware import load_cluster
@@ -26,6 +27,7 @@ from meshplace.runtime.sharded import (
     device_mesh,
     distribute_inputs,
     local_parameter_bytes,
+    parallelize_module_plan,
     sharded_step,
 )
 
@@ -138,6 +140,22 @@ def _worker(rank: int, models: tuple[str, ...], plans: dict, out_dir: str) -> No
             "local": local_parameter_bytes(model),
         }
         torch.save(result, Path(out_dir) / f"{which}{rank}.pt")
+    # the MLP plan's choices along axis x as parallelize_module styles, run by PyTorch's
+    # tensor-parallel API on that axis of the mesh
+    plan = plans["mlp"]
+    mesh = device_mesh(plan, "cpu")
+    model, args, _ = build("mlp")
+    styles, _left = parallelize_module_plan(model, plan, "x")
+    parallelize_module(model, mesh["x"], styles)
+    with sharded_step("cpu"):
+        loss = loss_of(model, args, {})
+        loss.backward()
+    full = {
+        n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        for n, p in model.named_parameters()
+    }
+    loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
+    torch.save({"loss": loss, "grads": full}, Path(out_dir) / f"styles{rank}.pt")
 
 
 def test_a_sharded_plan_runs_on_dtensor_and_matches_the_unsharded_step(tmp_path: Path) -> None:
@@ -167,3 +185,25 @@ def test_a_sharded_plan_runs_on_dtensor_and_matches_the_unsharded_step(tmp_path:
                 assert torch.allclose(got["grads"][name], p.grad, rtol=1e-5, atol=1e-5), name
                 # predicted bytes of this rank's block equal the DTensor's local shard exactly
                 assert got["local"][name] == plan["parameters"][name]["local_bytes"], name
+    # the parallelize_module export: each Linear's style follows its weight's split on x,
+    # and PyTorch's tensor parallelism with those styles computes the same step
+    model, args, _ = build("mlp")
+    styles, left = parallelize_module_plan(model, plans["mlp"], "x")
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            on_x = plans["mlp"]["parameters"][f"{name}.weight"]["placements"][0]
+            expected = {"Shard(0)": ColwiseParallel, "Shard(1)": RowwiseParallel}.get(on_x)
+            if name in styles:
+                assert type(styles[name]) is expected, name
+            else:  # replicated along x, or its bias split in a way no style expresses
+                assert expected is None or f"{name}.weight" in left, name
+    assert styles, plans["mlp"]["parameters"]  # the plan splits some Linear along x
+    assert all(plans["mlp"]["parameters"][n]["placements"][0] != "Replicate()" for n in left)
+    ref_model, ref_args, _ = build("mlp")
+    ref_loss = loss_of(ref_model, ref_args, {})
+    ref_loss.backward()
+    for rank in range(4):
+        got = torch.load(tmp_path / f"styles{rank}.pt")
+        assert torch.allclose(got["loss"], ref_loss, rtol=1e-5, atol=1e-6)
+        for name, p in ref_model.named_parameters():
+            assert torch.allclose(got["grads"][name], p.grad, rtol=1e-5, atol=1e-5), name

@@ -17,9 +17,12 @@ its forward (rotary tables, masks, ``arange``) take part as replicated DTensors
 registers no sharding strategy for the CPU flash-attention op (CUDA's fused kernels have
 one).
 
-Not yet applied here (issue 15): weight-update sharding (``zero`` > 0 in the plan, which
-``fully_shard`` over the replica axes would give), and the plan's choices for intermediate
-ops (DTensor propagates its own from the parameters' and inputs' placements).
+:func:`parallelize_module_plan` exports the plan's choices along one mesh axis as
+PyTorch's ``parallelize_module`` styles (colwise / rowwise ``Linear`` and ``Embedding``).
+
+Not applied here: weight-update sharding (``zero`` > 0; the torchrun runtime,
+:mod:`meshplace.runtime.launch`, applies it), and the plan's choices for intermediate ops
+(DTensor propagates its own from the parameters' and inputs' placements).
 
 Complexity: one ``distribute_tensor`` per parameter (a scatter from the tensor every rank
 builds).
@@ -109,6 +112,59 @@ def apply_sharding_plan(model: torch.nn.Module, plan: Mapping[str, Any], mesh: A
         vocabulary_split = "Shard(0)" in planned[name]["placements"]
         if isinstance(owner, torch.nn.Embedding) and attr == "weight" and vocabulary_split:
             owner.register_forward_hook(_complete_partial_sums)
+
+
+def parallelize_module_plan(
+    model: torch.nn.Module, plan: Mapping[str, Any], axis: str
+) -> tuple[dict[str, Any], list[str]]:
+    """The plan's choices along one mesh axis as a ``parallelize_module`` plan (PyTorch's
+    tensor-parallel API, torchtitan's idiom): module name -> ``ParallelStyle``, and the
+    parameters split along ``axis`` that no style expresses.
+
+    A ``Linear`` whose weight the plan splits along its output rows (``Shard(0)``) is
+    ``ColwiseParallel``, along its input columns (``Shard(1)``) ``RowwiseParallel``; an
+    ``Embedding`` split along its vocabulary is ``RowwiseParallel``, along its width
+    ``ColwiseParallel``. Column-parallel outputs stay DTensors (``use_local_output=False``)
+    and plain inputs are read as replicated, so a style composes with whatever precedes it
+    (run the model under :func:`sharded_step`). Other parameters, and a Linear whose bias
+    is split differently from its weight, are listed, not expressed. Apply with
+    ``parallelize_module(model, mesh[axis], styles)``. O(modules).
+    """
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    _check(plan)
+    axes = list(plan["mesh"]["axes"])
+    if axis not in axes:
+        raise InputError(f"the plan's mesh has no axis {axis!r}; its axes: {', '.join(axes)}")
+    k = axes.index(axis)
+    planned = plan["parameters"]
+
+    def on_axis(name: str) -> str:
+        return planned[name]["placements"][k] if name in planned else "Replicate()"
+
+    styles: dict[str, Any] = {}
+    expressed: set[str] = set()
+    for name, module in model.named_modules():
+        prefix = f"{name}." if name else ""
+        weight = on_axis(prefix + "weight")
+        bias = on_axis(prefix + "bias") if getattr(module, "bias", None) is not None else None
+        style = None
+        if isinstance(module, torch.nn.Linear):
+            if weight == "Shard(0)" and bias in (None, "Shard(0)"):
+                style = ColwiseParallel(use_local_output=False)
+            elif weight == "Shard(1)" and bias in (None, "Replicate()"):
+                style = RowwiseParallel(input_layouts=Replicate())
+        elif isinstance(module, torch.nn.Embedding):
+            if weight == "Shard(0)":
+                style = RowwiseParallel(input_layouts=Replicate())
+            elif weight == "Shard(1)":
+                style = ColwiseParallel(use_local_output=False)
+        if style is not None:
+            styles[name] = style
+            expressed.update(prefix + p for p, _ in module.named_parameters(recurse=False))
+    left = [n for n in planned if n not in expressed and on_axis(n) != "Replicate()"]
+    return styles, left
 
 
 def _complete_partial_sums(module: torch.nn.Module, args: Any, out: Any) -> Any:
