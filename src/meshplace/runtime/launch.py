@@ -216,8 +216,8 @@ class WeightUpdateSharding:
             self.masters[name] = (param, shard, zero)
 
     def optimizer_parameters(self, model: Any) -> list[Any]:
-        """What the optimizer updates: each stage-1/2 parameter's master shard in its
-        place, every other parameter as it is."""
+        """What the optimizer updates: each weight-update-sharded parameter's master shard
+        in its place, every other parameter as it is."""
         return [self.masters[n][1] if n in self.masters else p for n, p in model.named_parameters()]
 
     def after_backward(self) -> None:
