@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
-from meshplace.graph.capture import capture
+from meshplace.graph.capture import as_loss, capture
 from meshplace.graph.sources import load_build_function
 from meshplace.hardware import load_cluster
 from meshplace.parallel.search import shard_graph
@@ -170,3 +171,53 @@ def test_a_plan_splitting_a_convolution_weight_is_refused_in_one_sentence() -> N
     split = {"0.weight": {"placements": ["Shard(1)", "Replicate()"]}}
     with pytest.raises(InputError, match=r"splits convolution parameter '0\.weight'"):
         refuse_split_convolutions(model, {"parameters": split})
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_nodes_on_this_host_run_the_llama_plan(tmp_path: Path) -> None:
+    """torchrun's multi-host launch (``--nnodes 2``, one process per "node", rendezvous on
+    127.0.0.1) runs the Llama example's plan; the losses are the one-process run's."""
+    source = f"{Path(__file__).resolve().parents[1] / 'examples' / 'llama.py'}:build_tiny"
+    torch.manual_seed(0)
+    model, args, kwargs = load_build_function(source)()
+    graph = capture(model, args, example_kwargs=kwargs, training=True)
+    plan = shard_graph(graph, load_cluster("dgx-h100"), chips=2).best.plan_file(source, "dgx-h100")
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    port = str(_free_port())
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2"]
+    launch += ["--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", port]
+    runtime = ["-m", "meshplace.runtime", "--plan", "plan.json", "--steps", "2", "--warmup", "1"]
+    nodes = [
+        subprocess.Popen(
+            [*launch, "--node-rank", str(rank), *runtime, "--json"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=tmp_path,
+            env=env,
+        )
+        for rank in (0, 1)
+    ]
+    outs = [node.communicate(timeout=240) for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outs[0][1][-2000:]
+    report = json.loads(outs[0][0])  # node 0 holds rank 0, which reports
+    assert outs[1][0] == "" and report["world_size"] == 2
+    torch.manual_seed(0)
+    model, args, kwargs = load_build_function(source)()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    expected = []
+    for _ in range(2):
+        loss, _how = as_loss(model(*args, **kwargs))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        expected.append(float(loss.detach()))
+    assert torch.allclose(
+        torch.tensor(report["measured"]["losses"]), torch.tensor(expected), rtol=1e-5, atol=1e-5
+    )
