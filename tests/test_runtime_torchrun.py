@@ -30,6 +30,24 @@ def build():
 """
 
 
+def one_process_losses(source: str, steps: int) -> tuple[list[float], torch.nn.Module]:
+    """The losses of ``steps`` Adam steps (lr 1e-3) of the ``FILE.py:build`` model in one
+    process, built from seed 0 as every rank builds it; and the trained model."""
+    torch.manual_seed(0)
+    built = load_build_function(source)()
+    model, args = built[0], built[1]
+    kwargs = built[2] if len(built) > 2 else {}
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    losses = []
+    for _ in range(steps):
+        loss, _how = as_loss(model(*args, **kwargs))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses, model
+
+
 def _meshplace_run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     """``meshplace run ARGS`` (a sharding plan: torchrun ``--standalone``, so a free
     rendezvous port on 127.0.0.1 for this test alone)."""
@@ -63,17 +81,7 @@ def test_a_plan_trains_under_torchrun_like_one_process_and_each_rank_holds_its_s
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip(), done.stderr[-3000:]
     report = json.loads(done.stdout)  # rank 0 prints exactly one JSON document
-    # the same three Adam steps in one process
-    torch.manual_seed(0)
-    model, (x,) = load_build_function(source)()
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    expected = []
-    for _ in range(3):
-        loss = model(x).mean()
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        expected.append(float(loss.detach()))
+    expected, model = one_process_losses(source, 3)  # the same three Adam steps
     assert torch.allclose(
         torch.tensor(report["measured"]["losses"]), torch.tensor(expected), rtol=1e-5, atol=1e-6
     )
@@ -208,16 +216,7 @@ def test_two_nodes_on_this_host_run_the_llama_plan(tmp_path: Path) -> None:
     assert [node.returncode for node in nodes] == [0, 0], outs[0][1][-2000:]
     report = json.loads(outs[0][0])  # node 0 holds rank 0, which reports
     assert outs[1][0] == "" and report["world_size"] == 2
-    torch.manual_seed(0)
-    model, args, kwargs = load_build_function(source)()
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    expected = []
-    for _ in range(2):
-        loss, _how = as_loss(model(*args, **kwargs))
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        expected.append(float(loss.detach()))
+    expected, _model = one_process_losses(source, 2)
     assert torch.allclose(
         torch.tensor(report["measured"]["losses"]), torch.tensor(expected), rtol=1e-5, atol=1e-5
     )
