@@ -344,19 +344,12 @@ class Evaluator:
                     add("reduce_scatter", (dst,), in_bytes)
             if not comm:
                 kept = 0.0  # a view
-        elif o.kind == "split":  # a view of a part of its input
+        elif o.kind == "split" or o.epilogue:
+            # a view of a part of its input, or a bias add inside the producer's kernel
+            # (writing the producer's buffer): no time, no memory of its own
             compute = kept = 0.0
-        elif o.epilogue:  # inside the producer's kernel, writing the producer's buffer
-            compute = kept = 0.0
-            for x in o.casts:
-                compute += self._roofline(
-                    0.0, self._local(x, rules) * (4 + CAST_BYTES), "pointwise"
-                )
         else:
             compute = self._roofline(o.flops / split, in_bytes + kept, o.eff, launch)
-            for x in o.casts:  # autocast's copy kernel: float32 <-> bfloat16, both ways
-                cast_bytes = self._local(x, rules) * (4 + CAST_BYTES)
-                compute += self._roofline(0.0, cast_bytes, "pointwise")
             if o.grad_param is not None:
                 partial = self._axes(o.reduce, rules)
             elif o.kind == "einsum" and not o.defer:
@@ -384,6 +377,8 @@ class Evaluator:
                     if a and rows > 0:
                         per_row = local / (sizes[name] / self.axis_size[a])
                         add("collective_permute", (a,), 2 * rows * per_row, "halo")
+        for x in o.casts:  # autocast's copy kernel: float32 <-> bfloat16, both ways
+            compute += self._roofline(0.0, self._local(x, rules) * (4 + CAST_BYTES), "pointwise")
         return _OpCost(compute, tuple(comm), sum(c[3] for c in comm), kept, partial)
 
     # ------------------------------------------------------------------ per layout

@@ -198,6 +198,8 @@ class WeightUpdateSharding:
     def __init__(self, model: Any, plan: dict[str, Any], mesh: Any) -> None:
         import torch
 
+        from meshplace.runtime.sharded import local_nbytes
+
         self.mesh = mesh
         self.masters: dict[str, tuple[Any, Any, int]] = {}
         self.uneven: list[str] = []
@@ -209,7 +211,7 @@ class WeightUpdateSharding:
             target = zero_placements(list(param.placements), param.shape, mesh.shape)
             shard = torch.nn.Parameter(param.detach().redistribute(mesh, target))
             whole = param.numel() * param.element_size()
-            if _local_bytes(shard) * math.prod(mesh.shape) != whole:
+            if local_nbytes(shard) * math.prod(mesh.shape) != whole:
                 self.uneven.append(name)  # no dimension divides: blocks of unequal size
             if zero >= 3:
                 self.whole.append(name)
@@ -237,17 +239,14 @@ class WeightUpdateSharding:
     def gradient_bytes(self, model: Any) -> int:
         """This rank's gradient bytes between backward and the step: every parameter's
         own, and the master shards' of stage 2 (whose whole gradients are gone)."""
-        own = sum(_local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
+        from meshplace.runtime.sharded import local_nbytes
+
+        own = sum(local_nbytes(p.grad) for p in model.parameters() if p.grad is not None)
         return own + sum(
-            _local_bytes(s.grad)
+            local_nbytes(s.grad)
             for _, s, z in self.masters.values()
             if z >= 2 and s.grad is not None
         )
-
-
-def _local_bytes(t: Any) -> int:
-    local = t.to_local() if hasattr(t, "to_local") else t
-    return local.numel() * local.element_size()
 
 
 def run_sharded_plan(
@@ -269,6 +268,7 @@ def run_sharded_plan(
         apply_sharding_plan,
         device_mesh,
         distribute_inputs,
+        local_nbytes,
         sharded_step,
     )
 
@@ -321,7 +321,7 @@ def run_sharded_plan(
         value = loss.detach()
         losses.append(float(value.full_tensor() if hasattr(value, "full_tensor") else value))
     state_bytes = sum(
-        _local_bytes(v)
+        local_nbytes(v)
         for s in optimizer.state.values()
         for v in s.values()
         if isinstance(v, torch.Tensor) and v.dim() > 0  # Adam's step counter is a scalar
@@ -335,7 +335,7 @@ def run_sharded_plan(
     return {
         "times_s": times,
         "losses": losses,
-        "parameters": sum(_local_bytes(p) for p in model.parameters()),
+        "parameters": sum(local_nbytes(p) for p in model.parameters()),
         "gradients": grad_bytes,
         "optimizer_state": state_bytes,
         "peak_bytes": peak,

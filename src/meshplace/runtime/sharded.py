@@ -214,10 +214,12 @@ def sharded_step(device_type: str = "cpu") -> Iterator[None]:
         yield
 
 
+def local_nbytes(t: torch.Tensor) -> int:
+    """Bytes of this rank's block of ``t`` (a DTensor's local shard, or a plain tensor)."""
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return local.numel() * local.element_size()
+
+
 def local_parameter_bytes(model: torch.nn.Module) -> dict[str, int]:
     """Bytes of this rank's block of every parameter (a DTensor's local shard)."""
-    out = {}
-    for name, p in model.named_parameters():
-        local = p.to_local() if hasattr(p, "to_local") else p
-        out[name] = local.numel() * local.element_size()
-    return out
+    return {name: local_nbytes(p) for name, p in model.named_parameters()}

@@ -46,6 +46,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshplace.errors import InputError
 from meshplace.parallel.sharding import FLAT, P, R
+from meshplace.runtime.sharded import local_nbytes
 
 # the functional collectives DTensor issues, by the kind names the cost model uses
 _KINDS = {
@@ -280,7 +281,7 @@ class PlanInterpreter(torch.fx.Interpreter):
         if n.name in self.gradient_readers:
             grad = args[self.gradient_readers[n.name]]
             self.resident_bytes["gradients"] = self.resident_bytes.get("gradients", 0) + (
-                _local_nbytes(grad)
+                local_nbytes(grad)
             )
         if n.target in _LOCAL_OPS:
             return self._run_local(n, op, args, kwargs, out_specs)
@@ -414,11 +415,6 @@ def gradient_readers(step: Any) -> dict[str, int]:
     return out
 
 
-def _local_nbytes(t: Any) -> int:
-    local = t.to_local() if hasattr(t, "to_local") else t
-    return local.numel() * local.element_size()
-
-
 def run_plan(
     step: Any,
     plan: Any,
@@ -452,8 +448,8 @@ def run_plan(
     first_state = n_params + len(step.buffer_names)
     state_blocks = placed[first_state : first_state + len(states)]
     interp.resident_bytes = {
-        "parameters": sum(_local_nbytes(t) for t in placed[:n_params]),
-        "optimizer_state": sum(_local_nbytes(t) for t in state_blocks),
+        "parameters": sum(local_nbytes(t) for t in placed[:n_params]),
+        "optimizer_state": sum(local_nbytes(t) for t in state_blocks),
     }
     interp.gradient_readers = gradient_readers(step)
     out = interp.run(*placed)
