@@ -128,6 +128,7 @@ def test_bad_runs_are_one_sentence_and_exit_2(tmp_path: Path) -> None:
     for args, message in (
         (["--plan", "plan.json", "--graph", "m.py:build", "--cluster-out", "c.yaml"], "does not"),
         (["--plan", "plan.json", "--graph", "m.py:build", "--worker-devices", "cuda:0"], "cpu or"),
+        (["--plan", "plan.json", "--graph", "m.py:build", "--memory-budget", "9"], "does not"),
     ):
         done = _meshplace_run(tmp_path, *args)
         assert done.returncode == 2, (args, done.stderr)
@@ -220,3 +221,78 @@ def test_two_nodes_on_this_host_run_the_llama_plan(tmp_path: Path) -> None:
     assert torch.allclose(
         torch.tensor(report["measured"]["losses"]), torch.tensor(expected), rtol=1e-5, atol=1e-5
     )
+
+
+def _nmt_placement(tmp_path: Path, placer: str | None) -> tuple[str, int]:
+    """A placement plan of ``nmt-small`` (batch 4) on colocrl-2gpu, by ``placer`` (``None``:
+    every op on gpu0), written to ``tmp_path``; its path and the model's parameter and
+    Adam-state bytes."""
+    from meshplace.placers.base import PlacementProblem, run_placer
+    from meshplace.plan import Plan, save_plan
+    from meshplace.runtime.program import ModelSpec, trace_step
+
+    graph = trace_step(ModelSpec("nmt-small", batch=4), weights=False).graph
+    if placer is None:
+        plan = Plan.from_devices(graph, "colocrl-2gpu", ["gpu0"] * graph.num_ops)
+    else:
+        cluster = load_cluster("colocrl-2gpu")
+        result = run_placer(placer, PlacementProblem(graph, cluster), 5.0, 0)
+        names = [cluster.device_names[d] for d in result.op_devices.tolist()]
+        plan = Plan.from_devices(graph, "colocrl-2gpu", names)
+    path = tmp_path / f"{placer or 'single'}.json"
+    save_plan(plan, path)
+    return str(path), sum(o.param_bytes + o.state_bytes for o in graph.ops)
+
+
+def test_an_op_placement_runs_under_torchrun_each_rank_building_only_its_ops(
+    tmp_path: Path,
+) -> None:
+    """nmt-small placed over 2 ranks by the pipeline placer, under a per-rank memory budget
+    the whole model exceeds: each rank creates only its ops' parameters and Adam state
+    (exactly the plan's bytes), and losses and parameters after 3 steps are the
+    one-process run's, bit for bit. The same budget refuses the one-device plan in one sentence."""
+    from meshplace.runtime.executor import run_reference
+    from meshplace.runtime.program import ModelSpec, trace_step
+
+    plan, whole = _nmt_placement(tmp_path, "pipeline")
+    budget = str(whole * 2 // 3)
+    steps = ["--steps", "3", "--warmup", "1", "--memory-budget", budget, "--json"]
+    done = _meshplace_run(
+        tmp_path,
+        *["--plan", plan, "--graph", "nmt-small", "--batch", "4", "--launcher", "torchrun"],
+        *[*steps, "--checkpoint-dir", "ck"],
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    assert report["plan"] == "placement" and report["devices"] == ["gpu0", "gpu1"]
+    memory = report["memory_per_rank"]
+    for kind in ("parameters", "optimizer_state", "inputs"):
+        assert memory[kind]["measured"] == memory[kind]["predicted"], kind
+    held = [
+        p + s
+        for p, s in zip(memory["parameters"]["measured"], memory["optimizer_state"]["measured"])
+    ]
+    assert sum(held) == whole and max(held) < int(budget) < whole, (held, budget)
+    losses, params = run_reference(trace_step(ModelSpec("nmt-small", batch=4)), 3)
+    assert report["measured"]["losses"] == losses
+    shards = [torch.load(tmp_path / "ck" / f"rank{r}.pt") for r in (0, 1)]
+    assert not set(shards[0]) & set(shards[1])  # no tensor is held twice
+    saved = {**shards[0], **shards[1]}
+    assert all(torch.equal(saved[n], p) for n, p in params.items())
+    assert report["measured"]["bytes_sent_per_rank"][0] > 0 < report["measured"]["step_time_s"]
+
+    single, _ = _nmt_placement(tmp_path, None)
+    one = {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
+    runtime = ["-m", "meshplace.runtime", "--plan", single, "--model", "nmt-small"]
+    refused = subprocess.run(
+        [sys.executable, *runtime, "--batch", "4", *steps],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, **one, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(_free_port())},
+        timeout=240,
+    )
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    assert refused.stderr.startswith("meshplace: error: rank 0 (gpu0) would hold ")
+    assert refused.stderr.count("\n") == 1 and f"--memory-budget {int(budget):,}" in refused.stderr
+    assert refused.stdout == ""

@@ -47,6 +47,28 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         "(a sharding plan's own model by default)",
     )
     parser.add_argument("--placer", help="instead of --plan: place with this placer first")
+    parser.add_argument(
+        "--launcher",
+        choices=("local", "torchrun"),
+        default="local",
+        help="for a placement plan: local worker processes with a calibrated prediction "
+        "(default), or torchrun, one process per device the plan uses, each building only "
+        "its own ops' parameters and optimizer state (sharding plans always use torchrun)",
+    )
+    parser.add_argument(
+        "--memory-budget",
+        type=positive_int,
+        default=None,
+        metavar="BYTES",
+        help="--launcher torchrun: refuse the plan if a rank's share (parameters, optimizer "
+        "state, inputs) exceeds this many bytes",
+    )
+    parser.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        help="--launcher torchrun: each rank writes its parameters and optimizer state to "
+        "DIR/rankR.pt after the last step",
+    )
     parser.add_argument("--workers", type=positive_int, default=2, help="local devices (default 2)")
     parser.add_argument("--batch", type=positive_int, default=None)
     parser.add_argument("--size", default=None)
@@ -133,6 +155,10 @@ def check_run_arguments(args: argparse.Namespace) -> Any:
         ):
             name = "--" + flag.replace("_", "-")
             raise InputError(f"{name} must be a positive, finite number of seconds, got {value}")
+    for flag in ("memory_budget", "checkpoint_dir"):
+        if getattr(args, flag, None) is not None:
+            name = "--" + flag.replace("_", "-")
+            raise InputError(f"{name} applies to --launcher torchrun")
     if getattr(args, "no_predict", False):
         if not args.plan:
             raise InputError("--no-predict needs --plan: placers search the calibrated model")
@@ -196,36 +222,68 @@ def run_sharding_plan(args: argparse.Namespace, plan: dict[str, Any]) -> int:
     """``meshplace run --plan SHARDING_PLAN``: start torchrun with one process per mesh
     device on this host, each running :mod:`meshplace.runtime.launch`; its exit status.
     Every check that needs no process is made first (one sentence, exit 2)."""
-    import json
-    import os
-    import subprocess
-    import sys
-
     from meshplace.runtime.launch import model_source
-    from meshplace.util import print_json
 
     for flag, value in (
         ("--placer", args.placer),
         ("--cluster-out", args.cluster_out),
         ("--batch", args.batch),
         ("--size", args.size),
+        ("--memory-budget", getattr(args, "memory_budget", None)),
+        ("--checkpoint-dir", getattr(args, "checkpoint_dir", None)),
     ):
         if value is not None:
             raise InputError(f"{flag} does not apply to a sharding plan ({args.plan})")
+    source = model_source(plan, args.graph)
+    nproc = math.prod(int(s) for s in plan["mesh"]["shape"])
+    return run_with_torchrun(args, nproc, ["--model", source])
+
+
+def run_placement_with_torchrun(args: argparse.Namespace, plan: Any) -> int:
+    """``meshplace run --plan PLACEMENT --launcher torchrun``: one torchrun process per
+    device the plan uses, each holding only the parameters and optimizer state of its ops
+    (:mod:`meshplace.runtime.placed`); its exit status."""
+    for flag, value in (("--placer", args.placer), ("--cluster-out", args.cluster_out)):
+        if value is not None:
+            raise InputError(f"{flag} does not apply to --launcher torchrun")
+    devices = set(plan.placement.values())
+    if plan.default_device is not None and len(plan.placement) < plan.graph_ops:
+        devices.add(plan.default_device)
+    extra = ["--model", args.graph or plan.graph]
+    for flag, value in (
+        ("--batch", args.batch),
+        ("--size", args.size),
+        ("--memory-budget", args.memory_budget),
+        ("--checkpoint-dir", args.checkpoint_dir),
+    ):
+        if value is not None:
+            extra += [flag, str(value)]
+    return run_with_torchrun(args, len(devices), extra)
+
+
+def run_with_torchrun(args: argparse.Namespace, nproc: int, runtime_args: list[str]) -> int:
+    """Start ``torchrun --standalone`` with ``nproc`` processes on this host, each running
+    ``python -m meshplace.runtime --plan args.plan RUNTIME_ARGS``; pass rank 0's report
+    through (``--json``: its one document) and end a failure with one sentence naming
+    the rank. Returns the exit status."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from meshplace.util import print_json
+
     devices = args.worker_devices
     if devices not in ("cpu", "cuda"):
         raise InputError(
-            f"--worker-devices {devices!r}: a sharding plan runs one process per mesh device "
-            "on cpu or cuda"
+            f"--worker-devices {devices!r}: torchrun runs one process per device on cpu or cuda"
         )
     if args.warmup is not None and args.warmup >= args.steps:
         raise InputError(f"--warmup {args.warmup} must be fewer than --steps {args.steps}")
     warmup = args.warmup if args.warmup is not None else min(2, args.steps - 1)
-    source = model_source(plan, args.graph)
-    nproc = math.prod(int(s) for s in plan["mesh"]["shape"])
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     command += ["--nproc-per-node", str(nproc), "-m", "meshplace.runtime", "--plan", args.plan]
-    command += ["--model", source, "--steps", str(args.steps), "--warmup", str(warmup)]
+    command += [*runtime_args, "--steps", str(args.steps), "--warmup", str(warmup)]
     command += ["--device", devices] + (["--json"] if args.json else [])
     env = {**os.environ}
     env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default, without its banner
@@ -288,6 +346,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     sharding = _sharding_plan(args.plan)
     if sharding is not None:
         return run_sharding_plan(args, sharding)
+    if getattr(args, "launcher", "local") == "torchrun":
+        if not args.plan:
+            raise InputError("--launcher torchrun runs a plan: give --plan PLAN.json")
+        from meshplace.plan.placement import load_plan
+
+        return run_placement_with_torchrun(args, load_plan(args.plan))
     if not args.graph:
         raise InputError("meshplace run needs --graph MODEL for a placement plan or --placer")
     plan = check_run_arguments(args)

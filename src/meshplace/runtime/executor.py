@@ -45,7 +45,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.multiprocessing as mp
@@ -74,7 +74,9 @@ __all__ = [
     "Fault",
     "RunResult",
     "WorkerFailure",
+    "WorkerOutcome",
     "finish_receive",
+    "held_placeholders",
     "natural_key",
     "on_device_kwargs",
     "ops_without_kernel",
@@ -82,6 +84,7 @@ __all__ = [
     "resolve_worker_devices",
     "run_placement",
     "run_reference",
+    "run_worker_steps",
     "send_value",
     "thread_ids",
     "transport_policy",
@@ -105,14 +108,15 @@ _STATE_NAMES = {
 }
 
 #: What :class:`Fault` can inject.
-FAULT_KINDS = ("raise", "exit", "hang", "stop")
+FAULT_KINDS = ("raise", "exit", "hang", "stop", "kill")
 
 
 @dataclass(frozen=True)
 class Fault:
     """A fault to inject (tests): ``kind`` is ``raise`` (an exception), ``exit``
-    (``os._exit(3)``), ``hang`` (sleeps for an hour) or ``stop`` (the worker sends itself
-    ``SIGSTOP``); it fires when the worker owning op ``op`` is about to run it at step
+    (``os._exit(3)``), ``hang`` (sleeps for an hour), ``stop`` (the worker sends itself
+    ``SIGSTOP``) or ``kill`` (``SIGKILL``, as the kernel's OOM killer ends a process); it
+    fires when the worker owning op ``op`` is about to run it at step
     ``step``."""
 
     op: str
@@ -273,7 +277,7 @@ def _worker(
             # true float32, as on the host (TF32 would round matmuls and convolutions)
             torch.backends.cuda.matmul.allow_tf32 = False
             torch.backends.cudnn.allow_tf32 = False
-        step = traced if traced is not None else trace_step(spec)
+        step = traced if traced is not None else trace_step(spec, weights=False)
         sched = schedule_nodes(step, op_device)
         store = dist.FileStore(store_path, world)
         before = thread_ids()
@@ -285,7 +289,8 @@ def _worker(
             timeout=datetime.timedelta(seconds=timeout_s),
         )
         yield_transport_threads(threads=thread_ids() - before)  # the group's threads
-        _run_worker(rank, step, sched, steps, status, results, fault, want_params, timeline, device)
+        o = run_worker_steps(rank, step, sched, steps, status, fault, want_params, timeline, device)
+        results.put(("ok", rank, o.records, o.params, o.bytes_sent, o.messages))
         dist.destroy_process_group()
     except BaseException as exc:  # report one sentence, then exit non-zero
         where = _node_at(sched, status, rank)
@@ -416,26 +421,70 @@ class _StepState:
         self.bytes_sent = 0
 
 
-def _run_worker(
+class WorkerOutcome(NamedTuple):
+    """What :func:`run_worker_steps` returns.
+
+    Attributes:
+        records: per step ``(start, end, loss or None, compute_s, wait_s, events)``
+            (``perf_counter`` stamps; ``events`` only with a timeline).
+        params: with ``want_params``, the final values of the parameters the worker holds
+            (name → numpy array), else ``None``.
+        bytes_sent / messages: what the worker sent in the first step.
+        held: the placeholder values the worker holds after the last step (position in
+            ``params, buffers, states, inputs`` order → tensor).
+    """
+
+    records: list[tuple]
+    params: dict[str, Any] | None
+    bytes_sent: int
+    messages: int
+    held: dict[int, torch.Tensor]
+
+
+def held_placeholders(step: TracedStep, sched: NodeSchedule, rank: int) -> set[int]:
+    """The placeholder positions (``params, buffers, states, inputs`` order) whose nodes
+    run on worker ``rank``: the parameters, buffers, optimizer state and inputs it holds.
+    An optimizer-state placeholder belongs to its parameter's op. O(fx nodes).
+
+    >>> step = trace_step(ModelSpec("mlp", batch=2))
+    >>> len(held_placeholders(step, schedule_nodes(step, [0] * step.graph.num_ops), 0))
+    14
+    """
+    placeholders = [i for i, n in enumerate(step.gm.graph.nodes) if n.op == "placeholder"]
+    return {k for k, i in enumerate(placeholders) if sched.device[i] == rank}
+
+
+def run_worker_steps(
     rank: int,
     step: TracedStep,
     sched: NodeSchedule,
     steps: int,
-    status: Any,
-    results: Any,
+    status: Any | None,
     fault: Fault | None,
     want_params: bool,
     timeline: bool = False,
     device: torch.device | None = None,
-) -> None:
+) -> WorkerOutcome:
+    """Run ``steps`` training steps of worker ``rank`` (``torch.distributed`` initialised,
+    one rank per worker of ``sched``): its nodes in graph order, receiving what it reads
+    from other ranks and sending what they read (see the module doc).
+
+    The worker creates only the parameters, buffers, optimizer state and inputs it holds
+    (:func:`held_placeholders`). ``status`` is a mutable sequence of ``16 * world`` ints
+    where the worker publishes its progress (shared memory under :func:`run_placement`;
+    ``None``: a private list). O(steps x (its nodes + its messages)).
+    """
     import torch.distributed as dist
 
     device = device or torch.device("cpu")
     on_gpu = device.type == "cuda"
+    if status is None:
+        status = [0] * (_SLOT * (rank + 1))
     nodes = list(step.gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     params, bufs, states, inputs = (
-        [_to_device(x, device) for x in group] for group in step.initial_state()
+        [_to_device(x, device) for x in group]
+        for group in step.initial_state(held_placeholders(step, sched, rank))
     )
     n_p, n_b = len(params), len(bufs)
     placeholder_values: list[Any] = [*params, *bufs, *states, *inputs]
@@ -587,7 +636,8 @@ def _run_worker(
             for p in range(n_p)
             if sched.device[param_node_pos[p]] == rank
         }
-    results.put(("ok", rank, records, params_out, st.bytes_sent, st.messages))
+    held = {k: v for k, v in enumerate(placeholder_values) if isinstance(v, torch.Tensor)}
+    return WorkerOutcome(records, params_out, st.bytes_sent, st.messages, held)
 
 
 def _to_device(x: Any, device: torch.device) -> Any:
@@ -602,6 +652,8 @@ def _inject(fault: Fault) -> None:
     if fault.kind == "stop":
         os.kill(os.getpid(), signal.SIGSTOP)
         return
+    if fault.kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
     raise RuntimeError(f"injected fault in op {fault.op!r}")
 
 

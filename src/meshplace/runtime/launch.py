@@ -61,9 +61,34 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m meshplace.runtime",
         description="Run a meshplace sharding plan (meshplace shard --out) under torchrun.",
     )
-    parser.add_argument("--plan", required=True, help="plan JSON (meshplace.parallel_plan)")
     parser.add_argument(
-        "--model", help="FILE.py:build (default: the plan's graph.source)", default=None
+        "--plan",
+        required=True,
+        help="plan JSON: a sharding plan (meshplace shard --out) or an op placement "
+        "(meshplace plan --out)",
+    )
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="the model: FILE.py:build for a sharding plan (default: the plan's "
+        "graph.source); a runtime model name or FILE.py:FUNCTION for a placement (default: "
+        "the plan's graph)",
+    )
+    parser.add_argument("--batch", type=positive_int, default=None, help="placement: batch size")
+    parser.add_argument("--size", default=None, help="placement: the model's size")
+    parser.add_argument(
+        "--memory-budget",
+        type=positive_int,
+        default=None,
+        metavar="BYTES",
+        help="placement: refuse to start a rank whose share (parameters, optimizer state, "
+        "inputs) exceeds this",
+    )
+    parser.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        help="placement: each rank writes its parameters and optimizer state to "
+        "DIR/rankR.pt after the last step",
     )
     parser.add_argument("--steps", type=positive_int, default=10, help="Adam steps (default 10)")
     parser.add_argument(
@@ -76,7 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def read_plan(path: str) -> dict[str, Any]:
-    """The plan file, checked to be a ``meshplace.parallel_plan``."""
+    """The plan file, checked to be a ``meshplace.parallel_plan`` or a ``meshplace.plan``
+    (an op placement)."""
+    from meshplace.runtime.placed import PLACEMENT_FORMAT
     from meshplace.runtime.sharded import PLAN_FORMAT
 
     try:
@@ -85,10 +112,11 @@ def read_plan(path: str) -> dict[str, Any]:
         raise InputError(f"plan {path!r} does not exist") from None
     except (OSError, ValueError) as exc:
         raise InputError(f"plan {path!r} is not readable JSON: {exc}") from None
-    if not isinstance(plan, dict) or plan.get("format") != PLAN_FORMAT:
+    if not isinstance(plan, dict) or plan.get("format") not in (PLAN_FORMAT, PLACEMENT_FORMAT):
         raise InputError(
-            f"plan {path!r} is not a sharding plan (format {PLAN_FORMAT!r}, from "
-            "`meshplace shard --out`)"
+            f"plan {path!r} is neither a sharding plan (format {PLAN_FORMAT!r}, from "
+            f"`meshplace shard --out`) nor a placement ({PLACEMENT_FORMAT!r}, from "
+            "`meshplace plan --out`)"
         )
     return plan
 
@@ -344,13 +372,30 @@ def run_sharded_plan(
     }
 
 
+def step_timing(per_rank: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
+    """The step times of a run from every rank's ``times_s``: per step the slowest rank's
+    (a step ends when its last rank does), and their median after ``warmup`` steps (at
+    least one step is timed).
+
+    >>> step_timing([{"times_s": [5.0, 1.0, 2.0]}, {"times_s": [4.0, 3.0, 1.0]}], 1)
+    {'steps': 3, 'warmup': 1, 'step_time_s': 2.5, 'step_times_s': [5.0, 3.0, 2.0]}
+    """
+    steps = len(per_rank[0]["times_s"])
+    slowest = [max(r["times_s"][k] for r in per_rank) for k in range(steps)]
+    skip = min(warmup, steps - 1)
+    return {
+        "steps": steps,
+        "warmup": skip,
+        "step_time_s": statistics.median(slowest[skip:]),
+        "step_times_s": slowest,
+    }
+
+
 def summarise(
     plan: dict[str, Any], per_rank: list[dict[str, Any]], *, source: str, warmup: int, device: str
 ) -> dict[str, Any]:
     """Rank 0's report: every rank's measurements beside the plan's predictions."""
-    steps = len(per_rank[0]["times_s"])
-    slowest = [max(r["times_s"][k] for r in per_rank) for k in range(steps)]
-    timed = slowest[min(warmup, steps - 1) :]
+    timing = step_timing(per_rank, warmup)
     predicted = plan.get("predicted") or {}
     memory = predicted.get("memory_bytes") or {}
     notes = []
@@ -372,11 +417,11 @@ def summarise(
         "world_size": len(per_rank),
         "mesh": plan["mesh"],
         "device": device,
-        "steps": steps,
-        "warmup": min(warmup, steps - 1),
+        "steps": timing["steps"],
+        "warmup": timing["warmup"],
         "measured": {
-            "step_time_s": statistics.median(timed),
-            "step_times_s": slowest,
+            "step_time_s": timing["step_time_s"],
+            "step_times_s": timing["step_times_s"],
             "losses": per_rank[0]["losses"],
         },
         "predicted": {"cluster": plan.get("cluster"), **predicted},
@@ -398,10 +443,22 @@ def main(argv: list[str] | None = None) -> int:
         if args.warmup >= args.steps:
             raise InputError(f"--warmup {args.warmup} must be fewer than --steps {args.steps}")
         plan = read_plan(args.plan)
-        source = model_source(plan, args.model)
+        placement = plan["format"] == "meshplace.plan"
+        if placement:
+            from meshplace.plan.placement import plan_from_dict
+
+            placed = plan_from_dict(plan, args.plan)
+            spec = placement_model(plan, args)
+        else:
+            for flag in ("batch", "size", "memory_budget", "checkpoint_dir"):
+                if getattr(args, flag) is not None:
+                    name = "--" + flag.replace("_", "-")
+                    raise InputError(f"{name} applies to placement plans, not to {args.plan}")
+            source = model_source(plan, args.model)
         if "WORLD_SIZE" not in os.environ:
             raise InputError("run it under torchrun (WORLD_SIZE is not set)")
-        check_world(plan, int(os.environ["WORLD_SIZE"]))
+        if not placement:
+            check_world(plan, int(os.environ["WORLD_SIZE"]))
     except InputError as exc:
         if rank == 0:
             print(f"meshplace: error: {exc}", file=sys.stderr)
@@ -415,23 +472,57 @@ def main(argv: list[str] | None = None) -> int:
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl" if cuda else "gloo")
+    failed: list[Any] = [None] * dist.get_world_size()
     try:
-        mine = run_sharded_plan(
-            plan, source, steps=args.steps, warmup=args.warmup, lr=args.lr, device_type=device_type
-        )
+        try:
+            if placement:
+                from meshplace.runtime.placed import run_placed_plan
+
+                mine = run_placed_plan(
+                    placed,
+                    args.plan,
+                    spec,
+                    steps=args.steps,
+                    device_type=device_type,
+                    memory_budget=args.memory_budget,
+                    checkpoint_dir=args.checkpoint_dir,
+                    fault=os.environ.get(FAULT_ENV, ""),
+                )
+            else:
+                mine = run_sharded_plan(
+                    plan,
+                    source,
+                    steps=args.steps,
+                    warmup=args.warmup,
+                    lr=args.lr,
+                    device_type=device_type,
+                )
+            error = None
+        except InputError as exc:  # every rank refuses (the same sentence), or one does
+            mine, error = None, str(exc)
+        dist.all_gather_object(failed, error)
         per_rank: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(per_rank, mine)
+        if not any(failed):
+            dist.all_gather_object(per_rank, mine)
         # no rank tears the group down while another still uses it (gloo aborts the
         # process at exit otherwise: "terminate called without an active exception")
         dist.barrier()
-    except InputError as exc:
-        if rank == 0:
-            print(f"meshplace: error: {exc}", file=sys.stderr)
-        return 2
     finally:
         dist.destroy_process_group()
+    refusal = next((e for e in failed if e), None)
+    if refusal is not None:
+        if rank == 0:
+            print(f"meshplace: error: {refusal}", file=sys.stderr)
+        return 2
     if rank == 0:
-        report = summarise(plan, per_rank, source=source, warmup=args.warmup, device=device_type)
+        if placement:
+            report = summarise_placement(
+                plan, per_rank, model=spec.name, warmup=args.warmup, device=device_type
+            )
+        else:
+            report = summarise(
+                plan, per_rank, source=source, warmup=args.warmup, device=device_type
+            )
         if args.json:
             print(json.dumps(report))
         else:
@@ -439,11 +530,78 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def placement_model(plan: dict[str, Any], args: argparse.Namespace) -> Any:
+    """The :class:`~meshplace.runtime.program.ModelSpec` a placement plan runs: ``--model``
+    or the plan's graph name, with ``--batch``/``--size``; one sentence if it is neither a
+    runtime model nor ``FILE.py:FUNCTION``."""
+    from meshplace.runtime.program import ModelSpec, known_models
+
+    name = args.model or str(plan.get("graph", ""))
+    if ".py:" not in name and name not in known_models():
+        raise InputError(
+            f"the placement's graph {name!r} is not a model the runtime knows; pass --model "
+            "NAME or FILE.py:FUNCTION"
+        )
+    if args.checkpoint_dir is not None and Path(args.checkpoint_dir).is_file():
+        raise InputError(f"--checkpoint-dir {args.checkpoint_dir!r} is a file")
+    return ModelSpec(name, batch=args.batch, size=args.size)
+
+
+def summarise_placement(
+    plan: dict[str, Any], per_rank: list[dict[str, Any]], *, model: str, warmup: int, device: str
+) -> dict[str, Any]:
+    """Rank 0's report of a placement run: every rank's measurements beside the plan's
+    predictions (its step time on the plan's cluster; each rank's share of the bytes)."""
+    timing = step_timing(per_rank, warmup)
+    timed = len(timing["step_times_s"]) - timing["warmup"]
+    losses = next(r["losses"] for r in per_rank if r["losses"][0] is not None)
+    meta = plan.get("meta") or {}
+    return {
+        "model": model,
+        "plan": "placement",
+        "world_size": len(per_rank),
+        "devices": [r["device"] for r in per_rank],
+        "ops_per_rank": [r["ops"] for r in per_rank],
+        "device": device,
+        "steps": timing["steps"],
+        "warmup": timing["warmup"],
+        "measured": {
+            "step_time_s": timing["step_time_s"],
+            "step_times_s": timing["step_times_s"],
+            "losses": losses,
+            "wait_s_per_rank": [statistics.median(r["wait_s"][-timed:]) for r in per_rank],
+            "bytes_sent_per_rank": [r["bytes_sent"] for r in per_rank],
+            "messages_per_rank": [r["messages"] for r in per_rank],
+        },
+        "predicted": {
+            "cluster": plan.get("cluster"),
+            "step_time_s": meta.get("step_time_s"),
+            "placer": meta.get("placer"),
+        },
+        "memory_per_rank": {
+            kind: {
+                "predicted": [r["predicted_bytes"][kind] for r in per_rank],
+                "measured": [r["held_bytes"][kind] for r in per_rank],
+            }
+            for kind in ("parameters", "optimizer_state", "inputs")
+        },
+        "peak_bytes_per_rank": [r["peak_bytes"] for r in per_rank],
+        "peak_kind": "cuda max_memory_allocated" if device == "cuda" else "process peak RSS",
+        "notes": [],
+    }
+
+
 def print_report(report: dict[str, Any]) -> None:
     """The report as a few lines of text."""
     m, p = report["measured"], report["predicted"]
-    mesh = "x".join(map(str, report["mesh"]["shape"]))
-    print(f"{report['model']} on a {mesh} mesh of {report['world_size']} {report['device']} ranks")
+    ranks = f"{report['world_size']} {report['device']} ranks"
+    if report.get("plan") == "placement":
+        pairs = zip(report["devices"], report["ops_per_rank"], strict=True)
+        where = ", ".join(f"{d} ({n} ops)" for d, n in pairs)
+        print(f"{report['model']} placed on {ranks}: {where}")
+    else:
+        mesh = "x".join(map(str, report["mesh"]["shape"]))
+        print(f"{report['model']} on a {mesh} mesh of {ranks}")
     print(
         f"step: {m['step_time_s'] * 1e3:.2f} ms measured (median of "
         f"{report['steps'] - report['warmup']}); the plan predicted "
@@ -451,6 +609,6 @@ def print_report(report: dict[str, Any]) -> None:
     )
     print(f"loss: {' '.join(f'{v:.5g}' for v in m['losses'])}")
     for kind, v in report["memory_per_rank"].items():
-        print(f"{kind}: predicted {v['predicted']:,.0f} B, measured per rank {v['measured']}")
+        print(f"{kind} bytes: predicted {v['predicted']}, measured per rank {v['measured']}")
     for note in report["notes"]:
         print(f"note: {note}")

@@ -34,7 +34,8 @@ import importlib.util
 import math
 import signal
 import threading
-from collections.abc import Callable, Iterable, Mapping, MutableSequence, Sequence
+import zlib
+from collections.abc import Callable, Container, Iterable, Mapping, MutableSequence, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -359,27 +360,44 @@ def _by_position(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any], wh
 
 
 # ---------------------------------------------------------------- materialize
-def materialize(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
-    """Give ``model`` real CPU parameters, deterministically from ``seed``.
+def initial_value(
+    name: str, shape: Sequence[int], dtype: torch.dtype, *, parameter: bool, seed: int = 0
+) -> torch.Tensor:
+    """The initial value of parameter or buffer ``name``, from ``seed`` and the name alone,
+    so a process can create just the tensors it holds and agree with every other process.
 
-    Matrices get U(-1/sqrt(fan_in), 1/sqrt(fan_in)) (PyTorch's Linear default), 1-d
-    weights one, biases and other vectors zero; ``running_var`` buffers one, other buffers
-    zero. Meta-device models are first moved with ``to_empty``. O(parameters).
+    Matrices (parameters of 2+ dimensions) get U(-1/sqrt(fan_in), 1/sqrt(fan_in))
+    (PyTorch's Linear default) from a generator seeded by ``seed`` and a CRC-32 of the
+    name; 1-d parameters named ``*weight`` one, other parameters zero; ``running_var``
+    buffers one, other buffers zero. O(numel).
+
+    >>> a = initial_value("fc.weight", (3, 4), torch.float32, parameter=True)
+    >>> bool(torch.equal(a, initial_value("fc.weight", (3, 4), torch.float32, parameter=True)))
+    True
+    >>> initial_value("bn.running_var", (2,), torch.float32, parameter=False).tolist()
+    [1.0, 1.0]
+    """
+    shape = tuple(int(n) for n in shape)
+    if not parameter:
+        return torch.full(shape, 1 if name.endswith("running_var") else 0, dtype=dtype)
+    if len(shape) >= 2:
+        gen = torch.Generator().manual_seed((int(seed) << 32) + zlib.crc32(name.encode()))
+        bound = 1.0 / math.sqrt(max(1, math.prod(shape[1:])))
+        return ((torch.rand(shape, generator=gen) * 2 - 1) * bound).to(dtype)
+    return torch.full(shape, 1 if name.endswith("weight") else 0, dtype=dtype)
+
+
+def materialize(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Give ``model`` real CPU parameters and buffers, each :func:`initial_value` of its
+    name. Meta-device models are first moved with ``to_empty``. O(parameters).
     """
     if any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers()):
         model = model.to_empty(device="cpu")
-    gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() >= 2:
-                bound = 1.0 / math.sqrt(max(1, p[0].numel()))
-                p.copy_((torch.rand(p.shape, generator=gen) * 2 - 1) * bound)
-            elif name.endswith("weight"):
-                p.fill_(1.0)
-            else:
-                p.zero_()
+            p.copy_(initial_value(name, p.shape, p.dtype, parameter=True, seed=seed))
         for name, b in model.named_buffers():
-            b.fill_(1 if name.endswith("running_var") else 0)
+            b.copy_(initial_value(name, b.shape, b.dtype, parameter=False, seed=seed))
     return model
 
 
@@ -412,10 +430,12 @@ class TracedStep:
         node_op: fx node name → index of the OpGraph op that owns it.
         param_names / buffer_names: the order of the ``params`` / ``buffers`` lists.
         n_state: optimizer-state tensors per parameter.
-        model / inputs: the model (real parameters) and its example inputs.
+        model / inputs: the model (real parameters, or on the meta device when traced
+            with ``weights=False``) and its example inputs (real).
         state_nodes: for each optimizer-state tensor (in ``states`` order), the fx node
             computing its value after the step (:func:`new_state_nodes`), so the runtime
             carries Adam's moments (or momentum) from step to step.
+        seed: the seed of the initial parameter values (:func:`initial_value`).
     """
 
     graph: OpGraph
@@ -427,19 +447,57 @@ class TracedStep:
     model: torch.nn.Module
     inputs: list[Any] = field(default_factory=list)
     state_nodes: list[str] = field(default_factory=list)
+    seed: int = 0
 
-    def initial_state(self) -> tuple[list, list, list, list]:
-        """Fresh ``(params, buffers, states, inputs)`` lists (copies) for ``gm``."""
-        named = dict(self.model.named_parameters())
-        named_b = {**dict(self.model.named_buffers()), **named}
-        params = [named[n].detach().clone() for n in self.param_names]
-        bufs = [named_b[n].detach().clone() for n in self.buffer_names]
-        states = [torch.zeros_like(p) for p in params for _ in range(self.n_state)]
-        return params, bufs, states, [x.clone() if torch.is_tensor(x) else x for x in self.inputs]
+    def initial_state(self, held: Container[int] | None = None) -> tuple[list, list, list, list]:
+        """Fresh ``(params, buffers, states, inputs)`` lists for ``gm``: parameters and
+        buffers are :func:`initial_value` of their names (what :func:`materialize` gives
+        the model), optimizer state zeros, inputs copies of :attr:`inputs`.
+
+        ``held``: the placeholder positions (in ``params, buffers, states, inputs`` order)
+        to create; every other slot is ``None`` and allocates nothing, so a process
+        holding one device's share of the model never builds the rest. O(elements
+        created)."""
+        buffers = {n for n, _ in self.model.named_buffers()}
+        shapes = {
+            **{n: (b.shape, b.dtype) for n, b in self.model.named_buffers()},
+            **{n: (p.shape, p.dtype) for n, p in self.model.named_parameters()},
+        }
+        n_p, n_b = len(self.param_names), len(self.buffer_names)
+
+        def wanted(k: int) -> bool:
+            return held is None or k in held
+
+        def value(name: str) -> torch.Tensor:
+            shape, dtype = shapes[name]
+            # frozen parameters travel with the buffers but start as parameters do
+            parameter = name not in buffers
+            return initial_value(name, shape, dtype, parameter=parameter, seed=self.seed)
+
+        params = [value(n) if wanted(k) else None for k, n in enumerate(self.param_names)]
+        bufs = [value(n) if wanted(n_p + k) else None for k, n in enumerate(self.buffer_names)]
+        states = []
+        for k, name in enumerate(self.param_names):
+            for j in range(self.n_state):
+                slot = n_p + n_b + k * self.n_state + j
+                shape, dtype = shapes[name]
+                states.append(torch.zeros(tuple(shape), dtype=dtype) if wanted(slot) else None)
+        first_input = n_p + n_b + len(states)
+        inputs = [
+            (x.clone() if torch.is_tensor(x) else x) if wanted(first_input + k) else None
+            for k, x in enumerate(self.inputs)
+        ]
+        return params, bufs, states, inputs
 
 
-def trace_step(spec: ModelSpec) -> TracedStep:
+def trace_step(spec: ModelSpec, *, weights: bool = True) -> TracedStep:
     """Build, materialize and trace ``spec``'s training step. Cost: one make_fx trace.
+
+    ``weights=False`` builds a small runtime model on the meta device and materializes
+    nothing (the trace runs on fake tensors either way): the model holds no memory, and
+    :meth:`TracedStep.initial_state` creates just the tensors a process holds. A
+    ``FILE.py:FUNCTION`` model is built as its function builds it (build it under
+    ``torch.device("meta")`` to avoid real weights) and then moved to the meta device.
 
     Raises :class:`RuntimeInputError` for an unknown model and
     :class:`~meshplace.graph.capture.CaptureError` for one that cannot be traced.
@@ -455,13 +513,19 @@ def trace_step(spec: ModelSpec) -> TracedStep:
         raise RuntimeInputError(
             f"unknown optimizer {spec.optimizer!r}; allowed: {', '.join(_cap.OPTIMIZERS)}"
         )
-    model, example, name = spec.build()
-    model = materialize(model, spec.seed)
+    if weights or ".py:" in spec.name:
+        model, example, name = spec.build()
+    else:
+        with torch.device("meta"):
+            model, example, name = spec.build()
+    model = materialize(model, spec.seed) if weights else model.to("meta")
     inputs = real_inputs(example, spec.seed)
     model.train(True)
     graph, gm, node_op, pnames, bnames, n_state = _trace(model, tuple(inputs), name, spec)
     states = new_state_nodes(gm, len(pnames), len(bnames), n_state)
-    return TracedStep(graph, gm, node_op, pnames, bnames, n_state, model, inputs, states)
+    return TracedStep(
+        graph, gm, node_op, pnames, bnames, n_state, model, inputs, states, seed=spec.seed
+    )
 
 
 def new_state_nodes(gm: torch.fx.GraphModule, n_params: int, n_bufs: int, n_state: int) -> list:
