@@ -253,10 +253,25 @@ def test_run_cli_prints_measured_and_predicted(tmp_path, capsys) -> None:
             "--json",
             "--cluster-out",
             str(tmp_path / "local.yaml"),
+            "--calibration-out",
+            str(tmp_path / "calibration.json"),
         ]
     )
     assert cmd_run(args) == 0
     out = json.loads(capsys.readouterr().out)
+    # the calibration file: what plan, simulate and shard --calibration apply, on the
+    # calibrated cluster's device kind as the run's own prediction did
+    from meshplace.cost.calibration import calibrated_cost_model, load_calibration
+    from meshplace.hardware import load_cluster
+
+    saved = load_calibration(tmp_path / "calibration.json")
+    local = load_cluster(str(tmp_path / "local.yaml"))
+    assert saved.device_kind == local.devices[0].kind
+    assert saved.launch_overhead_s == out["calibration"]["launch_overhead_s"]
+    assert saved.peak_flops == out["calibration"]["device"]["peak_flops"]
+    applied = calibrated_cost_model(saved, local)
+    for kind, (e, _) in saved.efficiency.items():
+        assert applied.efficiency_on(saved.device_kind, kind) == pytest.approx((e, e))
     assert out["measured_step_s"] > 0 and out["predicted_step_s"] > 0
     in_situ = out["calibration"]["in_situ"]  # probe runs measured the costs
     assert {"start_s", "send_s", "wake_s", "compute_slowdown", "r2"} <= set(in_situ)

@@ -139,6 +139,7 @@ def _parser(command: str = "*") -> argparse.ArgumentParser:
     p.add_argument(
         "--groups", type=positive_int, default=256, help="co-location groups (default 256)"
     )
+    p.add_argument("--calibration", help=_CALIBRATION_HELP)
     p.add_argument("--out", help="write the best plan to this file")
     p.add_argument("--result", help="write every placer's result as JSON to this file")
     p.add_argument("--html", help="write a self-contained HTML report to this file")
@@ -183,6 +184,7 @@ def _parser(command: str = "*") -> argparse.ArgumentParser:
     _add_capture_arguments(s)
     s.add_argument("--plan", required=True, help="plan.json (see docs/formats.md)")
     s.add_argument("--objective", default="step", choices=["step", "throughput"])
+    s.add_argument("--calibration", help=_CALIBRATION_HELP)
     s.add_argument("--trace", help="write a Chrome trace (opens in Perfetto) to this file")
     s.add_argument("--json", action="store_true", help="print a JSON object")
 
@@ -496,7 +498,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     _check_model_flags(args, args.model)
     check_output_paths(
         {"--out": args.out, "--result": args.result, "--html": args.html},
-        inputs=[args.model, args.cluster],
+        inputs=[args.model, args.cluster, args.calibration],
     )
     from rich.progress import Progress, TextColumn
 
@@ -516,11 +518,14 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     ):
         raise PlacerError(f"--checkpoint-dir {args.checkpoint_dir} is not a folder")
     cluster = load_cluster(args.cluster)
+    cost_model = _cost_model(args, cluster)
     err = Console(stderr=True)
     source = _load_model(args, args.model, err)
     graph = source.graph
     with _status(err, "grouping and preparing the simulator…"):
-        problem = PlacementProblem.build(graph, cluster, args.objective, args.groups)
+        problem = PlacementProblem.build(
+            graph, cluster, args.objective, args.groups, cost_model=cost_model
+        )
     problem.check_fits_somewhere()
     if args.checkpoint_dir:  # made only now that every input is known to be good
         Path(args.checkpoint_dir).mkdir(parents=True, exist_ok=True)
@@ -660,9 +665,26 @@ def _cmd_cluster(args: argparse.Namespace) -> int:
     return 0
 
 
+_CALIBRATION_HELP = (
+    "a calibration file (meshplace run --calibration-out): its measured efficiencies, "
+    "launch and message costs replace the cost model's defaults on its device kind"
+)
+
+
+def _cost_model(args: argparse.Namespace, cluster: Any) -> Any:
+    """The cost model ``--calibration`` asks for on ``cluster`` (``None``: the default)."""
+    if not getattr(args, "calibration", None):
+        return None
+    from meshplace.cost.calibration import calibrated_cost_model, load_calibration
+
+    return calibrated_cost_model(load_calibration(args.calibration), cluster)
+
+
 def _cmd_simulate(args: argparse.Namespace) -> int:
     _check_model_flags(args, args.graph)
-    check_output_paths({"--trace": args.trace}, inputs=[args.graph, args.cluster, args.plan])
+    check_output_paths(
+        {"--trace": args.trace}, inputs=[args.graph, args.cluster, args.plan, args.calibration]
+    )
 
     from meshplace.hardware import load_cluster
     from meshplace.plan.placement import load_plan
@@ -672,16 +694,19 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     err = Console(stderr=True)
     plan = load_plan(args.plan)
     cluster = load_cluster(args.cluster)
+    cost_model = _cost_model(args, cluster)
     source = _load_model(args, args.graph, err, verb="loading")
     graph = source.graph
     placement = plan.device_indices(
         graph, {d.name: i for i, d in enumerate(cluster.devices)}, cluster.name, args.plan
     )
-    sim = Simulator(graph, cluster)
+    sim = Simulator(graph, cluster, cost_model)
     result = sim.simulate(placement, objective=args.objective)
     if args.trace:
         write_chrome_trace(sim, result, args.trace)
     summary = {"graph": graph.name, "cluster": cluster.name, "plan": args.plan}
+    if args.calibration:
+        summary["calibration"] = args.calibration
     summary.update(result.to_dict())
     if source.cache is not None:
         summary["cache"] = source.cache

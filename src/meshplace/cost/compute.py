@@ -80,6 +80,9 @@ class CostModel:
         efficiency: op kind → (compute efficiency, memory efficiency), each in (0, 1].
         fallback: efficiency for kinds not in ``efficiency``.
         launch_overhead: device kind → seconds, overriding the device spec's value.
+        device_efficiency: device kind → op kind → (compute, memory) efficiency, overriding
+            ``efficiency`` on that kind (a calibration file's fit,
+            :func:`meshplace.cost.calibration.calibrated_cost_model`).
         use_measured: prefer ``Op.measured_time`` when the graph has one for the kind.
         message_cpu: device kind → (send s, send s/byte, receive s, receive s/byte) of
             compute a message costs its ends (host-staged transfers); absent: none.
@@ -92,6 +95,23 @@ class CostModel:
     launch_overhead: dict[str, float] = field(default_factory=dict)
     use_measured: bool = True
     message_cpu: dict[str, tuple[float, float, float, float]] = field(default_factory=dict)
+    device_efficiency: dict[str, dict[str, tuple[float, float]]] = field(default_factory=dict)
+
+    def efficiency_on(self, device_kind: str | None, op_kind: str) -> tuple[float, float]:
+        """(compute, memory) efficiency of ``op_kind`` ops on ``device_kind`` devices: the
+        kind's calibrated value, else the model-wide one, else the fallback.
+
+        >>> cm = CostModel(device_efficiency={"cpu": {"matmul": (0.2, 0.3)}})
+        >>> cm.efficiency_on("cpu", "matmul"), cm.efficiency_on("gpu", "matmul")
+        ((0.2, 0.3), (0.7, 0.7))
+        """
+        own = self.device_efficiency.get(device_kind or "", {})
+        return own.get(op_kind) or self.efficiency.get(op_kind, self.fallback)
+
+    def launch_on(self, device_kind: str, spec: DeviceLike) -> float:
+        """Seconds of fixed cost per kernel on ``device_kind``: the calibrated value, else
+        the device spec's."""
+        return self.launch_overhead.get(device_kind, spec.launch_overhead_s)
 
     def roofline_terms(self, graph: OpGraph, spec: DeviceLike) -> tuple[np.ndarray, np.ndarray]:
         """Per op, the two sides of the roofline on one device kind: seconds of arithmetic
@@ -104,8 +124,9 @@ class CostModel:
         arith = np.zeros(len(ops))
         per_byte = np.zeros(len(ops))
         peaks: dict[str, float] = {}
+        device_kind = getattr(spec, "kind", None)
         for i, o in enumerate(ops):
-            ec, em = self.efficiency.get(o.kind, self.fallback)
+            ec, em = self.efficiency_on(device_kind, o.kind)
             dt = o.output_dtypes[0] if o.output_dtypes else "float32"
             if dt not in peaks:
                 peaks[dt] = spec.peak(dt)
@@ -119,17 +140,17 @@ class CostModel:
         ops = graph.ops
         n = len(ops)
         kind_names = [o.kind for o in ops]
-        eff_c = np.empty(n)
-        eff_m = np.empty(n)
-        for i, k in enumerate(kind_names):
-            eff_c[i], eff_m[i] = self.efficiency.get(k, self.fallback)
         kernel = np.array([k not in NON_KERNEL_KINDS for k in kind_names])
         dtypes = [o.output_dtypes[0] if o.output_dtypes else "float32" for o in ops]
         out: dict[str, np.ndarray] = {}
         for kind, spec in kinds.items():
+            eff_c = np.empty(n)
+            eff_m = np.empty(n)
+            for i, k in enumerate(kind_names):
+                eff_c[i], eff_m[i] = self.efficiency_on(kind, k)
             peak_by_dtype = {dt: spec.peak(dt) for dt in set(dtypes)}
             peak = np.array([peak_by_dtype[dt] for dt in dtypes])
-            launch = self.launch_overhead.get(kind, spec.launch_overhead_s)
+            launch = self.launch_on(kind, spec)
             compute = arrays.flops / (peak * eff_c)
             memory = arrays.bytes_accessed / (spec.memory_bandwidth * eff_m)
             t = np.where(kernel, np.maximum(compute, memory) + launch, 0.0)

@@ -86,6 +86,12 @@ def add_shard_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="decide every layer on its own (default: identical layers share a decision)",
     )
+    parser.add_argument(
+        "--calibration",
+        default=None,
+        help="a calibration file (meshplace run --calibration-out): its measured "
+        "efficiencies and launch cost replace the roofline's defaults on its device kind",
+    )
 
 
 def _method(args: argparse.Namespace) -> str:
@@ -105,6 +111,10 @@ def _method(args: argparse.Namespace) -> str:
 def cmd_shard(args: argparse.Namespace) -> int:
     """``meshplace shard``: dispatch to the program search or the captured-graph search."""
     if _method(args) == "program":
+        if getattr(args, "calibration", None):
+            raise InputError(
+                "--calibration applies to the captured graph's search; add --method graph"
+            )
         return mesh_cli.cmd_shard(args)
     out = getattr(args, "out", None)
     check_output_paths({"--out": out}, inputs=[args.model, args.cluster])
@@ -143,6 +153,11 @@ def shard_captured(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     wus = get(args, "weight_update_sharding", "auto") or "auto"
     stages = {"auto": (0, 1, 2, 3), "on": (1, 2, 3), "off": (0,)}[wus]
     cluster = load_cluster(args.cluster)
+    cost_model = None
+    if get(args, "calibration", None):
+        from meshplace.cost.calibration import calibrated_cost_model, load_calibration
+
+        cost_model = calibrated_cost_model(load_calibration(args.calibration), cluster)
     chips = get(args, "chips", None)
     shape = mesh_and_chips(get(args, "mesh", None), chips)
     console = Console(stderr=True)
@@ -172,6 +187,7 @@ def shard_captured(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
             tie_layers=not get(args, "no_tie", False),
             compute=get(args, "compute", "eager") or "eager",
             pinned=mesh_cli.parse_rules(get(args, "rules", None)),
+            cost_model=cost_model,
             progress=lambda m: status.update(f"sharding {graph.name} on {cluster.name}: {m}…"),
         )
     best = result.best

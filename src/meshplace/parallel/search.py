@@ -37,6 +37,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from meshplace.cost.compute import CostModel
 from meshplace.errors import InputError
 from meshplace.graph.ir import OpGraph
 from meshplace.hardware.cluster import Cluster
@@ -381,9 +382,12 @@ def shard_graph(
     compute: str = "eager",
     overlap: bool = True,
     progress: Callable[[str], None] | None = None,
+    cost_model: CostModel | None = None,
 ) -> ShardingResult:
     """Search every mesh shape (or the given one) for the fastest plan that fits.
 
+    ``cost_model`` gives the ops' compute times (default: the roofline's defaults; a
+    calibrated one from :func:`meshplace.cost.calibration.calibrated_cost_model`).
     ``compute`` picks the compute model (:class:`ShardingProblem`: ``"eager"`` or
     ``"fused"``), ``overlap`` whether gradient reductions and parameter gathers overlap
     compute (:meth:`ShardingProblem.cost_tables`). Raises :class:`ShardingError` (one
@@ -438,6 +442,7 @@ def shard_graph(
                 tie_layers=tie_layers,
                 compute=compute,
                 overlap=overlap,
+                cost_model=cost_model,
             )
             if pinned:
                 pin_inputs(problem, pinned)

@@ -203,7 +203,7 @@ class ShardingProblem:
         cm = cost_model or CostModel()
         self.op_time = cm.op_times(graph, {dev.kind: dev.spec})[dev.kind]
         self.arith_s, self.byte_s = cm.roofline_terms(graph, dev.spec)
-        self.launch = dev.spec.launch_overhead_s
+        self.launch = cm.launch_on(dev.kind, dev.spec)
         self.state_factor = state_bytes_per_param_byte
         self.dims: list[OpDims | None] = []
         for o in graph.ops:

@@ -168,10 +168,19 @@ class PlacementProblem:
 
     @classmethod
     def build(
-        cls, graph: OpGraph, cluster: Any, objective: str = "step", max_groups: int | None = None
+        cls,
+        graph: OpGraph,
+        cluster: Any,
+        objective: str = "step",
+        max_groups: int | None = None,
+        *,
+        cost_model: Any = None,
     ) -> PlacementProblem:
+        """A problem with ``graph`` coarsened to at most ``max_groups`` groups, simulated
+        with ``cost_model`` (default: the roofline's defaults)."""
         grouping = group_ops(graph, max_groups or DEFAULT_MAX_GROUPS)
-        return cls(graph, cluster, objective, grouping)
+        simulator = Simulator(graph, cluster, cost_model) if cost_model is not None else None
+        return cls(graph, cluster, objective, grouping, simulator=simulator)
 
     # ---------------------------------------------------------------- helpers
     @property

@@ -42,6 +42,7 @@ Example
 
 from __future__ import annotations
 
+import platform
 import statistics
 import time
 from collections.abc import Mapping, Sequence
@@ -483,6 +484,24 @@ class Calibration:
         updates = runtime_update_messages(self.step, placement)
         bandwidth, latency = float(self.link["bandwidth"]), float(self.link["latency"])
         return end_of_step(device_end, updates, end_costs, latency, bandwidth)
+
+    def cost_calibration(self) -> Any:
+        """What this calibration measured as a calibration file
+        (:class:`meshplace.cost.calibration.CostCalibration`) for the workers' device kind:
+        the fitted efficiencies and launch overhead relative to the measured peak and
+        bandwidth, and the measured message CPU per transfer."""
+        from meshplace.cost.calibration import calibration_from_fit
+
+        kind = self.cluster.devices[0].kind
+        message_cpu = self.cost_model.message_cpu.get(kind)
+        return calibration_from_fit(
+            kind,
+            self.device,
+            self.fit,
+            tuple(message_cpu) if message_cpu is not None else None,
+            f"meshplace run on {platform.node() or 'this machine'}, fitted to the op times "
+            f"of {self.step.graph.name if self.step is not None else 'a model'}",
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {

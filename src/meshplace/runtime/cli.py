@@ -117,6 +117,11 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         f"return within this long (default {DEFAULT_BUILD_TIMEOUT_S:g})",
     )
     parser.add_argument("--cluster-out", help="write the calibrated local cluster (YAML)")
+    parser.add_argument(
+        "--calibration-out",
+        help="write the calibration (fitted efficiencies, launch and message costs of the "
+        "workers' device kind) for plan, simulate and shard --calibration",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON")
 
 
@@ -164,6 +169,8 @@ def check_run_arguments(args: argparse.Namespace) -> Any:
             raise InputError("--no-predict needs --plan: placers search the calibrated model")
         if args.cluster_out:
             raise InputError("--cluster-out writes the calibrated cluster; drop --no-predict")
+        if getattr(args, "calibration_out", None):
+            raise InputError("--calibration-out writes the calibration; drop --no-predict")
     plan = None
     if args.placer is not None:
         from meshplace.placers.base import resolve
@@ -173,7 +180,13 @@ def check_run_arguments(args: argparse.Namespace) -> Any:
         from meshplace.plan.placement import load_plan
 
         plan = load_plan(args.plan)
-    check_output_paths({"--cluster-out": args.cluster_out}, inputs=[args.plan, args.graph])
+    check_output_paths(
+        {
+            "--cluster-out": args.cluster_out,
+            "--calibration-out": getattr(args, "calibration_out", None),
+        },
+        inputs=[args.plan, args.graph],
+    )
     from meshplace.runtime.executor import resolve_worker_devices
 
     resolve_worker_devices(args.worker_devices, args.workers)
@@ -227,6 +240,7 @@ def run_sharding_plan(args: argparse.Namespace, plan: dict[str, Any]) -> int:
     for flag, value in (
         ("--placer", args.placer),
         ("--cluster-out", args.cluster_out),
+        ("--calibration-out", getattr(args, "calibration_out", None)),
         ("--batch", args.batch),
         ("--size", args.size),
         ("--memory-budget", getattr(args, "memory_budget", None)),
@@ -243,7 +257,11 @@ def run_placement_with_torchrun(args: argparse.Namespace, plan: Any) -> int:
     """``meshplace run --plan PLACEMENT --launcher torchrun``: one torchrun process per
     device the plan uses, each holding only the parameters and optimizer state of its ops
     (:mod:`meshplace.runtime.placed`); its exit status."""
-    for flag, value in (("--placer", args.placer), ("--cluster-out", args.cluster_out)):
+    for flag, value in (
+        ("--placer", args.placer),
+        ("--cluster-out", args.cluster_out),
+        ("--calibration-out", getattr(args, "calibration_out", None)),
+    ):
         if value is not None:
             raise InputError(f"{flag} does not apply to --launcher torchrun")
     devices = set(plan.placement.values())
@@ -408,6 +426,10 @@ def _run(args: argparse.Namespace, plan: Any) -> int:
         from meshplace.hardware import save_cluster
 
         save_cluster(cal.cluster, args.cluster_out)
+    if getattr(args, "calibration_out", None) and cal is not None:
+        from meshplace.cost.calibration import save_calibration
+
+        save_calibration(cal.cost_calibration(), args.calibration_out)
     error = None if predicted is None else (predicted - res.step_time_s) / res.step_time_s
     out = {
         "graph": step.graph.name,

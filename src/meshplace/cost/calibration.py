@@ -1,0 +1,173 @@
+"""Calibration files: the cost model's constants as measured on one device kind.
+
+A calibration (format ``meshplace.calibration``, version 1, ``docs/formats.md``) records
+what measuring a device kind taught the roofline of :class:`~meshplace.cost.compute.
+CostModel`: per op kind the fitted (compute, memory) efficiency, the fixed cost per kernel,
+the peak FLOP/s and memory bandwidth those efficiencies are relative to, and, for devices
+without copy engines, the compute a message costs its two ends. ``meshplace run
+--calibration-out FILE`` writes one from the calibration it performs on the local workers
+(:func:`calibration_from_fit`). ``meshplace plan``, ``simulate`` and ``shard`` take
+``--calibration FILE`` and apply it the one way :func:`calibrated_cost_model` does, to the
+devices of the file's kind in the cluster they are given, so the same measurement moves
+every prediction alike.
+
+Efficiencies are relative to the file's ``peak_flops`` and ``memory_bandwidth``; on a
+cluster whose spec of that kind says other peaks, they are rescaled so that the calibrated
+times stay the measured ones (``e' = e x peak_file / peak_spec``).
+
+Example
+-------
+>>> cal = CostCalibration(device_kind="h100", peak_flops=6.7e13, memory_bandwidth=3.35e12,
+...                   launch_overhead_s=8e-6, efficiency={"matmul": (0.35, 0.6)})
+>>> from meshplace.hardware import load_cluster
+>>> cm = calibrated_cost_model(cal, load_cluster("dgx-h100"))
+>>> cm.launch_overhead["h100"], cm.efficiency_on("h100", "matmul")[1]
+(8e-06, 0.6)
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from meshplace.cost.compute import CostModel
+from meshplace.errors import InputError
+from meshplace.util import parse_json, read_text_file, short_repr, write_text_atomic
+
+FORMAT = "meshplace.calibration"
+VERSION = 1
+
+_Positive = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+_NonNegative = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+
+
+class CalibrationError(InputError):
+    """A calibration file that cannot be read, or that does not fit the cluster."""
+
+
+class CostCalibration(BaseModel):
+    """One device kind's measured cost-model constants (the module doc).
+
+    Attributes:
+        device_kind: the cluster device kind measured (``local-cpu``, ``h100``...).
+        peak_flops: float32 FLOP/s the compute efficiencies are relative to.
+        memory_bandwidth: bytes/s the memory efficiencies are relative to.
+        launch_overhead_s: fixed seconds per kernel.
+        efficiency: op kind → (compute, memory) efficiency, fitted; op kinds not listed
+            keep the cost model's defaults.
+        message_cpu: (send s, send s/byte, receive s, receive s/byte) of compute a message
+            costs its ends, for devices without copy engines; ``None``: none.
+        source: how and where it was measured.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    format: Literal["meshplace.calibration"] = FORMAT
+    version: Literal[1] = VERSION
+    device_kind: Annotated[str, Field(min_length=1)]
+    peak_flops: _Positive
+    memory_bandwidth: _Positive
+    launch_overhead_s: _NonNegative
+    efficiency: dict[str, tuple[_Positive, _Positive]] = Field(default_factory=dict)
+    message_cpu: tuple[_NonNegative, _NonNegative, _NonNegative, _NonNegative] | None = None
+    source: str = ""
+
+
+def load_calibration(path: str | Path) -> CostCalibration:
+    """Read and check a calibration file; every problem is one
+    :class:`CalibrationError` sentence naming the file and the field."""
+    text = read_text_file(path, "calibration", CalibrationError)
+    data = parse_json(text, str(path), "calibration", CalibrationError)
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise CalibrationError(
+            f"{path}: not a calibration file (field 'format' must be {FORMAT!r}; write one "
+            "with meshplace run --calibration-out)"
+        )
+    try:
+        return CostCalibration.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = ".".join(str(x) for x in err["loc"]) or "the top level"
+        value = err.get("input")
+        got = "" if isinstance(value, dict | list) else f" (got {short_repr(value)})"
+        msg = err["msg"][0].lower() + err["msg"][1:]
+        raise CalibrationError(f"{path}: field {loc!r}: {msg}{got}") from None
+
+
+def save_calibration(calibration: CostCalibration, path: str | Path) -> None:
+    """Write ``calibration`` atomically as indented JSON."""
+    write_text_atomic(path, json.dumps(calibration.model_dump(mode="json"), indent=1))
+
+
+def calibrated_cost_model(
+    calibration: CostCalibration, cluster: Any, base: CostModel | None = None
+) -> CostModel:
+    """``base`` (default: the default :class:`CostModel`) with ``calibration`` applied to
+    the devices of its kind in ``cluster``: their efficiencies (rescaled to the cluster's
+    spec of that kind, the module doc), launch overhead and message CPU. Other device
+    kinds keep ``base``'s. Raises :class:`CalibrationError` when the cluster has no device
+    of the calibration's kind. O(op kinds).
+    """
+    kinds = {d.kind: d.spec for d in cluster.devices}
+    spec = kinds.get(calibration.device_kind)
+    if spec is None:
+        raise CalibrationError(
+            f"the calibration measured device kind {calibration.device_kind!r}, and cluster "
+            f"{cluster.name!r} has none (its kinds: {', '.join(sorted(kinds))})"
+        )
+    base = base or CostModel()
+    scale_c = calibration.peak_flops / spec.peak("float32")
+    scale_m = calibration.memory_bandwidth / spec.memory_bandwidth
+    fitted = {
+        op_kind: (ec * scale_c, em * scale_m)
+        for op_kind, (ec, em) in calibration.efficiency.items()
+    }
+    kind = calibration.device_kind
+    message_cpu = dict(base.message_cpu)
+    if calibration.message_cpu is not None:
+        message_cpu[kind] = tuple(calibration.message_cpu)
+    return CostModel(
+        efficiency=dict(base.efficiency),
+        fallback=base.fallback,
+        launch_overhead={**base.launch_overhead, kind: calibration.launch_overhead_s},
+        use_measured=base.use_measured,
+        message_cpu=message_cpu,
+        device_efficiency={
+            **base.device_efficiency,
+            kind: {**base.device_efficiency.get(kind, {}), **fitted},
+        },
+    )
+
+
+def calibration_from_fit(
+    device_kind: str,
+    device: dict[str, float],
+    fit: dict[str, Any],
+    message_cpu: tuple[float, float, float, float] | None,
+    source: str,
+) -> CostCalibration:
+    """The :class:`CostCalibration` of a fit of measured op times
+    (:func:`meshplace.profile.calibrate.fit_cost_model`'s report ``fit``: its launch
+    overhead and per op kind efficiency) on a device measured at ``device``'s
+    ``peak_flops`` and ``memory_bandwidth``.
+
+    >>> calibration_from_fit("local-cpu", {"peak_flops": 1e11, "memory_bandwidth": 1e10},
+    ...     {"launch_overhead_s": 4e-6, "kinds": {"matmul": {"efficiency": 0.5}}},
+    ...     None, "test").efficiency
+    {'matmul': (0.5, 0.5)}
+    """
+    return CostCalibration(
+        device_kind=device_kind,
+        peak_flops=float(device["peak_flops"]),
+        memory_bandwidth=float(device["memory_bandwidth"]),
+        launch_overhead_s=float(fit["launch_overhead_s"]),
+        efficiency={
+            k: (float(v["efficiency"]), float(v["efficiency"]))
+            for k, v in sorted(fit.get("kinds", {}).items())
+        },
+        message_cpu=message_cpu,
+        source=source,
+    )

@@ -1,0 +1,148 @@
+"""Calibration files (``meshplace.cost.calibration``): ``plan``, ``simulate`` and ``shard``
+take ``--calibration FILE`` and apply it the same way; bad files are one sentence."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from meshplace.cli import main
+from meshplace.cost.calibration import (
+    CostCalibration,
+    calibrated_cost_model,
+    load_calibration,
+    save_calibration,
+)
+from meshplace.cost.compute import DEFAULT_EFFICIENCY, CostModel
+from meshplace.graph.io import save_graph
+from meshplace.graph.sources import workload_graph
+from meshplace.hardware import load_cluster
+from meshplace.plan.placement import Plan, save_plan
+from meshplace.sim.simulator import Simulator
+
+
+def _run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _slow_matmuls(kind: str, cluster: str) -> CostCalibration:
+    """A calibration of ``kind`` at the cluster's own peaks whose matmuls reach a tenth of
+    the default efficiency and whose kernels cost 50 us to launch."""
+    spec = next(d.spec for d in load_cluster(cluster).devices if d.kind == kind)
+    ec, em = DEFAULT_EFFICIENCY["matmul"]
+    return CostCalibration(
+        device_kind=kind,
+        peak_flops=spec.peak("float32"),
+        memory_bandwidth=spec.memory_bandwidth,
+        launch_overhead_s=50e-6,
+        efficiency={"matmul": (ec / 10, em / 10)},
+        source="test",
+    )
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("calibration")
+    graph = workload_graph("dmcca")
+    save_graph(graph, folder / "dmcca.json")
+    plan = Plan.for_graph(graph, "colocrl-4gpu", {}, default_device="gpu1")
+    save_plan(plan, folder / "plan.json")
+    save_calibration(_slow_matmuls("k80", "colocrl-4gpu"), folder / "k80.json")
+    save_calibration(_slow_matmuls("h100", "dgx-h100"), folder / "h100.json")
+    return {"folder": folder, "graph": folder / "dmcca.json", "plan": folder / "plan.json"}
+
+
+def test_the_file_round_trips_and_scales_to_the_clusters_peaks(tmp_path: Path) -> None:
+    cal = _slow_matmuls("k80", "colocrl-4gpu")
+    save_calibration(cal, tmp_path / "c.json")
+    assert load_calibration(tmp_path / "c.json") == cal
+    cluster = load_cluster("colocrl-4gpu")
+    cm = calibrated_cost_model(cal, cluster)
+    assert cm.efficiency_on("k80", "matmul") == pytest.approx((0.07, 0.07))
+    assert cm.efficiency_on("xeon-e5-2699v3", "matmul") == DEFAULT_EFFICIENCY["matmul"]
+    assert cm.launch_on("k80", cluster.devices[1].spec) == 50e-6
+    # measured at twice the spec's peak: the same measured times are twice the efficiency
+    doubled = cal.model_copy(update={"peak_flops": 2 * cal.peak_flops})
+    ec, _ = calibrated_cost_model(doubled, cluster).efficiency_on("k80", "matmul")
+    assert ec == pytest.approx(0.14)
+
+
+def test_simulate_and_plan_predict_with_the_calibration(capsys, files) -> None:
+    base = ["--cluster", "colocrl-4gpu", "--json"]
+    sim = ["simulate", "--graph", files["graph"], "--plan", files["plan"], *base]
+    code, out, err = _run(capsys, *sim)
+    assert code == 0, err
+    default = json.loads(out)["step_time_s"]
+    code, out, err = _run(capsys, *sim, "--calibration", files["folder"] / "k80.json")
+    assert code == 0, err
+    calibrated = json.loads(out)
+    graph = workload_graph("dmcca")
+    cluster = load_cluster("colocrl-4gpu")
+    cm = calibrated_cost_model(load_calibration(files["folder"] / "k80.json"), cluster)
+    simulator = Simulator(graph, cluster, cm)
+    expected = simulator.simulate(simulator.placement_of(["gpu1"] * graph.num_ops)).step_time_s
+    assert calibrated["step_time_s"] == pytest.approx(expected, rel=1e-12)
+    assert calibrated["step_time_s"] > 2 * default  # slower matmuls, dearer launches
+    assert calibrated["calibration"].endswith("k80.json")
+
+    plan = ["plan", files["graph"], "--placer", "single", *base]
+    code, out, err = _run(capsys, *plan)
+    assert code == 0, err
+    plain = json.loads(out)
+    code, out, err = _run(capsys, *plan, "--calibration", files["folder"] / "k80.json")
+    assert code == 0, err
+    slow = json.loads(out)
+
+    def single(result: dict) -> float:
+        return next(r["step_time_s"] for r in result["results"] if r["placer"] == "single")
+
+    assert single(slow) > 2 * single(plain)
+
+
+def test_shard_predicts_with_the_calibration(capsys, files) -> None:
+    shard = ["shard", "dmcca", "--cluster", "dgx-h100", "--chips", "2", "--method", "graph"]
+    code, out, err = _run(capsys, *shard, "--json")
+    assert code == 0, err
+    default = json.loads(out)
+    code, out, err = _run(capsys, *shard, "--json", "--calibration", files["folder"] / "h100.json")
+    assert code == 0, err
+    calibrated = json.loads(out)
+    assert calibrated["compute_s"] > 2 * default["compute_s"]
+    assert calibrated["step_time_s"] > default["step_time_s"]
+
+
+def test_bad_calibrations_are_one_sentence(capsys, files) -> None:
+    folder = files["folder"]
+    (folder / "plan-as-cal.json").write_text(files["plan"].read_text())
+    bad = json.loads((folder / "k80.json").read_text())
+    bad["efficiency"]["matmul"] = [0.0, 0.5]
+    (folder / "zero.json").write_text(json.dumps(bad))
+    sim = ["simulate", "--graph", files["graph"], "--plan", files["plan"]]
+    cases = [
+        (["--cluster", "dgx-h100", "--calibration", folder / "k80.json"], "has none"),
+        (["--cluster", "colocrl-4gpu", "--calibration", folder / "nope.json"], "no such"),
+        (["--cluster", "colocrl-4gpu", "--calibration", folder / "plan-as-cal.json"], "not a"),
+        (["--cluster", "colocrl-4gpu", "--calibration", folder / "zero.json"], "efficiency"),
+    ]
+    for args, message in cases:
+        code, _out, err = _run(capsys, *sim, *args)
+        assert code == 2, (args, err)
+        assert message in err and err.count("\n") == 1, (args, err)
+    code, _, err = _run(
+        capsys, "shard", "transformer", "--cluster", "dgx-h100", "--chips", "2",
+        "--calibration", folder / "h100.json",
+    )  # fmt: skip
+    assert code == 2 and "--method graph" in err
+
+
+def test_the_default_cost_model_is_unchanged_by_an_empty_calibration_kind() -> None:
+    graph = workload_graph("dmcca")
+    cluster = load_cluster("colocrl-4gpu")
+    kinds = {d.kind: d.spec for d in cluster.devices}
+    plain = CostModel().op_times(graph, kinds)
+    same = CostModel(device_efficiency={"other": {"matmul": (0.01, 0.01)}}).op_times(graph, kinds)
+    assert all((plain[k] == same[k]).all() for k in kinds)
