@@ -23,10 +23,10 @@ on other hardware it is printed for reference, not as a prediction of this run (
 calibration is what will make it one).
 
 Weight-update sharding (``zero`` > 0) is applied per parameter
-(:class:`WeightUpdateSharding`: ZeRO stages 1 and 2 on DTensor; stage 3 runs as stage
-2). Not yet here (issue 15): building each rank's share without the whole model first
-(every rank builds the full model, then keeps its blocks), pipelined and op-placement
-plans.
+(:class:`WeightUpdateSharding`: ZeRO stages 1-3 on DTensor). Op-placement plans run here too
+(:mod:`meshplace.runtime.placed`). Not yet here (issue 15): building each rank's share of a
+sharding plan without the whole model first (every rank builds the full model, then keeps
+its blocks), and pipelined plans.
 
 Bad input (no plan, a plan of another format, a world size that is not the mesh's device
 count, a model that is not ``FILE.py:build``) is one sentence on stderr and exit status 2,
@@ -209,16 +209,21 @@ class WeightUpdateSharding:
     data-parallel replicas, stage 2 the gradients too, stage 3 the parameters too. Here a
     parameter's replica axes are the mesh axes its plan placement replicates it over.
 
-    The optimizer updates a master copy of the parameter sharded over its replica axes
-    (:func:`zero_placements`). After backward (:meth:`after_backward`) the gradient is
-    redistributed onto it — a reduce-scatter where it is a partial sum, a local slice where
-    already reduced — and from stage 2 the whole gradient is dropped; after the step
-    (:meth:`after_step`) the updated shard is all-gathered into the parameter.
+    Stages 1 and 2: the optimizer updates a master copy of the parameter sharded over its
+    replica axes (:func:`zero_placements`). After backward (:meth:`after_backward`) the
+    gradient is redistributed onto it — a reduce-scatter where it is a partial sum, a
+    local slice where already reduced — and from stage 2 the whole gradient is dropped;
+    after the step (:meth:`after_step`) the updated shard is all-gathered into the
+    parameter.
 
-    Stage 3 runs as stage 2 (listed in :attr:`whole`): keeping only the shard between uses
-    needs FSDP's gather before each module's forward and backward. Storing the parameter
-    as a sharded DTensor instead lets DTensor use it as a tensor-parallel weight, which
-    changes the computation and fails on views DTensor cannot split (Llama's k/v heads).
+    Stage 3: the shard *is* the module's parameter, so between steps a rank holds only
+    its block. :meth:`forward` all-gathers every stage-3 shard into the plan's placement
+    as a differentiable DTensor redistribution and runs the model on the gathered tensors
+    (``torch.func.functional_call``): the model computes exactly as with whole parameters,
+    and autograd carries each gradient back through the gather as its reverse, a
+    reduce-scatter (or a local slice) onto the shard, which the optimizer then updates
+    in place. The gathered tensors live for one step (forward to backward), as FSDP's
+    without ``reshard_after_forward``.
 
     O(parameters) per step, plus the collectives.
     """
@@ -231,7 +236,10 @@ class WeightUpdateSharding:
         self.mesh = mesh
         self.masters: dict[str, tuple[Any, Any, int]] = {}
         self.uneven: list[str] = []
-        self.whole: list[str] = []  # stage-3 parameters kept whole between steps
+        self.gathered: dict[str, Any] = {}  # stage 3: name -> the plan's placements
+        aliases: dict[int, list[str]] = {}
+        for name, param in model.named_parameters(remove_duplicate=False):
+            aliases.setdefault(id(param), []).append(name)
         for name, param in list(model.named_parameters()):
             zero = int(plan["parameters"][name].get("zero", 0))
             if zero == 0 or not any(p.is_replicate() for p in param.placements):
@@ -242,38 +250,59 @@ class WeightUpdateSharding:
             if local_nbytes(shard) * math.prod(mesh.shape) != whole:
                 self.uneven.append(name)  # no dimension divides: blocks of unequal size
             if zero >= 3:
-                self.whole.append(name)
+                self.gathered[name] = tuple(param.placements)
+                for alias in aliases[id(param)]:  # tied weights share the one shard
+                    owner, _, leaf = alias.rpartition(".")
+                    setattr(model.get_submodule(owner), leaf, shard)
             self.masters[name] = (param, shard, zero)
+
+    def forward(self, model: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
+        """The model's forward, with every stage-3 shard all-gathered (differentiably)
+        into the plan's placement for this step."""
+        if not self.gathered:
+            return model(*args, **kwargs)
+        from torch.func import functional_call
+
+        named = dict(model.named_parameters())
+        full = {
+            name: named[name].redistribute(self.mesh, placements)
+            for name, placements in self.gathered.items()
+        }
+        return functional_call(model, full, args, kwargs, strict=False)
 
     def optimizer_parameters(self, model: Any) -> list[Any]:
         """What the optimizer updates: each weight-update-sharded parameter's master shard
-        in its place, every other parameter as it is."""
+        in its place (stage 3: the shard the model holds), every other parameter as it
+        is."""
         return [self.masters[n][1] if n in self.masters else p for n, p in model.named_parameters()]
 
     def after_backward(self) -> None:
         for param, shard, zero in self.masters.values():
-            if param.grad is not None:
+            if zero < 3 and param.grad is not None:
                 shard.grad = param.grad.redistribute(self.mesh, shard.placements)
-                if zero >= 2:
+                if zero == 2:
                     param.grad = None
 
     def after_step(self) -> None:
         import torch
 
         with torch.no_grad():
-            for param, shard, _ in self.masters.values():
-                param.to_local().copy_(shard.redistribute(self.mesh, param.placements).to_local())
+            for param, shard, zero in self.masters.values():
+                if zero < 3:
+                    gathered = shard.redistribute(self.mesh, param.placements)
+                    param.to_local().copy_(gathered.to_local())
 
     def gradient_bytes(self, model: Any) -> int:
         """This rank's gradient bytes between backward and the step: every parameter's
-        own, and the master shards' of stage 2 (whose whole gradients are gone)."""
+        own (a stage-3 shard's included), and the master shards' of stage 2 (whose whole
+        gradients are gone)."""
         from meshplace.runtime.sharded import local_nbytes
 
         own = sum(local_nbytes(p.grad) for p in model.parameters() if p.grad is not None)
         return own + sum(
             local_nbytes(s.grad)
             for _, s, z in self.masters.values()
-            if z >= 2 and s.grad is not None
+            if z == 2 and s.grad is not None
         )
 
 
@@ -334,7 +363,7 @@ def run_sharded_plan(
         torch.distributed.barrier()
         start = time.perf_counter()
         with sharded_step(device_type):
-            loss, _how = as_loss(model(*pos, **kw))
+            loss, _how = as_loss(zero.forward(model, pos, kw))
             loss.backward()
         place_gradients_like_parameters(model)
         zero.after_backward()
@@ -368,7 +397,6 @@ def run_sharded_plan(
         "optimizer_state": state_bytes,
         "peak_bytes": peak,
         "uneven": zero.uneven,
-        "whole": zero.whole,
     }
 
 
@@ -399,12 +427,6 @@ def summarise(
     predicted = plan.get("predicted") or {}
     memory = predicted.get("memory_bytes") or {}
     notes = []
-    whole = per_rank[0].get("whole", [])
-    if whole:
-        notes.append(
-            f"{len(whole)} parameters have ZeRO stage 3 in the plan; they ran as stage 2 "
-            "(whole parameters between steps, so more parameter bytes than predicted)"
-        )
     uneven = per_rank[0].get("uneven", [])
     if uneven:
         notes.append(
