@@ -218,15 +218,12 @@ def test_two_nodes_on_this_host_run_the_llama_plan(tmp_path: Path) -> None:
     )
 
 
-def _nmt_placement(tmp_path: Path, placer: str | None) -> tuple[str, int]:
-    """A placement plan of ``nmt-small`` (batch 4) on colocrl-2gpu, by ``placer`` (``None``:
-    every op on gpu0), written to ``tmp_path``; its path and the model's parameter and
-    Adam-state bytes."""
+def _nmt_placement(tmp_path: Path, graph: object, placer: str | None) -> str:
+    """A placement plan of ``graph`` (nmt-small's) on colocrl-2gpu by ``placer`` (``None``:
+    every op on gpu0), written to ``tmp_path``; its path."""
     from meshplace.placers.base import PlacementProblem, run_placer
     from meshplace.plan import Plan, save_plan
-    from meshplace.runtime.program import ModelSpec, trace_step
 
-    graph = trace_step(ModelSpec("nmt-small", batch=4), weights=False).graph
     if placer is None:
         plan = Plan.from_devices(graph, "colocrl-2gpu", ["gpu0"] * graph.num_ops)
     else:
@@ -236,25 +233,29 @@ def _nmt_placement(tmp_path: Path, placer: str | None) -> tuple[str, int]:
         plan = Plan.from_devices(graph, "colocrl-2gpu", names)
     path = tmp_path / f"{placer or 'single'}.json"
     save_plan(plan, path)
-    return str(path), sum(o.param_bytes + o.state_bytes for o in graph.ops)
+    return str(path)
 
 
 def test_an_op_placement_runs_under_torchrun_each_rank_building_only_its_ops(
     tmp_path: Path,
 ) -> None:
-    """nmt-small placed over 2 ranks by the pipeline placer, under a per-rank memory budget
-    the whole model exceeds: each rank creates only its ops' parameters and Adam state
-    (exactly the plan's bytes), and losses and parameters after 3 steps are the
-    one-process run's, bit for bit. The same budget refuses the one-device plan in one sentence."""
+    """nmt-small (3 tokens, batch 4) placed over 2 ranks by the pipeline placer, under a
+    per-rank memory budget the whole model exceeds: each rank creates only its ops'
+    parameters and Adam state (exactly the plan's bytes), and losses and parameters after
+    3 steps are the one-process run's, bit for bit. The same budget refuses the one-device
+    plan in one sentence."""
     from meshplace.runtime.executor import run_reference
     from meshplace.runtime.program import ModelSpec, trace_step
 
-    plan, whole = _nmt_placement(tmp_path, "pipeline")
+    step = trace_step(ModelSpec("nmt-small", batch=4, size="tiny"))
+    whole = sum(o.param_bytes + o.state_bytes for o in step.graph.ops)
+    plan = _nmt_placement(tmp_path, step.graph, "pipeline")
     budget = str(whole * 2 // 3)
+    model = ["--batch", "4", "--size", "tiny"]
     steps = ["--steps", "3", "--warmup", "1", "--memory-budget", budget, "--json"]
     done = _meshplace_run(
         tmp_path,
-        *["--plan", plan, "--graph", "nmt-small", "--batch", "4", "--launcher", "torchrun"],
+        *["--plan", plan, "--graph", "nmt-small", *model, "--launcher", "torchrun"],
         *[*steps, "--checkpoint-dir", "ck"],
     )
     assert done.returncode == 0, done.stderr[-3000:]
@@ -268,7 +269,7 @@ def test_an_op_placement_runs_under_torchrun_each_rank_building_only_its_ops(
         for p, s in zip(memory["parameters"]["measured"], memory["optimizer_state"]["measured"])
     ]
     assert sum(held) == whole and max(held) < int(budget) < whole, (held, budget)
-    losses, params = run_reference(trace_step(ModelSpec("nmt-small", batch=4)), 3)
+    losses, params = run_reference(step, 3)
     assert report["measured"]["losses"] == losses
     shards = [torch.load(tmp_path / "ck" / f"rank{r}.pt") for r in (0, 1)]
     assert not set(shards[0]) & set(shards[1])  # no tensor is held twice
@@ -276,11 +277,11 @@ def test_an_op_placement_runs_under_torchrun_each_rank_building_only_its_ops(
     assert all(torch.equal(saved[n], p) for n, p in params.items())
     assert report["measured"]["bytes_sent_per_rank"][0] > 0 < report["measured"]["step_time_s"]
 
-    single, _ = _nmt_placement(tmp_path, None)
+    single = _nmt_placement(tmp_path, step.graph, None)
     one = {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
     runtime = ["-m", "meshplace.runtime", "--plan", single, "--model", "nmt-small"]
     refused = subprocess.run(
-        [sys.executable, *runtime, "--batch", "4", *steps],
+        [sys.executable, *runtime, *model, *steps],
         capture_output=True,
         text=True,
         cwd=tmp_path,
