@@ -20,7 +20,18 @@ measures inside steps of probe placements; every plan is also predicted with the
 micro-benchmarks' message costs alone, on the same runs (an ablation; ``--no-in-situ``
 predicts that way only).
 
-Usage: ``python benchmarks/fidelity.py [--models a,b] [--steps N] [--passes P] [--out F.json]``
+``--family sharded`` measures sharding plans instead (``run_sharded_model``): for each
+``FILE.py:build`` in :data:`SHARDED_MODELS`, the machine is calibrated as above, the two
+local CPU workers become a 2-device mesh of the calibrated device kind joined by the
+measured loopback link (:func:`mesh_of_workers`), and the plans are the sharding solver's
+best and every Megatron grid point that fits (dp2 with ZeRO 0-3, tp2), all scored by the
+calibrated cost model (``calibrated_cost_model``, as ``meshplace shard --calibration``
+does). Each runs under torchrun on 2 gloo ranks (``python -m meshplace.runtime``:
+DTensor, PyTorch's own forward, backward and Adam); the measured step is the median of the
+timed steps (per step, the slowest rank) over the passes.
+
+Usage: ``python benchmarks/fidelity.py [--family placed|sharded] [--models a,b] [--steps N]
+[--passes P] [--out F.json]``
 """
 
 from __future__ import annotations
@@ -36,6 +47,11 @@ from typing import Any
 from meshplace.provenance import write_result
 
 MODELS = ("mlp", "dmcca-small", "nmt-small", "rnnlm-small", "resnet-small", "transformer-small")
+ROOT = Path(__file__).resolve().parents[1]
+SHARDED_MODELS = (
+    f"{ROOT / 'benchmarks' / 'fidelity_models.py'}:build_mlp",
+    f"{ROOT / 'examples' / 'llama.py'}:build_tiny",
+)
 PLACERS = (
     "single",
     "expert",
@@ -183,6 +199,141 @@ def run_model(
     }
 
 
+def mesh_of_workers(cal: Any, workers: int = 2) -> Any:
+    """The calibrated local workers as a mesh: ``workers`` devices of the calibrated
+    device kind (marked an accelerator, since each worker process is one mesh device, not
+    a host CPU to avoid), every pair joined by the measured loopback link."""
+    from meshplace.hardware import Cluster, Device, Link
+
+    spec = cal.cluster.devices[0].spec.with_overrides(category="accelerator")
+    names = [f"w{i}" for i in range(workers)]
+    bandwidth, latency = float(cal.link["bandwidth"]), float(cal.link["latency"])
+    links = [
+        Link(f"lo{i}-{j}", a, b, bandwidth, latency, "loopback")
+        for i, a in enumerate(names)
+        for j, b in enumerate(names)
+        if i != j
+    ]
+    devices = [Device(n, spec.kind, spec, host="localhost") for n in names]
+    return Cluster(
+        "local-workers", devices, links, topology="custom", source="benchmarks/fidelity.py"
+    )
+
+
+def _torchrun_step_times(plan: dict, source: str, steps: int, warmup: int) -> list[float]:
+    """The timed steps (per step, the slowest rank's) of ``plan`` on 2 torchrun ranks."""
+    import json
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "plan.json"
+        path.write_text(json.dumps(plan))
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        command += ["--nproc-per-node", "2", "-m", "meshplace.runtime", "--plan", str(path)]
+        command += ["--model", source, "--steps", str(warmup + steps)]
+        command += ["--warmup", str(warmup), "--device", "cpu", "--json"]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    if done.returncode != 0:
+        raise RuntimeError(done.stderr.strip().splitlines()[-1] if done.stderr else "failed")
+    report = json.loads(done.stdout)
+    return report["measured"]["step_times_s"][warmup:]
+
+
+def run_sharded_model(source: str, steps: int, warmup: int, passes: int) -> dict:
+    """Sharding plans of ``source`` on the 2 calibrated workers: measured under torchrun
+    vs predicted by the calibrated cost model (module doc)."""
+    import json
+
+    from meshplace.cost.calibration import calibrated_cost_model
+    from meshplace.parallel.grid import megatron_grid
+    from meshplace.parallel.search import shard_graph
+    from meshplace.profile.calibrate import calibrate
+    from meshplace.runtime.program import ModelSpec, trace_step
+
+    step = trace_step(ModelSpec(source))
+    cal = calibrate(step)
+    cluster = mesh_of_workers(cal)
+    cost_model = calibrated_cost_model(cal.cost_calibration(), cluster)
+
+    # The runtime runs every collective in the step's critical path (DTensor's
+    # redistributions and the ZeRO gathers are synchronous): the headline predictions
+    # count them in full (overlap=False); the plans' own overlapped estimate (what a
+    # runtime with communication streams would reach) is the ablation column.
+    def search(overlap: bool) -> list[tuple[str, Any]]:
+        best = shard_graph(step.graph, cluster, chips=2, cost_model=cost_model, overlap=overlap)
+        grid = megatron_grid(step.graph, cluster, chips=2, cost_model=cost_model, overlap=overlap)
+        return [("solver", best.best)] + [(p.label, p.plan) for p in grid.points if p.fits]
+
+    def key(document: dict) -> str:
+        return json.dumps([document["parameters"], document["inputs"]], sort_keys=True)
+
+    overlapped = {
+        key(plan.plan_file(source, cluster.name)): plan.step_time_s for _, plan in search(True)
+    }
+    plans: list[tuple[str, dict, float]] = []
+    seen: dict[str, str] = {}
+    for label, plan in search(False):
+        document = plan.plan_file(source, cluster.name)
+        if key(document) in seen:
+            print(f"  {label}: same plan as {seen[key(document)]}", file=sys.stderr)
+            continue
+        seen[key(document)] = label
+        plans.append((label, document, plan.step_time_s))
+    timed: dict[str, list[float]] = {label: [] for label, _, _ in plans}
+    per_pass: dict[str, list[float]] = {label: [] for label, _, _ in plans}
+    for _ in range(passes):
+        for label, document, _ in plans:
+            try:
+                times = _torchrun_step_times(document, source, steps, warmup)
+            except RuntimeError as exc:
+                print(f"  {label}: run failed: {exc}", file=sys.stderr)
+                continue
+            timed[label] += times
+            per_pass[label].append(statistics.median(times))
+    rows = []
+    for label, document, predicted in plans:
+        if not timed[label]:
+            continue
+        measured = statistics.median(timed[label])
+        err = (predicted - measured) / measured
+        spread = (max(per_pass[label]) - min(per_pass[label])) / measured
+        zero = sorted({p["zero"] for p in document["parameters"].values()})
+        rows.append(
+            {
+                "placement": label,
+                "zero_stages": zero,
+                "measured_s": measured,
+                "measured_per_pass_s": per_pass[label],
+                "pass_spread": spread,
+                "predicted_s": predicted,
+                "predicted_compute_s": document["predicted"]["compute_s"],
+                "predicted_communication_s": document["predicted"]["communication_s"],
+                "error": err,
+                # the ablation: the plan's overlapped estimate, where that search found it
+                "predicted_micro_s": overlapped.get(key(document)),
+                "error_micro": (overlapped[key(document)] - measured) / measured
+                if key(document) in overlapped
+                else None,
+            }
+        )
+        print(
+            f"  {label:18} measured {measured * 1e3:9.2f} ms (passes spread "
+            f"{100 * spread:5.1f} %)  predicted {predicted * 1e3:9.2f} ms  error "
+            f"{100 * err:+7.1f} %",
+            file=sys.stderr,
+        )
+    return {
+        "model": Path(source.rpartition(":")[0]).stem + ":" + source.rpartition(":")[2],
+        "ops": step.graph.num_ops,
+        "link": {"bandwidth": cal.link["bandwidth"], "latency": cal.link["latency"]},
+        "calibration": cal.cost_calibration().model_dump(mode="json"),
+        "placements": rows,
+        **_summary(rows),
+    }
+
+
 def _summary(rows: list[dict]) -> dict[str, Any]:
     """Median absolute error and Kendall's tau of the predictions, and of the
     micro-benchmark-only ones (when in situ was on); the passes' spread."""
@@ -203,7 +354,14 @@ def _summary(rows: list[dict]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument(
+        "--family",
+        choices=("placed", "sharded"),
+        default="placed",
+        help="placed: op placements on local workers (default); sharded: sharding plans "
+        "under torchrun",
+    )
+    parser.add_argument("--models", default=None, help="comma-separated (default: the family's)")
     parser.add_argument("--steps", type=int, default=15, help="timed steps per run")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per run")
     parser.add_argument(
@@ -213,13 +371,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--passes", type=int, default=2, help="runs per plan, interleaved")
     parser.add_argument("--budget", type=float, default=3.0, help="seconds per placer")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "fidelity.json"))
+    parser.add_argument("--out", default=None, help="default results/fidelity[_sharded].json")
     args = parser.parse_args(argv)
+    sharded = args.family == "sharded"
+    models = args.models.split(",") if args.models else list(SHARDED_MODELS if sharded else MODELS)
+    default_out = "fidelity_sharded.json" if sharded else "fidelity.json"
+    out = args.out or str(Path(__file__).parent / "results" / default_out)
     t0 = time.time()
     load_before = os.getloadavg()
     results = []
-    for name in args.models.split(","):
+    for name in models:
         print(f"{name}:", file=sys.stderr)
+        if sharded:
+            results.append(run_sharded_model(name, args.steps, args.warmup, args.passes))
+            continue
         results.append(
             run_model(name, args.steps, args.warmup, args.passes, args.budget, not args.no_in_situ)
         )
@@ -231,7 +396,8 @@ def main(argv: list[str] | None = None) -> int:
             "steps": args.steps,
             "warmup": args.warmup,
             "passes": args.passes,
-            "in_situ": not args.no_in_situ,
+            "in_situ": not args.no_in_situ and not sharded,
+            "family": args.family,
         },
         "seconds": time.time() - t0,
         "load_average_before": load_before,
@@ -248,22 +414,29 @@ def main(argv: list[str] | None = None) -> int:
     def num(x: Any) -> str:
         return f"{x:.2f}" if x is not None else "-"
 
+    ablation = "overlapped: |err|" if sharded else "micro only: |err|"
     print(
-        f"\n{'model':20} {'plans':>5} {'median |err|':>13} {'tau':>6} {'pass spread':>12} "
-        f"{'micro only: |err|':>18} {'tau':>6}"
+        f"\n{'model':26} {'plans':>5} {'median |err|':>13} {'tau':>6} {'pass spread':>12} "
+        f"{ablation:>18} {'tau':>6}"
     )
     for name, m, plans in [(m["model"], m, len(m["placements"])) for m in results] + [
         ("overall (mean tau)", overall, len(rows))
     ]:
         print(
-            f"{name:20} {plans:5d} {pct(m['median_abs_error']):>13} {num(m['kendall_tau']):>6} "
+            f"{name:26} {plans:5d} {pct(m['median_abs_error']):>13} {num(m['kendall_tau']):>6} "
             f"{pct(m['median_pass_spread']):>12} {pct(m['median_abs_error_micro']):>18} "
             f"{num(m['kendall_tau_micro']):>6}"
         )
     print(
         "pass spread: (max - min) / measured of a plan's per-pass medians, median over plans "
-        "(the measurement's own noise); micro only: the same runs predicted with the "
-        "micro-benchmarks' message costs, without calibrate_in_situ (an ablation)"
+        "(the measurement's own noise); "
+        + (
+            "overlapped: the same plans' estimates with gradient reductions and ZeRO gathers "
+            "overlapping compute, which this runtime does not do (an ablation)"
+            if sharded
+            else "micro only: the same runs predicted with the micro-benchmarks' message "
+            "costs, without calibrate_in_situ (an ablation)"
+        )
     )
     print(
         "load average (1, 5, 15 min) before "
@@ -271,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
         + "; after "
         + ", ".join(f"{x:.2f}" for x in overall["load_average_after"])
     )
-    write_result(args.out, {"models": results, "overall": overall})
+    write_result(out, {"family": args.family, "models": results, "overall": overall})
     return 0
 
 

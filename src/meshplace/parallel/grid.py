@@ -51,6 +51,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from meshplace.cost.compute import CostModel
 from meshplace.graph.ir import OpGraph
 from meshplace.hardware.cluster import Cluster
 from meshplace.mesh.layout import accelerators, build_mesh
@@ -172,9 +173,11 @@ def megatron_grid(
     time_limit_s: float = 20.0,
     compute: str = "eager",
     overlap: bool = True,
+    cost_model: CostModel | None = None,
 ) -> GridResult:
-    """Score every ``dp x tp x ZeRO`` point (module docstring); :attr:`GridResult.best` is
-    the fastest that fits."""
+    """Score every ``dp x tp x ZeRO`` point (module docstring) with ``cost_model``'s op
+    times (default: the roofline's defaults); :attr:`GridResult.best` is the fastest that
+    fits."""
     n = int(chips) if chips is not None else len(accelerators(cluster))
     max_tp = max_tensor_parallel or default_max_tensor_parallel(cluster, n)
     start = time.perf_counter()
@@ -205,7 +208,12 @@ def megatron_grid(
         # one set-up per mesh, restricted once per ZeRO stage
         try:
             full = ShardingProblem(
-                graph, mesh, zero_stages=stages, compute=compute, overlap=overlap
+                graph,
+                mesh,
+                zero_stages=stages,
+                compute=compute,
+                overlap=overlap,
+                cost_model=cost_model,
             )
         except ShardingError as exc:
             points.extend(GridPoint(dp, tp, z, None, str(exc), **names) for z in stages)
