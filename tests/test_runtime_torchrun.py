@@ -292,3 +292,66 @@ def test_an_op_placement_runs_under_torchrun_each_rank_building_only_its_ops(
     assert refused.stderr.startswith("meshplace: error: rank 0 (gpu0) would hold ")
     assert refused.stderr.count("\n") == 1 and f"--memory-budget {int(budget):,}" in refused.stderr
     assert refused.stdout == ""
+
+
+LLAMA_BATCH_8 = """\
+import dataclasses
+import sys
+
+import torch
+
+sys.path.insert(0, {folder!r})
+import llama  # examples/llama.py
+
+
+def build():
+    cfg = dataclasses.replace(llama.CONFIGS["tiny"], batch=8)
+    model = llama.Llama(cfg)
+    ids = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq))
+    return model, (ids,), {{"labels": torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq))}}
+"""
+
+
+def test_a_pipelined_placement_runs_as_a_1f1b_pipeline_like_one_process(tmp_path: Path) -> None:
+    """The pipeline placer's 2-stage plan of a Llama (batch 8) runs under torchrun as a
+    torch.distributed.pipelining 1F1B schedule of 4 micro-batches: the losses are one
+    process's within 1e-5, and each stage holds the parameters, buffers and Adam state the
+    plan puts on its device."""
+    from meshplace.placers.base import PlacementProblem, run_placer
+    from meshplace.plan import save_plan
+    from meshplace.planning import best_plan
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "llama.py"
+    (tmp_path / "llama8.py").write_text(LLAMA_BATCH_8.format(folder=str(example.parent)))
+    source = f"{tmp_path / 'llama8.py'}:build"
+    torch.manual_seed(0)
+    model, args, kwargs = load_build_function(source)()
+    graph = capture(model, args, example_kwargs=kwargs, training=True)
+    problem = PlacementProblem.build(graph, load_cluster("colocrl-2gpu"), "throughput")
+    plan = best_plan(problem, [run_placer("pipeline", problem, 5.0, 0)], 5.0, 0)
+    assert plan.micro_batches == 8 and len(set(plan.placement.values())) == 2
+    save_plan(plan, tmp_path / "pipe.json")
+    done = subprocess.run(
+        [
+            *[sys.executable, "-m", "torch.distributed.run", "--standalone"],
+            *["--nproc-per-node", "2", "-m", "meshplace.runtime", "--plan", "pipe.json"],
+            *["--model", source, "--schedule", "1F1B", "--micro-batches", "4"],
+            *["--steps", "3", "--warmup", "1", "--json"],
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    assert report["plan"] == "pipeline" and report["micro_batches"] == 4
+    assert report["stage_begins"][0] == "" and report["stage_begins"][1].startswith("layers.")
+    expected, _model = one_process_losses(source, 3)
+    assert torch.allclose(
+        torch.tensor(report["measured"]["losses"]), torch.tensor(expected), rtol=0, atol=1e-5
+    )
+    memory = report["memory_per_rank"]
+    assert memory["optimizer_state"]["measured"] == memory["optimizer_state"]["predicted"]
+    assert memory["parameters"]["measured"] == memory["parameters"]["predicted"]

@@ -269,11 +269,17 @@ def best_plan(
     best = best_result(results)
     assert best is not None
     names = [problem.device_names[d] for d in best.op_devices.tolist()]
+    # a pipeline's micro-batches (the pipeline placer suggests 4 x stages) travel with
+    # the plan, so that the runtime runs it as one (meshplace.runtime.pipelined)
+    micro_batches = 1
+    if problem.objective == "throughput":
+        micro_batches = int((best.stats or {}).get("micro_batches", 1))
     return Plan.from_devices(
         problem.graph,
         problem.cluster.name,
         names,
         objective=problem.objective,
+        micro_batches=micro_batches,
         meta={
             "placer": best.placer,
             "objective_value_s": best.value,

@@ -96,6 +96,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument(
+        "--micro-batches",
+        type=positive_int,
+        default=None,
+        help="pipelined placement: micro-batches per step (default: the plan's)",
+    )
+    parser.add_argument(
+        "--schedule",
+        default="1F1B",
+        help="pipelined placement (objective throughput, several micro-batches): 1F1B "
+        "(default) or GPipe",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object (rank 0)")
     return parser
 
@@ -466,10 +478,27 @@ def main(argv: list[str] | None = None) -> int:
             raise InputError(f"--warmup {args.warmup} must be fewer than --steps {args.steps}")
         plan = read_plan(args.plan)
         placement = plan["format"] == "meshplace.plan"
+        pipelined = False
         if placement:
             from meshplace.plan.placement import plan_from_dict
+            from meshplace.runtime.pipelined import SCHEDULES, is_pipelined
 
             placed = plan_from_dict(plan, args.plan)
+            pipelined = is_pipelined(placed)
+            if pipelined:
+                if args.schedule not in SCHEDULES:
+                    raise InputError(
+                        f"--schedule {args.schedule!r}: choose one of {', '.join(SCHEDULES)}"
+                    )
+                for flag in ("batch", "size", "memory_budget", "checkpoint_dir"):
+                    if getattr(args, flag) is not None:
+                        name = "--" + flag.replace("_", "-")
+                        raise InputError(f"{name} does not apply to a pipelined placement")
+                if args.model is None:
+                    raise InputError(
+                        "a pipelined placement runs a FILE.py:build model; pass --model"
+                    )
+                source = model_source({}, args.model)
             spec = placement_model(plan, args)
         else:
             for flag in ("batch", "size", "memory_budget", "checkpoint_dir"):
@@ -497,7 +526,20 @@ def main(argv: list[str] | None = None) -> int:
     failed: list[Any] = [None] * dist.get_world_size()
     try:
         try:
-            if placement:
+            if pipelined:
+                from meshplace.runtime.pipelined import run_pipelined_plan
+
+                mine = run_pipelined_plan(
+                    placed,
+                    args.plan,
+                    source,
+                    micro_batches=args.micro_batches or placed.micro_batches,
+                    steps=args.steps,
+                    lr=args.lr,
+                    schedule=args.schedule,
+                    device_type=device_type,
+                )
+            elif placement:
                 from meshplace.runtime.placed import run_placed_plan
 
                 mine = run_placed_plan(
@@ -537,7 +579,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"meshplace: error: {refusal}", file=sys.stderr)
         return 2
     if rank == 0:
-        if placement:
+        if pipelined:
+            report = summarise_pipeline(
+                plan,
+                per_rank,
+                model=source,
+                warmup=args.warmup,
+                schedule=args.schedule,
+                micro_batches=args.micro_batches or placed.micro_batches,
+            )
+            report["device"] = device_type
+        elif placement:
             report = summarise_placement(
                 plan, per_rank, model=spec.name, warmup=args.warmup, device=device_type
             )
@@ -567,6 +619,56 @@ def placement_model(plan: dict[str, Any], args: argparse.Namespace) -> Any:
     if args.checkpoint_dir is not None and Path(args.checkpoint_dir).is_file():
         raise InputError(f"--checkpoint-dir {args.checkpoint_dir!r} is a file")
     return ModelSpec(name, batch=args.batch, size=args.size)
+
+
+def summarise_pipeline(
+    plan: dict[str, Any],
+    per_rank: list[dict[str, Any]],
+    *,
+    model: str,
+    warmup: int,
+    schedule: str,
+    micro_batches: int,
+) -> dict[str, Any]:
+    """Rank 0's report of a pipelined run: the step times and losses beside the plan's
+    prediction (for its own cluster), and each stage's bytes beside the plan's shares."""
+    timing = step_timing(per_rank, warmup)
+    meta = plan.get("meta") or {}
+    return {
+        "model": model,
+        "plan": "pipeline",
+        "world_size": len(per_rank),
+        "devices": [r["device"] for r in per_rank],
+        "stage_begins": [r["stage_begins"] for r in per_rank],
+        "schedule": schedule,
+        "micro_batches": micro_batches,
+        "steps": timing["steps"],
+        "warmup": timing["warmup"],
+        "measured": {
+            "step_time_s": timing["step_time_s"],
+            "step_times_s": timing["step_times_s"],
+            "losses": per_rank[-1]["losses"],
+        },
+        "predicted": {
+            "cluster": plan.get("cluster"),
+            "step_time_s": meta.get("step_time_s"),
+            "placer": meta.get("placer"),
+        },
+        "memory_per_rank": {
+            kind: {
+                "predicted": [r["predicted_bytes"][kind] for r in per_rank],
+                "measured": [r["held_bytes"][kind] for r in per_rank],
+            }
+            for kind in ("parameters", "optimizer_state")
+        },
+        "peak_bytes_per_rank": [r["peak_bytes"] for r in per_rank],
+        "notes": [
+            f"stage {k} begins at module {r['stage_begins']!r}, {r['ops_moved']} forward ops "
+            "before the plan's cut (a stage begins at a submodule)"
+            for k, r in enumerate(per_rank)
+            if r["ops_moved"]
+        ],
+    }
 
 
 def summarise_placement(
@@ -617,7 +719,14 @@ def print_report(report: dict[str, Any]) -> None:
     """The report as a few lines of text."""
     m, p = report["measured"], report["predicted"]
     ranks = f"{report['world_size']} {report['device']} ranks"
-    if report.get("plan") == "placement":
+    if report.get("plan") == "pipeline":
+        pairs = zip(report["devices"], report["stage_begins"], strict=True)
+        where = ", ".join(f"{d} (from {b or 'the inputs'})" for d, b in pairs)
+        print(
+            f"{report['model']} pipelined over {ranks} ({report['schedule']}, "
+            f"{report['micro_batches']} micro-batches): {where}"
+        )
+    elif report.get("plan") == "placement":
         pairs = zip(report["devices"], report["ops_per_rank"], strict=True)
         where = ", ".join(f"{d} ({n} ops)" for d, n in pairs)
         print(f"{report['model']} placed on {ranks}: {where}")

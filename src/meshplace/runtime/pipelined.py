@@ -1,0 +1,264 @@
+"""Run a pipelined placement under torchrun with ``torch.distributed.pipelining``.
+
+Source: Huang et al., "GPipe: Efficient Training of Giant Neural Networks using Pipeline
+Parallelism" (NeurIPS 2019) and Narayanan et al., "PipeDream" (SOSP 2019; the 1F1B
+schedule), as PyTorch implements them (``torch.distributed.pipelining``:
+``pipeline``/``SplitPoint``, ``PipelineStage``, ``ScheduleGPipe``, ``Schedule1F1B``).
+
+A placement plan whose objective is throughput with more than one micro-batch (``meshplace
+plan --objective throughput``; the ``pipeline`` placer writes ``4 x stages``
+micro-batches) describes a pipeline: its forward ops form one contiguous run per device,
+in the order the devices appear. :func:`stage_boundaries` reads the module where each run
+begins (the first op of the next device: the child of the two ops' common module path that
+holds it, e.g. ``layers.1``); torch's pipelining front end traces the model once
+(``torch.export``) and splits it there into one ``PipelineStage`` per rank. The schedule
+(1F1B by default, or GPipe) runs the plan's micro-batches through the stages; each rank's
+Adam updates only its stage's parameters.
+
+Every model input enters the first stage (:class:`InputsEnterFirst`): the front end gives a
+later stage the inputs it reads directly (a language model's ``labels``), which the
+schedules, feeding inputs to stage 0 only, cannot pass. The model returns its loss (a
+0-dim tensor, or a tensor reduced by its mean, as capture does); the last stage reports it
+per micro-batch, the schedule scales gradients by ``1 / micro-batches``, so a step equals
+one full-batch step up to the summation order of the micro-batches' gradients.
+
+Cost per step: the kernels, plus ``2 x micro-batches x (stages - 1)`` activation and
+gradient messages.
+
+Example (2 ranks)::
+
+    meshplace plan model.py:build --cluster colocrl-2gpu --placer pipeline \\
+        --objective throughput --out pipe.json
+    torchrun --standalone --nproc-per-node 2 -m meshplace.runtime --plan pipe.json \\
+        --model model.py:build
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from meshplace.errors import InputError
+from meshplace.graph.ir import OpGraph
+
+#: Schedules a pipelined plan can run with (``--schedule``).
+SCHEDULES = ("1F1B", "GPipe")
+_NOT_COMPUTE = ("parameter", "buffer", "input")
+
+
+def is_pipelined(plan: Any) -> bool:
+    """Whether a placement plan describes a pipeline: the throughput objective and more
+    than one micro-batch."""
+    return plan.objective == "throughput" and int(plan.micro_batches) > 1
+
+
+def stage_boundaries(
+    graph: OpGraph, device_names: Sequence[str]
+) -> tuple[list[str], list[str], list[int]]:
+    """``(devices in stage order, module where each later stage begins, forward ops moved
+    to each later stage)`` of a pipelined placement.
+
+    The forward compute ops, in graph order, must form one run per device. A stage can
+    only begin where a submodule begins, so a run that begins inside a module's code is
+    moved back to the start of a module holding its first op that begins after the previous
+    run did: the one beginning last, the outermost on a tie (a cut inside
+    ``layers.1.input_norm`` begins the stage at ``layers.1``); the ops that moves are
+    counted. Raises :class:`InputError` (one
+    sentence) when a device's forward ops are not contiguous or no such module exists.
+    O(ops x module depth).
+
+    >>> from meshplace.graph.ir import Op, OpGraph
+    >>> g = OpGraph("g")
+    >>> for name, module in (("a", "embed"), ("b", "layers.0.mlp"), ("c", "layers.1.norm"),
+    ...                      ("d", "layers.1.norm"), ("e", "layers.1.mlp")):
+    ...     _ = g.add_op(Op(name, "matmul", module=module))
+    >>> stage_boundaries(g, ["gpu0", "gpu0", "gpu1", "gpu1", "gpu1"])
+    (['gpu0', 'gpu1'], ['layers.1'], [0])
+    >>> stage_boundaries(g, ["gpu0", "gpu0", "gpu0", "gpu1", "gpu1"])
+    (['gpu0', 'gpu1'], ['layers.1'], [1])
+    """
+    ops = [
+        (op, device)
+        for op, device in zip(graph.ops, device_names, strict=True)
+        if op.phase == "forward" and op.kind not in _NOT_COMPUTE
+    ]
+    first: dict[str, int] = {}  # module path (and every prefix) -> its first forward op
+    for i, (op, _) in enumerate(ops):
+        parts = op.module.split(".") if op.module else []
+        for d in range(1, len(parts) + 1):
+            first.setdefault(".".join(parts[:d]), i)
+    order: list[str] = []
+    boundaries: list[str] = []
+    moved: list[int] = []
+    run_start = 0
+    for i, (op, device) in enumerate(ops):
+        if i and device != ops[i - 1][1]:
+            if device in order:
+                raise InputError(
+                    f"the placement is not a pipeline: {device}'s forward ops are not "
+                    f"contiguous ({op.name!r} returns to it after {ops[i - 1][1]})"
+                )
+            parts = op.module.split(".") if op.module else []
+            # the modules holding the op that begin after the previous run did; of those,
+            # the one beginning last (fewest ops moved), the outermost on a tie
+            holding = [".".join(parts[:d]) for d in range(1, len(parts) + 1)]
+            after = [m for m in holding if first[m] > run_start]
+            cut = max(after, key=lambda m: (first[m], -m.count("."))) if after else None
+            if cut is None:
+                raise InputError(
+                    f"the placement starts a pipeline stage at op {op.name!r}, inside module "
+                    f"{op.module or '(the model)'!r} whose code began in the previous stage; a "
+                    "stage must begin at a submodule"
+                )
+            boundaries.append(cut)
+            moved.append(i - first[cut])
+            run_start = i
+        if device not in order:
+            order.append(device)
+    return order, boundaries, moved
+
+
+class InputsEnterFirst(torch.nn.Module):
+    """``model`` with every tensor input passed through an identity op on entry, so that
+    the pipelining front end hands all inputs to the first stage (see the module doc), and
+    its loss returned as a 1-element tensor (the schedules concatenate micro-batch
+    outputs)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        from meshplace.graph.capture import as_loss
+
+        def enter(x: Any) -> Any:
+            return x * 1 if isinstance(x, torch.Tensor) else x
+
+        args = tuple(enter(a) for a in args)
+        kwargs = {k: enter(v) for k, v in kwargs.items()}
+        loss, _how = as_loss(self.model(*args, **kwargs))
+        return loss.reshape(1)
+
+
+def _chunk(value: Any, micro_batches: int) -> Any:
+    if not isinstance(value, torch.Tensor):
+        return value
+    if value.dim() == 0 or value.shape[0] % micro_batches:
+        raise InputError(
+            f"an input of shape {tuple(value.shape)} does not split into {micro_batches} "
+            "micro-batches along its first dimension; pass --micro-batches"
+        )
+    return value.chunk(micro_batches)[0]
+
+
+def run_pipelined_plan(
+    plan: Any,
+    plan_path: str,
+    source: str,
+    *,
+    micro_batches: int,
+    steps: int,
+    lr: float,
+    schedule: str,
+    device_type: str,
+) -> dict[str, Any]:
+    """Train the ``FILE.py:build`` model of ``source`` (built from seed 0, as every rank
+    builds it) under the pipelined placement ``plan`` with ``micro_batches`` per step, for
+    ``steps`` Adam steps on this rank (``torch.distributed`` initialised, one rank per
+    stage); what this rank measured.
+    """
+    import torch.distributed as dist
+    from torch.distributed.pipelining import (
+        Schedule1F1B,
+        ScheduleGPipe,
+        SplitPoint,
+        pipeline,
+    )
+
+    from meshplace.graph.capture import capture
+    from meshplace.graph.sources import load_build_function
+    from meshplace.runtime.placed import share_bytes
+
+    if schedule not in SCHEDULES:
+        raise InputError(f"--schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    built = load_build_function(source)()
+    model, args = built[0], tuple(built[1])
+    kwargs = dict(built[2]) if len(built) > 2 else {}
+    graph = capture(model, args, example_kwargs=kwargs, training=True)
+    plan.check_graph(graph, plan_path)
+    names = plan.device_names(graph, plan_path)
+    devices, boundaries, moved = stage_boundaries(graph, names)
+    if len(devices) != world:
+        raise InputError(
+            f"{plan_path} is a pipeline of {len(devices)} stages ({', '.join(devices)}); "
+            f"torchrun started {world} processes"
+        )
+    device = torch.device(device_type, torch.cuda.current_device() if device_type == "cuda" else 0)
+    if device_type == "cpu":
+        device = torch.device("cpu")
+    pipe = pipeline(
+        InputsEnterFirst(model),
+        mb_args=tuple(_chunk(a, micro_batches) for a in args),
+        mb_kwargs={k: _chunk(v, micro_batches) for k, v in kwargs.items()},
+        split_spec={f"model.{b}": SplitPoint.BEGINNING for b in boundaries},
+    )
+    stage = pipe.build_stage(rank, device)
+    del pipe, model  # each rank keeps its stage only
+    runner = {"1F1B": Schedule1F1B, "GPipe": ScheduleGPipe}[schedule](
+        stage, n_microbatches=micro_batches, loss_fn=lambda out, _target: out.sum()
+    )
+    optimizer = torch.optim.Adam(stage.submod.parameters(), lr=lr)
+    first, last = rank == 0, rank == world - 1
+    inputs = [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]
+    keywords = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    target = torch.zeros(micro_batches, device=device)  # the loss is the model's own
+    times: list[float] = []
+    losses: list[float | None] = []
+    for _ in range(steps):
+        dist.barrier()
+        start = time.perf_counter()
+        micro: list[torch.Tensor] = []
+        if first and last:
+            runner.step(*inputs, target=target, losses=micro, **keywords)
+        elif first:
+            runner.step(*inputs, **keywords)
+        elif last:
+            runner.step(target=target, losses=micro)
+        else:
+            runner.step()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if device_type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+        losses.append(float(torch.stack(micro).detach().mean()) if last else None)
+    # parameters and buffers, as the OpGraph's param_bytes counts them
+    held = [*stage.submod.parameters(), *stage.submod.buffers()]
+    params = sum(t.numel() * t.element_size() for t in held)
+    state = sum(
+        v.numel() * v.element_size()
+        for s in optimizer.state.values()
+        for v in s.values()
+        if isinstance(v, torch.Tensor) and v.dim() > 0  # Adam's step counter is a scalar
+    )
+    predicted = share_bytes(graph, [devices.index(d) for d in names], rank)
+    if device_type == "cuda":
+        peak = int(torch.cuda.max_memory_allocated())
+    else:
+        peak = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+    return {
+        "device": devices[rank],
+        "stage_begins": boundaries[rank - 1] if rank else "",
+        "ops_moved": moved[rank - 1] if rank else 0,
+        "times_s": times,
+        "losses": losses,
+        "predicted_bytes": predicted,
+        "held_bytes": {"parameters": params, "optimizer_state": state},
+        "peak_bytes": peak,
+    }
