@@ -1,0 +1,158 @@
+"""Op placements under torchrun: each rank builds only its ops' share
+(``meshplace.runtime.placed``), and pipelined placements run as
+``torch.distributed.pipelining`` stages (``meshplace.runtime.pipelined``). A file of its
+own, so that the test runner can spread the torchrun tests over its workers."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from meshplace.graph.capture import capture
+from meshplace.graph.sources import load_build_function
+from meshplace.hardware import load_cluster
+from tests.test_runtime_torchrun import _free_port, _meshplace_run, one_process_losses
+
+
+def _nmt_placement(tmp_path: Path, graph: object, placer: str | None) -> str:
+    """A placement plan of ``graph`` (nmt-small's) on colocrl-2gpu by ``placer`` (``None``:
+    every op on gpu0), written to ``tmp_path``; its path."""
+    from meshplace.placers.base import PlacementProblem, run_placer
+    from meshplace.plan import Plan, save_plan
+
+    if placer is None:
+        plan = Plan.from_devices(graph, "colocrl-2gpu", ["gpu0"] * graph.num_ops)
+    else:
+        cluster = load_cluster("colocrl-2gpu")
+        result = run_placer(placer, PlacementProblem(graph, cluster), 5.0, 0)
+        names = [cluster.device_names[d] for d in result.op_devices.tolist()]
+        plan = Plan.from_devices(graph, "colocrl-2gpu", names)
+    path = tmp_path / f"{placer or 'single'}.json"
+    save_plan(plan, path)
+    return str(path)
+
+
+def test_an_op_placement_runs_under_torchrun_each_rank_building_only_its_ops(
+    tmp_path: Path,
+) -> None:
+    """nmt-small (3 tokens, batch 4) placed over 2 ranks by the pipeline placer, under a
+    per-rank memory budget the whole model exceeds: each rank creates only its ops'
+    parameters and Adam state (exactly the plan's bytes), and losses and parameters after
+    3 steps are the one-process run's, bit for bit. The same budget refuses the one-device
+    plan in one sentence."""
+    from meshplace.runtime.executor import run_reference
+    from meshplace.runtime.program import ModelSpec, trace_step
+
+    step = trace_step(ModelSpec("nmt-small", batch=4, size="tiny"))
+    whole = sum(o.param_bytes + o.state_bytes for o in step.graph.ops)
+    plan = _nmt_placement(tmp_path, step.graph, "pipeline")
+    budget = str(whole * 2 // 3)
+    model = ["--batch", "4", "--size", "tiny"]
+    steps = ["--steps", "3", "--warmup", "1", "--memory-budget", budget, "--json"]
+    done = _meshplace_run(
+        tmp_path,
+        *["--plan", plan, "--graph", "nmt-small", *model, "--launcher", "torchrun"],
+        *[*steps, "--checkpoint-dir", "ck"],
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    assert report["plan"] == "placement" and report["devices"] == ["gpu0", "gpu1"]
+    memory = report["memory_per_rank"]
+    for kind in ("parameters", "optimizer_state", "inputs"):
+        assert memory[kind]["measured"] == memory[kind]["predicted"], kind
+    held = [
+        p + s
+        for p, s in zip(memory["parameters"]["measured"], memory["optimizer_state"]["measured"])
+    ]
+    assert sum(held) == whole and max(held) < int(budget) < whole, (held, budget)
+    losses, params = run_reference(step, 3)
+    assert report["measured"]["losses"] == losses
+    shards = [torch.load(tmp_path / "ck" / f"rank{r}.pt") for r in (0, 1)]
+    assert not set(shards[0]) & set(shards[1])  # no tensor is held twice
+    saved = {**shards[0], **shards[1]}
+    assert all(torch.equal(saved[n], p) for n, p in params.items())
+    assert report["measured"]["bytes_sent_per_rank"][0] > 0 < report["measured"]["step_time_s"]
+
+    single = _nmt_placement(tmp_path, step.graph, None)
+    one = {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
+    runtime = ["-m", "meshplace.runtime", "--plan", single, "--model", "nmt-small"]
+    refused = subprocess.run(
+        [sys.executable, *runtime, *model, *steps],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, **one, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(_free_port())},
+        timeout=240,
+    )
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    assert refused.stderr.startswith("meshplace: error: rank 0 (gpu0) would hold ")
+    assert refused.stderr.count("\n") == 1 and f"--memory-budget {int(budget):,}" in refused.stderr
+    assert refused.stdout == ""
+
+
+LLAMA_BATCH_8 = """\
+import dataclasses
+import sys
+
+import torch
+
+sys.path.insert(0, {folder!r})
+import llama  # examples/llama.py
+
+
+def build():
+    cfg = dataclasses.replace(llama.CONFIGS["tiny"], batch=8)
+    model = llama.Llama(cfg)
+    ids = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq))
+    return model, (ids,), {{"labels": torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq))}}
+"""
+
+
+def test_a_pipelined_placement_runs_as_a_1f1b_pipeline_like_one_process(tmp_path: Path) -> None:
+    """The pipeline placer's 2-stage plan of a Llama (batch 8) runs under torchrun as a
+    torch.distributed.pipelining 1F1B schedule of 4 micro-batches: the losses are one
+    process's within 1e-5, and each stage holds the parameters, buffers and Adam state the
+    plan puts on its device."""
+    from meshplace.placers.base import PlacementProblem, run_placer
+    from meshplace.plan import save_plan
+    from meshplace.planning import best_plan
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "llama.py"
+    (tmp_path / "llama8.py").write_text(LLAMA_BATCH_8.format(folder=str(example.parent)))
+    source = f"{tmp_path / 'llama8.py'}:build"
+    torch.manual_seed(0)
+    model, args, kwargs = load_build_function(source)()
+    graph = capture(model, args, example_kwargs=kwargs, training=True)
+    problem = PlacementProblem.build(graph, load_cluster("colocrl-2gpu"), "throughput")
+    plan = best_plan(problem, [run_placer("pipeline", problem, 5.0, 0)], 5.0, 0)
+    assert plan.micro_batches == 8 and len(set(plan.placement.values())) == 2
+    save_plan(plan, tmp_path / "pipe.json")
+    done = subprocess.run(
+        [
+            *[sys.executable, "-m", "torch.distributed.run", "--standalone"],
+            *["--nproc-per-node", "2", "-m", "meshplace.runtime", "--plan", "pipe.json"],
+            *["--model", source, "--schedule", "1F1B", "--micro-batches", "4"],
+            *["--steps", "3", "--warmup", "1", "--json"],
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    assert report["plan"] == "pipeline" and report["micro_batches"] == 4
+    assert report["stage_begins"][0] == "" and report["stage_begins"][1].startswith("layers.")
+    expected, _model = one_process_losses(source, 3)
+    assert torch.allclose(
+        torch.tensor(report["measured"]["losses"]), torch.tensor(expected), rtol=0, atol=1e-5
+    )
+    memory = report["memory_per_rank"]
+    assert memory["optimizer_state"]["measured"] == memory["optimizer_state"]["predicted"]
+    assert memory["parameters"]["measured"] == memory["parameters"]["predicted"]
