@@ -26,7 +26,8 @@ local CPU workers become a 2-device mesh of the calibrated device kind joined by
 measured loopback link (:func:`mesh_of_workers`), and the plans are the sharding solver's
 best and every Megatron grid point that fits (dp2 with ZeRO 0-3, tp2), all scored by the
 calibrated cost model (``calibrated_cost_model``, as ``meshplace shard --calibration``
-does). Each runs under torchrun on 2 gloo ranks (``python -m meshplace.runtime``:
+does), whose launch overhead also holds what DTensor's dispatch adds per op
+(:func:`dtensor_dispatch_overhead`, measured on a 1-rank mesh in this process). Each runs under torchrun on 2 gloo ranks (``python -m meshplace.runtime``:
 DTensor, PyTorch's own forward, backward and Adam); the measured step is the median of the
 timed steps (per step, the slowest rank) over the passes.
 
@@ -220,6 +221,81 @@ def mesh_of_workers(cal: Any, workers: int = 2) -> Any:
     )
 
 
+def dtensor_dispatch_overhead(source: str, reps: int = 8) -> dict[str, Any]:
+    """What running a step under DTensor adds per op, measured in this process: the same
+    eager step (forward, backward, foreach Adam; one thread) with plain tensors and with
+    every parameter and input a replicated DTensor on a 1-rank mesh (gloo,
+    ``sharded_step``), the difference divided by the captured graph's compute ops. The
+    sharded runtime pays this on every op; the roofline's launch overhead, fitted to the
+    traced step's aten ops, does not contain it."""
+    import contextlib
+    import tempfile
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    from meshplace.graph.capture import as_loss, capture
+    from meshplace.graph.sources import load_build_function
+    from meshplace.runtime.sharded import sharded_step
+
+    def build() -> tuple[Any, tuple, dict]:
+        torch.manual_seed(0)
+        built = load_build_function(source)()
+        return built[0], tuple(built[1]), dict(built[2]) if len(built) > 2 else {}
+
+    def median_step(model: Any, args: tuple, kwargs: dict, context: Any) -> float:
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=True)
+        times = []
+        for _ in range(reps + 2):
+            start = time.perf_counter()
+            with context():
+                loss, _how = as_loss(model(*args, **kwargs))
+                loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times[2:])
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model, args, kwargs = build()
+        graph = capture(model, args, example_kwargs=kwargs, training=True)
+        ops = sum(1 for o in graph.ops if o.kind not in ("parameter", "buffer", "input"))
+        plain = median_step(model, args, kwargs, contextlib.nullcontext)
+        with tempfile.TemporaryDirectory() as folder:
+            store = dist.FileStore(str(Path(folder) / "store"), 1)
+            dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+            try:
+                mesh = init_device_mesh("cpu", (1,))
+                model, args, kwargs = build()
+                for name, param in list(model.named_parameters()):
+                    owner, _, leaf = name.rpartition(".")
+                    placed = distribute_tensor(param.detach(), mesh, [Replicate()])
+                    setattr(model.get_submodule(owner), leaf, torch.nn.Parameter(placed))
+
+                def replicate(x: Any) -> Any:
+                    if isinstance(x, torch.Tensor):
+                        return distribute_tensor(x, mesh, [Replicate()])
+                    return x
+
+                args = tuple(replicate(a) for a in args)
+                kwargs = {k: replicate(v) for k, v in kwargs.items()}
+                on_dtensor = median_step(model, args, kwargs, sharded_step)
+            finally:
+                dist.destroy_process_group()
+    finally:
+        torch.set_num_threads(threads)
+    return {
+        "plain_step_s": plain,
+        "dtensor_step_s": on_dtensor,
+        "ops": ops,
+        "per_op_s": max(0.0, (on_dtensor - plain) / ops),
+    }
+
+
 def _torchrun_step_times(plan: dict, source: str, steps: int, warmup: int) -> list[float]:
     """The timed steps (per step, the slowest rank's) of ``plan`` on 2 torchrun ranks."""
     import json
@@ -255,7 +331,20 @@ def run_sharded_model(source: str, steps: int, warmup: int, passes: int) -> dict
     step = trace_step(ModelSpec(source))
     cal = calibrate(step)
     cluster = mesh_of_workers(cal)
-    cost_model = calibrated_cost_model(cal.cost_calibration(), cluster)
+    # the runtime dispatches every op through DTensor: its measured per-op cost joins the
+    # fitted launch overhead (the calibration of this engine; the ablation below drops it)
+    dispatch = dtensor_dispatch_overhead(source)
+    fitted = cal.cost_calibration()
+    engine = fitted.model_copy(
+        update={"launch_overhead_s": fitted.launch_overhead_s + dispatch["per_op_s"]}
+    )
+    cost_model = calibrated_cost_model(engine, cluster)
+    print(
+        f"  DTensor dispatch: {dispatch['per_op_s'] * 1e6:.1f} us per op (a step of "
+        f"{dispatch['ops']} ops: {dispatch['plain_step_s'] * 1e3:.2f} ms plain, "
+        f"{dispatch['dtensor_step_s'] * 1e3:.2f} ms on a 1-rank DTensor mesh)",
+        file=sys.stderr,
+    )
 
     # The runtime runs every collective in the step's critical path (DTensor's
     # redistributions and the ZeRO gathers are synchronous): the headline predictions
@@ -328,7 +417,8 @@ def run_sharded_model(source: str, steps: int, warmup: int, passes: int) -> dict
         "model": Path(source.rpartition(":")[0]).stem + ":" + source.rpartition(":")[2],
         "ops": step.graph.num_ops,
         "link": {"bandwidth": cal.link["bandwidth"], "latency": cal.link["latency"]},
-        "calibration": cal.cost_calibration().model_dump(mode="json"),
+        "calibration": engine.model_dump(mode="json"),
+        "dtensor_dispatch": dispatch,
         "placements": rows,
         **_summary(rows),
     }
