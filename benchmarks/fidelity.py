@@ -27,9 +27,10 @@ measured loopback link (:func:`mesh_of_workers`), and the plans are the sharding
 best and every Megatron grid point that fits (dp2 with ZeRO 0-3, tp2), all scored by the
 calibrated cost model (``calibrated_cost_model``, as ``meshplace shard --calibration``
 does), whose launch overhead also holds what DTensor's dispatch adds per op
-(:func:`dtensor_dispatch_overhead`, measured on a 1-rank mesh in this process). Each runs under torchrun on 2 gloo ranks (``python -m meshplace.runtime``:
-DTensor, PyTorch's own forward, backward and Adam); the measured step is the median of the
-timed steps (per step, the slowest rank) over the passes.
+(:func:`dtensor_dispatch_overhead`, measured on a 1-rank mesh in this process). Each plan
+runs under torchrun on 2 gloo ranks (``python -m meshplace.runtime``: DTensor, PyTorch's
+own forward, backward and Adam); the measured step is the median of the timed steps (per
+step, the slowest rank) over the passes.
 
 Usage: ``python benchmarks/fidelity.py [--family placed|sharded] [--models a,b] [--steps N]
 [--passes P] [--out F.json]``
