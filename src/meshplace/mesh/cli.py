@@ -107,6 +107,11 @@ def shard(args: argparse.Namespace) -> tuple[SearchResult, dict[str, Any]]:
 
     get = getattr
     cluster = load_cluster(args.cluster)
+    cost_model = None
+    if get(args, "calibration", None):
+        from meshplace.cost.calibration import calibrated_cost_model, load_calibration
+
+        cost_model = calibrated_cost_model(load_calibration(args.calibration), cluster)
     program = program_for(
         args.model,
         size=get(args, "size", None),
@@ -129,6 +134,7 @@ def shard(args: argparse.Namespace) -> tuple[SearchResult, dict[str, Any]]:
             weight_update_sharding=get(args, "weight_update_sharding", "auto") or "auto",
             top_k=max(1, get(args, "top", 5) or 5),
             progress=lambda m: status.update(f"searching layouts of {program.name}: {m}…"),
+            cost_model=cost_model,
         )
     best = result.best
     data: dict[str, Any] = {

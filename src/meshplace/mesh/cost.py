@@ -85,7 +85,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from meshplace.cost.compute import DEFAULT_EFFICIENCY, FALLBACK_EFFICIENCY
+from meshplace.cost.compute import DEFAULT_EFFICIENCY, FALLBACK_EFFICIENCY, CostModel
 from meshplace.mesh.layout import LayoutError, Mesh, check_tensor
 from meshplace.mesh.program import Op, Program
 
@@ -197,14 +197,25 @@ class Evaluator:
     ``memory_fraction`` scales the device memory a layout may use (default: all of it).
     """
 
-    def __init__(self, program: Program, mesh: Mesh, *, memory_fraction: float = 1.0) -> None:
+    def __init__(
+        self,
+        program: Program,
+        mesh: Mesh,
+        *,
+        memory_fraction: float = 1.0,
+        cost_model: CostModel | None = None,
+    ) -> None:
         self.program = program
         self.mesh = mesh
         dev = mesh.cluster.devices[int(mesh.devices.reshape(-1)[0])]
         spec = dev.spec
         self.peak = spec.peak("bfloat16")
         self.bandwidth = spec.memory_bandwidth
-        self.launch = spec.launch_overhead_s
+        # a calibrated cost model (meshplace.cost.calibration) gives this device kind's
+        # measured efficiencies and launch cost; the default gives the roofline's
+        self.cost_model = cost_model or CostModel()
+        self.device_kind = dev.kind
+        self.launch = self.cost_model.launch_on(dev.kind, spec)
         self.capacity = spec.memory_bytes * memory_fraction
         self.axis_size = dict(zip(mesh.axis_names, mesh.shape, strict=True))
         self.axis_order = {a: i for i, a in enumerate(mesh.axis_names)}
@@ -290,7 +301,9 @@ class Evaluator:
         return t
 
     def _roofline(self, flops: float, nbytes: float, eff: str, launch: bool = True) -> float:
-        ec, em = _EFF.get(eff, FALLBACK_EFFICIENCY)
+        measured = self.cost_model.device_efficiency.get(self.device_kind, {}).get(eff)
+        model_wide = self.cost_model.efficiency.get(eff)
+        ec, em = measured or model_wide or _EFF.get(eff, FALLBACK_EFFICIENCY)
         work = max(flops / (self.peak * ec), nbytes / (self.bandwidth * em))
         return work + self.launch if launch else work
 
@@ -620,11 +633,12 @@ def evaluate(
     *,
     weight_update_sharding: bool = False,
     memory_fraction: float = 1.0,
+    cost_model: CostModel | None = None,
 ) -> LayoutCost:
     """Check ``rules`` (:class:`LayoutError` when illegal) and cost them on ``mesh``.
 
     O(ops + units); for many layouts reuse one :class:`Evaluator`."""
-    ev = Evaluator(program, mesh, memory_fraction=memory_fraction)
+    ev = Evaluator(program, mesh, memory_fraction=memory_fraction, cost_model=cost_model)
     ev.check(rules)
     res = ev.evaluate(rules, weight_update_sharding)
     assert isinstance(res, LayoutCost)

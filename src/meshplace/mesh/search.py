@@ -44,6 +44,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from meshplace.cost.compute import CostModel
 from meshplace.errors import InputError
 from meshplace.hardware.cluster import Cluster
 from meshplace.mesh.cost import Evaluator, LayoutCost
@@ -159,8 +160,10 @@ def search(
     top_k: int = 5,
     memory_fraction: float = 1.0,
     progress: Callable[[str], None] | None = None,
+    cost_model: CostModel | None = None,
 ) -> SearchResult:
-    """The ``top_k`` fastest layouts of ``program`` on ``chips`` devices of ``cluster``.
+    """The ``top_k`` fastest layouts of ``program`` on ``chips`` devices of ``cluster``,
+    costed with ``cost_model`` (default: the roofline's defaults).
 
     ``pinned`` fixes some rules (``{"batch": "x"}``; ``None`` keeps a dimension whole);
     the search assigns the other search dimensions. Raises :class:`InputError` (one
@@ -216,7 +219,7 @@ def search(
         if progress:
             progress(f"mesh {'x'.join(map(str, shape))}")
         mesh = build_mesh(cluster, shape, chips=chips)
-        ev = Evaluator(program, mesh, memory_fraction=memory_fraction)
+        ev = Evaluator(program, mesh, memory_fraction=memory_fraction, cost_model=cost_model)
         try:
             ev.check(pinned)
         except LayoutError as exc:
@@ -332,12 +335,13 @@ def evaluate_layout(
     weight_update_sharding: bool = False,
     chips: int | None = None,
     memory_fraction: float = 1.0,
+    cost_model: CostModel | None = None,
 ) -> LayoutCost:
     """Cost one given layout (a mesh ``shape`` and its ``rules``), e.g. a hand layout.
 
     Raises :class:`LayoutError` when the layout is illegal."""
     mesh = build_mesh(cluster, shape, chips=chips if chips is not None else math.prod(shape))
-    ev = Evaluator(program, mesh, memory_fraction=memory_fraction)
+    ev = Evaluator(program, mesh, memory_fraction=memory_fraction, cost_model=cost_model)
     _check_names(program, rules)
     ev.check(rules)
     res = ev.evaluate(rules, weight_update_sharding)

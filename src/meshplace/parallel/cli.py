@@ -90,7 +90,8 @@ def add_shard_arguments(parser: argparse.ArgumentParser) -> None:
         "--calibration",
         default=None,
         help="a calibration file (meshplace run --calibration-out): its measured "
-        "efficiencies and launch cost replace the roofline's defaults on its device kind",
+        "efficiencies and launch cost replace the roofline's defaults on its device kind "
+        "(both methods)",
     )
 
 
@@ -111,10 +112,6 @@ def _method(args: argparse.Namespace) -> str:
 def cmd_shard(args: argparse.Namespace) -> int:
     """``meshplace shard``: dispatch to the program search or the captured-graph search."""
     if _method(args) == "program":
-        if getattr(args, "calibration", None):
-            raise InputError(
-                "--calibration applies to the captured graph's search; add --method graph"
-            )
         return mesh_cli.cmd_shard(args)
     out = getattr(args, "out", None)
     check_output_paths({"--out": out}, inputs=[args.model, args.cluster])
