@@ -100,8 +100,16 @@ def test_bad_runs_are_one_sentence_and_exit_2(tmp_path: Path) -> None:
     (tmp_path / "plan.json").write_text(
         json.dumps({"format": "meshplace.parallel_plan", "mesh": {"shape": [4]}, "graph": {}})
     )
+    placed = {"format": "meshplace.plan", "version": 1, "graph": "g", "graph_ops": 1}
+    placed["placement"] = {"a": "gpu0"}
+    (tmp_path / "placed.json").write_text(json.dumps(placed))
+    pipe = {**placed, "objective": "throughput", "micro_batches": 2}
+    (tmp_path / "pipe.json").write_text(json.dumps(pipe))
     env_world = {"WORLD_SIZE": "2", "RANK": "0"}
     cases = [
+        (["--plan", "placed.json", "--micro-batches", "2"], "apply to pipelined placements"),
+        (["--plan", "pipe.json", "--schedule", "zigzag"], "choose one of 1F1B, GPipe"),
+        (["--plan", "pipe.json", "--memory-budget", "9"], "does not apply to a pipelined"),
         (["--plan", "missing.json"], "does not exist"),
         (["--plan", "plan.json"], "FILE.py:build"),
         (["--plan", "plan.json", "--model", "m.py:build"], "needs 4 processes, torchrun started 2"),

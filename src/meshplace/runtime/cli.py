@@ -69,6 +69,18 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         help="--launcher torchrun: each rank writes its parameters and optimizer state to "
         "DIR/rankR.pt after the last step",
     )
+    parser.add_argument(
+        "--micro-batches",
+        type=positive_int,
+        default=None,
+        help="--launcher torchrun, a pipelined plan (objective throughput): micro-batches "
+        "per step (default: the plan's)",
+    )
+    parser.add_argument(
+        "--schedule",
+        default=None,
+        help="--launcher torchrun, a pipelined plan: 1F1B (default) or GPipe",
+    )
     parser.add_argument("--workers", type=positive_int, default=2, help="local devices (default 2)")
     parser.add_argument("--batch", type=positive_int, default=None)
     parser.add_argument("--size", default=None)
@@ -160,7 +172,7 @@ def check_run_arguments(args: argparse.Namespace) -> Any:
         ):
             name = "--" + flag.replace("_", "-")
             raise InputError(f"{name} must be a positive, finite number of seconds, got {value}")
-    for flag in ("memory_budget", "checkpoint_dir"):
+    for flag in ("memory_budget", "checkpoint_dir", "micro_batches", "schedule"):
         if getattr(args, flag, None) is not None:
             name = "--" + flag.replace("_", "-")
             raise InputError(f"{name} applies to --launcher torchrun")
@@ -245,6 +257,8 @@ def run_sharding_plan(args: argparse.Namespace, plan: dict[str, Any]) -> int:
         ("--size", args.size),
         ("--memory-budget", getattr(args, "memory_budget", None)),
         ("--checkpoint-dir", getattr(args, "checkpoint_dir", None)),
+        ("--micro-batches", getattr(args, "micro_batches", None)),
+        ("--schedule", getattr(args, "schedule", None)),
     ):
         if value is not None:
             raise InputError(f"{flag} does not apply to a sharding plan ({args.plan})")
@@ -273,6 +287,8 @@ def run_placement_with_torchrun(args: argparse.Namespace, plan: Any) -> int:
         ("--size", args.size),
         ("--memory-budget", args.memory_budget),
         ("--checkpoint-dir", args.checkpoint_dir),
+        ("--micro-batches", getattr(args, "micro_batches", None)),
+        ("--schedule", getattr(args, "schedule", None)),
     ):
         if value is not None:
             extra += [flag, str(value)]

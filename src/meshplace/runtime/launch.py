@@ -502,9 +502,14 @@ def main(argv: list[str] | None = None) -> int:
                         "a pipelined placement runs a FILE.py:build model; pass --model"
                     )
                 source = model_source({}, args.model)
+            elif args.micro_batches is not None or args.schedule != "1F1B":
+                raise InputError(
+                    f"--micro-batches and --schedule apply to pipelined placements; {args.plan} "
+                    "is not one (its objective is not throughput with several micro-batches)"
+                )
             spec = placement_model(plan, args)
         else:
-            for flag in ("batch", "size", "memory_budget", "checkpoint_dir"):
+            for flag in ("batch", "size", "memory_budget", "checkpoint_dir", "micro_batches"):
                 if getattr(args, flag) is not None:
                     name = "--" + flag.replace("_", "-")
                     raise InputError(f"{name} applies to placement plans, not to {args.plan}")
