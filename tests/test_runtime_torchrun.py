@@ -23,20 +23,28 @@ import torch
 
 
 def build():
-    model = torch.nn.Sequential(
-        torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)
-    )
+    # on the meta device, as a model too big for one rank is built: the runtime creates
+    # only each rank's blocks
+    with torch.device("meta"):
+        model = torch.nn.Sequential(
+            torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)
+        )
     return model, (torch.randn(32, 64),)
 """
 
 
 def one_process_losses(source: str, steps: int) -> tuple[list[float], torch.nn.Module]:
     """The losses of ``steps`` Adam steps (lr 1e-3) of the ``FILE.py:build`` model in one
-    process, built from seed 0 as every rank builds it; and the trained model."""
+    process, built from seed 0 as every rank builds it (a model built on the meta device
+    gets the runtime's initial values); and the trained model."""
+    from meshplace.runtime.program import materialize
+
     torch.manual_seed(0)
     built = load_build_function(source)()
     model, args = built[0], built[1]
     kwargs = built[2] if len(built) > 2 else {}
+    if any(p.is_meta for p in model.parameters()):  # the runtime's per-name initial values
+        model = materialize(model)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     losses = []
     for _ in range(steps):
@@ -75,9 +83,16 @@ def test_a_plan_trains_under_torchrun_like_one_process_and_each_rank_holds_its_s
     assert any(zero.values()), zero  # weight-update sharding is exercised
     assert any("Shard" in " ".join(p["placements"]) for p in plan["parameters"].values())
     (tmp_path / "plan.json").write_text(json.dumps(plan))
+    # the whole model's parameters and Adam state exceed the budget; one rank's share not
+    whole = 3 * sum(p.numel() * 4 for p in model.parameters())
+    memory = plan["predicted"]["memory_bytes"]
+    share = sum(memory.get(k, 0) for k in ("parameters", "buffers", "optimizer_state", "inputs"))
+    budget = int(share + whole) // 2
+    assert share < budget < whole
     done = _meshplace_run(
-        tmp_path, "--plan", "plan.json", "--steps", "3", "--warmup", "1", "--json"
-    )
+        tmp_path, "--plan", "plan.json", "--steps", "3", "--warmup", "1", "--json",
+        "--memory-budget", str(budget),
+    )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip(), done.stderr[-3000:]
     report = json.loads(done.stdout)  # rank 0 prints exactly one JSON document
@@ -105,11 +120,15 @@ def test_bad_runs_are_one_sentence_and_exit_2(tmp_path: Path) -> None:
     (tmp_path / "placed.json").write_text(json.dumps(placed))
     pipe = {**placed, "objective": "throughput", "micro_batches": 2}
     (tmp_path / "pipe.json").write_text(json.dumps(pipe))
+    big = {"format": "meshplace.parallel_plan", "mesh": {"shape": [2]}, "graph": {}}
+    big["predicted"] = {"memory_bytes": {"parameters": 64.0, "optimizer_state": 128.0}}
+    (tmp_path / "big.json").write_text(json.dumps(big))
     env_world = {"WORLD_SIZE": "2", "RANK": "0"}
     cases = [
         (["--plan", "placed.json", "--micro-batches", "2"], "apply to pipelined placements"),
         (["--plan", "pipe.json", "--schedule", "zigzag"], "choose one of 1F1B, GPipe"),
         (["--plan", "pipe.json", "--memory-budget", "9"], "does not apply to a pipelined"),
+        (["--plan", "big.json", "--model", "m.py:build", "--memory-budget", "9"], "over"),
         (["--plan", "missing.json"], "does not exist"),
         (["--plan", "plan.json"], "FILE.py:build"),
         (["--plan", "plan.json", "--model", "m.py:build"], "needs 4 processes, torchrun started 2"),
@@ -131,7 +150,7 @@ def test_bad_runs_are_one_sentence_and_exit_2(tmp_path: Path) -> None:
     for args, message in (
         (["--plan", "plan.json", "--graph", "m.py:build", "--cluster-out", "c.yaml"], "does not"),
         (["--plan", "plan.json", "--graph", "m.py:build", "--worker-devices", "cuda:0"], "cpu or"),
-        (["--plan", "plan.json", "--graph", "m.py:build", "--memory-budget", "9"], "does not"),
+        (["--plan", "plan.json", "--graph", "m.py:build", "--checkpoint-dir", "c"], "does not"),
     ):
         done = _meshplace_run(tmp_path, *args)
         assert done.returncode == 2, (args, done.stderr)

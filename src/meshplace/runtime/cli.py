@@ -60,8 +60,8 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         type=positive_int,
         default=None,
         metavar="BYTES",
-        help="--launcher torchrun: refuse the plan if a rank's share (parameters, optimizer "
-        "state, inputs) exceeds this many bytes",
+        help="--launcher torchrun or a sharding plan: refuse the plan if a rank's share "
+        "(parameters, optimizer state, inputs) exceeds this many bytes",
     )
     parser.add_argument(
         "--checkpoint-dir",
@@ -255,7 +255,6 @@ def run_sharding_plan(args: argparse.Namespace, plan: dict[str, Any]) -> int:
         ("--calibration-out", getattr(args, "calibration_out", None)),
         ("--batch", args.batch),
         ("--size", args.size),
-        ("--memory-budget", getattr(args, "memory_budget", None)),
         ("--checkpoint-dir", getattr(args, "checkpoint_dir", None)),
         ("--micro-batches", getattr(args, "micro_batches", None)),
         ("--schedule", getattr(args, "schedule", None)),
@@ -264,7 +263,10 @@ def run_sharding_plan(args: argparse.Namespace, plan: dict[str, Any]) -> int:
             raise InputError(f"{flag} does not apply to a sharding plan ({args.plan})")
     source = model_source(plan, args.graph)
     nproc = math.prod(int(s) for s in plan["mesh"]["shape"])
-    return run_with_torchrun(args, nproc, ["--model", source])
+    extra = ["--model", source]
+    if getattr(args, "memory_budget", None) is not None:
+        extra += ["--memory-budget", str(args.memory_budget)]
+    return run_with_torchrun(args, nproc, extra)
 
 
 def run_placement_with_torchrun(args: argparse.Namespace, plan: Any) -> int:

@@ -144,6 +144,23 @@ def check_world(plan: dict[str, Any], world_size: int) -> None:
         )
 
 
+def check_memory_budget(plan: dict[str, Any], budget: int) -> None:
+    """Refuse a sharding plan whose ranks would each hold more than ``budget`` bytes between
+    steps: the plan's predicted parameter, buffer, optimizer-state and input blocks (the
+    same for every rank).
+
+    >>> check_memory_budget({"predicted": {"memory_bytes": {"parameters": 8.0}}}, 8)
+    """
+    memory = (plan.get("predicted") or {}).get("memory_bytes") or {}
+    kinds = ("parameters", "buffers", "optimizer_state", "inputs")
+    held = int(sum(float(memory.get(k) or 0) for k in kinds))
+    if held > budget:
+        raise InputError(
+            f"each rank would hold {held:,} bytes of parameters, buffers, optimizer state and "
+            f"inputs under this plan, over --memory-budget {budget:,}"
+        )
+
+
 def model_source(plan: dict[str, Any], override: str | None) -> str:
     """``FILE.py:build`` to build the model from."""
     source = override or (plan.get("graph") or {}).get("source", "")
@@ -338,6 +355,7 @@ def run_sharded_plan(
         device_mesh,
         distribute_inputs,
         local_nbytes,
+        materialize_meta_buffers,
         sharded_step,
     )
 
@@ -347,9 +365,18 @@ def run_sharded_plan(
     kwargs = dict(built[2]) if len(built) > 2 else {}
     refuse_split_convolutions(model, plan)
     device = torch.device(device_type, torch.cuda.current_device() if device_type == "cuda" else 0)
-    model.to(device)
     mesh = device_mesh(plan, device_type)
+    # a model built on the meta device: each parameter's block only, never the whole
+    built_on_meta = any(p.is_meta for p in model.parameters())
+    meta_buffers = materialize_meta_buffers(model, device)
+    if not built_on_meta:
+        model.to(device)
     apply_sharding_plan(model, plan, mesh)
+    if built_on_meta:
+        for name, buffer in list(model.named_buffers()):
+            if buffer.device != device:
+                owner, _, attr = name.rpartition(".")
+                setattr(model.get_submodule(owner), attr, buffer.to(device))
     zero = WeightUpdateSharding(model, plan, mesh)
     names = list(plan["inputs"])  # positional inputs first, then keywords, as captured
     values = [a.to(device) for a in [*args, *kwargs.values()]]
@@ -412,6 +439,7 @@ def run_sharded_plan(
         "optimizer_state": state_bytes,
         "peak_bytes": peak,
         "uneven": zero.uneven,
+        "meta_buffers": meta_buffers,
     }
 
 
@@ -442,6 +470,13 @@ def summarise(
     predicted = plan.get("predicted") or {}
     memory = predicted.get("memory_bytes") or {}
     notes = []
+    meta_buffers = per_rank[0].get("meta_buffers", [])
+    if meta_buffers:
+        notes.append(
+            f"the model was built on the meta device: its {len(meta_buffers)} buffers "
+            f"({', '.join(meta_buffers[:3])}) start as zeros (running_var ones), not as the "
+            "model computes them"
+        )
     uneven = per_rank[0].get("uneven", [])
     if uneven:
         notes.append(
@@ -509,11 +544,13 @@ def main(argv: list[str] | None = None) -> int:
                 )
             spec = placement_model(plan, args)
         else:
-            for flag in ("batch", "size", "memory_budget", "checkpoint_dir", "micro_batches"):
+            for flag in ("batch", "size", "checkpoint_dir", "micro_batches"):
                 if getattr(args, flag) is not None:
                     name = "--" + flag.replace("_", "-")
                     raise InputError(f"{name} applies to placement plans, not to {args.plan}")
             source = model_source(plan, args.model)
+            if args.memory_budget is not None:
+                check_memory_budget(plan, args.memory_budget)
         if "WORLD_SIZE" not in os.environ:
             raise InputError("run it under torchrun (WORLD_SIZE is not set)")
         if not placement:

@@ -87,9 +87,16 @@ def device_mesh(plan: Mapping[str, Any], device_type: str = "cpu") -> Any:
 def apply_sharding_plan(model: torch.nn.Module, plan: Mapping[str, Any], mesh: Any) -> None:
     """Replace every parameter the plan names by a DTensor with the plan's placements.
 
+    A parameter on the meta device (a model built with ``torch.device("meta")``, too big
+    for one rank) becomes its :func:`~meshplace.runtime.program.initial_value`, created one
+    parameter at a time on every rank alike, of which each rank keeps only its block
+    (``src_data_rank=None``: no scatter), so no rank ever holds the whole model.
+
     A parameter the plan does not name, or a name the model does not have, is an
     :class:`InputError` (the plan was made for another model)."""
     from torch.distributed.tensor import distribute_tensor
+
+    from meshplace.runtime.program import initial_value
 
     _check(plan)
     planned = plan["parameters"]
@@ -107,11 +114,37 @@ def apply_sharding_plan(model: torch.nn.Module, plan: Mapping[str, Any], mesh: A
         owner_name, _, attr = name.rpartition(".")
         owner = model.get_submodule(owner_name) if owner_name else model
         param = getattr(owner, attr)
-        placed = distribute_tensor(param.detach(), mesh, placements(planned[name]["placements"]))
+        full, source_rank = param.detach(), 0
+        if full.is_meta:
+            full = initial_value(name, full.shape, full.dtype, parameter=True)
+            full, source_rank = full.to(mesh.device_type), None
+        placed = distribute_tensor(
+            full, mesh, placements(planned[name]["placements"]), src_data_rank=source_rank
+        )
+        del full
         setattr(owner, attr, torch.nn.Parameter(placed, requires_grad=param.requires_grad))
         vocabulary_split = "Shard(0)" in planned[name]["placements"]
         if isinstance(owner, torch.nn.Embedding) and attr == "weight" and vocabulary_split:
             owner.register_forward_hook(_complete_partial_sums)
+
+
+def materialize_meta_buffers(model: torch.nn.Module, device: torch.device) -> list[str]:
+    """Give every buffer on the meta device its
+    :func:`~meshplace.runtime.program.initial_value` on ``device`` (zeros; ``running_var``
+    ones); the names of those buffers. A buffer the model computes when it is built (a
+    rotary table) cannot be recovered from the meta device: build such buffers for real.
+    O(buffers)."""
+    from meshplace.runtime.program import initial_value
+
+    done = []
+    for name, buffer in list(model.named_buffers()):
+        if buffer.is_meta:
+            owner_name, _, attr = name.rpartition(".")
+            owner = model.get_submodule(owner_name) if owner_name else model
+            value = initial_value(name, buffer.shape, buffer.dtype, parameter=False)
+            setattr(owner, attr, value.to(device))
+            done.append(name)
+    return done
 
 
 def parallelize_module_plan(
