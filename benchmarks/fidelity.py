@@ -32,8 +32,14 @@ runs under torchrun on 2 gloo ranks (``python -m meshplace.runtime``: DTensor, P
 own forward, backward and Adam); the measured step is the median of the timed steps (per
 step, the slowest rank) over the passes.
 
-Usage: ``python benchmarks/fidelity.py [--family placed|sharded] [--models a,b] [--steps N]
-[--passes P] [--out F.json]``
+``--family pipelined`` (``run_pipelined_model``): for each model of
+:data:`PIPELINED_MODELS`, the pipeline placer's 2-stage plan on the calibrated workers runs
+under torchrun as ``torch.distributed.pipelining`` stages with 2, 4 and 8 micro-batches,
+1F1B and GPipe, against GPipe's bubble model on the calibrated op times of one micro-batch
+(:func:`predict_pipeline`).
+
+Usage: ``python benchmarks/fidelity.py [--family placed|sharded|pipelined] [--models a,b]
+[--steps N] [--passes P] [--out F.json]``
 """
 
 from __future__ import annotations
@@ -50,6 +56,10 @@ from meshplace.provenance import write_result
 
 MODELS = ("mlp", "dmcca-small", "nmt-small", "rnnlm-small", "resnet-small", "transformer-small")
 ROOT = Path(__file__).resolve().parents[1]
+PIPELINED_MODELS = (
+    f"{ROOT / 'benchmarks' / 'fidelity_models.py'}:build_deep_mlp",
+    f"{ROOT / 'benchmarks' / 'fidelity_models.py'}:build_llama_batch8",
+)
 SHARDED_MODELS = (
     f"{ROOT / 'benchmarks' / 'fidelity_models.py'}:build_mlp",
     f"{ROOT / 'examples' / 'llama.py'}:build_tiny",
@@ -425,6 +435,135 @@ def run_sharded_model(source: str, steps: int, warmup: int, passes: int) -> dict
     }
 
 
+def predict_pipeline(
+    source: str, plan: Any, cal: Any, micro_batches: int
+) -> tuple[float, dict[str, float]]:
+    """A pipelined placement's step time on the calibrated workers, GPipe's model (Huang
+    et al. 2019, Sec. 2.2): ``(M + S - 1)`` beats of the slowest stage's forward and
+    backward on one micro-batch plus the messages between stages, then each stage's
+    optimizer update once. The micro-batch's op times come from the model captured at
+    ``batch / M`` under the calibrated cost model; a message costs latency, bytes over
+    the measured bandwidth and its measured CPU at both ends. 1F1B has the same bubble
+    (it saves memory, not time), so both schedules get this prediction."""
+    import numpy as np
+    import torch
+
+    from meshplace.cost.calibration import calibrated_cost_model
+    from meshplace.graph.capture import capture
+    from meshplace.graph.sources import load_build_function
+    from meshplace.sim.simulator import Simulator
+
+    torch.manual_seed(0)
+    built = load_build_function(source)()
+    model, args = built[0], tuple(built[1])
+    kwargs = dict(built[2]) if len(built) > 2 else {}
+
+    def chunk(x: Any) -> Any:
+        return x.chunk(micro_batches)[0] if isinstance(x, torch.Tensor) else x
+
+    graph = capture(
+        model,
+        tuple(chunk(a) for a in args),
+        example_kwargs={k: chunk(v) for k, v in kwargs.items()},
+        training=True,
+    )
+    names = plan.device_names(graph, "the pipelined plan")
+    cost_model = calibrated_cost_model(cal.cost_calibration(), cal.cluster)
+    simulator = Simulator(graph, cal.cluster, cost_model)
+    placement = simulator.placement_of(names)
+    seconds = simulator.op_times(placement)
+    stages = sorted(set(placement.tolist()))
+    phase = np.array([o.phase for o in graph.ops])
+    per_stage = {d: float(seconds[(placement == d) & (phase != "update")].sum()) for d in stages}
+    update = max(float(seconds[(placement == d) & (phase == "update")].sum()) for d in stages)
+    arrays = graph.arrays()
+    crossing = placement[arrays.edge_src] != placement[arrays.edge_dst]
+    bandwidth, latency = float(cal.link["bandwidth"]), float(cal.link["latency"])
+    fixed = float(cal.messages.get("send_s", 0.0)) + float(cal.messages.get("recv_s", 0.0))
+    messages = float(np.sum(latency + arrays.edge_bytes[crossing] / bandwidth + fixed))
+    beat = max(per_stage.values()) + messages
+    predicted = (micro_batches + len(stages) - 1) * beat + update
+    return predicted, {"beat_s": beat, "messages_s": messages, "update_s": update}
+
+
+def run_pipelined_model(source: str, steps: int, warmup: int, passes: int) -> dict:
+    """Pipelined placements of ``source`` on the 2 calibrated workers: the pipeline
+    placer's 2-stage plan at 2, 4 and 8 micro-batches under 1F1B and GPipe, measured
+    under torchrun (``torch.distributed.pipelining``) vs :func:`predict_pipeline`."""
+    import json
+    import subprocess
+    import tempfile
+
+    from meshplace.placers.base import PlacementProblem, run_placer
+    from meshplace.planning import best_plan
+    from meshplace.profile.calibrate import calibrate
+    from meshplace.runtime.program import ModelSpec, trace_step
+
+    step = trace_step(ModelSpec(source))
+    cal = calibrate(step)
+    problem = PlacementProblem.build(step.graph, cal.cluster, "throughput")
+    plan = best_plan(problem, [run_placer("pipeline", problem, 5.0, 0)], 5.0, 0)
+    variants = [(m, sched) for m in (2, 4, 8) for sched in ("1F1B", "GPipe")]
+    predictions = {m: predict_pipeline(source, plan, cal, m) for m in (2, 4, 8)}
+    timed: dict[tuple, list[float]] = {v: [] for v in variants}
+    per_pass: dict[tuple, list[float]] = {v: [] for v in variants}
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "pipe.json"
+        path.write_text(json.dumps(plan.to_dict()))
+        for _ in range(passes):
+            for m, sched in variants:
+                command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+                command += ["--nproc-per-node", "2", "-m", "meshplace.runtime"]
+                command += ["--plan", str(path), "--model", source, "--micro-batches", str(m)]
+                command += ["--schedule", sched, "--steps", str(warmup + steps)]
+                command += ["--warmup", str(warmup), "--device", "cpu", "--json"]
+                env = {**os.environ, "OMP_NUM_THREADS": "1"}
+                done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+                if done.returncode != 0:
+                    tail = done.stderr.strip().splitlines()[-1:] or ["failed"]
+                    print(f"  {sched} x{m}: run failed: {tail[0]}", file=sys.stderr)
+                    continue
+                times = json.loads(done.stdout)["measured"]["step_times_s"][warmup:]
+                timed[(m, sched)] += times
+                per_pass[(m, sched)].append(statistics.median(times))
+    rows = []
+    for m, sched in variants:
+        if not timed[(m, sched)]:
+            continue
+        measured = statistics.median(timed[(m, sched)])
+        predicted, parts = predictions[m]
+        err = (predicted - measured) / measured
+        spread = (max(per_pass[(m, sched)]) - min(per_pass[(m, sched)])) / measured
+        rows.append(
+            {
+                "placement": f"{sched} x{m}",
+                "measured_s": measured,
+                "measured_per_pass_s": per_pass[(m, sched)],
+                "pass_spread": spread,
+                "predicted_s": predicted,
+                **{f"predicted_{k}": v for k, v in parts.items()},
+                "error": err,
+                "predicted_micro_s": None,
+                "error_micro": None,
+            }
+        )
+        print(
+            f"  {sched:5} x{m}  measured {measured * 1e3:9.2f} ms (passes spread "
+            f"{100 * spread:5.1f} %)  predicted {predicted * 1e3:9.2f} ms  error "
+            f"{100 * err:+7.1f} %",
+            file=sys.stderr,
+        )
+    return {
+        "model": Path(source.rpartition(":")[0]).stem + ":" + source.rpartition(":")[2],
+        "ops": step.graph.num_ops,
+        "stages": sorted(set(plan.placement.values())),
+        "link": {"bandwidth": cal.link["bandwidth"], "latency": cal.link["latency"]},
+        "calibration": cal.cost_calibration().model_dump(mode="json"),
+        "placements": rows,
+        **_summary(rows),
+    }
+
+
 def _summary(rows: list[dict]) -> dict[str, Any]:
     """Median absolute error and Kendall's tau of the predictions, and of the
     micro-benchmark-only ones (when in situ was on); the passes' spread."""
@@ -447,10 +586,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--family",
-        choices=("placed", "sharded"),
+        choices=("placed", "sharded", "pipelined"),
         default="placed",
         help="placed: op placements on local workers (default); sharded: sharding plans "
-        "under torchrun",
+        "under torchrun; pipelined: the pipeline placer's plans as torch pipelines",
     )
     parser.add_argument("--models", default=None, help="comma-separated (default: the family's)")
     parser.add_argument("--steps", type=int, default=15, help="timed steps per run")
@@ -465,8 +604,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="default results/fidelity[_sharded].json")
     args = parser.parse_args(argv)
     sharded = args.family == "sharded"
-    models = args.models.split(",") if args.models else list(SHARDED_MODELS if sharded else MODELS)
-    default_out = "fidelity_sharded.json" if sharded else "fidelity.json"
+    family_models = {"placed": MODELS, "sharded": SHARDED_MODELS, "pipelined": PIPELINED_MODELS}
+    models = args.models.split(",") if args.models else list(family_models[args.family])
+    default_out = {
+        "placed": "fidelity.json",
+        "sharded": "fidelity_sharded.json",
+        "pipelined": "fidelity_pipelined.json",
+    }[args.family]
     out = args.out or str(Path(__file__).parent / "results" / default_out)
     t0 = time.time()
     load_before = os.getloadavg()
@@ -475,6 +619,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}:", file=sys.stderr)
         if sharded:
             results.append(run_sharded_model(name, args.steps, args.warmup, args.passes))
+            continue
+        if args.family == "pipelined":
+            results.append(run_pipelined_model(name, args.steps, args.warmup, args.passes))
             continue
         results.append(
             run_model(name, args.steps, args.warmup, args.passes, args.budget, not args.no_in_situ)
@@ -487,7 +634,7 @@ def main(argv: list[str] | None = None) -> int:
             "steps": args.steps,
             "warmup": args.warmup,
             "passes": args.passes,
-            "in_situ": not args.no_in_situ and not sharded,
+            "in_situ": not args.no_in_situ and args.family == "placed",
             "family": args.family,
         },
         "seconds": time.time() - t0,
@@ -505,7 +652,11 @@ def main(argv: list[str] | None = None) -> int:
     def num(x: Any) -> str:
         return f"{x:.2f}" if x is not None else "-"
 
-    ablation = "overlapped: |err|" if sharded else "micro only: |err|"
+    ablation = {
+        "placed": "micro only: |err|",
+        "sharded": "overlapped: |err|",
+        "pipelined": "(no ablation)",
+    }[args.family]
     print(
         f"\n{'model':26} {'plans':>5} {'median |err|':>13} {'tau':>6} {'pass spread':>12} "
         f"{ablation:>18} {'tau':>6}"
