@@ -672,13 +672,13 @@ def main(argv: list[str] | None = None) -> int:
     print(
         "pass spread: (max - min) / measured of a plan's per-pass medians, median over plans "
         "(the measurement's own noise); "
-        + (
-            "overlapped: the same plans' estimates with gradient reductions and ZeRO gathers "
-            "overlapping compute, which this runtime does not do (an ablation)"
-            if sharded
-            else "micro only: the same runs predicted with the micro-benchmarks' message "
-            "costs, without calibrate_in_situ (an ablation)"
-        )
+        + {
+            "sharded": "overlapped: the same plans' estimates with gradient reductions and "
+            "ZeRO gathers overlapping compute, which this runtime does not do (an ablation)",
+            "placed": "micro only: the same runs predicted with the micro-benchmarks' message "
+            "costs, without calibrate_in_situ (an ablation)",
+            "pipelined": "1F1B and GPipe share one prediction (the same bubble)",
+        }[args.family]
     )
     print(
         "load average (1, 5, 15 min) before "
