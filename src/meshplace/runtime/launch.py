@@ -1,4 +1,6 @@
-"""Run a sharding plan under torchrun, the launcher users already have.
+"""Run a plan under torchrun, the launcher users already have: a sharding plan (this module,
+DTensor), an op placement (:mod:`meshplace.runtime.placed`) or a pipelined placement
+(:mod:`meshplace.runtime.pipelined`), told apart by the plan file.
 
 Usage (one process per device of the plan's mesh; ``--nnodes``/``--rdzv-*`` for several
 hosts, as for any torchrun job)::
@@ -23,10 +25,12 @@ on other hardware it is printed for reference, not as a prediction of this run (
 calibration is what will make it one).
 
 Weight-update sharding (``zero`` > 0) is applied per parameter
-(:class:`WeightUpdateSharding`: ZeRO stages 1-3 on DTensor). Op-placement plans run here too
-(:mod:`meshplace.runtime.placed`). Not yet here (issue 15): building each rank's share of a
-sharding plan without the whole model first (every rank builds the full model, then keeps
-its blocks), and pipelined plans.
+(:class:`WeightUpdateSharding`: ZeRO stages 1-3 on DTensor). A model built on the meta
+device is never whole on any rank: each parameter is created from its name and only the
+rank's block kept (:func:`~meshplace.runtime.sharded.apply_sharding_plan`);
+``--memory-budget`` refuses a plan whose predicted per-rank share exceeds it. Not yet here
+(issue 15): FSDP's re-gather in backward, collectives overlapping compute, and a prediction
+on the hardware the run is on.
 
 Bad input (no plan, a plan of another format, a world size that is not the mesh's device
 count, a model that is not ``FILE.py:build``) is one sentence on stderr and exit status 2,
@@ -548,6 +552,8 @@ def main(argv: list[str] | None = None) -> int:
                 if getattr(args, flag) is not None:
                     name = "--" + flag.replace("_", "-")
                     raise InputError(f"{name} applies to placement plans, not to {args.plan}")
+            if args.schedule != "1F1B":
+                raise InputError(f"--schedule applies to pipelined placements, not to {args.plan}")
             source = model_source(plan, args.model)
             if args.memory_budget is not None:
                 check_memory_budget(plan, args.memory_budget)
