@@ -111,7 +111,10 @@ def test_a_plan_trains_under_torchrun_like_one_process_and_each_rank_holds_its_s
     assert report["notes"] == []
 
 
-def test_bad_runs_are_one_sentence_and_exit_2(tmp_path: Path) -> None:
+def test_bad_runs_are_one_sentence_and_exit_2(tmp_path: Path, monkeypatch, capsys) -> None:
+    from meshplace.cli import main as meshplace_main
+    from meshplace.runtime.launch import main as runtime_main
+
     (tmp_path / "plan.json").write_text(
         json.dumps({"format": "meshplace.parallel_plan", "mesh": {"shape": [4]}, "graph": {}})
     )
@@ -124,37 +127,45 @@ def test_bad_runs_are_one_sentence_and_exit_2(tmp_path: Path) -> None:
     big["predicted"] = {"memory_bytes": {"parameters": 64.0, "optimizer_state": 128.0}}
     (tmp_path / "big.json").write_text(json.dumps(big))
     env_world = {"WORLD_SIZE": "2", "RANK": "0"}
+    # the module as torchrun starts it: one sentence on stderr, nothing on stdout
+    done = subprocess.run(
+        [sys.executable, "-m", "meshplace.runtime", "--plan", "missing.json"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, **env_world},
+        timeout=120,
+    )
+    assert done.returncode == 2 and done.stdout == "", done.stderr
+    assert "does not exist" in done.stderr and done.stderr.count("\n") == 1, done.stderr
+    # every other check runs before torch.distributed is touched: in this process
+    monkeypatch.chdir(tmp_path)
+    for name, value in env_world.items():
+        monkeypatch.setenv(name, value)
     cases = [
         (["--plan", "placed.json", "--micro-batches", "2"], "apply to pipelined placements"),
         (["--plan", "pipe.json", "--schedule", "zigzag"], "choose one of 1F1B, GPipe"),
         (["--plan", "pipe.json", "--memory-budget", "9"], "does not apply to a pipelined"),
         (["--plan", "big.json", "--model", "m.py:build", "--memory-budget", "9"], "over"),
-        (["--plan", "missing.json"], "does not exist"),
+        (["--plan", "plan.json", "--model", "m.py:build", "--schedule", "GPipe"], "pipelined"),
         (["--plan", "plan.json"], "FILE.py:build"),
         (["--plan", "plan.json", "--model", "m.py:build"], "needs 4 processes, torchrun started 2"),
         (["--plan", "plan.json", "--steps", "2", "--warmup", "2"], "fewer than --steps"),
     ]
     for args, message in cases:
-        done = subprocess.run(
-            [sys.executable, "-m", "meshplace.runtime", *args],
-            capture_output=True,
-            text=True,
-            cwd=tmp_path,
-            env={**os.environ, **env_world},
-            timeout=120,
-        )
-        assert done.returncode == 2, (args, done.stderr)
-        assert message in done.stderr and done.stderr.count("\n") == 1, (args, done.stderr)
-        assert done.stdout == ""
+        assert runtime_main(args) == 2, args
+        out, err = capsys.readouterr()
+        assert message in err and err.count("\n") == 1, (args, err)
+        assert out == ""
     # through meshplace run: the same checks before torchrun starts
     for args, message in (
         (["--plan", "plan.json", "--graph", "m.py:build", "--cluster-out", "c.yaml"], "does not"),
         (["--plan", "plan.json", "--graph", "m.py:build", "--worker-devices", "cuda:0"], "cpu or"),
         (["--plan", "plan.json", "--graph", "m.py:build", "--checkpoint-dir", "c"], "does not"),
     ):
-        done = _meshplace_run(tmp_path, *args)
-        assert done.returncode == 2, (args, done.stderr)
-        assert message in done.stderr and done.stderr.count("\n") == 1, (args, done.stderr)
+        assert meshplace_main(["run", *args]) == 2, args
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, (args, err)
 
 
 def test_a_rank_killed_mid_run_ends_the_job_with_one_sentence_and_no_processes(
