@@ -307,8 +307,11 @@ def dtensor_dispatch_overhead(source: str, reps: int = 8) -> dict[str, Any]:
     }
 
 
-def _torchrun_step_times(plan: dict, source: str, steps: int, warmup: int) -> list[float]:
-    """The timed steps (per step, the slowest rank's) of ``plan`` on 2 torchrun ranks."""
+def _torchrun_step_times(
+    plan: dict, source: str, steps: int, warmup: int, extra: tuple[str, ...] = ()
+) -> list[float]:
+    """The timed steps (per step, the slowest rank's) of ``plan`` on 2 torchrun ranks
+    (``extra``: more ``python -m meshplace.runtime`` options)."""
     import json
     import subprocess
     import tempfile
@@ -319,13 +322,45 @@ def _torchrun_step_times(plan: dict, source: str, steps: int, warmup: int) -> li
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
         command += ["--nproc-per-node", "2", "-m", "meshplace.runtime", "--plan", str(path)]
         command += ["--model", source, "--steps", str(warmup + steps)]
-        command += ["--warmup", str(warmup), "--device", "cpu", "--json"]
+        command += ["--warmup", str(warmup), "--device", "cpu", "--json", *extra]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
     if done.returncode != 0:
         raise RuntimeError(done.stderr.strip().splitlines()[-1] if done.stderr else "failed")
     report = json.loads(done.stdout)
     return report["measured"]["step_times_s"][warmup:]
+
+
+def _compare(
+    label: str, timed: list[float], per_pass: list[float], predicted: float, **extra: Any
+) -> dict[str, Any]:
+    """One row of a torchrun family: the median of the timed steps of all passes against
+    the prediction, the passes' spread, printed as it is made."""
+    measured = statistics.median(timed)
+    err = (predicted - measured) / measured
+    spread = (max(per_pass) - min(per_pass)) / measured
+    print(
+        f"  {label:18} measured {measured * 1e3:9.2f} ms (passes spread {100 * spread:5.1f} %)"
+        f"  predicted {predicted * 1e3:9.2f} ms  error {100 * err:+7.1f} %",
+        file=sys.stderr,
+    )
+    return {
+        "placement": label,
+        "measured_s": measured,
+        "measured_per_pass_s": per_pass,
+        "pass_spread": spread,
+        "predicted_s": predicted,
+        "error": err,
+        "predicted_micro_s": None,
+        "error_micro": None,
+        **extra,
+    }
+
+
+def _short_name(source: str) -> str:
+    """``fidelity_models:build_mlp`` for ``.../fidelity_models.py:build_mlp``."""
+    path, _, function = source.rpartition(":")
+    return f"{Path(path).stem}:{function}"
 
 
 def run_sharded_model(source: str, steps: int, warmup: int, passes: int) -> dict:
@@ -397,35 +432,22 @@ def run_sharded_model(source: str, steps: int, warmup: int, passes: int) -> dict
         if not timed[label]:
             continue
         measured = statistics.median(timed[label])
-        err = (predicted - measured) / measured
-        spread = (max(per_pass[label]) - min(per_pass[label])) / measured
-        zero = sorted({p["zero"] for p in document["parameters"].values()})
+        ablation = overlapped.get(key(document))  # the plan's overlapped estimate, if found
         rows.append(
-            {
-                "placement": label,
-                "zero_stages": zero,
-                "measured_s": measured,
-                "measured_per_pass_s": per_pass[label],
-                "pass_spread": spread,
-                "predicted_s": predicted,
-                "predicted_compute_s": document["predicted"]["compute_s"],
-                "predicted_communication_s": document["predicted"]["communication_s"],
-                "error": err,
-                # the ablation: the plan's overlapped estimate, where that search found it
-                "predicted_micro_s": overlapped.get(key(document)),
-                "error_micro": (overlapped[key(document)] - measured) / measured
-                if key(document) in overlapped
-                else None,
-            }
-        )
-        print(
-            f"  {label:18} measured {measured * 1e3:9.2f} ms (passes spread "
-            f"{100 * spread:5.1f} %)  predicted {predicted * 1e3:9.2f} ms  error "
-            f"{100 * err:+7.1f} %",
-            file=sys.stderr,
+            _compare(
+                label,
+                timed[label],
+                per_pass[label],
+                predicted,
+                zero_stages=sorted({p["zero"] for p in document["parameters"].values()}),
+                predicted_compute_s=document["predicted"]["compute_s"],
+                predicted_communication_s=document["predicted"]["communication_s"],
+                predicted_micro_s=ablation,
+                error_micro=(ablation - measured) / measured if ablation is not None else None,
+            )
         )
     return {
-        "model": Path(source.rpartition(":")[0]).stem + ":" + source.rpartition(":")[2],
+        "model": _short_name(source),
         "ops": step.graph.num_ops,
         "link": {"bandwidth": cal.link["bandwidth"], "latency": cal.link["latency"]},
         "calibration": engine.model_dump(mode="json"),
@@ -490,9 +512,6 @@ def run_pipelined_model(source: str, steps: int, warmup: int, passes: int) -> di
     """Pipelined placements of ``source`` on the 2 calibrated workers: the pipeline
     placer's 2-stage plan at 2, 4 and 8 micro-batches under 1F1B and GPipe, measured
     under torchrun (``torch.distributed.pipelining``) vs :func:`predict_pipeline`."""
-    import json
-    import subprocess
-    import tempfile
 
     from meshplace.placers.base import PlacementProblem, run_placer
     from meshplace.planning import best_plan
@@ -507,54 +526,31 @@ def run_pipelined_model(source: str, steps: int, warmup: int, passes: int) -> di
     predictions = {m: predict_pipeline(source, plan, cal, m) for m in (2, 4, 8)}
     timed: dict[tuple, list[float]] = {v: [] for v in variants}
     per_pass: dict[tuple, list[float]] = {v: [] for v in variants}
-    with tempfile.TemporaryDirectory() as folder:
-        path = Path(folder) / "pipe.json"
-        path.write_text(json.dumps(plan.to_dict()))
-        for _ in range(passes):
-            for m, sched in variants:
-                command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-                command += ["--nproc-per-node", "2", "-m", "meshplace.runtime"]
-                command += ["--plan", str(path), "--model", source, "--micro-batches", str(m)]
-                command += ["--schedule", sched, "--steps", str(warmup + steps)]
-                command += ["--warmup", str(warmup), "--device", "cpu", "--json"]
-                env = {**os.environ, "OMP_NUM_THREADS": "1"}
-                done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
-                if done.returncode != 0:
-                    tail = done.stderr.strip().splitlines()[-1:] or ["failed"]
-                    print(f"  {sched} x{m}: run failed: {tail[0]}", file=sys.stderr)
-                    continue
-                times = json.loads(done.stdout)["measured"]["step_times_s"][warmup:]
-                timed[(m, sched)] += times
-                per_pass[(m, sched)].append(statistics.median(times))
+    for _ in range(passes):
+        for m, sched in variants:
+            extra = ("--micro-batches", str(m), "--schedule", sched)
+            try:
+                times = _torchrun_step_times(plan.to_dict(), source, steps, warmup, extra)
+            except RuntimeError as exc:
+                print(f"  {sched} x{m}: run failed: {exc}", file=sys.stderr)
+                continue
+            timed[(m, sched)] += times
+            per_pass[(m, sched)].append(statistics.median(times))
     rows = []
     for m, sched in variants:
-        if not timed[(m, sched)]:
-            continue
-        measured = statistics.median(timed[(m, sched)])
-        predicted, parts = predictions[m]
-        err = (predicted - measured) / measured
-        spread = (max(per_pass[(m, sched)]) - min(per_pass[(m, sched)])) / measured
-        rows.append(
-            {
-                "placement": f"{sched} x{m}",
-                "measured_s": measured,
-                "measured_per_pass_s": per_pass[(m, sched)],
-                "pass_spread": spread,
-                "predicted_s": predicted,
-                **{f"predicted_{k}": v for k, v in parts.items()},
-                "error": err,
-                "predicted_micro_s": None,
-                "error_micro": None,
-            }
-        )
-        print(
-            f"  {sched:5} x{m}  measured {measured * 1e3:9.2f} ms (passes spread "
-            f"{100 * spread:5.1f} %)  predicted {predicted * 1e3:9.2f} ms  error "
-            f"{100 * err:+7.1f} %",
-            file=sys.stderr,
-        )
+        if timed[(m, sched)]:
+            predicted, parts = predictions[m]
+            rows.append(
+                _compare(
+                    f"{sched} x{m}",
+                    timed[(m, sched)],
+                    per_pass[(m, sched)],
+                    predicted,
+                    **{f"predicted_{k}": v for k, v in parts.items()},
+                )
+            )
     return {
-        "model": Path(source.rpartition(":")[0]).stem + ":" + source.rpartition(":")[2],
+        "model": _short_name(source),
         "ops": step.graph.num_ops,
         "stages": sorted(set(plan.placement.values())),
         "link": {"bandwidth": cal.link["bandwidth"], "latency": cal.link["latency"]},

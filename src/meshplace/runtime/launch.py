@@ -360,6 +360,8 @@ def run_sharded_plan(
         distribute_inputs,
         local_nbytes,
         materialize_meta_buffers,
+        peak_bytes,
+        rank_device,
         sharded_step,
     )
 
@@ -368,7 +370,7 @@ def run_sharded_plan(
     model, args = built[0], tuple(built[1])
     kwargs = dict(built[2]) if len(built) > 2 else {}
     refuse_split_convolutions(model, plan)
-    device = torch.device(device_type, torch.cuda.current_device() if device_type == "cuda" else 0)
+    device = rank_device(device_type)
     mesh = device_mesh(plan, device_type)
     # a model built on the meta device: each parameter's block only, never the whole
     built_on_meta = any(p.is_meta for p in model.parameters())
@@ -429,12 +431,7 @@ def run_sharded_plan(
         for v in s.values()
         if isinstance(v, torch.Tensor) and v.dim() > 0  # Adam's step counter is a scalar
     )
-    if device_type == "cuda":
-        peak = int(torch.cuda.max_memory_allocated())
-    else:
-        import resource
-
-        peak = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+    peak = peak_bytes(device_type)
     return {
         "times_s": times,
         "losses": losses,
@@ -506,7 +503,7 @@ def summarise(
             for kind in ("parameters", "gradients", "optimizer_state")
         },
         "peak_bytes_per_rank": [r["peak_bytes"] for r in per_rank],
-        "peak_kind": "cuda max_memory_allocated" if device == "cuda" else "process peak RSS",
+        "peak_kind": _peak_kind(device),
         "notes": notes,
     }
 
@@ -638,8 +635,8 @@ def main(argv: list[str] | None = None) -> int:
                 warmup=args.warmup,
                 schedule=args.schedule,
                 micro_batches=args.micro_batches or placed.micro_batches,
+                device=device_type,
             )
-            report["device"] = device_type
         elif placement:
             report = summarise_placement(
                 plan, per_rank, model=spec.name, warmup=args.warmup, device=device_type
@@ -672,6 +669,31 @@ def placement_model(plan: dict[str, Any], args: argparse.Namespace) -> Any:
     return ModelSpec(name, batch=args.batch, size=args.size)
 
 
+def _placement_prediction(plan: dict[str, Any]) -> dict[str, Any]:
+    """What a placement plan predicted, for the cluster it was made for."""
+    meta = plan.get("meta") or {}
+    return {
+        "cluster": plan.get("cluster"),
+        "step_time_s": meta.get("step_time_s"),
+        "placer": meta.get("placer"),
+    }
+
+
+def _bytes_per_rank(per_rank: list[dict[str, Any]], kinds: Sequence[str]) -> dict[str, Any]:
+    """Each rank's predicted and measured bytes of every kind in ``kinds``."""
+    return {
+        kind: {
+            "predicted": [r["predicted_bytes"][kind] for r in per_rank],
+            "measured": [r["held_bytes"][kind] for r in per_rank],
+        }
+        for kind in kinds
+    }
+
+
+def _peak_kind(device: str) -> str:
+    return "cuda max_memory_allocated" if device == "cuda" else "process peak RSS"
+
+
 def summarise_pipeline(
     plan: dict[str, Any],
     per_rank: list[dict[str, Any]],
@@ -680,15 +702,16 @@ def summarise_pipeline(
     warmup: int,
     schedule: str,
     micro_batches: int,
+    device: str,
 ) -> dict[str, Any]:
     """Rank 0's report of a pipelined run: the step times and losses beside the plan's
     prediction (for its own cluster), and each stage's bytes beside the plan's shares."""
     timing = step_timing(per_rank, warmup)
-    meta = plan.get("meta") or {}
     return {
         "model": model,
         "plan": "pipeline",
         "world_size": len(per_rank),
+        "device": device,
         "devices": [r["device"] for r in per_rank],
         "stage_begins": [r["stage_begins"] for r in per_rank],
         "schedule": schedule,
@@ -700,19 +723,10 @@ def summarise_pipeline(
             "step_times_s": timing["step_times_s"],
             "losses": per_rank[-1]["losses"],
         },
-        "predicted": {
-            "cluster": plan.get("cluster"),
-            "step_time_s": meta.get("step_time_s"),
-            "placer": meta.get("placer"),
-        },
-        "memory_per_rank": {
-            kind: {
-                "predicted": [r["predicted_bytes"][kind] for r in per_rank],
-                "measured": [r["held_bytes"][kind] for r in per_rank],
-            }
-            for kind in ("parameters", "optimizer_state")
-        },
+        "predicted": _placement_prediction(plan),
+        "memory_per_rank": _bytes_per_rank(per_rank, ("parameters", "optimizer_state")),
         "peak_bytes_per_rank": [r["peak_bytes"] for r in per_rank],
+        "peak_kind": _peak_kind(device),
         "notes": [
             f"stage {k} begins at module {r['stage_begins']!r}, {r['ops_moved']} forward ops "
             "before the plan's cut (a stage begins at a submodule)"
@@ -730,7 +744,6 @@ def summarise_placement(
     timing = step_timing(per_rank, warmup)
     timed = len(timing["step_times_s"]) - timing["warmup"]
     losses = next(r["losses"] for r in per_rank if r["losses"][0] is not None)
-    meta = plan.get("meta") or {}
     return {
         "model": model,
         "plan": "placement",
@@ -748,20 +761,10 @@ def summarise_placement(
             "bytes_sent_per_rank": [r["bytes_sent"] for r in per_rank],
             "messages_per_rank": [r["messages"] for r in per_rank],
         },
-        "predicted": {
-            "cluster": plan.get("cluster"),
-            "step_time_s": meta.get("step_time_s"),
-            "placer": meta.get("placer"),
-        },
-        "memory_per_rank": {
-            kind: {
-                "predicted": [r["predicted_bytes"][kind] for r in per_rank],
-                "measured": [r["held_bytes"][kind] for r in per_rank],
-            }
-            for kind in ("parameters", "optimizer_state", "inputs")
-        },
+        "predicted": _placement_prediction(plan),
+        "memory_per_rank": _bytes_per_rank(per_rank, ("parameters", "optimizer_state", "inputs")),
         "peak_bytes_per_rank": [r["peak_bytes"] for r in per_rank],
-        "peak_kind": "cuda max_memory_allocated" if device == "cuda" else "process peak RSS",
+        "peak_kind": _peak_kind(device),
         "notes": [],
     }
 

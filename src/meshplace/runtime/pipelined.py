@@ -35,7 +35,6 @@ Example (2 ranks)::
 
 from __future__ import annotations
 
-import resource
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -182,6 +181,7 @@ def run_pipelined_plan(
     from meshplace.graph.capture import capture
     from meshplace.graph.sources import load_build_function
     from meshplace.runtime.placed import share_bytes
+    from meshplace.runtime.sharded import peak_bytes, rank_device
 
     if schedule not in SCHEDULES:
         raise InputError(f"--schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}")
@@ -199,9 +199,7 @@ def run_pipelined_plan(
             f"{plan_path} is a pipeline of {len(devices)} stages ({', '.join(devices)}); "
             f"torchrun started {world} processes"
         )
-    device = torch.device(device_type, torch.cuda.current_device() if device_type == "cuda" else 0)
-    if device_type == "cpu":
-        device = torch.device("cpu")
+    device = rank_device(device_type)
     pipe = pipeline(
         InputsEnterFirst(model),
         mb_args=tuple(_chunk(a, micro_batches) for a in args),
@@ -248,10 +246,7 @@ def run_pipelined_plan(
         if isinstance(v, torch.Tensor) and v.dim() > 0  # Adam's step counter is a scalar
     )
     predicted = share_bytes(graph, [devices.index(d) for d in names], rank)
-    if device_type == "cuda":
-        peak = int(torch.cuda.max_memory_allocated())
-    else:
-        peak = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+    peak = peak_bytes(device_type)
     return {
         "device": devices[rank],
         "stage_begins": boundaries[rank - 1] if rank else "",

@@ -31,7 +31,6 @@ Cost per step and rank: O(its fx nodes + its messages) Python dispatch plus the 
 
 from __future__ import annotations
 
-import resource
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -46,6 +45,7 @@ from meshplace.runtime.executor import (
     run_worker_steps,
 )
 from meshplace.runtime.program import ModelSpec, TracedStep, schedule_nodes, trace_step
+from meshplace.runtime.sharded import peak_bytes, rank_device
 
 #: Placement plan format (``meshplace.plan.placement.FORMAT``).
 PLACEMENT_FORMAT = "meshplace.plan"
@@ -166,9 +166,7 @@ def run_placed_plan(
     if first is not None:
         raise InputError(first)
     sched = schedule_nodes(step, op_rank)
-    device = torch.device(device_type, torch.cuda.current_device() if device_type == "cuda" else 0)
-    if device_type == "cpu":
-        device = torch.device("cpu")
+    device = rank_device(device_type)
     kill = None
     if fault.partition(":")[0] == str(rank):
         mine = [n for n, d in zip(sched.names, sched.device) if d == rank]
@@ -183,10 +181,7 @@ def run_placed_plan(
             {names[k]: v.detach().cpu() for k, v in outcome.held.items() if names[k] is not None},
             Path(checkpoint_dir) / f"rank{rank}.pt",
         )
-    if device_type == "cuda":
-        peak = int(torch.cuda.max_memory_allocated())
-    else:
-        peak = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+    peak = peak_bytes(device_type)
     records = outcome.records
     return {
         "device": devices[rank],

@@ -247,6 +247,25 @@ def sharded_step(device_type: str = "cpu") -> Iterator[None]:
         yield
 
 
+def rank_device(device_type: str) -> torch.device:
+    """This rank's torch device: its current CUDA device (torchrun's ``LOCAL_RANK``, set
+    before the process group), or the host."""
+    if device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def peak_bytes(device_type: str) -> int:
+    """This process's peak memory so far: CUDA's ``max_memory_allocated``, or on the host
+    the peak resident set (which includes the Python runtime, so it is not comparable to a
+    plan's tensor bytes)."""
+    if device_type == "cuda":
+        return int(torch.cuda.max_memory_allocated())
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
 def local_nbytes(t: torch.Tensor) -> int:
     """Bytes of this rank's block of ``t`` (a DTensor's local shard, or a plain tensor)."""
     local = t.to_local() if hasattr(t, "to_local") else t
