@@ -152,6 +152,10 @@ def test_plan_flags_are_checked_before_any_work(small: Path, flags, words) -> No
     assert files(small) == before
 
 
+def test_an_unknown_workload_is_named_with_the_known_ones(small: Path) -> None:
+    assert_bad(cli("workloads", "dmcca", "nosuchmodel", cwd=small), "nosuchmodel", "rnnlm")
+
+
 def test_checkpoint_dir_is_not_created_for_a_run_that_is_refused(small: Path) -> None:
     done = cli("plan", "g.json", "--cluster", "c.yaml", "--placer", "rl,nosuchplacer",
                "--checkpoint-dir", "ckpt", cwd=small)  # fmt: skip

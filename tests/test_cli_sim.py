@@ -83,19 +83,25 @@ def test_simulate_json_and_trace(capsys, dmcca_files) -> None:
     assert json.loads(trace.read_text())["traceEvents"]
 
 
-def test_simulate_table(capsys, dmcca_files) -> None:
-    code, out, _ = _run(
+def _simulate_dmcca(capsys, files: dict[str, Path], *extra: str) -> tuple[int, str, str]:
+    """``meshplace simulate`` of the dmcca plan on colocrl-4gpu, throughput objective."""
+    return _run(
         capsys,
         "simulate",
         "--graph",
-        dmcca_files["graph"],
+        files["graph"],
         "--cluster",
         "colocrl-4gpu",
         "--plan",
-        dmcca_files["plan"],
+        files["plan"],
         "--objective",
         "throughput",
+        *extra,
     )
+
+
+def test_simulate_table(capsys, dmcca_files) -> None:
+    code, out, _ = _simulate_dmcca(capsys, dmcca_files)
     assert code == 0
     for label in ("step time", "lower bound", "peak memory", "busiest links"):
         assert label in out
@@ -179,3 +185,36 @@ def test_bad_input_exits_2(capsys, dmcca_files, argv, expected) -> None:
     assert expected in err
     assert err.count("\n") == 1, err
     assert sorted(p.name for p in folder.iterdir()) == before  # nothing half-written
+
+
+def test_transfers_that_occupy_the_devices_charge_them_and_move_the_throughput_bound(
+    capsys, dmcca_files, tmp_path: Path
+) -> None:
+    def simulate(*extra: str) -> dict:
+        code, out, _ = _simulate_dmcca(capsys, dmcca_files, "--json", *extra)
+        assert code == 0
+        return json.loads(out)
+
+    overlap, occupy = simulate(), simulate("--transfers", "occupy")
+    assert overlap["transfers"] == occupy["transfers"] > 0
+    # every device that sends or receives is busier by exactly that traffic's time
+    for a, b in zip(overlap["devices"], occupy["devices"], strict=True):
+        assert b["busy_s"] >= a["busy_s"]
+    assert sum(d["busy_s"] for d in occupy["devices"]) > sum(
+        d["busy_s"] for d in overlap["devices"]
+    )
+    # the throughput bound, not the step one, and no plan beats it
+    for s in (overlap, occupy):
+        assert s["objective"] == "throughput"
+        assert 0 < s["lower_bound_s"] <= s["throughput_time_s"]
+    # the same through the cluster file
+    yaml_file = tmp_path / "occupy.yaml"
+    code, out, _ = _run(capsys, "cluster", "colocrl-4gpu", "--json")
+    assert code == 0 and all(d["transfers"] == "overlap" for d in json.loads(out)["devices"])
+    yaml_file.write_text(
+        "name: colocrl-4gpu\ntransfers: occupy\ntopology:\n  generator: pcie_tree\n"
+    )
+    code, out, _ = _run(capsys, "cluster", yaml_file, "--json")
+    assert code == 0 and all(d["transfers"] == "occupy" for d in json.loads(out)["devices"])
+    code, _, err = _simulate_dmcca(capsys, dmcca_files, "--transfers", "sometimes")
+    assert code == 2 and "sometimes" in err and len(err.strip().splitlines()) == 1

@@ -450,7 +450,29 @@ BAD_YAML = [
         "unknown dtype 'int4'",
     ),
     ("name: x\n", ClusterError, "'devices' is empty"),
+    (_TWO + "transfers: always\nlinks: []", ClusterError, "transfers"),
+    ("name: x\ndevices: [{name: a, kind: v100, transfers: yes}]", ClusterError, "transfers"),
 ]
+
+
+def test_transfers_occupy_per_cluster_kind_and_device_and_round_trip():
+    text = (
+        "name: fpga\ntransfers: occupy\n"
+        "device_kinds: {card: {base: v100, transfers: overlap}}\n"
+        "devices: [{count: 2, kind: v100}, {name: host, kind: xeon, transfers: overlap},"
+        " {name: c, kind: card}]\n"
+        "switches: [sw]\n"
+        "links: [{src: gpu0, dst: sw, bandwidth: 1e9}, {src: gpu1, dst: sw, bandwidth: 1e9},"
+        " {src: host, dst: sw, bandwidth: 1e9}, {src: c, dst: sw, bandwidth: 1e9}]\n"
+    )
+    c = cluster_from_yaml(text, "fpga.yaml")
+    # the cluster's default, unless a device or its kind says otherwise
+    assert [d.spec.transfers for d in c.devices] == ["occupy", "occupy", "overlap", "overlap"]
+    again = cluster_from_yaml(cluster_to_yaml(c), "rt.yaml")
+    assert describe(again) == describe(c)
+    assert {d.spec.transfers for d in c.with_transfers("occupy").devices} == {"occupy"}
+    with pytest.raises(ClusterError, match="allowed: overlap, occupy"):
+        c.with_transfers("sometimes")
 
 
 @pytest.mark.parametrize(("text", "error", "pattern"), BAD_YAML)

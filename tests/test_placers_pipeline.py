@@ -57,31 +57,37 @@ def _check_optimal(result: tuple[float, list[int]], n: int, stages: int, stage_c
     stages=st.integers(1, 4),
     per_stage=st.booleans(),
     with_memory=st.booleans(),
+    occupied=st.booleans(),
     seed=st.integers(0, 2**32 - 1),
 )
 def test_dp_equals_brute_force_on_random_costs(
-    n: int, stages: int, per_stage: bool, with_memory: bool, seed: int
+    n: int, stages: int, per_stage: bool, with_memory: bool, occupied: bool, seed: int
 ) -> None:
     """Arbitrary unit loads (per stage device or shared), arbitrary receive costs per
-    (stage, first unit, end unit), and memory limits that sometimes make splits infeasible."""
+    (stage, first unit, end unit), memory limits that sometimes make splits infeasible, and
+    (``occupied``) transfer time that the stage's device spends itself, added to its
+    compute."""
     rng = np.random.default_rng(seed)
     loads = rng.integers(0, 20, (stages, n) if per_stage else n).astype(float)
     comm = rng.random((stages, n + 1, n + 1)) * 30.0 * (rng.random((stages, n + 1, n + 1)) < 0.6)
     memory = rng.integers(0, 10, n).astype(float) if with_memory else None
     caps = rng.integers(5, 30, stages).astype(float) if with_memory else None
+    busy = rng.random((stages, n + 1, n + 1)) * 10.0 if occupied else None
     loads2d = np.broadcast_to(loads, (stages, n))
 
     def stage_cost(j: int, a: int, b: int) -> float:
         if memory is not None and memory[a:b].sum() > caps[j]:
             return np.inf
-        return max(float(loads2d[j, a:b].sum()), float(comm[j, a, b]))
+        own = float(busy[j, a, b]) if busy is not None else 0.0
+        return max(float(loads2d[j, a:b].sum()) + own, float(comm[j, a, b]))
 
-    result = pipeline.best_contiguous_split(loads, comm, stages, memory, caps)
+    result = pipeline.best_contiguous_split(loads, comm, stages, memory, caps, busy)
     _check_optimal(result, n, stages, stage_cost)
     # A callable per stage gives the same answer as the array.
-    assert pipeline.best_contiguous_split(loads, lambda j: comm[j], stages, memory, caps) == (
-        result
-    )
+    by_stage = None if busy is None else (lambda j: busy[j])
+    assert pipeline.best_contiguous_split(
+        loads, lambda j: comm[j], stages, memory, caps, by_stage
+    ) == (result)
 
 
 # No wall-clock limits: neither per example (deadline) nor on generating data (too_slow).
@@ -225,3 +231,36 @@ def test_attribution_matches_complete_placement(problems) -> None:
     assert np.array_equal(
         complete_placement(problem.graph, partial, default=1), colours[units.unit_of_op]
     )
+
+
+@pytest.mark.parametrize("transfer_share", [0.0, 0.7])
+def test_where_transfers_occupy_the_devices_the_dp_charges_them_as_the_simulator_does(
+    transfer_share: float,
+) -> None:
+    """A chain of 4 equal ops on GPUs without copy engines: each stage's cost is its
+    compute plus what it sends and receives, equal to the simulator's busiest device.
+    With activations that take 0.7 of the whole chain's compute to send, splitting pays
+    only where transfers overlap compute."""
+
+    def chain(nbytes: float) -> OpGraph:
+        g = OpGraph("chain")
+        for i in range(4):
+            g.add_op(Op(f"op{i}", "matmul", flops=1e10))
+        for i in range(3):
+            g.add_edge(f"op{i}", f"op{i + 1}", nbytes)
+        return g
+
+    cluster = load_cluster("colocrl-4gpu")
+    one_op = PlacementProblem.build(chain(0.0), cluster).group_time[1].sum() / 4
+    seconds_per_byte = cluster.transfer_time("gpu0", "gpu1", 1e9) / 1e9
+    g = chain(max(transfer_share * 4 * one_op / seconds_per_byte, 1e3))
+    problem = PlacementProblem.build(g, cluster.with_transfers("occupy"), objective="throughput")
+    plan, stats = pipeline.place_pipeline(problem, 2.0, 0)
+    simulated = problem.simulator.simulate(plan.devices, "throughput")
+    assert stats["bottleneck_s"] == pytest.approx(simulated.busy_s.max(), rel=1e-9)
+    _, free = pipeline.place_pipeline(PlacementProblem.build(g, cluster, "throughput"), 2.0, 0)
+    assert stats["bottleneck_s"] >= free["bottleneck_s"]
+    if transfer_share:
+        assert stats["stages"] == 1 and free["stages"] > 1
+    else:
+        assert stats["stages"] == free["stages"] == 4

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import json
+import random
 
 import numpy as np
 import pytest
@@ -430,3 +432,106 @@ def test_a_plan_for_another_graph_of_the_same_name_exits_2(tmp_path) -> None:
     )
     assert "differs in its op names" in proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["g.json", "p.json"]
+
+
+def _three_kinds():
+    """A CPU, two V100s and a K80 under one switch: three device kinds, so the
+    throughput bound's linear program is exercised."""
+    from meshplace.hardware.catalogue import device_spec
+    from meshplace.hardware.cluster import Cluster, Device, Link
+
+    kinds = ["xeon-e5-2699v3", "v100", "v100", "k80"]
+    devices = [Device(f"d{i}", k, device_spec(k)) for i, k in enumerate(kinds)]
+    links = [Link(f"up{i}", d.name, "sw", 12e9, 5e-6) for i, d in enumerate(devices)]
+    links += [Link(f"down{i}", "sw", d.name, 12e9, 5e-6) for i, d in enumerate(devices)]
+    return Cluster("three-kinds", devices, links, switches=["sw"])
+
+
+CLUSTERS["three-kinds"] = _three_kinds
+
+
+@_hypo
+@given(_scenario(), st.sampled_from(["step", "throughput"]))
+def test_no_placement_beats_the_lower_bound_of_its_objective(scenario, objective) -> None:
+    graph, cname, rnd = scenario
+    sim = Simulator(graph, _cluster(cname))
+    bound = sim.lower_bound(objective)
+    assert bound == sim.simulate(np.zeros(graph.num_ops, np.int64), objective).lower_bound_s
+    for _ in range(4):
+        placement = np.array([rnd.randrange(sim.num_devices) for _ in graph.ops], np.int64)
+        assert sim.simulate(placement, objective).value >= bound * (1 - 1e-9)
+    if objective == "throughput" and graph.num_ops <= 6:
+        # brute force: no assignment of the ops' compute time does better, transfers aside
+        times = sim.op_time_by_kind[sim.device_kind_index]  # [device, op]
+        n_dev, n = times.shape
+        best = min(
+            np.bincount(np.array(p), weights=times[list(p), np.arange(n)], minlength=n_dev).max()
+            for p in itertools.product(range(n_dev), repeat=n)
+        )
+        assert best >= bound * (1 - 1e-9)
+
+
+def test_the_throughput_bound_is_the_work_split_over_the_devices_and_the_largest_op() -> None:
+    graph = _chain(8, random.Random(1))
+    for cname in ("pcie", "nvlink", "three-kinds"):
+        sim = Simulator(graph, _cluster(cname))
+        times = sim.op_time_by_kind
+        bound = sim.throughput_lower_bound()
+        # at least the uniform weights' value (total fastest work / devices) and the
+        # largest op; at most the best single device's total
+        assert bound >= times.min(axis=0).sum() / sim.num_devices * (1 - 1e-12)
+        assert bound >= times.min(axis=0).max()
+        assert bound <= times.sum(axis=1).min()
+    homogeneous = Simulator(graph, _cluster("pcie"))
+    t = homogeneous.op_time_by_kind[0]
+    assert homogeneous.throughput_lower_bound() == pytest.approx(max(t.sum() / 4, t.max()))
+
+
+def _direct_mesh(kinds: list[str], seed: int, transfers: str):
+    """Devices joined pairwise by direct links of random speed, no switches: every
+    route is one link that only its sender uses."""
+    from meshplace.hardware.catalogue import device_spec
+    from meshplace.hardware.cluster import Cluster, Device, Link
+
+    rnd = random.Random(seed)
+    devices = [Device(f"d{i}", k, device_spec(k)) for i, k in enumerate(kinds)]
+    links = [
+        Link(f"{a.name}>{b.name}", a.name, b.name, rnd.uniform(1e9, 20e9), rnd.uniform(0, 1e-5))
+        for a in devices
+        for b in devices
+        if a is not b
+    ]
+    return Cluster("direct", devices, links).with_transfers(transfers)
+
+
+CLUSTERS["direct-occupy"] = lambda: _direct_mesh(["xeon", "v100", "v100"], 0, "occupy")
+
+
+@_hypo
+@given(_scenario(), st.integers(0, 3))
+def test_occupying_transfers_make_throughput_the_closed_form(scenario, seed) -> None:
+    graph, _, rnd = scenario
+    cluster = _direct_mesh(["xeon", "v100", "k80", "v100"], seed, "occupy")
+    sim = Simulator(graph, cluster)
+    placement = np.array([rnd.randrange(sim.num_devices) for _ in graph.ops], np.int64)
+    r = sim.simulate(placement, "throughput")
+    # closed form: one transfer per (producer, other consuming device), of the largest
+    # tensor read there, costing latency + bytes / bandwidth at both of its ends
+    load = np.bincount(placement, weights=sim.op_times(placement), minlength=sim.num_devices)
+    sent: dict[tuple[int, int], float] = {}
+    for s, d, nbytes in graph.edges():
+        if placement[s] != placement[d]:
+            key = (s, int(placement[d]))
+            sent[key] = max(sent.get(key, 0.0), nbytes)
+    for (s, dst), nbytes in sent.items():
+        src = int(placement[s])
+        (link,) = cluster.route(src, dst)
+        seconds = cluster.links[link].latency + nbytes / cluster.links[link].bandwidth
+        load[src] += seconds
+        load[dst] += seconds
+    assert r.throughput_time_s == pytest.approx(load.max(), rel=1e-9, abs=1e-15)
+    assert np.allclose(r.busy_s, load, rtol=1e-9, atol=1e-15)
+    # with copy engines the same plan's devices are busy only computing
+    overlap = Simulator(graph, cluster.with_transfers("overlap")).simulate(placement)
+    compute = np.bincount(placement, weights=sim.op_times(placement), minlength=sim.num_devices)
+    assert np.allclose(overlap.busy_s, compute, rtol=1e-9, atol=1e-15)

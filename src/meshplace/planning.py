@@ -76,7 +76,7 @@ def plan_report(problem: PlacementProblem, results: list[PlacerResult], args: An
         "groups": problem.num_groups,
         "budget_s": getattr(args, "budget", None),
         "seed": getattr(args, "seed", None),
-        "lower_bound_s": problem.simulator.lower_bound(),
+        "lower_bound_s": problem.simulator.lower_bound(problem.objective),
         "results": rows,
         "best": best.placer if best else None,
         "out": None,  # the command sets it once the plan is written

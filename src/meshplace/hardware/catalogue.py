@@ -30,6 +30,7 @@ from meshplace.hardware.errors import UnknownDeviceError
 GiB = 2**30
 DTYPES = ("float32", "float16", "bfloat16", "tf32", "float64")
 CATEGORIES = ("cpu", "gpu", "tpu", "accelerator")
+TRANSFER_MODES = ("overlap", "occupy")
 
 # Which dtype's peak stands in for a dtype a device does not list, tried in order.
 # - float16 -> bfloat16: TPUs have no fp16 path; XLA computes fp16 matmuls on the bf16 MXU.
@@ -85,6 +86,11 @@ class DeviceSpec:
         source: where the numbers come from.
         category: ``"cpu"``, ``"gpu"``, ``"tpu"`` or ``"accelerator"`` (a key cost models may
             use, e.g. to look up an op's ``measured_time["cpu"]``).
+        transfers: ``"overlap"`` (default: a copy/DMA engine moves data while the device
+            computes, as on GPUs and TPUs) or ``"occupy"`` (no such engine: the device is
+            busy for the whole of every transfer it sends or receives, as a CPU process,
+            an FPGA or a host-driven accelerator is); :mod:`meshplace.sim.engine` says
+            exactly how each is simulated.
     """
 
     kind: str
@@ -95,6 +101,7 @@ class DeviceSpec:
     launch_overhead_s: float
     source: str
     category: str = "accelerator"
+    transfers: str = "overlap"
 
     def peak(self, dtype: str) -> float:
         """Best dense peak FLOP/s for ``dtype``, falling back along :data:`FALLBACKS`

@@ -53,7 +53,7 @@ from typing import Any
 import networkx as nx
 import numpy as np
 
-from meshplace.hardware.catalogue import DeviceSpec
+from meshplace.hardware.catalogue import TRANSFER_MODES, DeviceSpec
 from meshplace.hardware.errors import ClusterError, UnknownDeviceError, allowed
 
 # The message size that turns a link's (latency, bandwidth) into one routing cost.
@@ -75,6 +75,17 @@ class Device:
     kind: str
     spec: DeviceSpec
     host: str = "host0"
+
+    def with_transfers(self, mode: str) -> Device:
+        """This device with ``spec.transfers`` set to ``mode`` (``"overlap"`` or
+        ``"occupy"``)."""
+        if mode not in TRANSFER_MODES:
+            raise ClusterError(
+                f"unknown transfer mode {mode!r}; allowed: {', '.join(TRANSFER_MODES)}"
+            )
+        if self.spec.transfers == mode:
+            return self
+        return Device(self.name, self.kind, self.spec.with_overrides(transfers=mode), self.host)
 
 
 @dataclass(frozen=True)
@@ -184,6 +195,30 @@ class Cluster:
             self._check_torus(torus)
         elif n > 1:
             self._check_connected()
+
+    def with_transfers(self, mode: str) -> Cluster:
+        """The same cluster with every device's transfers set to ``mode``: ``"occupy"``
+        (each device is busy for every transfer it sends or receives) or ``"overlap"``
+        (copy engines move the data). What ``--transfers`` on ``plan`` and ``simulate``
+        applies.
+
+        >>> from meshplace.hardware import load_cluster
+        >>> c = load_cluster("colocrl-2gpu").with_transfers("occupy")
+        >>> {d.spec.transfers for d in c.devices}
+        {'occupy'}
+        """
+        return Cluster(
+            self.name,
+            [d.with_transfers(mode) for d in self.devices],
+            self.links,
+            self.switches,
+            self.topology,
+            self.source,
+            meta=self.meta,
+            origin=self.origin,
+            recipe=self.recipe,
+            torus=self._torus,
+        )
 
     # ------------------------------------------------------------------ basics
     @property

@@ -41,6 +41,7 @@ def describe(cluster: Cluster) -> dict[str, Any]:
             "memory_bytes": int(d.spec.memory_bytes),
             "memory_bandwidth": float(d.spec.memory_bandwidth),
             "launch_overhead_s": float(d.spec.launch_overhead_s),
+            "transfers": d.spec.transfers,
         }
         for d in cluster.devices
     ]
@@ -103,6 +104,10 @@ def print_cluster(console: Console, cluster: Cluster, max_rows: int = 24) -> Non
     d = describe_totals(cluster)
     peaks = ", ".join(f"{dt} {format_flops(v)}" for dt, v in d["peak_flops"].items())
     console.print(f"total peak: {peaks}; total device memory {format_bytes(d['memory_bytes'])}")
+    occupying = [dev.name for dev in cluster.devices if dev.spec.transfers == "occupy"]
+    if occupying:
+        which = "every device" if len(occupying) == len(cluster.devices) else ", ".join(occupying)
+        console.print(f"transfers occupy the device (no copy engine): {escape(which)}")
     for k, v in cluster.meta.items():
         if k != "nic_attach":
             console.print(f"[dim]{escape(str(k))}: {escape(str(v))}[/dim]")

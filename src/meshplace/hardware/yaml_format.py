@@ -83,6 +83,7 @@ Name = Annotated[str, Field(min_length=1)]
 Count = Annotated[int, _Int, Field(ge=0, le=1 << 16)]
 Positive = Annotated[int, _Int, Field(ge=1, le=1 << 16)]
 Category = Literal["cpu", "gpu", "tpu", "accelerator"]
+Transfers = Literal["overlap", "occupy"]
 _SPEC_FIELDS = (
     "description",
     "peak_flops",
@@ -91,6 +92,7 @@ _SPEC_FIELDS = (
     "launch_overhead_s",
     "source",
     "category",
+    "transfers",
 )
 
 
@@ -107,6 +109,7 @@ class _KindModel(_Strict):
     launch_overhead_s: Seconds | None = None
     source: str | None = None
     category: Category | None = None
+    transfers: Transfers | None = None
 
 
 class _DeviceModel(_Strict):
@@ -121,6 +124,7 @@ class _DeviceModel(_Strict):
     launch_overhead_s: Seconds | None = None
     source: str | None = None
     category: Category | None = None
+    transfers: Transfers | None = None
 
 
 class _LinkModel(_Strict):
@@ -202,6 +206,7 @@ class _ClusterModel(_Strict):
     kind: str | None = None
     source: str = ""
     meta: dict[str, Any] = Field(default_factory=dict)
+    transfers: Transfers | None = None
     device_kinds: dict[str, _KindModel] = Field(default_factory=dict)
     topology: (
         Annotated[_PcieTree | _NvlinkMesh | _Torus | _MultiHost, Field(discriminator="generator")]
@@ -475,10 +480,16 @@ def _build(model: _ClusterModel, source: str, default_name: str) -> Cluster:
         raise ClusterError(
             f"{source}: field 'devices' gives {total:,} devices; at most {MAX_DEVICES:,} allowed"
         )
+    # the cluster-wide transfers default; a device entry or its custom kind may say otherwise
+    kind_says = {k for k, km in model.device_kinds.items() if km.transfers is not None}
+    if model.transfers is not None:
+        devices = [d if d.kind in kind_says else d.with_transfers(model.transfers) for d in devices]
     counters: dict[str, int] = {}
     for k, dm in enumerate(model.devices):
         where = f"{source}: field 'devices[{k}]'"
         spec = _resolve_kind(dm.kind, kinds, where)
+        if model.transfers is not None and dm.transfers is None and dm.kind not in kind_says:
+            spec = spec.with_overrides(transfers=model.transfers)
         overrides = {f: getattr(dm, f) for f in _SPEC_FIELDS if getattr(dm, f) is not None}
         if overrides:
             spec = _apply(spec, overrides, f"{source}: field 'devices[{k}]")

@@ -54,6 +54,7 @@ def best_contiguous_split(
     n_stages: int,
     memory: np.ndarray | None = None,
     capacities: np.ndarray | None = None,
+    device_comm: CommCost = None,
 ) -> tuple[float, list[int]]:
     """The split of ``n`` units, in order, into at most ``n_stages`` non-empty contiguous
     stages that minimises the bottleneck (the largest stage cost).
@@ -68,9 +69,12 @@ def best_contiguous_split(
             using m < n_stages stages leaves the last devices empty.
         memory: ``[n]`` bytes per unit (optional); ``capacities``: ``[n_stages]`` bytes per
             stage device. A stage whose memory exceeds its capacity is infeasible.
+        device_comm: like ``comm``, the seconds stage *j*'s device itself spends on
+            transfers (a device without a copy engine, ``transfers: occupy``), or ``None``.
 
-    Stage cost of units ``[a, b)`` on stage *j* = ``max(sum(loads[j, a:b]), comm[j, a, b])``
-    (compute and communication overlap in a pipeline's steady state).
+    Stage cost of units ``[a, b)`` on stage *j* =
+    ``max(sum(loads[j, a:b]) + device_comm[j, a, b], comm[j, a, b])``: communication
+    overlaps compute in a pipeline's steady state, except what occupies the device.
 
     Returns:
         ``(bottleneck, bounds)``: stage *j* holds units ``bounds[j]:bounds[j + 1]``,
@@ -108,6 +112,8 @@ def best_contiguous_split(
     cols = np.arange(n + 1)
     for j in range(stages):
         cost = cum[j][None, :] - cum[j][:, None]
+        if device_comm is not None:
+            cost = cost + (device_comm(j) if callable(device_comm) else device_comm[j])
         if comm is not None:
             cj = comm(j) if callable(comm) else comm[j]
             cost = np.maximum(cost, cj)
@@ -293,12 +299,41 @@ def _plan(
         for j in range(stages)
     ]
 
+    # what a stage sends: gradients to earlier stages, activations to later ones
+    bwd_out, fwd_out = receive_bytes(chunk_bytes.T)
+    out_links = [
+        (
+            _link(problem, order[j], order[j - 1]) if j > 0 else (np.inf, 0.0),
+            _link(problem, order[j], order[j + 1]) if j + 1 < len(order) else (np.inf, 0.0),
+        )
+        for j in range(stages)
+    ]
+    occupy = problem.simulator.occupy
+
     def comm(j: int) -> np.ndarray:
         (lat_in, per_in), (lat_back, per_back) = links[j]
         return np.maximum(link_time(fwd_in, lat_in, per_in), link_time(bwd_in, lat_back, per_back))
 
+    def device_comm(j: int) -> np.ndarray:
+        """A device without a copy engine spends every send and receive itself."""
+        (lat_in, per_in), (lat_back, per_back) = links[j]
+        (lat_prev, per_prev), (lat_next, per_next) = out_links[j]
+        return (
+            link_time(fwd_in, lat_in, per_in)
+            + link_time(bwd_in, lat_back, per_back)
+            + link_time(bwd_out, lat_prev, per_prev)
+            + link_time(fwd_out, lat_next, per_next)
+        )
+
+    def occupied(j: int) -> np.ndarray:
+        return device_comm(j) if occupy[order[j]] else np.zeros_like(fwd_in)
+
+    busy = occupied if occupy[order[:stages]].any() else None
+
     capacities = problem.device_memory[order[:stages]] if memory is not None else None
-    bottleneck, bounds = best_contiguous_split(loads, comm, stages, memory, capacities)
+    bottleneck, bounds = best_contiguous_split(
+        loads, comm, stages, memory, capacities, device_comm=busy
+    )
     detail = []
     for j in range(len(bounds) - 1):
         a, b = bounds[j], bounds[j + 1]
@@ -308,6 +343,7 @@ def _plan(
                 "chunks": [a, b],
                 "compute_s": float(loads[j, a:b].sum()),
                 "receive_s": float(comm(j)[a, b]),
+                "device_transfer_s": float(busy(j)[a, b]) if busy is not None else 0.0,
                 "memory_bytes": float(memory[a:b].sum()) if memory is not None else 0.0,
             }
         )
@@ -332,7 +368,9 @@ def place_pipeline(
 
     Stage cost = max(its compute on its device, the time to receive the bytes crossing into
     it over the route from the previous device (activations from earlier stages) and from
-    the next device (gradients from later stages), by ``cluster.transfer_time``); each
+    the next device (gradients from later stages), by ``cluster.transfer_time``) — on a
+    device whose transfers occupy it (``transfers: occupy``), its compute plus every send
+    and receive, as the simulator charges them; each
     stage's memory must fit its device. If no split of the accelerators fits, the CPUs join
     the end of the pipeline; if none fits even then, memory is ignored (``stats["fits"]``
     says so). Deterministic (``seed`` is unused).

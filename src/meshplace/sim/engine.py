@@ -32,6 +32,23 @@ model above, bit for bit):
   waiting for the next one's inputs even when a later op is ready, as an interpreter that
   walks the graph in one global order does (``meshplace.runtime``).
 
+A third is a property of the hardware (``occupy``, per device; the cluster's
+``transfers: occupy``): a device with no engine that moves data for it (CPUs, FPGAs, many
+accelerators — PipeDream's and the host/FPGA literature's model) spends a transfer's whole
+duration (route latency plus bytes over the bottleneck bandwidth) on it, at both ends:
+
+* the **sender** drives the wire itself: after the producing op it sends each of the op's
+  transfers in turn (one per consuming device, the largest tensor read there — fan-out
+  costs one send per device, as a processor without broadcast hardware pays it), each
+  starting when the device and every link of the route are free, and starts its next op
+  only when the last send has ended;
+* the **receiver** copies the tensor in: the same duration joins the first op there that
+  reads it (in priority order), as host-staged messages do.
+
+So a device's busy time is its compute plus the time of every transfer it sends or
+receives, and the pipelined (throughput) objective is exactly the max over devices of
+(compute + incoming + outgoing transfer time) where the links are not the bottleneck.
+
 Complexity: O((V + E) log V) per simulation, no Python objects in the loop.
 """
 
@@ -42,6 +59,7 @@ from numba import njit
 
 OP_DONE = 0
 TRANSFER_DONE = 1
+DEVICE_FREE = 2  # an occupying device has finished sending
 
 
 @njit(cache=True, inline="always")
@@ -203,11 +221,13 @@ def simulate_kernel(
     time_scale,
     msg_cpu,
     in_order,
+    occupy,
 ):
     """Simulate one step. Returns per-op start/end, the transfers, per-device busy time and
     peak memory, and per-link busy time and bytes. ``time_scale`` multiplies every
     duration (op and transfer), which the scaling property tests use. ``msg_cpu``
-    (``[n_dev, 4]``, zeros: off) and ``in_order`` are the options in the module doc.
+    (``[n_dev, 4]``, zeros: off), ``in_order`` and ``occupy`` (``[n_dev]`` booleans: the
+    device spends each transfer's time at both ends) are the options in the module doc.
 
     Routes are CSR (``route_links[route_ptr[r] : route_ptr[r + 1]]``). With ``pair_keys``
     empty, ``r`` is ``src_device * n_dev + dst_device`` (a table of all pairs); otherwise
@@ -262,13 +282,24 @@ def simulate_kernel(
         for x in range(n_x):
             x_route[x] = np.searchsorted(pair_keys, x_route[x])
 
-    # host-staged messages: each end's CPU time joins an op's duration
+    # host-staged messages: each end's CPU time joins an op's duration; an occupying
+    # receiver spends the transfer's time on its first consumer
     op_dur = op_time.copy()
     for x in range(n_x):
         du = placement[x_src[x]]
         dv = x_dev[x]
         op_dur[x_src[x]] += msg_cpu[du, 0] + msg_cpu[du, 1] * x_bytes[x]
         op_dur[x_first[x]] += msg_cpu[dv, 2] + msg_cpu[dv, 3] * x_bytes[x]
+        if occupy[dv]:
+            pair = x_route[x]
+            bw = np.inf
+            lat = 0.0
+            for r in range(route_ptr[pair], route_ptr[pair + 1]):
+                link = route_links[r]
+                if link_bw[link] < bw:
+                    bw = link_bw[link]
+                lat += link_lat[link]
+            op_dur[x_first[x]] += lat + x_bytes[x] / bw
 
     rem_local = np.empty(n, np.int64)
     for u in range(n):
@@ -302,7 +333,7 @@ def simulate_kernel(
         fill[d] += 1
     nxt = np.zeros(n_dev, np.int64)
 
-    cap = n + n_x + 1
+    cap = 2 * n + n_x + 1  # op ends, transfer ends, occupying devices' send ends
     ev_t = np.empty(cap, np.float64)
     ev_s = np.empty(cap, np.int64)
     ev_k = np.empty(cap, np.int8)
@@ -387,10 +418,11 @@ def simulate_kernel(
                     deps[v] -= 1
                     if deps[v] == 0:
                         hsize[d] = _ready_push(heap, base[d], hsize[d], priority, v)
+            sender_free = now  # an occupying sender sends one transfer after another
             for x in range(x_ptr[u], x_ptr[u + 1]):
                 dv = x_dev[x]
                 pair = x_route[x]
-                start = now
+                start = sender_free
                 bw = np.inf
                 lat = 0.0
                 for r in range(route_ptr[pair], route_ptr[pair + 1]):
@@ -409,11 +441,21 @@ def simulate_kernel(
                     link_bytes[link] += x_bytes[x]
                 x_start[x] = start
                 x_end[x] = end
+                if occupy[d]:
+                    sender_free = end
+                    busy_time[d] += dur
                 live[dv] += x_bytes[x]
                 if live[dv] > peak[dv]:
                     peak[dv] = live[dv]
                 n_ev = _ev_push(ev_t, ev_s, ev_k, ev_i, n_ev, end, seq, TRANSFER_DONE, x)
                 seq += 1
+            if sender_free > now:  # busy sending until then
+                busy[d] = True
+                n_ev = _ev_push(ev_t, ev_s, ev_k, ev_i, n_ev, sender_free, seq, DEVICE_FREE, d)
+                seq += 1
+        elif kind == DEVICE_FREE:
+            d = ident
+            busy[d] = False
         else:
             x = ident
             u = x_src[x]

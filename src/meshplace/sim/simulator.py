@@ -178,6 +178,9 @@ class Simulator:
             cost = self.cost_model.message_cpu.get(dev.kind)
             if cost is not None:
                 self.msg_cpu[i] = cost
+        # devices that spend a transfer's time themselves (no copy engine): the cluster's
+        # ``transfers: occupy`` (meshplace.sim.engine)
+        self.occupy = np.array([d.spec.transfers == "occupy" for d in devices], dtype=np.bool_)
 
         self.priority = np.empty(n, np.int64)
         if order is None:
@@ -212,6 +215,7 @@ class Simulator:
         self.link_lat = np.array([link.latency for link in cluster.links], dtype=np.float64)
         self.link_names = [link.name for link in cluster.links]
         self._lower_bound: float | None = None
+        self._throughput_bound: float | None = None
 
     # ----------------------------------------------------------------- helpers
     @property
@@ -265,15 +269,58 @@ class Simulator:
         np.cumsum([c.size for c in chunks], out=ptr[1:])
         return ptr, np.concatenate(chunks), keys
 
-    def lower_bound(self) -> float:
-        """max(critical path with every op on its fastest device and free communication,
-        total of each op's fastest time / number of devices). Valid for any placement."""
+    def lower_bound(self, objective: str = "step") -> float:
+        """A bound no placement beats under ``objective``.
+
+        ``step``: max(critical path with every op on its fastest device and free
+        communication, total of each op's fastest time / number of devices).
+
+        ``throughput``: :meth:`throughput_lower_bound`. The critical path is *not* a bound
+        there (a pipeline overlaps consecutive steps), which is why the step bound printed
+        beside a throughput plan used to exceed the best plan."""
+        if objective not in OBJECTIVES:
+            raise InputError(f"unknown objective {objective!r}; allowed: {', '.join(OBJECTIVES)}")
+        if objective == "throughput":
+            return self.throughput_lower_bound()
         if self._lower_bound is None:
             fastest = self.op_time_by_kind.min(axis=0)
             a = self.arrays
             cp = _critical_path(a.topo_order, a.pred_ptr, a.pred_idx, fastest)
             self._lower_bound = float(max(cp, fastest.sum() / self.num_devices))
         return self._lower_bound
+
+    def throughput_lower_bound(self) -> float:
+        """The most loaded resource's busy time can be no less than this, whatever the
+        placement: max(the slowest op on its fastest device, the work bound).
+
+        The work bound is the LP relaxation of "share the ops' times among the devices"
+        in its dual (Lagrangian) form: for any weights ``w_k >= 0`` over device kinds with
+        ``sum w_k = 1``, every placement's bottleneck ``T`` satisfies
+        ``T >= sum_k (w_k / n_k) * busy(kind k) >= sum_i min_k (w_k / n_k) * t[k, i]``
+        (``n_k`` devices of kind ``k``, ``t[k, i]`` op ``i``'s time there). One kind gives
+        total work / number of devices; two kinds are solved exactly (the function is
+        concave and piecewise linear in ``w``, so its maximum is at a breakpoint, found by
+        sorting); with three or more, HiGHS solves the linear program for ``w`` and the
+        bound is evaluated at that ``w`` exactly (any ``w`` gives a valid bound).
+
+        Transfers add nothing unavoidable: one device holding everything sends nothing.
+        Memory capacity is not used (a bound that ignores a constraint stays a bound).
+        O(n log n) for one or two device kinds, one LP of n K rows for more; cached."""
+        if self._throughput_bound is None:
+            times = self.op_time_by_kind
+            counts = np.bincount(self.device_kind_index, minlength=times.shape[0]).astype(float)
+            per_device = times / counts[:, None]  # t[k, i] / n_k
+            if times.shape[1] == 0:
+                work = 0.0
+            elif len(counts) == 1:
+                work = float(per_device[0].sum())
+            elif len(counts) == 2:
+                work = _best_two_kind_split(per_device[0], per_device[1])
+            else:
+                work = _lp_work_bound(per_device)
+            single = float(times.min(axis=0).max(initial=0.0))
+            self._throughput_bound = max(single, work)
+        return self._throughput_bound
 
     # -------------------------------------------------------------- simulation
     def simulate(
@@ -334,13 +381,14 @@ class Simulator:
             float(time_scale),
             self.msg_cpu,
             self.in_order,
+            self.occupy,
         )
         throughput = float(max(busy.max(initial=0.0), link_busy.max(initial=0.0)))
         return SimResult(
             objective=objective,
             step_time_s=float(makespan),
             throughput_time_s=throughput,
-            lower_bound_s=self.lower_bound() * time_scale,
+            lower_bound_s=self.lower_bound(objective) * time_scale,
             device_names=self.device_names,
             device_kinds=self.device_kinds,
             busy_s=busy,
@@ -359,6 +407,72 @@ class Simulator:
             transfer_end=x_end,
             batch=self.graph.meta.get("batch"),
         )
+
+
+def _best_two_kind_split(a: np.ndarray, b: np.ndarray) -> float:
+    """max over ``w`` in [0, 1] of ``sum_i min(w a_i, (1 - w) b_i)`` (``a, b >= 0``). The
+    function is concave and piecewise linear with breakpoints ``w_i = b_i / (a_i + b_i)``
+    (zero at both ends), so its maximum is the largest value at a breakpoint; all are
+    evaluated at once with sorted prefix sums. O(n log n)."""
+    total = a + b
+    useful = total > 0
+    a, b, total = a[useful], b[useful], total[useful]
+    if a.size == 0:
+        return 0.0
+    order = np.argsort(b / total)
+    a, b = a[order], b[order]
+    breaks = b / (a + b)
+    # at w = breaks[j]: ops up to j pay (1 - w) b_i (their b side is the smaller), the
+    # rest w a_i
+    b_upto = np.cumsum(b)
+    a_after = np.concatenate([np.cumsum(a[::-1])[::-1][1:], [0.0]])
+    return float(((1.0 - breaks) * b_upto + breaks * a_after).max())
+
+
+def _lp_work_bound(per_device: np.ndarray) -> float:
+    """max over the simplex of ``f(w) = sum_i min_k w_k per_device[k, i]``: HiGHS solves
+    the linear program (max ``sum_i s_i`` with ``s_i <= w_k per_device[k, i]``,
+    ``sum_k w_k = 1``) for ``w``, and ``f`` is then evaluated at that ``w`` exactly, so a
+    solver tolerance can never lift the result above a true bound."""
+    import highspy
+
+    kinds, n = per_device.shape
+    # columns: w_0..w_{K-1}, s_0..s_{n-1}; rows: s_i - w_k t[k, i] <= 0, then sum w = 1
+    op = np.repeat(np.arange(n), kinds)
+    kind = np.tile(np.arange(kinds), n)
+    pairs = n * kinds
+    index = np.empty(2 * pairs, np.int32)
+    index[0::2] = kinds + op
+    index[1::2] = kind
+    value = np.empty(2 * pairs)
+    value[0::2] = 1.0
+    value[1::2] = -per_device[kind, op]
+    lp = highspy.HighsLp()
+    lp.num_col_ = kinds + n
+    lp.num_row_ = pairs + 1
+    lp.col_cost_ = np.concatenate([np.zeros(kinds), -np.ones(n)])  # HiGHS minimises
+    lp.col_lower_ = np.zeros(kinds + n)
+    lp.col_upper_ = np.full(kinds + n, highspy.kHighsInf)
+    lp.row_lower_ = np.concatenate([np.full(pairs, -highspy.kHighsInf), [1.0]])
+    lp.row_upper_ = np.concatenate([np.zeros(pairs), [1.0]])
+    lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
+    lp.a_matrix_.start_ = np.concatenate(
+        [np.arange(0, 2 * pairs + 1, 2), [2 * pairs + kinds]]
+    ).astype(np.int32)
+    lp.a_matrix_.index_ = np.concatenate([index, np.arange(kinds, dtype=np.int32)])
+    lp.a_matrix_.value_ = np.concatenate([value, np.ones(kinds)])
+    h = highspy.Highs()
+    h.setOptionValue("output_flag", False)
+    h.setOptionValue("threads", 1)
+    h.passModel(lp)
+    if h.run() == highspy.HighsStatus.kError:
+        highspy.Highs.resetGlobalScheduler(True)  # see meshplace.parallel.ilp
+        h.run()
+    w = np.clip(np.asarray(h.getSolution().col_value, float)[:kinds], 0.0, None)
+    if w.size != kinds or w.sum() <= 0:  # no solution: the weights n_k / N
+        return float(per_device.min(axis=0).sum()) / kinds
+    w /= w.sum()
+    return float((w[:, None] * per_device).min(axis=0).sum())
 
 
 @njit(cache=True)
