@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import networkx as nx
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -102,3 +103,40 @@ def test_coarsening_reaches_the_requested_count_on_a_wide_graph() -> None:
 def test_max_groups_must_be_positive() -> None:
     with pytest.raises(GraphError, match="max_groups must be at least 1"):
         group_ops(_chain_with_side_input(), 0)
+
+
+@pytest.mark.parametrize("groups", [1, 2, 8, 64, 100, 256])
+def test_a_chain_of_measured_layers_keeps_the_choices_it_was_asked_for(groups: int) -> None:
+    """A graph profiled elsewhere — 100 layers in a chain, measured times, no FLOPs —
+    keeps min(100, groups) groups (ColocRL's merge-into-the-only-consumer rule alone
+    leaves one), balanced by measured time."""
+    rng = np.random.default_rng(groups)
+    g = OpGraph("layers")
+    for i in range(100):
+        g.add_op(Op(f"layer{i}", "layer", measured_time={"gpu": float(rng.uniform(1, 3))}))
+        if i:
+            g.add_edge(i - 1, i, 1e6)
+    grouping = group_ops(g, max_groups=groups)
+    assert grouping.num_groups == min(100, groups)
+    time = np.bincount(grouping.group_of, weights=[o.measured_time["gpu"] for o in g.ops])
+    assert time.max() <= 2 * time.sum() / grouping.num_groups + 3.0  # + one layer
+    assert group_ops(g, max_groups=None).num_groups == 1  # the rule alone
+
+
+def test_the_measured_time_decides_what_is_heavy() -> None:
+    """One slow layer then 50 fast ones: two groups split at the slow layer, whatever the
+    FLOPs say."""
+    g = OpGraph("slow-first")
+    for i in range(51):
+        g.add_op(
+            Op(
+                f"l{i}",
+                "layer",
+                flops=1e12 if i else 1.0,
+                measured_time={"cpu": 50.0 if i == 0 else 1.0},
+            )
+        )
+        if i:
+            g.add_edge(i - 1, i, 8)
+    grouping = group_ops(g, max_groups=2)
+    assert [len(m) for m in grouping.members()] == [1, 50]

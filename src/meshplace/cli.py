@@ -138,7 +138,11 @@ def _parser(command: str = "*") -> argparse.ArgumentParser:
     p.add_argument("--inference", action="store_true", help="place the inference graph")
     _add_capture_arguments(p)
     p.add_argument(
-        "--groups", type=positive_int, default=256, help="co-location groups (default 256)"
+        "--groups",
+        type=positive_int,
+        default=256,
+        help="co-location groups to aim for: at most N, and no fewer where the graph has "
+        "N ops (default 256)",
     )
     p.add_argument("--calibration", help=_CALIBRATION_HELP)
     p.add_argument("--transfers", choices=["overlap", "occupy"], help=_TRANSFERS_HELP)

@@ -11,6 +11,10 @@ graph with a cycle could not be executed or pipelined in any order):
    them would close a cycle; such keys stay on the groups as a placement preference.
 2. **Merging an op into its only consumer** (same paper): a group whose outputs all go to a
    single group joins it. Contracting the only out-edge of a node can never close a cycle.
+   ``max_groups`` is a *target*, not only a cap: where the whole pass would leave fewer
+   groups than ``min(max_groups, groups so far)`` — it turns a chain of 177 layers into
+   one group and leaves a placer no choice — only the lightest such merges are made, down
+   to that number.
 3. **Coarsening to at most ``max_groups``** (default 256, the hierarchical planner's group
    count): first, greedy contraction of edges that are provably safe — the producer has a
    single consumer group or the consumer a single producer group — lightest pair first so
@@ -19,6 +23,9 @@ graph with a cycle could not be executed or pipelined in any order):
    Edges only point forward in a topological order, so runs of it form an acyclic quotient
    (the "acyclic partitioning by topological order" argument of Herrmann et al., SIAM J.
    Sci. Comput. 2019).
+
+What is balanced is each op's measured time where the graph has measured times (a graph
+profiled elsewhere may carry no FLOPs), else its FLOPs (:func:`op_weights`).
 
 Complexity: O((V + E) log V) with union–find and per-group adjacency sets merged
 small-into-large; the key check in step 1 is a breadth-first search bounded by topological
@@ -32,10 +39,9 @@ Example
 ...     _ = g.add_op(Op(f"op{i}", "matmul", flops=10.0))
 >>> for i in range(5):
 ...     g.add_edge(f"op{i}", f"op{i + 1}", 4)
->>> grouping = group_ops(g, max_groups=2)
->>> grouping.num_groups
-1
->>> grouping.group_graph().num_ops
+>>> group_ops(g, max_groups=2).num_groups  # the target, not one group
+2
+>>> group_ops(g, max_groups=None).num_groups  # ColocRL's rule alone: a chain is one group
 1
 """
 
@@ -76,6 +82,18 @@ class _Quotient:
         while self.parent[x] != root:
             self.parent[x], x = root, self.parent[x]
         return root
+
+    def copy(self) -> _Quotient:
+        """An independent copy (O(V + E)), to try a pass and keep it or not."""
+        other = object.__new__(_Quotient)
+        other.parent = list(self.parent)
+        other.size = list(self.size)
+        other.weight = list(self.weight)
+        other.first = list(self.first)
+        other.succ = [set(x) for x in self.succ]
+        other.pred = [set(x) for x in self.pred]
+        other.alive = self.alive
+        return other
 
     def merge(self, a: int, b: int) -> int:
         """Contract roots ``a`` and ``b``; the caller guarantees this closes no cycle."""
@@ -244,7 +262,9 @@ def group_ops(
 
     Args:
         graph: the op graph (must be acyclic).
-        max_groups: upper bound on the number of groups; ``None`` skips coarsening.
+        max_groups: the number of groups to aim for: at most this many, and no merge of
+            step 2 takes the count below it (or below the ops' count, if smaller);
+            ``None`` skips coarsening and applies step 2 in full.
         colocate: merge ops that share a co-location key where that keeps the graph acyclic.
         merge_single_consumer: ColocRL's rule, merge an op into its only consumer.
 
@@ -257,9 +277,7 @@ def group_ops(
     n = graph.num_ops
     if n == 0:
         return Grouping(graph, np.zeros(0, dtype=np.int64), [])
-    # Zero-FLOP ops still cost a launch: give each the mean op's weight as a floor.
-    floor = max(float(arrays.flops.mean()), 1.0)
-    q = _Quotient(graph, arrays.flops + floor)
+    q = _Quotient(graph, op_weights(graph))
 
     if colocate:
         position = {r: i for i, r in enumerate(q.topological_roots())}
@@ -272,11 +290,20 @@ def group_ops(
                 _merge_set_if_acyclic(q, members, position)
 
     if merge_single_consumer:
+        # ColocRL's pass, kept whole where it leaves at least the target; where it would
+        # collapse the graph (a chain becomes one group), the lightest such merges only,
+        # down to the target, so the placers keep their choices
+        floor = 1 if max_groups is None else min(max_groups, q.alive)
+        merged = q.copy()
         for op in reversed(arrays.topo_order.tolist()):
-            r = q.find(op)
-            if len(q.succ[r]) == 1:
-                (s,) = q.succ[r]
-                q.merge(r, s)
+            r = merged.find(op)
+            if len(merged.succ[r]) == 1:
+                (s,) = merged.succ[r]
+                merged.merge(r, s)
+        if merged.alive >= floor:
+            q = merged
+        else:
+            _merge_single_consumers_lightest_first(q, floor)
 
     if max_groups is not None and q.alive > max_groups:
         _contract_safe_edges(q, max_groups)
@@ -287,6 +314,171 @@ def group_ops(
     label = {r: i for i, r in enumerate(order)}
     group_of = np.array([label[q.find(i)] for i in range(n)], dtype=np.int64)
     return Grouping(graph, group_of, _group_names(graph, group_of, len(order)))
+
+
+def _merge_single_consumers_lightest_first(q: _Quotient, floor: int) -> None:
+    """Merge groups into their only consumer group, the lightest resulting group first,
+    until ``floor`` groups remain or no group has a single consumer. O((V + E) log V)."""
+    heap: list[tuple[float, int, int]] = []
+
+    def push(r: int) -> None:
+        if len(q.succ[r]) == 1:
+            (s,) = q.succ[r]
+            heapq.heappush(heap, (q.weight[r] + q.weight[s], r, s))
+
+    for r in q.roots():
+        push(r)
+    while heap and q.alive > floor:
+        w, a, b = heapq.heappop(heap)
+        if q.parent[a] != a or q.parent[b] != b or q.succ[a] != {b}:
+            continue
+        if w != q.weight[a] + q.weight[b]:
+            continue  # stale: a fresh entry was pushed when a weight changed
+        r = q.merge(a, b)
+        push(r)
+        for p in list(q.pred[r]):
+            push(p)
+
+
+def op_weights(graph: OpGraph) -> np.ndarray:
+    """What grouping balances: each op's measured time (the mean over the device kinds it
+    was measured on) where the graph has measured times — a graph profiled elsewhere may
+    have no FLOPs at all — and its FLOPs otherwise. Ops with no measurement (or no FLOPs)
+    still cost a launch: they weigh the mean op's weight. O(V).
+
+    >>> from meshplace.graph.ir import Op, OpGraph
+    >>> g = OpGraph("g")
+    >>> _ = g.add_op(Op("a", "matmul", flops=0.0, measured_time={"gpu": 3.0, "cpu": 5.0}))
+    >>> _ = g.add_op(Op("b", "relu"))
+    >>> op_weights(g).tolist()
+    [4.0, 4.0]
+    """
+    measured = np.array(
+        [
+            float(np.mean(list(o.measured_time.values()))) if o.measured_time else 0.0
+            for o in graph.ops
+        ]
+    )
+    if np.any(measured > 0):
+        return np.where(measured > 0, measured, measured[measured > 0].mean())
+    flops = graph.arrays().flops
+    return flops + max(float(flops.mean()) if len(flops) else 0.0, 1.0)
+
+
+# ------------------------------------------------------------- strict co-location
+STRICT_KEY = "strict_colocation"
+"""``graph.meta[STRICT_KEY]``: ``true`` (every co-location key is strict) or a list of the
+keys that are. A strict class must run on one device (docs/formats.md)."""
+
+
+def check_strict_colocation(graph: OpGraph) -> None:
+    """Raise :class:`GraphError` (one sentence) unless ``graph.meta["strict_colocation"]``
+    is absent, a boolean, or a list of co-location keys that some op carries."""
+    spec = graph.meta.get(STRICT_KEY, False)
+    if isinstance(spec, bool):
+        return
+    if not isinstance(spec, list) or not all(isinstance(k, str) for k in spec):
+        raise GraphError(
+            f"field 'meta.{STRICT_KEY}' must be true, false or a list of co-location keys, "
+            f"not {spec!r}"
+        )
+    known = {o.colocation for o in graph.ops if o.colocation}
+    unknown = next((k for k in spec if k not in known), None)
+    if unknown is not None:
+        raise GraphError(
+            f"field 'meta.{STRICT_KEY}' names co-location key {unknown!r}, which no op carries"
+        )
+
+
+def strict_classes(graph: OpGraph) -> dict[str, list[int]]:
+    """The strict co-location classes of ``graph``: key -> its ops' indices in execution
+    (topological) order, for the keys ``graph.meta["strict_colocation"]`` makes strict.
+    O(V).
+
+    >>> from meshplace.graph.ir import Op, OpGraph
+    >>> g = OpGraph("g", meta={"strict_colocation": True})
+    >>> for name, key in (("f", "k"), ("x", None), ("b", "k")):
+    ...     _ = g.add_op(Op(name, "matmul", colocation=key))
+    >>> g.add_edge("f", "x", 4); g.add_edge("x", "b", 4)
+    >>> strict_classes(g)
+    {'k': [0, 2]}
+    """
+    spec = graph.meta.get(STRICT_KEY, False)
+    if spec is False or not graph.num_ops:
+        return {}
+    keys = None if spec is True else set(spec)
+    classes: dict[str, list[int]] = {}
+    for i in graph.arrays().topo_order.tolist():
+        key = graph.ops[i].colocation
+        if key and (keys is None or key in keys):
+            classes.setdefault(key, []).append(i)
+    return classes
+
+
+def split_strict_class(
+    graph: OpGraph, op_devices: np.ndarray, classes: dict[str, list[int]] | None = None
+) -> tuple[str, int, int] | None:
+    """The first strict class that ``op_devices`` (device per op) puts on two devices, as
+    ``(key, an op, an op on another device)``; ``None`` when every class is whole. O(V)."""
+    for key, members in (strict_classes(graph) if classes is None else classes).items():
+        first = int(op_devices[members[0]])
+        other = next((m for m in members if int(op_devices[m]) != first), None)
+        if other is not None:
+            return key, members[0], other
+    return None
+
+
+def keep_strict_classes_together(
+    op_devices: np.ndarray, classes: dict[str, list[int]]
+) -> tuple[np.ndarray, int]:
+    """``op_devices`` with every strict class moved onto the device of its first op in
+    execution order (a backward op follows its forward op, as TensorFlow's
+    ``colocate_gradients_with_ops`` does), and how many ops moved. O(V).
+
+    >>> keep_strict_classes_together(np.array([0, 1, 1]), {"k": [0, 2]})
+    (array([0, 1, 0]), 1)
+    """
+    out = np.array(op_devices, dtype=np.int64, copy=True)
+    moved = 0
+    for members in classes.values():
+        idx = np.asarray(members, dtype=np.int64)
+        moved += int(np.count_nonzero(out[idx] != out[idx[0]]))
+        out[idx] = out[idx[0]]
+    return out, moved
+
+
+def tied_groups(grouping: Grouping, classes: dict[str, list[int]]) -> np.ndarray:
+    """For each group, the group that decides its device: groups holding ops of one strict
+    class are *tied* (the class is placed as a unit even where its ops cannot share an
+    acyclic group, e.g. a forward op and its backward op), and every tied set follows its
+    first group. Without strict classes, each group decides for itself. O(V α(V)).
+
+    >>> from meshplace.graph.ir import Op, OpGraph
+    >>> g = OpGraph("g", meta={"strict_colocation": True})
+    >>> for name, key in (("f", "k"), ("x", None), ("b", "k")):
+    ...     _ = g.add_op(Op(name, "matmul", flops=1.0, colocation=key))
+    >>> g.add_edge("f", "x", 4); g.add_edge("x", "b", 4)
+    >>> grouping = group_ops(g, max_groups=3, merge_single_consumer=False)
+    >>> grouping.num_groups, tied_groups(grouping, strict_classes(g)).tolist()
+    (3, [0, 1, 0])
+    """
+    parent = list(range(grouping.num_groups))
+
+    def find(x: int) -> int:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for members in classes.values():
+        groups = sorted({int(grouping.group_of[m]) for m in members})
+        root = find(groups[0])
+        for g in groups[1:]:
+            other = find(g)
+            if other != root:
+                parent[max(root, other)] = min(root, other)
+                root = min(root, other)
+    return np.array([find(g) for g in range(grouping.num_groups)], dtype=np.int64)
 
 
 def _contract_safe_edges(q: _Quotient, max_groups: int) -> None:

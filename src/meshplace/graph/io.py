@@ -25,6 +25,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 from pydantic_core import PydanticCustomError
 
+from meshplace.graph.groups import check_strict_colocation
 from meshplace.graph.ir import (
     OP_KINDS,
     PHASES,
@@ -217,6 +218,10 @@ def graph_from_dict(data: Any, source: str = "graph") -> OpGraph:
     for o in graph.ops:
         if o.kind not in _KIND_SET:
             raise GraphError(f"{source}: op {o.name!r} {unknown_kind_sentence(o.kind)}")
+    try:
+        check_strict_colocation(graph)
+    except GraphError as exc:
+        raise GraphError(f"{source}: {exc}") from None
     return graph
 
 

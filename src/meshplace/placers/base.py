@@ -42,7 +42,14 @@ from typing import Any
 import numpy as np
 
 from meshplace.errors import InputError
-from meshplace.graph.groups import DEFAULT_MAX_GROUPS, Grouping, group_ops
+from meshplace.graph.groups import (
+    DEFAULT_MAX_GROUPS,
+    Grouping,
+    group_ops,
+    keep_strict_classes_together,
+    strict_classes,
+    tied_groups,
+)
 from meshplace.graph.ir import OpGraph
 from meshplace.sim.simulator import OBJECTIVES, SimResult, Simulator
 
@@ -163,6 +170,11 @@ class PlacementProblem:
             self.group_of, weights=self.op_memory, minlength=self.num_groups
         )
         self.device_memory = sim.memory_capacity.copy()
+        # strict co-location: each class is placed as a unit, so groups holding one class's
+        # ops follow one decider (the first of them) wherever a placement is expanded
+        self.strict_classes = strict_classes(graph)
+        self.group_decider = tied_groups(self.grouping, self.strict_classes)
+        self._tied = bool(np.any(self.group_decider != np.arange(self.num_groups)))
         self.evaluations = 0
         self._warm = False
 
@@ -187,14 +199,28 @@ class PlacementProblem:
     def device_names(self) -> list[str]:
         return self.simulator.device_names
 
+    def tie(self, group_devices: np.ndarray) -> np.ndarray:
+        """``group_devices`` with every group tied by a strict co-location class on its
+        decider's device (unchanged where the graph has no strict class)."""
+        group_devices = np.asarray(group_devices, dtype=np.int64)
+        return group_devices[self.group_decider] if self._tied else group_devices
+
     def expand(self, group_devices: np.ndarray) -> np.ndarray:
-        """Op-level placement from a device per group."""
-        return np.asarray(group_devices, dtype=np.int64)[self.group_of]
+        """Op-level placement from a device per group (strict classes kept whole)."""
+        return self.tie(group_devices)[self.group_of]
+
+    def keep_strict(self, op_devices: np.ndarray) -> tuple[np.ndarray, int]:
+        """An op-level placement with every strict co-location class on the device of its
+        first op, and how many ops that moved (0 without strict classes)."""
+        if not self.strict_classes:
+            return np.asarray(op_devices, dtype=np.int64), 0
+        return keep_strict_classes_together(op_devices, self.strict_classes)
 
     def evaluate_ops(self, op_devices: np.ndarray) -> SimResult:
-        """Simulate an op-level placement (counts one evaluation)."""
+        """Simulate an op-level placement (counts one evaluation); strict co-location
+        classes are kept whole first."""
         self.evaluations += 1
-        return self.simulator.simulate(op_devices, objective=self.objective)
+        return self.simulator.simulate(self.keep_strict(op_devices)[0], objective=self.objective)
 
     def evaluate(self, group_devices: np.ndarray) -> SimResult:
         """Simulate a group-level placement (counts one evaluation)."""
@@ -221,7 +247,9 @@ class PlacementProblem:
 
     def fits(self, group_devices: np.ndarray) -> bool:
         """Whether the memory-demand estimate fits every device."""
-        load = np.bincount(group_devices, weights=self.group_memory, minlength=self.num_devices)
+        load = np.bincount(
+            self.tie(group_devices), weights=self.group_memory, minlength=self.num_devices
+        )
         return bool(np.all(load <= self.device_memory))
 
     def check_fits_somewhere(self) -> None:
@@ -564,6 +592,9 @@ def run_placer(
         op_devices = np.asarray(out.devices, dtype=np.int64)
     else:
         op_devices = problem.expand(np.asarray(out, dtype=np.int64))
+    op_devices, moved = problem.keep_strict(op_devices)
+    if problem.strict_classes:  # what keeping them whole changed in the placer's own plan
+        stats = {**stats, "strict_ops_moved": moved}
     evaluations = problem.evaluations
     result = problem.simulator.simulate(op_devices, objective=problem.objective)
     return PlacerResult(name, op_devices, result, elapsed, evaluations, stats, warmup_s)

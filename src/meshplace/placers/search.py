@@ -241,7 +241,7 @@ def anneal_plan(
     >>> p = PlacementProblem.build(workload_graph("dmcca"), load_cluster("colocrl-2gpu"))
     >>> small, large = anneal_plan(p, 0.1), anneal_plan(p, 2.0)
     >>> small["seeds_skipped"], large["seeds_skipped"]
-    (['heft', 'cpop', 'm_sct', 'mincut', 'pipeline'], [])
+    (['heft', 'cpop', 'm_sct', 'metis', 'mincut'], [])
     >>> round(small["estimated_work_s"] / 0.1, 2), round(large["estimated_work_s"] / 2.0, 2)
     (0.6, 0.6)
     """

@@ -29,6 +29,7 @@ import numpy as np
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from meshplace.errors import InputError
+from meshplace.graph.groups import split_strict_class
 from meshplace.graph.io import json_number
 from meshplace.graph.ir import OpGraph
 from meshplace.util import parse_json, read_text_file, short_repr, write_text_atomic
@@ -224,6 +225,8 @@ the graph given, 'tiny' (also 1 ops), has no op 'x', which the plan places; make
                     f"cluster {cluster_name!r} does not have (devices: {shown}{more}){hint}"
                 )
             out[i] = idx
+        by_index = sorted(device_index, key=device_index.__getitem__)  # by index
+        check_strict_colocation_kept(graph, out, by_index, source)
         return out
 
     # ---------------------------------------------------------------------- IO
@@ -243,6 +246,34 @@ the graph given, 'tiny' (also 1 ops), has no op 'x', which the plan places; make
             "micro_batches": self.micro_batches,
             "meta": self.meta,
         }
+
+
+def check_strict_colocation_kept(
+    graph: OpGraph, op_devices: np.ndarray, device_names: Sequence[str], source: str
+) -> None:
+    """Raise :class:`PlanError` (one sentence naming the class, two of its ops and their
+    devices) when ``op_devices`` (device index per op into ``device_names``) splits a
+    strict co-location class of ``graph``.
+
+    >>> from meshplace.graph.ir import Op, OpGraph
+    >>> g = OpGraph("g", meta={"strict_colocation": True})
+    >>> for name in ("f", "b"):
+    ...     _ = g.add_op(Op(name, "matmul", colocation="k"))
+    >>> g.add_edge("f", "b", 4)
+    >>> check_strict_colocation_kept(g, np.array([0, 1]), ["gpu0", "gpu1"], "p.json")
+    Traceback (most recent call last):
+    ...
+    meshplace.plan.placement.PlanError: p.json: splits strict co-location class 'k': op 'f' \
+is on gpu0 but op 'b' on gpu1; a strict class runs on one device
+    """
+    split = split_strict_class(graph, op_devices)
+    if split is not None:
+        key, a, b = split
+        raise PlanError(
+            f"{source}: splits strict co-location class {key!r}: op {graph.ops[a].name!r} "
+            f"is on {device_names[int(op_devices[a])]} but op {graph.ops[b].name!r} on "
+            f"{device_names[int(op_devices[b])]}; a strict class runs on one device"
+        )
 
 
 def save_plan(plan: Plan, path: str | Path) -> None:
