@@ -19,6 +19,13 @@ from meshplace.hardware import load_cluster
 from tests.test_runtime_torchrun import _free_port, _meshplace_run, one_process_losses
 
 
+def _gpus_only(problem: object) -> object:
+    """``problem`` with less than no memory on its CPU, so that the pipeline placer (which may give
+    the CPU a stage) uses the two GPUs: two ranks."""
+    problem.device_memory[problem.device_names.index("cpu0")] = -1.0
+    return problem
+
+
 def _nmt_placement(tmp_path: Path, graph: object, placer: str | None) -> str:
     """A placement plan of ``graph`` (nmt-small's) on colocrl-2gpu by ``placer`` (``None``:
     every op on gpu0), written to ``tmp_path``; its path."""
@@ -29,7 +36,7 @@ def _nmt_placement(tmp_path: Path, graph: object, placer: str | None) -> str:
         plan = Plan.from_devices(graph, "colocrl-2gpu", ["gpu0"] * graph.num_ops)
     else:
         cluster = load_cluster("colocrl-2gpu")
-        result = run_placer(placer, PlacementProblem(graph, cluster), 5.0, 0)
+        result = run_placer(placer, _gpus_only(PlacementProblem(graph, cluster)), 5.0, 0)
         names = [cluster.device_names[d] for d in result.op_devices.tolist()]
         plan = Plan.from_devices(graph, "colocrl-2gpu", names)
     path = tmp_path / f"{placer or 'single'}.json"
@@ -128,7 +135,7 @@ def test_a_pipelined_placement_runs_as_a_1f1b_pipeline_like_one_process(tmp_path
     torch.manual_seed(0)
     model, args, kwargs = load_build_function(source)()
     graph = capture(model, args, example_kwargs=kwargs, training=True)
-    problem = PlacementProblem.build(graph, load_cluster("colocrl-2gpu"), "throughput")
+    problem = _gpus_only(PlacementProblem.build(graph, load_cluster("colocrl-2gpu"), "throughput"))
     plan = best_plan(problem, [run_placer("pipeline", problem, 5.0, 0)], 5.0, 0)
     assert plan.micro_batches == 8 and len(set(plan.placement.values())) == 2
     save_plan(plan, tmp_path / "pipe.json")

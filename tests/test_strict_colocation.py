@@ -88,7 +88,8 @@ def test_every_placer_keeps_forward_and_backward_together_on_a_training_graph() 
     for name in _all_placers():
         result = run_placer(name, problem, 0.05, seed=0)
         assert split_strict_class(g, result.op_devices) is None, name
-        assert result.stats.get("strict_ops_moved", 0) >= 0
+        if name in ("pipeline", "expert", "single"):  # whole by construction: nothing moved
+            assert result.stats["strict_ops_moved"] == 0, name
     # without the mark the same classes are only preferences, and a placer splits them
     classes = strict_classes(g)
     g.meta["strict_colocation"] = False

@@ -1,20 +1,29 @@
-"""Pipeline placement: the optimal contiguous split of the model into stages for throughput.
+"""Pipeline placement: the optimal convex split of the model into stages for throughput.
 
-PipeDream (Narayanan et al., SOSP 2019, §3.1) and Tarnawski et al. (NeurIPS 2020) cut the
-layers, in execution order, into contiguous *stages*, one per device, and choose the cut by
-dynamic programming so that the slowest stage — the pipeline's bottleneck, which sets the
-steady-state time per (micro-)batch — is as fast as possible. meshplace does the same on
-*forward units*:
+PipeDream (Narayanan et al., SOSP 2019, §3.1) cuts the layers, in execution order, into
+contiguous *stages*, one per device, and chooses the cuts by dynamic programming so that
+the slowest stage — the pipeline's bottleneck, which sets the steady-state time per
+(micro-)batch — is as fast as possible. Tarnawski et al. (NeurIPS 2020, "Efficient
+algorithms for device placement of DNN graph operators", §3) make the DP optimal over every
+split whose stages only send forward: the stages are differences of nested *ideals* of the
+DAG (sets closed under predecessors), not runs of one topological order, and the CPU may
+take a stage. meshplace does that on *forward units*:
 
 1. the forward compute ops in topological order are the units; every other op is attributed
    to the unit :func:`complete_placement` would co-locate it with (a backward op to its
    forward op, a parameter and its update ops to its first forward consumer, …), so a
    unit's load is its forward, backward and update time (:func:`forward_units`);
-2. units are coarsened into at most 256 contiguous chunks of similar time;
-3. :func:`best_contiguous_split` finds the split into stages on the accelerators taken in
-   ``cluster.ring_order`` order (stage *j* on the *j*-th accelerator; the DP may leave the
-   last ones empty), minimising the bottleneck under each device's memory;
-4. forward ops go to their stage's device and :func:`complete_placement` places the rest.
+2. units that must share a stage are merged (:func:`condense_units`: each strict
+   co-location class and everything between its members), and the merged units are
+   coarsened into at most 256 chunks of similar time along a topological order;
+3. the chunk DAG's ideals are listed (:func:`unit_ideals`); where there are more than
+   :data:`MAX_IDEALS` (wide graphs such as Inception), the DP falls back to the prefixes of
+   the topological order, i.e. PipeDream's contiguous split, and says so in its stats;
+4. :func:`best_ideal_split` finds the best chain of ideals and devices: the accelerators
+   in ``cluster.ring_order`` order, with one CPU inserted at any position or not at all
+   (:func:`device_sequences`), minimising the bottleneck under each device's memory, with
+   transfers charged as the cluster says (overlapping compute, or occupying the device);
+5. forward ops go to their stage's device and :func:`complete_placement` places the rest.
 
 Example
 -------
@@ -23,16 +32,19 @@ Example
 >>> from meshplace.placers.base import PlacementProblem, run_placer
 >>> p = PlacementProblem.build(workload_graph("dmcca"), load_cluster("colocrl-2gpu"))
 >>> r = run_placer("pipeline", p, budget_s=2.0, seed=0)
->>> r.stats["stages"] <= 2, r.stats["micro_batches"] == 4 * r.stats["stages"]
+>>> r.stats["stages"] <= 3, r.stats["micro_batches"] == 4 * r.stats["stages"]  # 2 GPUs, a CPU
 (True, True)
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import networkx as nx
 import numpy as np
 
 from meshplace.placers.base import OpAssignment, PlacementProblem, register
@@ -44,131 +56,205 @@ MAX_CHUNKS = 256
 # pipeline's fill-and-drain bubble, (K - 1) / (M + K - 1) of the time, is negligible.
 MICRO_BATCHES_PER_STAGE = 4
 
-CommCost = np.ndarray | Callable[[int], np.ndarray] | None
+# ------------------------------------------------- the DP over ideals (issue 17)
+MAX_IDEALS = 600
+"""Above this many ideals of the stage-order DAG the DP falls back to the prefixes of one
+topological order (the contiguous split PipeDream makes): the DP is O(K^2) per stage."""
 
 
-# --------------------------------------------------------------------- the DP itself
-def best_contiguous_split(
-    loads: np.ndarray,
-    comm: CommCost,
-    n_stages: int,
-    memory: np.ndarray | None = None,
-    capacities: np.ndarray | None = None,
-    device_comm: CommCost = None,
-) -> tuple[float, list[int]]:
-    """The split of ``n`` units, in order, into at most ``n_stages`` non-empty contiguous
-    stages that minimises the bottleneck (the largest stage cost).
+def unit_ideals(preds: list[list[int]], max_ideals: int = MAX_IDEALS) -> np.ndarray | None:
+    """Every ideal (set of units closed under predecessors: a possible "everything before
+    this stage") of the DAG whose unit ``u`` has predecessors ``preds[u]``, as a boolean
+    matrix ``[ideals, units]`` sorted by size (so a subset comes before its supersets);
+    ``None`` when there are more than ``max_ideals``. Breadth-first from the empty set,
+    adding one unit whose predecessors are all in; O(K n) set operations for K ideals.
 
-    Args:
-        loads: ``[n]`` seconds per unit, or ``[n_stages, n]`` seconds per unit on stage
-            *j*'s device.
-        comm: seconds stage *j* spends receiving when it holds units ``[a, b)``: an array
-            ``[n_stages, n + 1, n + 1]`` indexed ``[j, a, b]``, a function ``j -> [n + 1,
-            n + 1]`` array, or ``None`` for free communication.
-        n_stages: the most stages (devices) to use; stage *j* runs on device *j*, and
-            using m < n_stages stages leaves the last devices empty.
-        memory: ``[n]`` bytes per unit (optional); ``capacities``: ``[n_stages]`` bytes per
-            stage device. A stage whose memory exceeds its capacity is infeasible.
-        device_comm: like ``comm``, the seconds stage *j*'s device itself spends on
-            transfers (a device without a copy engine, ``transfers: occupy``), or ``None``.
-
-    Stage cost of units ``[a, b)`` on stage *j* =
-    ``max(sum(loads[j, a:b]) + device_comm[j, a, b], comm[j, a, b])``: communication
-    overlaps compute in a pipeline's steady state, except what occupies the device.
-
-    Returns:
-        ``(bottleneck, bounds)``: stage *j* holds units ``bounds[j]:bounds[j + 1]``,
-        ``bounds[0] == 0`` and ``bounds[-1] == n``; among optimal splits the one with the
-        fewest stages. ``(inf, [])`` if no split fits in memory; ``(0.0, [0, 0])`` if n = 0.
-
-    Recurrence: ``f[j][b] = min over j <= a < b of max(f[j-1][a], cost_j(a, b))`` with
-    ``f[0][b] = cost_0(0, b)``; the answer is ``min_j f[j][n]``. Time O(n² · n_stages)
-    (numpy over all ``(a, b)`` per stage), memory O(n² + n · n_stages).
-
-    >>> best_contiguous_split(np.array([1.0, 1.0, 1.0, 1.0]), None, 2)
-    (2.0, [0, 2, 4])
-    >>> best_contiguous_split(np.array([3.0, 1.0, 1.0, 1.0]), None, 3)
-    (3.0, [0, 1, 4])
+    >>> unit_ideals([[], [0], [0]]).astype(int).tolist()  # a fork: 0 then 1 and 2
+    [[0, 0, 0], [1, 0, 0], [1, 1, 0], [1, 0, 1], [1, 1, 1]]
+    >>> unit_ideals([[], [], []], max_ideals=4) is None  # 8 ideals
+    True
     """
-    loads = np.atleast_2d(np.asarray(loads, dtype=np.float64))
-    n = loads.shape[1]
-    if n == 0:
-        return 0.0, [0, 0]
-    if n_stages < 1:
-        raise ValueError(f"n_stages must be at least 1, got {n_stages}")
-    stages = min(n_stages, n)
-    if loads.shape[0] == 1:
-        loads = np.repeat(loads, stages, axis=0)
-    cum = np.concatenate([np.zeros((loads.shape[0], 1)), np.cumsum(loads, axis=1)], axis=1)
-    idx = np.arange(n + 1)
-    nonempty = idx[:, None] < idx[None, :]
-    mem_ab = None
-    if memory is not None and capacities is not None:
-        cm = np.concatenate([[0.0], np.cumsum(np.asarray(memory, dtype=np.float64))])
-        mem_ab = cm[None, :] - cm[:, None]
-    parents = np.zeros((stages, n + 1), dtype=np.int64)
-    best_by_count = np.full(stages, np.inf)
-    f_prev = np.full(n + 1, np.inf)
-    cols = np.arange(n + 1)
-    for j in range(stages):
-        cost = cum[j][None, :] - cum[j][:, None]
-        if device_comm is not None:
-            cost = cost + (device_comm(j) if callable(device_comm) else device_comm[j])
-        if comm is not None:
-            cj = comm(j) if callable(comm) else comm[j]
-            cost = np.maximum(cost, cj)
-        ok = nonempty
-        if mem_ab is not None:
-            ok = ok & (mem_ab <= float(capacities[j]))  # type: ignore[index]
-        cost = np.where(ok, cost, np.inf)
-        if j == 0:
-            f = cost[0].copy()
+    n = len(preds)
+    need = [sum(1 << p for p in ps) for ps in preds]
+    seen = {0}
+    layer = [0]
+    order = [0]
+    while layer:
+        nxt = []
+        for ideal in layer:
+            for u in range(n):
+                bit = 1 << u
+                if not ideal & bit and need[u] & ideal == need[u]:
+                    grown = ideal | bit
+                    if grown not in seen:
+                        seen.add(grown)
+                        nxt.append(grown)
+                        if len(seen) > max_ideals:
+                            return None
+        nxt.sort()
+        order.extend(nxt)
+        layer = nxt
+    return np.array([[(i >> u) & 1 for u in range(n)] for i in order], dtype=bool).reshape(
+        len(order), n
+    )
+
+
+def prefix_ideals(n: int) -> np.ndarray:
+    """The ``n + 1`` prefixes of the order 0..n-1 as ideals (the fallback: contiguous runs
+    of one topological order).
+
+    >>> prefix_ideals(2).astype(int).tolist()
+    [[0, 0], [1, 0], [1, 1]]
+    """
+    return np.tri(n + 1, n, -1, dtype=bool)
+
+
+def condense_units(
+    n: int, edges: Sequence[tuple[int, int]], classes: Sequence[Sequence[int]] = ()
+) -> np.ndarray:
+    """Units that must share a stage, merged: each strict co-location class (units that
+    must run on one device) together with every unit on a path between two of its members
+    — a pipeline stage is convex, so those must join it too. Found as the strongly
+    connected components of the stage-order DAG (``edges``) with each class joined into a
+    cycle; the merged units are numbered in a topological order (smallest member first
+    among ready ones). O(n + E).
+
+    >>> condense_units(4, [(0, 1), (1, 2), (2, 3)], [[0, 2]]).tolist()  # 1 lies between
+    [0, 0, 0, 1]
+    """
+    g = nx.DiGraph()
+    g.add_nodes_from(range(n))
+    g.add_edges_from(edges)
+    for members in classes:
+        for a, b in itertools.pairwise(members):
+            g.add_edge(a, b)
+            g.add_edge(b, a)
+    dag = nx.condensation(g)
+    first = {c: min(dag.nodes[c]["members"]) for c in dag.nodes}
+    order = nx.lexicographical_topological_sort(dag, key=first.__getitem__)
+    number = {c: i for i, c in enumerate(order)}
+    return np.array([number[dag.graph["mapping"][u]] for u in range(n)], dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class StageModel:
+    """What a stage costs, for :func:`best_ideal_split`. ``D`` candidate devices.
+
+    Attributes:
+        loads: ``[D, n]`` seconds of each unit on each device.
+        unit_bytes: ``[n, n]`` bytes unit ``u`` sends to unit ``v``.
+        latency, seconds_per_byte: ``[D, D]`` the route from device ``p`` to device ``d``.
+        occupy: ``[D]`` the device spends its transfers itself (``transfers: occupy``).
+        memory: ``[n]`` bytes per unit, ``capacity``: ``[D]`` (both optional).
+    """
+
+    loads: np.ndarray
+    unit_bytes: np.ndarray
+    latency: np.ndarray
+    seconds_per_byte: np.ndarray
+    occupy: np.ndarray
+    memory: np.ndarray | None = None
+    capacity: np.ndarray | None = None
+
+
+def best_ideal_split(
+    ideals: np.ndarray, model: StageModel, sequences: list[list[int]]
+) -> tuple[float, list[int], list[int]]:
+    """The best pipeline over the ``ideals`` (``[K, n]`` booleans sorted by size, the empty
+    set first and every unit last) and the device ``sequences`` (stage *j* on device
+    ``sequence[j]``; a pipeline may stop early).
+
+    A pipeline is a chain of ideals ``∅ = I_0 ⊂ I_1 ⊂ … ⊂ I_t = all``: stage *j* holds
+    ``I_{j+1} \\ I_j``, so every stage receives activations only from earlier stages and
+    gradients only from later ones (Tarnawski et al., NeurIPS 2020, §3: the DP over ideals
+    that makes the split optimal among all such "contiguous" ones, not just along one
+    topological order). Stage cost on device ``d``, previous stage's device ``p``, next
+    ``q`` (either may be absent): with ``fwd_in`` the bytes from earlier stages, ``bwd_in``
+    from later ones, ``fwd_out``/``bwd_out`` what it sends later/earlier, each timed on
+    its route (latency + bytes x seconds per byte, 0 if no bytes),
+
+    * ``max(compute, t(fwd_in, p→d), t(bwd_in, q→d))`` where transfers overlap compute;
+    * ``compute + t(fwd_in, p→d) + t(bwd_in, q→d) + t(fwd_out, d→q) + t(bwd_out, d→p)``
+      on a device whose transfers occupy it (as :mod:`meshplace.sim.engine` charges them);
+    * infinite where the stage's memory exceeds the device's capacity.
+
+    Returns ``(bottleneck, ideal indices I_0..I_t, devices of the t stages)``: among
+    optimal pipelines, the one with the fewest stages, then the first sequence; ``(inf,
+    [], [])`` if none fits. Recurrence per sequence: ``f_j[J] = min over I ⊂ J of
+    max(f_{j-1}[I], cost_j(I, J))``, vectorised over all ``(I, J)`` pairs: O(K^2 n) to
+    set up and O(K^2) per stage and sequence.
+
+    >>> chain = prefix_ideals(3)
+    >>> flat = np.zeros((2, 2))
+    >>> m = StageModel(np.ones((2, 3)), np.zeros((3, 3)), flat, flat, np.zeros(2, bool))
+    >>> best_ideal_split(chain, m, [[0, 1]])
+    (2.0, [0, 1, 3], [0, 1])
+    """
+    ind = ideals.astype(np.float64)
+    k = len(ideals)
+    full = k - 1
+    # subset[I, J]: I is a proper subset of J
+    outside = (~ideals).astype(np.float64)
+    subset = (ind @ outside.T == 0) & ~np.eye(k, dtype=bool)
+    b = np.asarray(model.unit_bytes, dtype=np.float64).copy()
+    np.fill_diagonal(b, 0.0)
+    x = ind @ b @ ind.T  # x[A, B]: bytes from units in ideal A to units in ideal B
+    own = np.diagonal(x).copy()  # inside each ideal
+    to_all = ind @ b.sum(axis=1)  # from A to every unit
+    from_all = ind @ b.sum(axis=0)  # into A from every unit
+    # for the stage S = J \ I, indexed [I, J]
+    fwd_in = x - own[:, None]  # I -> S
+    fwd_out = (to_all - own)[None, :] - (to_all[:, None] - x)  # S -> outside J
+    bwd_out = x.T - own[:, None]  # S -> I
+    bwd_in = (from_all - own)[None, :] - (from_all[:, None] - x.T)  # outside J -> S
+    for arr in (fwd_in, fwd_out, bwd_out, bwd_in):
+        np.maximum(arr, 0.0, out=arr)
+    work = ind @ np.asarray(model.loads, dtype=np.float64).T  # [K, D]
+    mem = ind @ model.memory if model.memory is not None else None
+
+    def t(nbytes: np.ndarray, src: int | None, dst: int | None) -> np.ndarray | float:
+        if src is None or dst is None:
+            return 0.0
+        lat, per = model.latency[src, dst], model.seconds_per_byte[src, dst]
+        return np.where(nbytes > 0, lat + nbytes * per, 0.0)
+
+    @functools.lru_cache(maxsize=32)  # device sequences share most (d, p, q) triples
+    def stage_cost(d: int, p: int | None, q: int | None) -> np.ndarray:
+        compute = work[None, :, d] - work[:, None, d]
+        recv_fwd, recv_bwd = t(fwd_in, p, d), t(bwd_in, q, d)
+        if model.occupy[d]:
+            cost = compute + recv_fwd + recv_bwd + t(fwd_out, d, q) + t(bwd_out, d, p)
         else:
-            cand = np.maximum(f_prev[:, None], cost)
-            parents[j] = np.argmin(cand, axis=0)  # smallest a among ties: deterministic
-            f = cand[parents[j], cols]
-        best_by_count[j] = f[n]
-        f_prev = f
-    m = int(np.argmin(best_by_count))  # first minimum: the fewest stages
-    bottleneck = float(best_by_count[m])
-    if not np.isfinite(bottleneck):
-        return float("inf"), []
-    bounds = [n]
-    b = n
-    for j in range(m, 0, -1):
-        b = int(parents[j][b])
-        bounds.append(b)
-    bounds.append(0)
-    return bottleneck, bounds[::-1]
+            cost = np.maximum(np.maximum(compute, recv_fwd), recv_bwd)
+        ok = subset
+        if mem is not None and model.capacity is not None:
+            ok = ok & ((mem[None, :] - mem[:, None]) <= model.capacity[d])
+        return np.where(ok, cost, np.inf)
 
-
-def receive_bytes(unit_bytes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Bytes a stage holding units ``[a, b)`` receives, from ``unit_bytes[u, v]`` (bytes from
-    unit u to unit v): ``(forward[a, b], backward[a, b])`` = bytes from units before ``a``
-    (activations, from earlier stages) and from units at or after ``b`` (gradients, from
-    later stages), as ``[n + 1, n + 1]`` arrays. O(n²) by 2-D prefix sums.
-
-    >>> m = np.array([[0, 5, 1], [2, 0, 7], [0, 3, 0]], float)  # 2 -> 1 is a gradient
-    >>> fwd, bwd = receive_bytes(m)
-    >>> float(fwd[1, 3]), float(bwd[1, 2]), float(fwd[2, 3]), float(bwd[0, 2])
-    (6.0, 3.0, 8.0, 3.0)
-    """
-    m = np.asarray(unit_bytes, dtype=np.float64).copy()
-    np.fill_diagonal(m, 0.0)
-    n = m.shape[0]
-    p = np.zeros((n + 1, n + 1))
-    p[1:, 1:] = m.cumsum(axis=0).cumsum(axis=1)  # p[x, y] = sum of m[u < x, v < y]
-    diag = np.diagonal(p).copy()
-    col_total = p[n]  # col_total[y] = sum of m[all u, v < y]
-    forward = p - diag[:, None]  # sum m[u < a, a <= v < b] = p[a, b] - p[a, a]
-    # sum m[u >= b, a <= v < b] = (col_total[b] - col_total[a]) - (p[b, b] - p[b, a])
-    backward = (col_total[None, :] - col_total[:, None]) - (diag[None, :] - p.T)
-    return np.maximum(forward, 0.0), np.maximum(backward, 0.0)
-
-
-def link_time(nbytes: np.ndarray, latency: float, seconds_per_byte: float) -> np.ndarray:
-    """Uncontended transfer time of ``nbytes`` (0 where nothing is sent)."""
-    return np.where(nbytes > 0, latency + nbytes * seconds_per_byte, 0.0)
+    best: tuple[float, int, int, list[int], list[int]] = (np.inf, 0, 0, [], [])
+    for seq_no, sequence in enumerate(sequences):
+        f = np.full(k, np.inf)
+        f[0] = 0.0
+        parents: list[np.ndarray] = []
+        for j, d in enumerate(sequence):
+            p = sequence[j - 1] if j else None
+            q = sequence[j + 1] if j + 1 < len(sequence) else None
+            # (a stage that ends the pipeline sends nothing on and receives nothing back,
+            # so its next device costs it nothing)
+            cand = np.maximum(f[:, None], stage_cost(d, p, q))
+            parent = np.argmin(cand, axis=0)  # smallest I among ties: deterministic
+            f = cand[parent, np.arange(k)]
+            f[0] = np.inf  # no empty stage
+            parents.append(parent)
+            key = (float(f[full]), j + 1, seq_no)
+            if key < best[:3]:
+                chain = [full]
+                for back in reversed(parents):
+                    chain.append(int(back[chain[-1]]))
+                best = (*key, chain[::-1], list(sequence[: j + 1]))
+    if not np.isfinite(best[0]):
+        return float("inf"), [], []
+    return best[0], best[3], best[4]
 
 
 # --------------------------------------------------------------------- forward units
@@ -279,108 +365,78 @@ def _link(problem: PlacementProblem, src: int, dst: int) -> tuple[float, float]:
     return latency, (c.transfer_time(src, dst, 1e9) - latency) / 1e9
 
 
-def _plan(
+def _stage_model(
     problem: PlacementProblem,
-    order: list[int],
+    devices: list[int],
     loads_by_kind: np.ndarray,
     chunk_bytes: np.ndarray,
     memory: np.ndarray | None,
-) -> tuple[float, list[int], list[dict[str, float]]]:
-    n = chunk_bytes.shape[0]
-    stages = min(len(order), n)
+) -> StageModel:
+    """The :class:`StageModel` of the chunks on the candidate ``devices``."""
     kind_index = problem.simulator.device_kind_index
-    loads = np.stack([loads_by_kind[kind_index[d]] for d in order[:stages]])
-    fwd_in, bwd_in = receive_bytes(chunk_bytes)
-    links = [
-        (
-            _link(problem, order[j - 1], order[j]) if j > 0 else (0.0, 0.0),
-            _link(problem, order[j + 1], order[j]) if j + 1 < len(order) else (np.inf, 0.0),
-        )
-        for j in range(stages)
-    ]
-
-    # what a stage sends: gradients to earlier stages, activations to later ones
-    bwd_out, fwd_out = receive_bytes(chunk_bytes.T)
-    out_links = [
-        (
-            _link(problem, order[j], order[j - 1]) if j > 0 else (np.inf, 0.0),
-            _link(problem, order[j], order[j + 1]) if j + 1 < len(order) else (np.inf, 0.0),
-        )
-        for j in range(stages)
-    ]
-    occupy = problem.simulator.occupy
-
-    def comm(j: int) -> np.ndarray:
-        (lat_in, per_in), (lat_back, per_back) = links[j]
-        return np.maximum(link_time(fwd_in, lat_in, per_in), link_time(bwd_in, lat_back, per_back))
-
-    def device_comm(j: int) -> np.ndarray:
-        """A device without a copy engine spends every send and receive itself."""
-        (lat_in, per_in), (lat_back, per_back) = links[j]
-        (lat_prev, per_prev), (lat_next, per_next) = out_links[j]
-        return (
-            link_time(fwd_in, lat_in, per_in)
-            + link_time(bwd_in, lat_back, per_back)
-            + link_time(bwd_out, lat_prev, per_prev)
-            + link_time(fwd_out, lat_next, per_next)
-        )
-
-    def occupied(j: int) -> np.ndarray:
-        return device_comm(j) if occupy[order[j]] else np.zeros_like(fwd_in)
-
-    busy = occupied if occupy[order[:stages]].any() else None
-
-    capacities = problem.device_memory[order[:stages]] if memory is not None else None
-    bottleneck, bounds = best_contiguous_split(
-        loads, comm, stages, memory, capacities, device_comm=busy
+    n_dev = len(devices)
+    latency = np.zeros((n_dev, n_dev))
+    per_byte = np.zeros((n_dev, n_dev))
+    for i, src in enumerate(devices):
+        for j, dst in enumerate(devices):
+            if src != dst:
+                latency[i, j], per_byte[i, j] = _link(problem, src, dst)
+    return StageModel(
+        loads=np.stack([loads_by_kind[kind_index[d]] for d in devices]),
+        unit_bytes=chunk_bytes,
+        latency=latency,
+        seconds_per_byte=per_byte,
+        occupy=problem.simulator.occupy[devices],
+        memory=memory,
+        capacity=problem.device_memory[devices] if memory is not None else None,
     )
-    detail = []
-    for j in range(len(bounds) - 1):
-        a, b = bounds[j], bounds[j + 1]
-        detail.append(
-            {
-                "device": problem.device_names[order[j]],
-                "chunks": [a, b],
-                "compute_s": float(loads[j, a:b].sum()),
-                "receive_s": float(comm(j)[a, b]),
-                "device_transfer_s": float(busy(j)[a, b]) if busy is not None else 0.0,
-                "memory_bytes": float(memory[a:b].sum()) if memory is not None else 0.0,
-            }
-        )
-    return bottleneck, bounds, detail
+
+
+def device_sequences(accelerators_in_order: int, cpu: bool) -> list[list[int]]:
+    """Stage orders over candidate devices ``0..a-1`` (accelerators in ring order) and, if
+    ``cpu``, device ``a`` (a CPU) inserted at any position of the pipeline or not at all.
+
+    >>> device_sequences(2, cpu=True)
+    [[0, 1], [2, 0, 1], [0, 2, 1], [0, 1, 2]]
+    """
+    base = list(range(accelerators_in_order))
+    sequences = [base]
+    if cpu:
+        sequences += [[*base[:i], accelerators_in_order, *base[i:]] for i in range(len(base) + 1)]
+    return sequences
 
 
 @register(
     "pipeline",
     family="pipeline",
-    description="optimal contiguous split of the forward units into pipeline stages on the "
-    "accelerators (dynamic programming, bottleneck objective, memory-aware)",
+    description="optimal split of the forward units into pipeline stages that only send "
+    "forward (DP over the DAG's ideals), on the accelerators and possibly a CPU "
+    "(bottleneck objective, memory-aware, strict co-location kept)",
     source="Narayanan et al., PipeDream, SOSP 2019, §3.1; Tarnawski et al., NeurIPS 2020",
 )
 def place_pipeline(
     problem: PlacementProblem, budget_s: float, seed: int
 ) -> tuple[OpAssignment, dict[str, Any]]:
-    """PipeDream's partitioning (Narayanan et al., SOSP 2019, §3.1; Tarnawski et al.,
-    NeurIPS 2020): the forward units (:func:`forward_units`, with their backward and update
-    work), coarsened to at most 256 chunks of similar time, are split into contiguous stages
-    on the accelerators in ring order by :func:`best_contiguous_split`, minimising the
-    bottleneck stage.
+    """PipeDream's partitioning made optimal over ideals (Narayanan et al., SOSP 2019,
+    §3.1; Tarnawski et al., NeurIPS 2020, §3; module docstring): the forward units, with
+    their backward and update work, merged where strict co-location or convexity demands,
+    coarsened to at most 256 chunks, are split into stages that only send forward, on the
+    accelerators in ring order and possibly one CPU, by :func:`best_ideal_split`.
 
-    Stage cost = max(its compute on its device, the time to receive the bytes crossing into
-    it over the route from the previous device (activations from earlier stages) and from
-    the next device (gradients from later stages), by ``cluster.transfer_time``) — on a
-    device whose transfers occupy it (``transfers: occupy``), its compute plus every send
-    and receive, as the simulator charges them; each
-    stage's memory must fit its device. If no split of the accelerators fits, the CPUs join
-    the end of the pipeline; if none fits even then, memory is ignored (``stats["fits"]``
-    says so). Deterministic (``seed`` is unused).
+    Stage cost = max(its compute on its device, the time to receive the bytes crossing
+    into it from earlier stages over the route from the previous device, and from later
+    stages from the next device) — on a device whose transfers occupy it (``transfers:
+    occupy``), its compute plus every send and receive, as the simulator charges them;
+    each stage's memory must fit its device. If no split fits, memory is ignored
+    (``stats["fits"]`` says so). Deterministic (``seed`` is unused).
 
     ``stats["micro_batches"]`` suggests 4 x stages micro-batches (GPipe, Huang et al.,
     NeurIPS 2019, §2.3: the fill/drain bubble is then negligible); the plan is chosen for
     its steady-state time ``stats["bottleneck_s"]``.
 
-    Complexity: O(V + E) for the attribution and O(C² · S) for the DP
-    (C ≤ 256 chunks, S stages).
+    Complexity: O(V + E) for the attribution and merging, O(K C) to list K ≤ 600 ideals
+    of C ≤ 256 chunks, and O(K² · S · (S + 1)) for the DP over S stage devices and the
+    S + 2 device orders.
 
     >>> from meshplace.graph.sources import workload_graph
     >>> from meshplace.hardware import load_cluster
@@ -395,10 +451,28 @@ def place_pipeline(
     if len(units.ops) == 0:
         plan = complete_placement(graph, np.full(graph.num_ops, -1), default=acc[0])
         return OpAssignment(plan), {"stages": 1, "micro_batches": MICRO_BATCHES_PER_STAGE}
+    # units that must share a stage (strict co-location classes and what lies between),
+    # merged and numbered topologically
+    arrays = graph.arrays()
+    ops = graph.ops
+    forward = np.array([o.phase == "forward" for o in ops])
+    src_unit = units.unit_of_op[arrays.edge_src]
+    dst_unit = units.unit_of_op[arrays.edge_dst]
+    order_edge = forward[arrays.edge_src] & forward[arrays.edge_dst] & (src_unit != dst_unit)
+    edges = sorted(set(zip(src_unit[order_edge].tolist(), dst_unit[order_edge].tolist())))
+    classes = [
+        sorted({int(units.unit_of_op[m]) for m in members})
+        for members in problem.strict_classes.values()
+    ]
+    n_units = len(units.ops)
+    label = condense_units(n_units, edges, classes)
+    n_merged = int(label.max()) + 1
+    time_by_kind = np.stack(
+        [np.bincount(label, weights=t, minlength=n_merged) for t in units.time_by_kind]
+    )
     kind_index = problem.simulator.device_kind_index
     order = problem.cluster.ring_order(acc)
-    ref_kind = kind_index[order[0]]
-    chunk_of_unit = chunk_units(units.time_by_kind[ref_kind])
+    chunk_of_unit = chunk_units(time_by_kind[kind_index[order[0]]])[label]
     n_chunks = int(chunk_of_unit.max()) + 1
     loads_by_kind = np.stack(
         [np.bincount(chunk_of_unit, weights=t, minlength=n_chunks) for t in units.time_by_kind]
@@ -406,31 +480,54 @@ def place_pipeline(
     memory = np.bincount(chunk_of_unit, weights=units.memory, minlength=n_chunks)
     chunk_of_op = chunk_of_unit[units.unit_of_op]
     chunk_bytes = _chunk_bytes(problem, chunk_of_op, n_chunks)
+    preds: list[set[int]] = [set() for _ in range(n_chunks)]
+    for u, v in edges:
+        if chunk_of_unit[u] != chunk_of_unit[v]:
+            preds[int(chunk_of_unit[v])].add(int(chunk_of_unit[u]))
+    ideals = unit_ideals([sorted(p) for p in preds])
+    fallback = ideals is None
+    if ideals is None:  # too many: contiguous runs of the (topological) chunk order
+        ideals = prefix_ideals(n_chunks)
 
-    fits = True
-    bottleneck, bounds, detail = _plan(problem, order, loads_by_kind, chunk_bytes, memory)
-    extra = [c for c in cpus(problem) if c not in acc]
-    if not bounds and extra:  # the CPUs join the end of the pipeline
-        order = order + problem.cluster.ring_order(extra)
-        bottleneck, bounds, detail = _plan(problem, order, loads_by_kind, chunk_bytes, memory)
-    if not bounds:
-        fits = False
-        order = problem.cluster.ring_order(acc)
-        bottleneck, bounds, detail = _plan(problem, order, loads_by_kind, chunk_bytes, None)
+    extra = [c for c in cpus(problem) if c not in acc][:1]
+    candidates = order + extra
+    sequences = device_sequences(len(order), cpu=bool(extra))
+    model = _stage_model(problem, candidates, loads_by_kind, chunk_bytes, memory)
+    bottleneck, chain, stage_devices = best_ideal_split(ideals, model, sequences)
+    fits = bool(chain)
+    if not fits:  # nothing fits: the best pipeline by time alone (stats say it does not fit)
+        loose = _stage_model(problem, candidates, loads_by_kind, chunk_bytes, None)
+        bottleneck, chain, stage_devices = best_ideal_split(ideals, loose, sequences)
 
-    stage_of_chunk = np.zeros(n_chunks, dtype=np.int64)
-    for j in range(len(bounds) - 1):
-        stage_of_chunk[bounds[j] : bounds[j + 1]] = j
-    device_of_stage = np.asarray(order, dtype=np.int64)
+    device_of_chunk = np.zeros(n_chunks, dtype=np.int64)
+    detail = []
+    for j, d in enumerate(stage_devices):
+        members = ideals[chain[j + 1]] & ~ideals[chain[j]]
+        device_of_chunk[members] = candidates[d]
+        detail.append(
+            {
+                "device": problem.device_names[candidates[d]],
+                "chunks": int(members.sum()),
+                "compute_s": float(model.loads[d, members].sum()),
+                "memory_bytes": float(memory[members].sum()),
+            }
+        )
     partial = np.full(graph.num_ops, -1, dtype=np.int64)
-    partial[units.ops] = device_of_stage[stage_of_chunk[chunk_of_unit]]
-    plan = complete_placement(graph, partial, default=order[0])
+    partial[units.ops] = device_of_chunk[chunk_of_unit]
+    plan = complete_placement(graph, partial, default=candidates[stage_devices[0]])
     load = np.bincount(plan, weights=problem.op_memory, minlength=problem.num_devices)
-    stages = len(bounds) - 1
+    stages = len(stage_devices)
     stats = {
-        "units": len(units.ops),
+        "units": n_units,
         "chunks": n_chunks,
+        "ideals": len(ideals),
+        "ideal_fallback": (
+            f"more than {MAX_IDEALS} ideals: contiguous runs of one topological order"
+            if fallback
+            else None
+        ),
         "stages": stages,
+        "cpu_stage": any(candidates[d] in extra for d in stage_devices),
         "bottleneck_s": bottleneck,
         "micro_batches": MICRO_BATCHES_PER_STAGE * stages,
         "stage_detail": detail,
