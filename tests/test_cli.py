@@ -167,3 +167,39 @@ def test_report_command_bad_input_exits_2(capsys, tmp_path) -> None:
         assert code == 2
         assert err.startswith("meshplace: error: ") and err.count("\n") == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["other.json"]
+
+
+def test_a_profiled_graph_without_parameter_ops_has_an_unknown_parameter_count(
+    capsys, tmp_path
+) -> None:
+    """Parameter bytes on the ops but no parameter op to count elements of: the count is
+    unknown (``null``), not 0 beside gigabytes of parameter memory."""
+    from meshplace.graph.io import save_graph
+    from meshplace.graph.ir import Op, OpGraph
+
+    g = OpGraph("profiled")
+    g.add_op(Op("layer0", "matmul", param_bytes=2**30, measured_time={"cpu": 1e-3}))
+    save_graph(g, tmp_path / "g.json")
+    assert main(["graph", str(tmp_path / "g.json"), "--json"]) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert s["params"] is None and s["param_bytes"] == 2**30
+    assert main(["graph", str(tmp_path / "g.json")]) == 0
+    assert "unknown (no parameter ops" in capsys.readouterr().out
+
+
+def test_out_all_writes_every_placers_plan(capsys, tmp_path) -> None:
+    folder = tmp_path / "plans"
+    argv = ["plan", "dmcca", "--cluster", "colocrl-2gpu", "--placer", "single,m_etf,pipeline"]
+    assert main([*argv, "--budget", "1", "--out-all", str(folder), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "expert.json", "m_etf.json", "pipeline.json", "single.json",
+    ]  # fmt: skip
+    assert len(report["out_all"]) == 4
+    for row in report["results"]:
+        plan = json.loads((folder / f"{row['placer']}.json").read_text())
+        assert plan["meta"]["placer"] == row["placer"]
+        assert plan["meta"]["objective_value_s"] == row["objective_value_s"]
+    (tmp_path / "file").write_text("")
+    assert main([*argv, "--out-all", str(tmp_path / "file")]) == 2
+    assert "--out-all" in capsys.readouterr().err

@@ -195,7 +195,7 @@ _TRAIN_SCRIPT = textwrap.dedent(
             threading.Event().wait()
 
     p = PlacementProblem.build(workload_graph("dmcca"), load_cluster("colocrl-2gpu"))
-    train_hrl(p, 600.0, 7, updates=60, config=HRLConfig(checkpoint_every=2),
+    train_hrl(p, 600.0, 7, updates=16, config=HRLConfig(checkpoint_every=2),
               checkpoint=sys.argv[1], progress=hold)
     """
 )
@@ -224,9 +224,9 @@ def test_training_killed_with_sigkill_resumes_to_the_same_plan(tmp_path: Path) -
     assert torch.load(ckpt, weights_only=True)["done"] == 4
     problem = _problem("dmcca", "colocrl-2gpu")
     config = HRLConfig(checkpoint_every=2)
-    resumed = train_hrl(problem, 600.0, 7, updates=60, config=config, checkpoint=ckpt, resume=True)
+    resumed = train_hrl(problem, 600.0, 7, updates=16, config=config, checkpoint=ckpt, resume=True)
     assert resumed.stats["resumed_from_update"] == 4
-    full = train_hrl(problem, 600.0, 7, updates=60, config=config)
+    full = train_hrl(problem, 600.0, 7, updates=16, config=config)
     assert np.array_equal(resumed.op_devices, full.op_devices)
     assert resumed.best_score_s == full.best_score_s
     _curves_equal(resumed.stats["learning_curve"], full.stats["learning_curve"])

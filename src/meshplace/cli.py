@@ -148,6 +148,12 @@ def _parser(command: str = "*") -> argparse.ArgumentParser:
     p.add_argument("--transfers", choices=["overlap", "occupy"], help=_TRANSFERS_HELP)
     p.add_argument("--out", help="write the best plan to this file")
     p.add_argument("--result", help="write every placer's result as JSON to this file")
+    p.add_argument(
+        "--out-all",
+        metavar="DIR",
+        help="write every placer's plan to DIR/<placer>.json (out-of-memory ones too, "
+        "marked in their meta)",
+    )
     p.add_argument("--html", help="write a self-contained HTML report to this file")
     p.add_argument("--json", action="store_true", help="print a JSON object")
     p.add_argument(
@@ -431,7 +437,10 @@ def _print_graph_summary(console: Console, s: dict[str, Any]) -> None:
             shown += f", … ({len(elementwise) - 6} more)"
         table.add_row("costed element-wise", shown)
     table.add_row("precision", _precision(s))
-    table.add_row("parameters", f"{s['params']:,}  ({human(s['params'])})")
+    if s["params"] is None:  # parameter bytes on the ops, no parameter ops to count
+        table.add_row("parameters", "unknown (no parameter ops; see parameter memory)")
+    else:
+        table.add_row("parameters", f"{s['params']:,}  ({human(s['params'])})")
     table.add_row("FLOPs forward", human(s["flops_forward"], "FLOP"))
     if s["training"]:
         table.add_row("FLOPs backward", human(s["flops_backward"], "FLOP"))
@@ -518,12 +527,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         raise PlacerError("--finetune trains the gnn placer only; add gnn to --placer")
     if args.resume and not args.checkpoint_dir:
         raise PlacerError("--resume needs --checkpoint-dir, the folder holding the checkpoints")
-    if (
-        args.checkpoint_dir
-        and Path(args.checkpoint_dir).exists()
-        and not Path(args.checkpoint_dir).is_dir()
-    ):
-        raise PlacerError(f"--checkpoint-dir {args.checkpoint_dir} is not a folder")
+    for flag, folder in (("--checkpoint-dir", args.checkpoint_dir), ("--out-all", args.out_all)):
+        if folder and Path(folder).exists() and not Path(folder).is_dir():
+            raise PlacerError(f"{flag} {folder} is not a folder")
     cluster = _with_transfers(load_cluster(args.cluster), args)
     cost_model = _cost_model(args, cluster)
     err = Console(stderr=True)
@@ -590,6 +596,15 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
         save_plan(best_plan(problem, results, args.budget, args.seed), args.out)
         report["out"] = args.out
+    if args.out_all:
+        from meshplace.plan.placement import save_plan
+        from meshplace.planning import result_plan
+
+        folder = Path(args.out_all)
+        folder.mkdir(parents=True, exist_ok=True)
+        for r in results:
+            save_plan(result_plan(problem, r, args.budget, args.seed), folder / f"{r.placer}.json")
+        report["out_all"] = [str(folder / f"{r.placer}.json") for r in results]
     if args.html:
         from meshplace.report.cli import write_plan_report
 

@@ -268,12 +268,21 @@ def best_plan(
     """The fastest fitting result as a per-op :class:`Plan`."""
     best = best_result(results)
     assert best is not None
-    names = [problem.device_names[d] for d in best.op_devices.tolist()]
+    return result_plan(problem, best, budget_s, seed)
+
+
+def result_plan(
+    problem: PlacementProblem, result: PlacerResult, budget_s: float, seed: int
+) -> Plan:
+    """One placer's result as a per-op :class:`Plan` (what ``--out`` writes for the best
+    and ``--out-all`` for each), its objective value, step time and memory verdict in
+    ``meta``."""
+    names = [problem.device_names[d] for d in result.op_devices.tolist()]
     # a pipeline's micro-batches (the pipeline placer suggests 4 x stages) travel with
     # the plan, so that the runtime runs it as one (meshplace.runtime.pipelined)
     micro_batches = 1
     if problem.objective == "throughput":
-        micro_batches = int((best.stats or {}).get("micro_batches", 1))
+        micro_batches = int((result.stats or {}).get("micro_batches", 1))
     return Plan.from_devices(
         problem.graph,
         problem.cluster.name,
@@ -281,9 +290,10 @@ def best_plan(
         objective=problem.objective,
         micro_batches=micro_batches,
         meta={
-            "placer": best.placer,
-            "objective_value_s": best.value,
-            "step_time_s": best.step_time_s,
+            "placer": result.placer,
+            "objective_value_s": result.value,
+            "step_time_s": result.step_time_s,
+            "oom": result.oom,
             "budget_s": budget_s,
             "seed": seed,
         },

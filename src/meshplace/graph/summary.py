@@ -24,7 +24,8 @@ from meshplace.graph.ir import OpGraph
 def summarize(graph: OpGraph, max_groups: int | None = DEFAULT_MAX_GROUPS) -> dict[str, Any]:
     """A JSON-ready summary of ``graph``.
 
-    Keys: ``name``, ``ops``, ``edges``, ``params`` (trainable parameter count),
+    Keys: ``name``, ``ops``, ``edges``, ``params`` (trainable parameter count; ``None``
+    where the graph has parameter bytes but no parameter ops to count them from),
     ``param_bytes`` (parameters and buffers), ``state_bytes`` (optimizer state),
     ``flops_forward``/``flops_backward``/``flops_update``/``flops_total``,
     ``activation_bytes`` (forward outputs that backward ops read: what a training step keeps
@@ -40,6 +41,10 @@ def summarize(graph: OpGraph, max_groups: int | None = DEFAULT_MAX_GROUPS) -> di
         params = sum(
             math.prod(o.output_shapes[0]) for o in ops if o.kind == "parameter" and o.output_shapes
         )
+        if not params and graph.param_bytes():
+            # a graph profiled elsewhere: parameter bytes on its ops but no parameter ops to
+            # count elements of, and no dtype to divide by — unknown, not 0
+            params = None
     phase_of = [o.phase for o in ops]
     training = any(p == "backward" for p in phase_of)
     saved: dict[int, float] = {}
@@ -61,7 +66,7 @@ def summarize(graph: OpGraph, max_groups: int | None = DEFAULT_MAX_GROUPS) -> di
         "name": graph.name,
         "ops": graph.num_ops,
         "edges": graph.num_edges,
-        "params": int(params),
+        "params": int(params) if params is not None else None,
         "param_bytes": graph.param_bytes(),
         "state_bytes": int(sum(o.state_bytes for o in ops)),
         "flops_forward": flops["forward"],

@@ -58,6 +58,9 @@ MICRO_BATCHES_PER_STAGE = 4
 
 # ------------------------------------------------- the DP over ideals (issue 17)
 MAX_IDEALS = 600
+MEMORY_ROUNDS = 4
+"""The DP's memory is an estimate: at most this many rounds of DP, simulate, and shrink the
+capacity of any device whose simulated peak is over (``pipeline_split``)."""
 """Above this many ideals of the stage-order DAG the DP falls back to the prefixes of one
 topological order (the contiguous split PipeDream makes): the DP is O(K^2) per stage."""
 
@@ -371,8 +374,10 @@ def _stage_model(
     loads_by_kind: np.ndarray,
     chunk_bytes: np.ndarray,
     memory: np.ndarray | None,
+    capacity: np.ndarray | None = None,
 ) -> StageModel:
-    """The :class:`StageModel` of the chunks on the candidate ``devices``."""
+    """The :class:`StageModel` of the chunks on the candidate ``devices`` (``capacity``:
+    bytes per device, default their memory)."""
     kind_index = problem.simulator.device_kind_index
     n_dev = len(devices)
     latency = np.zeros((n_dev, n_dev))
@@ -388,8 +393,44 @@ def _stage_model(
         seconds_per_byte=per_byte,
         occupy=problem.simulator.occupy[devices],
         memory=memory,
-        capacity=problem.device_memory[devices] if memory is not None else None,
+        capacity=(
+            (problem.device_memory[devices] if capacity is None else capacity)
+            if memory is not None
+            else None
+        ),
     )
+
+
+def _expand_stages(
+    problem: PlacementProblem,
+    graph: Any,
+    units: ForwardUnits,
+    chunk_of_unit: np.ndarray,
+    ideals: np.ndarray,
+    chain: list[int],
+    stage_devices: list[int],
+    candidates: list[int],
+    model: StageModel,
+    memory: np.ndarray,
+) -> tuple[np.ndarray, list[dict[str, Any]]]:
+    """The op-level plan of a chain of ideals on ``stage_devices`` (forward ops on their
+    stage's device, the rest by :func:`complete_placement`) and each stage's detail."""
+    device_of_chunk = np.zeros(len(memory), dtype=np.int64)
+    detail = []
+    for j, d in enumerate(stage_devices):
+        members = ideals[chain[j + 1]] & ~ideals[chain[j]]
+        device_of_chunk[members] = candidates[d]
+        detail.append(
+            {
+                "device": problem.device_names[candidates[d]],
+                "chunks": int(members.sum()),
+                "compute_s": float(model.loads[d, members].sum()),
+                "memory_bytes": float(memory[members].sum()),
+            }
+        )
+    partial = np.full(graph.num_ops, -1, dtype=np.int64)
+    partial[units.ops] = device_of_chunk[chunk_of_unit]
+    return complete_placement(graph, partial, default=candidates[stage_devices[0]]), detail
 
 
 def device_sequences(accelerators_in_order: int, cpu: bool) -> list[list[int]]:
@@ -445,6 +486,25 @@ def place_pipeline(
     >>> len(plan.devices) == p.graph.num_ops, stats["fits"], stats["bottleneck_s"] > 0
     (True, True, True)
     """
+    return pipeline_split(problem)
+
+
+def pipeline_split(
+    problem: PlacementProblem, *, over_ideals: bool = True, cpu_stage: bool = True
+) -> tuple[OpAssignment, dict[str, Any]]:
+    """The ``pipeline`` placer's plan and stats (:func:`place_pipeline`). ``over_ideals=
+    False`` restricts the DP to the prefixes of one topological order and ``cpu_stage=
+    False`` to the accelerators: both off is PipeDream's contiguous split, the reference
+    ``benchmarks/profiled_graphs.py`` compares against.
+
+    >>> from meshplace.graph.sources import workload_graph
+    >>> from meshplace.hardware import load_cluster
+    >>> p = PlacementProblem.build(workload_graph("resnet50"), load_cluster("colocrl-4gpu"))
+    >>> _, ours = pipeline_split(p)
+    >>> _, pipedream = pipeline_split(p, over_ideals=False, cpu_stage=False)
+    >>> ours["bottleneck_s"] <= pipedream["bottleneck_s"]
+    True
+    """
     graph = problem.graph
     acc = accelerators(problem)
     units = forward_units(problem)
@@ -484,38 +544,57 @@ def place_pipeline(
     for u, v in edges:
         if chunk_of_unit[u] != chunk_of_unit[v]:
             preds[int(chunk_of_unit[v])].add(int(chunk_of_unit[u]))
-    ideals = unit_ideals([sorted(p) for p in preds])
-    fallback = ideals is None
-    if ideals is None:  # too many: contiguous runs of the (topological) chunk order
+    ideals = unit_ideals([sorted(p) for p in preds]) if over_ideals else None
+    fallback = over_ideals and ideals is None
+    if ideals is None:  # too many (or not asked for): runs of the topological chunk order
         ideals = prefix_ideals(n_chunks)
 
-    extra = [c for c in cpus(problem) if c not in acc][:1]
+    extra = [c for c in cpus(problem) if c not in acc][:1] if cpu_stage else []
     candidates = order + extra
     sequences = device_sequences(len(order), cpu=bool(extra))
-    model = _stage_model(problem, candidates, loads_by_kind, chunk_bytes, memory)
-    bottleneck, chain, stage_devices = best_ideal_split(ideals, model, sequences)
-    fits = bool(chain)
-    if not fits:  # nothing fits: the best pipeline by time alone (stats say it does not fit)
-        loose = _stage_model(problem, candidates, loads_by_kind, chunk_bytes, None)
-        bottleneck, chain, stage_devices = best_ideal_split(ideals, loose, sequences)
-
-    device_of_chunk = np.zeros(n_chunks, dtype=np.int64)
-    detail = []
-    for j, d in enumerate(stage_devices):
-        members = ideals[chain[j + 1]] & ~ideals[chain[j]]
-        device_of_chunk[members] = candidates[d]
-        detail.append(
-            {
-                "device": problem.device_names[candidates[d]],
-                "chunks": int(members.sum()),
-                "compute_s": float(model.loads[d, members].sum()),
-                "memory_bytes": float(memory[members].sum()),
-            }
+    capacity = problem.device_memory[candidates].astype(np.float64)
+    rounds = 0
+    while rounds < MEMORY_ROUNDS:
+        rounds += 1
+        model = _stage_model(problem, candidates, loads_by_kind, chunk_bytes, memory, capacity)
+        bottleneck, chain, stage_devices = best_ideal_split(ideals, model, sequences)
+        fits = bool(chain)
+        if not fits:  # nothing fits: the best pipeline by time alone (stats say so)
+            loose = _stage_model(problem, candidates, loads_by_kind, chunk_bytes, None)
+            bottleneck, chain, stage_devices = best_ideal_split(ideals, loose, sequences)
+        plan, detail = _expand_stages(
+            problem,
+            graph,
+            units,
+            chunk_of_unit,
+            ideals,
+            chain,
+            stage_devices,
+            candidates,
+            model,
+            memory,
         )
-    partial = np.full(graph.num_ops, -1, dtype=np.int64)
-    partial[units.ops] = device_of_chunk[chunk_of_unit]
-    plan = complete_placement(graph, partial, default=candidates[stage_devices[0]])
-    load = np.bincount(plan, weights=problem.op_memory, minlength=problem.num_devices)
+        if not fits:
+            break
+        # the DP's memory is an estimate (resident bytes and kept activations); where the
+        # simulated peak (transient tensors, received copies) exceeds a device, that
+        # device's capacity in the DP shrinks to its stage's estimate scaled down by the
+        # overshoot, and the DP runs again
+        peak = problem.evaluate_ops(plan).peak_memory_bytes[candidates]
+        real = problem.device_memory[candidates]
+        used = np.zeros(len(candidates), dtype=bool)
+        used[stage_devices] = True
+        over = used & (peak > real)
+        if not over.any():
+            break
+        estimate = np.zeros(len(candidates))
+        for stage, d in zip(detail, stage_devices, strict=True):
+            estimate[d] = stage["memory_bytes"]
+        scaled = estimate * real / np.maximum(peak, 1.0) * 0.99
+        capacity = np.where(over, np.minimum(capacity, scaled), capacity)
+    else:
+        fits = False  # still over after the last round
+
     stages = len(stage_devices)
     stats = {
         "units": n_units,
@@ -531,6 +610,7 @@ def place_pipeline(
         "bottleneck_s": bottleneck,
         "micro_batches": MICRO_BATCHES_PER_STAGE * stages,
         "stage_detail": detail,
-        "fits": fits and bool(np.all(load <= problem.device_memory)),
+        "memory_rounds": rounds,
+        "fits": fits,
     }
     return OpAssignment(plan), stats
