@@ -122,13 +122,19 @@ def test_the_cpu_is_used_only_when_the_accelerators_are_full(placer: str) -> Non
 def test_memory_rule_prefers_fitting_accelerators_then_any_fit_then_most_free() -> None:
     free = np.array([100.0, 1.0, 3.0])
     is_acc = np.array([False, True, True])
-    mask = ls._eligible(free, np.array([0.5, 2.0, 50.0, 1000.0]), is_acc)
+    runs = np.ones((4, 3), dtype=bool)
+    mask = ls._eligible(free, np.array([0.5, 2.0, 50.0, 1000.0]), is_acc, runs)
     assert mask.tolist() == [
         [False, True, True],  # fits both GPUs
         [False, False, True],  # fits one GPU
         [True, False, False],  # fits no GPU: the CPU
         [True, False, False],  # fits nowhere: the device with most free memory
     ]
+    # only where the group can run at all (Op.unsupported)
+    runs[0, 2] = runs[3, 0] = False
+    mask = ls._eligible(free, np.array([0.5, 2.0, 50.0, 1000.0]), is_acc, runs)
+    assert mask[0].tolist() == [False, True, False]
+    assert mask[3].tolist() == [False, False, True]  # the most free memory where it runs
 
 
 CHAIN = [(f"op{i}", 1e12) for i in range(6)]

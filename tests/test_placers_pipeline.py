@@ -87,8 +87,9 @@ def test_dp_over_ideals_equals_brute_force(
 ) -> None:
     """Random unit DAGs (activations forward, some gradients back), loads per device, a
     CPU that may take a stage anywhere, memory caps that sometimes leave no split, devices
-    whose transfers occupy them, and strict classes merged by condense_units: the DP over
-    ideals equals the brute force over every stage assignment."""
+    whose transfers occupy them, units some device cannot run, and strict classes merged by
+    condense_units: the DP over ideals equals the brute force over every stage
+    assignment."""
     rng = np.random.default_rng(seed)
     preds = [sorted(int(p) for p in range(u) if rng.random() < 0.45) for u in range(n)]
     n_dev = accelerators_count + int(with_cpu)
@@ -97,8 +98,10 @@ def test_dp_over_ideals_equals_brute_force(
         for p in preds[u]:
             b[p, u] = rng.integers(1, 50)
             b[u, p] = rng.integers(0, 50) * (rng.random() < 0.5)  # its gradient
+    loads = rng.integers(0, 30, (n_dev, n)).astype(float)
+    loads[rng.random((n_dev, n)) < 0.1] = np.inf  # units a device cannot run
     model = pipeline.StageModel(
-        loads=rng.integers(0, 30, (n_dev, n)).astype(float),
+        loads=loads,
         unit_bytes=b,
         latency=rng.random((n_dev, n_dev)),
         seconds_per_byte=rng.random((n_dev, n_dev)) * 0.5,
@@ -123,7 +126,7 @@ def test_dp_over_ideals_equals_brute_force(
         for v in range(m)
     ]
     merged = pipeline.StageModel(
-        loads=model.loads @ merge,
+        loads=np.stack([model.loads[:, label == v].sum(axis=1) for v in range(m)], axis=1),
         unit_bytes=merge.T @ b @ merge,
         latency=model.latency,
         seconds_per_byte=model.seconds_per_byte,

@@ -736,6 +736,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         graph, {d.name: i for i, d in enumerate(cluster.devices)}, cluster.name, args.plan
     )
     sim = Simulator(graph, cluster, cost_model)
+    sim.check_runnable(placement, args.plan)
     result = sim.simulate(placement, objective=args.objective)
     if args.trace:
         write_chrome_trace(sim, result, args.trace)

@@ -10,7 +10,9 @@ For op *i* on a device of kind *k*:
   efficiencies. Real models reach at most ~52 % of peak (Li et al., across-stack profiling,
   IPDPS 2020), so the defaults below are deliberately below 1; calibration against a
   profile replaces them with measured ones;
-* ops that are not kernels (``parameter``, ``buffer``, ``input``) take no time.
+* ops that are not kernels (``parameter``, ``buffer``, ``input``) take no time;
+* an op whose ``unsupported`` lists the device's kind or category cannot run there: its
+  time is infinite, so every plan that puts it there is infinitely slow and never chosen.
 
 ``message_cpu`` (per device kind; empty by default) says what a message costs the *compute*
 of its two ends when devices have no DMA engine between them — CPU worker processes over
@@ -164,5 +166,9 @@ class CostModel:
                         m = o.measured_time.get(category)
                     if m is not None:
                         t[i] = m
+            category = getattr(spec, "category", None)
+            for i, o in enumerate(ops):
+                if o.unsupported and (kind in o.unsupported or category in o.unsupported):
+                    t[i] = np.inf  # the graph says this device cannot run it
             out[kind] = t
         return out

@@ -234,6 +234,7 @@ def _summarise(name: str, members: list[Op]) -> Op:
         state_bytes=int(sum(o.state_bytes for o in members)),
         memory_bytes=int(sum(o.output_bytes() for o in members)),
         measured_time=measured,
+        unsupported=sorted({u for o in members for u in o.unsupported}),
         colocation=keys[0] if len(keys) == 1 else None,
     )
 

@@ -92,6 +92,7 @@ class _OpModel(BaseModel):
     state_bytes: NonNegInt = 0
     memory_bytes: NonNegInt | None = None
     measured_time: dict[str, NonNegFloat] = Field(default_factory=dict)
+    unsupported: list[Annotated[str, Field(min_length=1)]] = Field(default_factory=list)
     colocation: str | None = None
     forward_op: str | None = None
     einsum: str | None = None

@@ -61,6 +61,8 @@ class Op:
         state_bytes: bytes of optimizer state this op owns (resident while training).
         memory_bytes: working memory of the op's outputs if it differs from their size.
         measured_time: seconds per execution measured on a device kind (``{"k80": 2e-4}``).
+        unsupported: device kinds or categories that cannot run the op at all (an operator
+            an FPGA or a TPU lacks): its time there is infinite, so no plan puts it there.
         colocation: ops sharing a key prefer one device (a parameter and its update ops).
         forward_op: for a backward op, the forward op it differentiates.
         einsum: index notation of the op's operands and outputs
@@ -85,6 +87,7 @@ class Op:
     state_bytes: int = 0
     memory_bytes: int | None = None
     measured_time: dict[str, float] = field(default_factory=dict)
+    unsupported: list[str] = field(default_factory=list)
     colocation: str | None = None
     forward_op: str | None = None
     einsum: str | None = None

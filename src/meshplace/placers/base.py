@@ -53,6 +53,11 @@ from meshplace.graph.groups import (
 from meshplace.graph.ir import OpGraph
 from meshplace.sim.simulator import OBJECTIVES, SimResult, Simulator
 
+UNSUPPORTED_S = 1e6
+"""Seconds a group costs, in the placers' own estimates, on a device that cannot run one of
+its ops (``Op.unsupported``): large enough that no heuristic prefers it, finite so that
+means, ranks and features stay numbers."""
+
 
 class PlacerError(InputError):
     """An unknown placer, a bad budget, or a model that fits no device."""
@@ -130,7 +135,8 @@ class PlacementProblem:
         grouping: the co-location groups (``group_ops(graph, max_groups)``).
         group_graph: the acyclic group graph (one op per group, costs summed).
         simulator: scores op-level placements.
-        group_time: ``[n_devices, n_groups]`` seconds of each group on each device.
+        group_time: ``[n_devices, n_groups]`` seconds of each group on each device
+            (:data:`UNSUPPORTED_S` where it cannot run: ``group_runs`` is False there).
         group_memory: bytes each group needs wherever it is placed: resident parameters,
             optimizer state and inputs plus the forward outputs it keeps for the backward
             pass (a memory-aware placer's budget; the simulator measures the true peak).
@@ -160,11 +166,19 @@ class PlacementProblem:
         self.num_devices = self.simulator.num_devices
         sim = self.simulator
         op_time = sim.op_time_by_kind[sim.device_kind_index]  # [n_devices, n_ops]
+        # a group with an op a device cannot run (Op.unsupported) cannot run there either;
+        # the heuristics see UNSUPPORTED_S seconds rather than infinity (the simulator,
+        # which scores every plan, charges infinity)
+        runs = np.isfinite(op_time)
+        self.group_runs = np.ones((self.num_devices, self.num_groups), dtype=bool)
         self.group_time = np.zeros((self.num_devices, self.num_groups))
         for d in range(self.num_devices):
             self.group_time[d] = np.bincount(
-                self.group_of, weights=op_time[d], minlength=self.num_groups
+                self.group_of, weights=np.where(runs[d], op_time[d], 0.0), minlength=self.num_groups
             )
+            blocked = np.bincount(self.group_of, weights=~runs[d], minlength=self.num_groups)
+            self.group_runs[d] = blocked == 0
+        self.group_time[~self.group_runs] = UNSUPPORTED_S
         self.op_memory = _op_memory(graph, sim)
         self.group_memory = np.bincount(
             self.group_of, weights=self.op_memory, minlength=self.num_groups
@@ -242,7 +256,12 @@ class PlacementProblem:
     def score(self, result: SimResult) -> float:
         """What searches minimise: the objective, with ColocRL's penalty for OOM plans
         (Mirhoseini et al. 2017 assign failed placements a large fixed runtime; here the
-        objective times 10 plus 100 s so an OOM plan always loses to a fitting one)."""
+        objective times 10 plus 100 s so an OOM plan always loses to a fitting one). A plan
+        that puts an op where it cannot run (an infinite time) scores ``10 x``
+        :data:`UNSUPPORTED_S`: finite, so that rewards and means stay numbers, and worse
+        than any plan that runs."""
+        if not math.isfinite(result.value):
+            return 10.0 * UNSUPPORTED_S
         return result.value * 10.0 + 100.0 if result.oom else result.value
 
     def fits(self, group_devices: np.ndarray) -> bool:
@@ -601,6 +620,7 @@ def run_placer(
 
 
 def best_result(results: list[PlacerResult]) -> PlacerResult | None:
-    """The fastest plan that fits in memory (``None`` if every plan is OOM)."""
-    fitting = [r for r in results if not r.oom]
+    """The fastest plan that fits in memory and runs every op where it can run (``None``
+    if there is none)."""
+    fitting = [r for r in results if not r.oom and math.isfinite(r.value)]
     return min(fitting, key=lambda r: (r.value, r.placer)) if fitting else None

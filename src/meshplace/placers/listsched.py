@@ -67,6 +67,13 @@ _LP_TIE_WEIGHT = 1e-4
 
 
 # ---------------------------------------------------------------------------- shared core
+def _mean_where_runs(time: np.ndarray, runs: np.ndarray) -> np.ndarray:
+    """Mean over devices (rows) of each group's time where it can run (inf elsewhere)."""
+    count = runs.sum(axis=0)
+    total = np.where(runs, time, 0.0).sum(axis=0)
+    return np.where(count > 0, total / np.maximum(count, 1), np.inf)
+
+
 class _Costs:
     """Everything about a problem that the schedulers read: adjacency (CSR, from
     ``group_graph.arrays()``), compute times, memory, communication matrices, and the
@@ -100,8 +107,12 @@ class _Costs:
         self.latency = np.where(same, 0.0, latency)
         with np.errstate(divide="ignore"):
             self.inv_bw = np.where(same, 0.0, 1.0 / bandwidth)
-        # Mean costs over the accelerators (HEFT's w-bar and c-bar = L-bar + data / B-bar).
-        self.mean_time = self.time[self.acc].mean(axis=0)
+        # Mean costs over the accelerators (HEFT's w-bar and c-bar = L-bar + data / B-bar);
+        # over the devices that can run a group where an accelerator cannot (Op.unsupported)
+        self.runs = np.asarray(problem.group_runs, dtype=bool)
+        self.mean_time = _mean_where_runs(self.time[self.acc], self.runs[self.acc])
+        unsupported = ~self.runs[self.acc].any(axis=0)
+        self.mean_time[unsupported] = _mean_where_runs(self.time, self.runs)[unsupported]
         if len(self.acc) > 1:
             off = ~np.eye(len(self.acc), dtype=bool)
             sub = np.ix_(self.acc, self.acc)
@@ -142,16 +153,18 @@ class _Costs:
         return rank
 
 
-def _eligible(free: np.ndarray, need: np.ndarray, is_acc: np.ndarray) -> np.ndarray:
-    """Baechi's memory rule for ``k`` groups at once: a ``[k, devices]`` mask of the
-    accelerators where each group fits; else of any device where it fits; else of the one
-    device with the most free memory. O(k · devices)."""
-    fit = free[None, :] >= need[:, None]
+def _eligible(
+    free: np.ndarray, need: np.ndarray, is_acc: np.ndarray, runs: np.ndarray
+) -> np.ndarray:
+    """Baechi's memory rule for ``k`` groups at once, among the devices that can run each
+    (``runs``: ``[k, devices]``, False where the graph marks an op unsupported): a ``[k,
+    devices]`` mask of the accelerators where each group fits; else of any device where it
+    fits; else of the one device with the most free memory. O(k · devices)."""
+    fit = (free[None, :] >= need[:, None]) & runs
     acc_fit = fit & is_acc[None, :]
     out = np.where(acc_fit.any(axis=1, keepdims=True), acc_fit, fit)
-    none = ~out.any(axis=1)
-    if none.any():
-        out[none, int(np.argmax(free))] = True
+    for row in np.flatnonzero(~out.any(axis=1)).tolist():
+        out[row, int(np.argmax(np.where(runs[row], free, -np.inf)))] = True
     return out
 
 
@@ -192,8 +205,11 @@ class _Schedule:
         return arrive.max(axis=0)
 
     def eligible(self, g: int) -> np.ndarray:
-        """Device indices where ``g`` may go under the memory rule."""
-        return np.flatnonzero(_eligible(self.free, self.c.memory[g : g + 1], self.c.is_acc)[0])
+        """Device indices where ``g`` may go under the memory rule (and can run at all)."""
+        runs = self.c.runs[:, g : g + 1].T
+        return np.flatnonzero(
+            _eligible(self.free, self.c.memory[g : g + 1], self.c.is_acc, runs)[0]
+        )
 
     def earliest_start(self, g: int, d: int, ready: float) -> float:
         """When ``g`` can start on ``d`` given its data-ready time there."""
@@ -293,7 +309,7 @@ def _etf(costs: _Costs, favourite_child: np.ndarray | None = None) -> _Schedule:
     drt = np.zeros((costs.n, costs.num_devices))
     while ready:
         rows = np.array(ready, dtype=np.int64)
-        elig = _eligible(sched.free, costs.memory[rows], costs.is_acc)
+        elig = _eligible(sched.free, costs.memory[rows], costs.is_acc, costs.runs[:, rows].T)
         if favourite_child is not None:
             elig = _reserve(sched, rows, elig, favourite_child)
         est = np.where(elig, np.maximum(drt[rows], sched.avail[None, :]), np.inf)
@@ -483,6 +499,9 @@ def _schedule_m_topo(costs: _Costs) -> tuple[_Schedule, Stats]:
         k = max(state["k"], target)
         while k < len(acc) and sched.free[acc[k]] < costs.memory[g]:
             k += 1  # does not fit: move on to the next device for good
+        if k < len(acc) and not costs.runs[acc[k], g]:  # cannot run there: skip, this once
+            elig = sched.eligible(g)
+            return int(elig[0]), sched.earliest_start(g, int(elig[0]), float(ready[elig[0]]))
         if k < len(acc):
             state["k"] = k
             d = acc[k]

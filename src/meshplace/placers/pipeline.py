@@ -179,7 +179,8 @@ def best_ideal_split(
     * ``max(compute, t(fwd_in, p→d), t(bwd_in, q→d))`` where transfers overlap compute;
     * ``compute + t(fwd_in, p→d) + t(bwd_in, q→d) + t(fwd_out, d→q) + t(bwd_out, d→p)``
       on a device whose transfers occupy it (as :mod:`meshplace.sim.engine` charges them);
-    * infinite where the stage's memory exceeds the device's capacity.
+    * infinite where the stage's memory exceeds the device's capacity, or where a unit
+      cannot run on the device (an infinite load: ``Op.unsupported``).
 
     Returns ``(bottleneck, ideal indices I_0..I_t, devices of the t stages)``: among
     optimal pipelines, the one with the fewest stages, then the first sequence; ``(inf,
@@ -212,7 +213,10 @@ def best_ideal_split(
     bwd_in = (from_all - own)[None, :] - (from_all[:, None] - x.T)  # outside J -> S
     for arr in (fwd_in, fwd_out, bwd_out, bwd_in):
         np.maximum(arr, 0.0, out=arr)
-    work = ind @ np.asarray(model.loads, dtype=np.float64).T  # [K, D]
+    loads = np.asarray(model.loads, dtype=np.float64)
+    blocked = np.isinf(loads)  # a unit a device cannot run (Op.unsupported)
+    work = ind @ np.where(blocked, 0.0, loads).T  # [K, D]
+    blocked_count = ind @ blocked.T.astype(np.float64)  # exact small integers
     mem = ind @ model.memory if model.memory is not None else None
 
     def t(nbytes: np.ndarray, src: int | None, dst: int | None) -> np.ndarray | float:
@@ -229,7 +233,7 @@ def best_ideal_split(
             cost = compute + recv_fwd + recv_bwd + t(fwd_out, d, q) + t(bwd_out, d, p)
         else:
             cost = np.maximum(np.maximum(compute, recv_fwd), recv_bwd)
-        ok = subset
+        ok = subset & (blocked_count[None, :, d] == blocked_count[:, None, d])
         if mem is not None and model.capacity is not None:
             ok = ok & ((mem[None, :] - mem[:, None]) <= model.capacity[d])
         return np.where(ok, cost, np.inf)

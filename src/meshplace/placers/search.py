@@ -401,7 +401,7 @@ def place_random_search(problem: PlacementProblem, budget_s: float, seed: int):
             score = problem.score(sim)
             first_score = min(first_score, score) if done == 0 else first_score
             done += 1
-            if score < best_score:
+            if score < best_score or done == 1:  # (every plan may be infinitely slow)
                 best, best_score = plan, score
                 curve.record(sim.step_time_s)
     curve.record(curve.best_step_time_s[-1])

@@ -48,6 +48,7 @@ from meshplace.graph.ir import OpGraph
 from meshplace.sim.engine import simulate_kernel
 
 OBJECTIVES = ("step", "throughput")
+_HUGE = 1e30  # seconds: stands for "cannot run here" inside the throughput bound
 # Up to this many devices the simulator builds every route up front; above it, per plan.
 DENSE_ROUTE_DEVICES = 256
 _PAIR_CACHE_LIMIT = 1 << 20
@@ -166,9 +167,18 @@ class Simulator:
         kinds = sorted(set(self.device_kinds))
         specs = {d.kind: d.spec for d in devices}
         times = self.cost_model.op_times(graph, {k: specs[k] for k in kinds})
-        # op_time_by_kind[k, i]: seconds of op i on a device of kind k
+        # op_time_by_kind[k, i]: seconds of op i on a device of kind k (infinite where the
+        # graph marks the op unsupported there)
         self.kind_names = kinds
         self.op_time_by_kind = np.stack([times[k] for k in kinds]) if n else np.zeros((1, 0))
+        nowhere = np.flatnonzero(np.all(np.isinf(self.op_time_by_kind), axis=0)) if n else []
+        if len(nowhere):
+            op = graph.ops[int(nowhere[0])]
+            raise InputError(
+                f"op {op.name!r} can run on no device of cluster {cluster.name!r}: the graph "
+                f"marks it unsupported on {', '.join(op.unsupported)} (device kinds here: "
+                f"{', '.join(kinds)})"
+            )
         kind_pos = {k: i for i, k in enumerate(kinds)}
         self.device_kind_index = np.array([kind_pos[k] for k in self.device_kinds], np.int64)
         self.memory_capacity = np.array([float(d.spec.memory_bytes) for d in devices])
@@ -234,6 +244,20 @@ class Simulator:
                 )
             out[i] = idx
         return out
+
+    def check_runnable(self, placement: np.ndarray, source: str = "plan") -> None:
+        """Raise :class:`InputError` (one sentence naming ``source``, the op and the
+        device) when ``placement`` puts an op on a device the graph says cannot run it
+        (``Op.unsupported``)."""
+        bad = np.flatnonzero(np.isinf(self.op_times(np.asarray(placement, dtype=np.int64))))
+        if len(bad):
+            op = self.graph.ops[int(bad[0])]
+            d = int(placement[bad[0]])
+            raise InputError(
+                f"{source}: places op {op.name!r} on {self.device_names[d]} (a "
+                f"{self.device_kinds[d]}), which it cannot run: the graph marks it unsupported "
+                f"on {', '.join(op.unsupported)}"
+            )
 
     def op_times(self, placement: np.ndarray) -> np.ndarray:
         """Seconds per op under ``placement``."""
@@ -309,7 +333,9 @@ class Simulator:
         if self._throughput_bound is None:
             times = self.op_time_by_kind
             counts = np.bincount(self.device_kind_index, minlength=times.shape[0]).astype(float)
-            per_device = times / counts[:, None]  # t[k, i] / n_k
+            # t[k, i] / n_k; an op a kind cannot run costs it "huge" rather than infinite:
+            # a smaller time only lowers the bound, which stays a bound
+            per_device = np.minimum(times / counts[:, None], _HUGE)
             if times.shape[1] == 0:
                 work = 0.0
             elif len(counts) == 1:
@@ -438,9 +464,12 @@ def _lp_work_bound(per_device: np.ndarray) -> float:
 
     kinds, n = per_device.shape
     # columns: w_0..w_{K-1}, s_0..s_{n-1}; rows: s_i - w_k t[k, i] <= 0, then sum w = 1
+    # (a kind that cannot run op i, t = _HUGE, bounds nothing: no row)
     op = np.repeat(np.arange(n), kinds)
     kind = np.tile(np.arange(kinds), n)
-    pairs = n * kinds
+    keep = per_device[kind, op] < _HUGE
+    op, kind = op[keep], kind[keep]
+    pairs = len(op)
     index = np.empty(2 * pairs, np.int32)
     index[0::2] = kinds + op
     index[1::2] = kind
