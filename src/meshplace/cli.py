@@ -744,6 +744,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     if args.calibration:
         summary["calibration"] = args.calibration
     summary.update(result.to_dict())
+    summary["pipeline"] = _pipelined(sim, placement, plan)
     if source.cache is not None:
         summary["cache"] = source.cache
     if args.trace:
@@ -753,6 +754,25 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     else:
         _print_simulation(Console(), summary)
     return 0
+
+
+def _pipelined(sim: Any, placement: Any, plan: Any) -> dict[str, Any] | None:
+    """For a plan of more than one micro-batch: the placement run as a pipeline schedule
+    (the plan's ``meta.schedule``, default 1F1B), per stage device in pipeline order;
+    ``None`` for a one-micro-batch plan or a placement that is not a pipeline."""
+    if plan.micro_batches <= 1:
+        return None
+    from meshplace.sim.schedule import pipeline_of_placement, simulate_schedule
+
+    pipeline = pipeline_of_placement(sim, placement, plan.micro_batches)
+    if pipeline is None:
+        return None
+    schedule = str(plan.meta.get("schedule", "1f1b")).lower()
+    result = simulate_schedule(pipeline.times, schedule, plan.micro_batches)
+    return {
+        **result.to_dict(),
+        "devices": [sim.device_names[d] for d in pipeline.devices],
+    }
 
 
 def _print_simulation(console: Console, s: dict[str, Any]) -> None:
@@ -766,6 +786,14 @@ def _print_simulation(console: Console, s: dict[str, Any]) -> None:
     if s.get("time_per_sample_s"):
         steady += f" ({s['time_per_sample_s'] * 1e6:,.1f} µs per sample)"
     head.add_row("pipelined steady state", steady)
+    pipe = s.get("pipeline")
+    if pipe:
+        head.add_row(
+            f"{pipe['schedule'].upper()}, {pipe['micro_batches']} micro-batches",
+            f"{pipe['step_s'] * 1e3:,.3f} ms per step over {pipe['stages']} stages "
+            f"({', '.join(pipe['devices'])}), bubble {pipe['bubble_fraction']:.1%}, "
+            f"micro-batches held per stage {pipe['peak_in_flight']}",
+        )
     measured = "step" if s["objective"] == "step" else "steady state"
     value = s["step_time_s"] if s["objective"] == "step" else s["throughput_time_s"]
     gap = value / s["lower_bound_s"] if s["lower_bound_s"] else float("nan")

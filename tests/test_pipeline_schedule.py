@@ -1,0 +1,167 @@
+"""Pipeline schedules simulated (issue 18, item 1): the bubble of GPipe, 1F1B and
+interleaved 1F1B equals its closed form with equal stages and free transfers, 1F1B holds
+at most ``min(p - i, m)`` micro-batches on stage ``i``, and unequal stages, transfers and
+the gradient reduction only ever lengthen a step."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from meshplace.errors import InputError
+from meshplace.sim.schedule import (
+    StageTimes,
+    closed_form_bubble,
+    device_orders,
+    simulate_schedule,
+)
+
+_settings = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@_settings
+@given(
+    p=st.integers(1, 8),
+    m=st.integers(1, 24),
+    schedule=st.sampled_from(["gpipe", "1f1b"]),
+    forward=st.floats(0.1, 10.0),
+    ratio=st.floats(0.5, 3.0),
+)
+def test_the_bubble_is_the_closed_form(p, m, schedule, forward, ratio) -> None:
+    r = simulate_schedule(StageTimes.uniform(p, forward, forward * ratio), schedule, m)
+    assert r.bubble_fraction == pytest.approx(closed_form_bubble(schedule, p, m), abs=0.01)
+    assert r.step_s == pytest.approx((m + p - 1) * forward * (1 + ratio), rel=1e-9)
+    expected_peak = [min(p - i, m) for i in range(p)] if schedule == "1f1b" else [m] * p
+    assert r.peak_in_flight == expected_peak
+
+
+@_settings
+@given(
+    p=st.integers(1, 6),
+    groups=st.integers(1, 4),
+    v=st.integers(1, 4),
+    forward=st.floats(0.1, 10.0),
+)
+def test_the_interleaved_bubble_shrinks_by_the_chunks(p, groups, v, forward) -> None:
+    m = groups * p  # Megatron-LM's rule: micro-batches a multiple of the stages
+    # each device's model split into v chunks: each chunk takes 1/v of the time
+    times = StageTimes.uniform(p * v, forward / v, 2 * forward / v)
+    r = simulate_schedule(times, "interleaved", m, virtual=v)
+    closed = closed_form_bubble("interleaved", p, m, v)
+    assert r.bubble_fraction == pytest.approx(closed, abs=0.01)
+    assert r.bubble_fraction <= closed_form_bubble("1f1b", p, m) + 1e-9
+    # every task ran once, each device ran only its own chunks
+    assert len(r.tasks) == 2 * m * p * v
+    assert all(t["stage"] % p == t["device"] for t in r.tasks)
+
+
+@_settings
+@given(
+    p=st.integers(1, 6),
+    m=st.integers(1, 12),
+    schedule=st.sampled_from(["gpipe", "1f1b"]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_unequal_stages_transfers_and_reductions_only_lengthen_a_step(p, m, schedule, seed) -> None:
+    rng = np.random.default_rng(seed)
+    f, b = rng.uniform(0.1, 3.0, p), rng.uniform(0.1, 6.0, p)
+    free = simulate_schedule(StageTimes(f, b), schedule, m)
+    # no device can finish before doing its own work, nor a micro-batch cross all stages
+    assert free.step_s >= m * float((f + b).max()) * (1 - 1e-12)
+    assert free.step_s >= float((f + b).sum()) * (1 - 1e-12)
+    wires = StageTimes(f, b, rng.uniform(0, 1, p - 1), rng.uniform(0, 1, p - 1))
+    assert simulate_schedule(wires, schedule, m).step_s >= free.step_s * (1 - 1e-12)
+    reduce = rng.uniform(0, 2, p)
+    reduced = simulate_schedule(StageTimes(f, b, allreduce_s=reduce), schedule, m)
+    assert reduced.step_s >= free.step_s * (1 - 1e-12)
+    assert reduced.step_s <= free.step_s + reduce.max() + 1e-9
+    # the data dependencies hold: a forward after the previous stage's, a backward after
+    # the next stage's (and the last stage's after its own forward)
+    end = {(t["kind"], t["stage"], t["micro_batch"]): t for t in free.tasks}
+    for (kind, s, mb), t in end.items():
+        if kind == "F" and s > 0:
+            assert t["start_s"] >= end[("F", s - 1, mb)]["end_s"] - 1e-12
+        if kind == "B":
+            before = end[("B", s + 1, mb)] if s < p - 1 else end[("F", s, mb)]
+            assert t["start_s"] >= before["end_s"] - 1e-12
+
+
+def test_one_f_one_b_holds_fewer_micro_batches_than_gpipe_for_the_same_time() -> None:
+    times = StageTimes.uniform(4, 1.0, 2.0)
+    gpipe, one = simulate_schedule(times, "gpipe", 16), simulate_schedule(times, "1f1b", 16)
+    assert gpipe.step_s == one.step_s
+    assert max(one.peak_in_flight) == 4 < max(gpipe.peak_in_flight) == 16
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (("zigzag", 2, 4), "unknown pipeline schedule 'zigzag'"),
+        (("1f1b", 0, 4), "at least 1 stage"),
+        (("interleaved", 4, 6, 2), "a multiple of the stages"),
+        (("gpipe", 2, 4, 2), "only the interleaved schedule"),
+    ],
+)
+def test_bad_schedules_are_one_sentence(args, words) -> None:
+    with pytest.raises(InputError, match=words):
+        device_orders(*args)
+
+
+def test_a_placed_pipeline_is_read_stage_by_stage_and_simulated_from_the_plan(
+    tmp_path, capsys
+) -> None:
+    """Forward and backward chains split over two GPUs: stage times are each device's
+    forward (backward) ops per micro-batch, the transfers a micro-batch's share of the
+    crossing bytes; ``meshplace simulate`` of a plan with micro-batches runs the plan's
+    schedule (its meta.schedule, default 1F1B)."""
+    import json
+
+    from meshplace.cli import main
+    from meshplace.graph.io import save_graph
+    from meshplace.graph.ir import Op, OpGraph
+    from meshplace.hardware import load_cluster
+    from meshplace.plan.placement import Plan, save_plan
+    from meshplace.sim.schedule import pipeline_of_placement
+    from meshplace.sim.simulator import Simulator
+
+    g = OpGraph("chain")
+    for i in range(4):
+        g.add_op(Op(f"f{i}", "matmul", flops=4e9, memory_bytes=8e6))
+        if i:
+            g.add_edge(f"f{i - 1}", f"f{i}", 8e6)
+    for i in reversed(range(4)):
+        g.add_op(Op(f"b{i}", "matmul", phase="backward", flops=8e9, forward_op=f"f{i}"))
+        g.add_edge(f"f{i}", f"b{i}", 8e6)
+        if i < 3:
+            g.add_edge(f"b{i + 1}", f"b{i}", 8e6)
+    g.add_edge("f3", "b3", 8e6)
+    devices = ["gpu0", "gpu0", "gpu1", "gpu1", "gpu1", "gpu1", "gpu0", "gpu0"]  # f0..f3, b3..b0
+    cluster = load_cluster("colocrl-2gpu")
+    sim = Simulator(g, cluster)
+    placement = sim.placement_of(devices)
+    pipe = pipeline_of_placement(sim, placement, 4)
+    assert [sim.device_names[d] for d in pipe.devices] == ["gpu0", "gpu1"]
+    t = sim.op_times(placement)
+    launch = cluster.devices[1].spec.launch_overhead_s
+    assert pipe.times.forward_s[0] == pytest.approx(2 * ((t[0] - launch) / 4 + launch))
+    assert pipe.times.backward_s[1] == pytest.approx(2 * ((t[4] - launch) / 4 + launch))
+    assert pipe.times.activation_s[0] == pytest.approx(cluster.transfer_time(1, 2, 2e6))
+    assert pipe.times.gradient_s[0] == pytest.approx(cluster.transfer_time(2, 1, 2e6))
+    assert pipeline_of_placement(sim, placement, 1) is not None
+    assert pipeline_of_placement(sim, np.full(8, 1), 4) is None  # one stage
+
+    save_graph(g, tmp_path / "g.json")
+    for meta, peak in (({}, [2, 1]), ({"schedule": "gpipe"}, [4, 4])):
+        plan = Plan.from_devices(g, "colocrl-2gpu", devices, micro_batches=4, meta=meta)
+        save_plan(plan, tmp_path / "p.json")
+        argv = ["simulate", "--graph", str(tmp_path / "g.json"), "--cluster", "colocrl-2gpu"]
+        assert main([*argv, "--plan", str(tmp_path / "p.json"), "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)["pipeline"]
+        assert out["peak_in_flight"] == peak and out["devices"] == ["gpu0", "gpu1"]
+        assert out["step_s"] > 0 and 0 < out["bubble_fraction"] < 1
+    one = Plan.from_devices(g, "colocrl-2gpu", devices)
+    save_plan(one, tmp_path / "p1.json")
+    assert main([*argv, "--plan", str(tmp_path / "p1.json"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["pipeline"] is None
