@@ -151,6 +151,16 @@ def test_a_placed_pipeline_is_read_stage_by_stage_and_simulated_from_the_plan(
     assert pipe.times.gradient_s[0] == pytest.approx(cluster.transfer_time(2, 1, 2e6))
     assert pipeline_of_placement(sim, placement, 1) is not None
     assert pipeline_of_placement(sim, np.full(8, 1), 4) is None  # one stage
+    # memory: each stage keeps its two forward outputs per micro-batch in flight (a
+    # quarter of 8 MB each), or under full recomputation only the activation it received,
+    # plus one micro-batch's outputs rebuilt for its backward
+    assert list(pipe.activation_bytes) == [4e6, 4e6] and list(pipe.input_bytes) == [0, 2e6]
+    one_f_one_b = simulate_schedule(pipe.times, "1f1b", 4)
+    assert pipe.memory_bytes(one_f_one_b) == [8e6, 4e6]
+    assert pipe.memory_bytes(one_f_one_b, "full") == [4e6, 6e6]
+    assert pipe.memory_bytes(simulate_schedule(pipe.times, "gpipe", 4)) == [16e6, 16e6]
+    with pytest.raises(InputError, match="unknown recomputation 'some'"):
+        pipe.memory_bytes(one_f_one_b, "some")
 
     save_graph(g, tmp_path / "g.json")
     for meta, peak in (({}, [2, 1]), ({"schedule": "gpipe"}, [4, 4])):
@@ -160,6 +170,7 @@ def test_a_placed_pipeline_is_read_stage_by_stage_and_simulated_from_the_plan(
         assert main([*argv, "--plan", str(tmp_path / "p.json"), "--json"]) == 0
         out = json.loads(capsys.readouterr().out)["pipeline"]
         assert out["peak_in_flight"] == peak and out["devices"] == ["gpu0", "gpu1"]
+        assert out["memory_bytes"] == [p * 4e6 for p in peak]
         assert out["step_s"] > 0 and 0 < out["bubble_fraction"] < 1
     one = Plan.from_devices(g, "colocrl-2gpu", devices)
     save_plan(one, tmp_path / "p1.json")

@@ -772,6 +772,9 @@ def _pipelined(sim: Any, placement: Any, plan: Any) -> dict[str, Any] | None:
     return {
         **result.to_dict(),
         "devices": [sim.device_names[d] for d in pipeline.devices],
+        "memory_bytes": pipeline.memory_bytes(result),
+        "memory_bytes_full_recompute": pipeline.memory_bytes(result, "full"),
+        "memory_capacity_bytes": [float(sim.memory_capacity[d]) for d in pipeline.devices],
     }
 
 
@@ -794,6 +797,16 @@ def _print_simulation(console: Console, s: dict[str, Any]) -> None:
             f"({', '.join(pipe['devices'])}), bubble {pipe['bubble_fraction']:.1%}, "
             f"micro-batches held per stage {pipe['peak_in_flight']}",
         )
+        memory = ", ".join(
+            f"{human(a, 'B')} ({human(b, 'B')} recomputing) of {human(c, 'B')}"
+            for a, b, c in zip(
+                pipe["memory_bytes"],
+                pipe["memory_bytes_full_recompute"],
+                pipe["memory_capacity_bytes"],
+                strict=True,
+            )
+        )
+        head.add_row("memory per stage", memory)
     measured = "step" if s["objective"] == "step" else "steady state"
     value = s["step_time_s"] if s["objective"] == "step" else s["throughput_time_s"]
     gap = value / s["lower_bound_s"] if s["lower_bound_s"] else float("nan")

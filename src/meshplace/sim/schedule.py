@@ -283,13 +283,42 @@ def _per_device(values: np.ndarray | None, p: int) -> np.ndarray:
     return arr
 
 
+RECOMPUTE = ("none", "full")
+
+
 @dataclass(frozen=True)
 class PipelineOfPlacement:
     """A placement read as a pipeline (:func:`pipeline_of_placement`): its stage devices
-    in pipeline order and each stage's per-micro-batch times."""
+    in pipeline order, each stage's per-micro-batch times, and its memory: resident bytes
+    (parameters, optimizer state, inputs), and per micro-batch the activations its
+    backward reads (kept from forward to backward) and the activation it receives (all a
+    stage keeps under full recomputation)."""
 
     devices: list[int]
     times: StageTimes
+    resident_bytes: np.ndarray
+    activation_bytes: np.ndarray
+    input_bytes: np.ndarray
+
+    def memory_bytes(self, result: ScheduleResult, recompute: str = "none") -> list[float]:
+        """Each stage's peak memory under ``result``'s schedule (Korthikanti et al.,
+        MLSys 2023, §4: a stage holds its in-flight micro-batches' activations): resident
+        bytes plus, per micro-batch in flight, its kept activations (``recompute="none"``)
+        or only its input (``"full"``: activation checkpointing per stage, plus one
+        micro-batch's activations rebuilt for its backward). With interleaving, in-flight
+        counts are per chunk, so each chunk is charged a ``1/v`` share. O(p)."""
+        if recompute not in RECOMPUTE:
+            raise InputError(
+                f"unknown recomputation {recompute!r}; allowed: {', '.join(RECOMPUTE)}"
+            )
+        share = 1.0 / result.virtual
+        if recompute == "none":
+            held = np.asarray(result.peak_in_flight) * share * self.activation_bytes
+        else:
+            held = (
+                np.asarray(result.peak_in_flight) * share * self.input_bytes + self.activation_bytes
+            )
+        return [float(x) for x in self.resident_bytes + held]
 
 
 def pipeline_of_placement(
@@ -353,6 +382,18 @@ def pipeline_of_placement(
             fwd_bytes[js] += nbytes / m  # leaves at the boundary after its stage
         elif phase[s] != "update" and phase[d] != "update" and jd < js:
             bwd_bytes[jd] += nbytes / m
+    # memory: resident bytes on each stage's device; per micro-batch the forward outputs
+    # its backward reads (kept between the passes) and the activation it receives
+    resident = np.array([float(sim.resident_per_op[placement == d].sum()) for d in stages])
+    kept = np.zeros(p)
+    seen = set()
+    for s, d, _ in graph.edges():
+        j = stage_of.get(int(placement[s]))
+        reads_forward = phase[s] == "forward" and phase[d] == "backward" and compute[s]
+        if j is not None and reads_forward and s not in seen:
+            kept[j] += float(sim.transient_bytes[s]) / m
+            seen.add(s)
+    received = np.concatenate([[0.0], fwd_bytes])
     activation = np.array(
         [_wire(sim, stages[j], stages[j + 1], fwd_bytes[j]) for j in range(p - 1)]
     )
@@ -360,6 +401,9 @@ def pipeline_of_placement(
     return PipelineOfPlacement(
         stages,
         StageTimes(forward_s, backward_s, activation, gradient, update_s=update_s),
+        resident,
+        kept,
+        received,
     )
 
 
