@@ -236,7 +236,7 @@ def run_graph(graph: OpGraph, folder: Path, budget: float, seed: int) -> dict[st
     save_graph(graph, path)
     graph = load_graph(path)  # as a user's file is read
     resident = sum(o.param_bytes + o.state_bytes for o in graph.ops)
-    capacity = resident / (ACCELERATORS - 1)  # the model needs at least two accelerators
+    capacity = resident / (ACCELERATORS - 1)  # the accelerators need three of them (or the CPU)
     cluster_file = folder / f"{graph.name}.yaml"
     cluster_file.write_text(cluster_yaml(capacity))
     cluster = load_cluster_file(cluster_file)

@@ -88,3 +88,39 @@ def test_an_op_no_device_can_run_is_one_sentence() -> None:
     g.add_op(Op("x", "matmul", flops=1e9, unsupported=["gpu", "cpu"]))
     with pytest.raises(InputError, match="op 'x' can run on no device of cluster"):
         Simulator(g, load_cluster("colocrl-2gpu"))
+
+
+def test_the_pipeline_dp_chunks_and_places_around_an_op_the_accelerators_cannot_run() -> None:
+    """300 layers (more than the 256 chunks) with one only the CPU can run: the chunks
+    stay balanced and in order, and the plan runs every op where it can."""
+    from meshplace.placers.pipeline import pipeline_split
+
+    g = OpGraph("long")
+    for i in range(300):
+        unsupported = ["gpu"] if i == 150 else []
+        g.add_op(Op(f"l{i}", "matmul", flops=1e9, unsupported=unsupported))
+        if i:
+            g.add_edge(i - 1, i, 1e3)
+    problem = PlacementProblem.build(g, load_cluster("colocrl-4gpu"), objective="throughput")
+    plan, stats = pipeline_split(problem)
+    assert stats["chunks"] > 200 and math.isfinite(stats["bottleneck_s"])
+    problem.simulator.check_runnable(plan.devices)
+    # without the CPU no pipeline can run it: one stage, infinitely slow, no crash
+    _, no_cpu = pipeline_split(problem, cpu_stage=False)
+    assert no_cpu["stages"] == 1 and math.isinf(no_cpu["bottleneck_s"])
+
+
+def test_an_infinitely_slow_plan_is_written_as_strict_json(tmp_path: Path) -> None:
+    import json
+
+    from meshplace.placers.base import PlacerResult
+    from meshplace.planning import result_plan
+
+    g = _profiled(3)
+    problem = PlacementProblem.build(g, load_cluster("colocrl-2gpu"))
+    on_gpu = np.full(g.num_ops, problem.device_names.index("gpu0"))
+    result = PlacerResult("by-hand", on_gpu, problem.simulator.simulate(on_gpu), 0.0, 1)
+    assert math.isinf(result.value)
+    save_plan(result_plan(problem, result, 0.05, 0), tmp_path / "p.json")
+    meta = json.loads((tmp_path / "p.json").read_text(), parse_constant=float)["meta"]
+    assert meta["objective_value_s"] is None and meta["runs_every_op"] is False

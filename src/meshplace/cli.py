@@ -611,7 +611,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         write_plan_report(problem, results, report, args)
     failure = None
     if report["best"] is None and args.out:
-        failure = f"no placer found a plan that fits in memory, so {args.out} was not written"
+        failure = (
+            "no placer found a plan that fits in memory and runs every op where it can "
+            f"run, so {args.out} was not written"
+        )
         report["error"] = failure
     if args.result:
         write_text_atomic(args.result, json.dumps(finite_or_none(report), indent=1))
@@ -664,7 +667,10 @@ def _print_plan_report(console: Console, r: dict[str, Any]) -> None:
     console.print(table)
     console.print(f"lower bound: {r['lower_bound_s'] * 1e3:,.1f} ms", highlight=False)
     if best is None:
-        console.print("[red]no placer found a plan that fits in memory[/red]")
+        console.print(
+            "[red]no placer found a plan that fits in memory and runs every op where it "
+            "can run[/red]"
+        )
     else:
         b = next(x for x in r["results"] if x["placer"] == best)
         gap = b["objective_value_s"] / r["lower_bound_s"] if r["lower_bound_s"] else float("nan")
@@ -679,7 +685,7 @@ def _print_plan_report(console: Console, r: dict[str, Any]) -> None:
 def _cmd_cluster(args: argparse.Namespace) -> int:
     from meshplace.hardware import describe, load_cluster, print_cluster
 
-    cluster = _with_transfers(load_cluster(args.cluster), args)
+    cluster = load_cluster(args.cluster)
     if args.json:
         print_json(describe(cluster))
     else:

@@ -13,6 +13,7 @@ Example
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -294,6 +295,7 @@ def result_plan(
             "objective_value_s": result.value,
             "step_time_s": result.step_time_s,
             "oom": result.oom,
+            "runs_every_op": bool(math.isfinite(result.value)),
             "budget_s": budget_s,
             "seed": seed,
         },

@@ -501,7 +501,9 @@ def _schedule_m_topo(costs: _Costs) -> tuple[_Schedule, Stats]:
             k += 1  # does not fit: move on to the next device for good
         if k < len(acc) and not costs.runs[acc[k], g]:  # cannot run there: skip, this once
             elig = sched.eligible(g)
-            return int(elig[0]), sched.earliest_start(g, int(elig[0]), float(ready[elig[0]]))
+            starts = [sched.earliest_start(g, int(e), float(ready[e])) for e in elig]
+            pick = int(np.argmin(starts))
+            return int(elig[pick]), starts[pick]
         if k < len(acc):
             state["k"] = k
             d = acc[k]

@@ -58,11 +58,11 @@ MICRO_BATCHES_PER_STAGE = 4
 
 # ------------------------------------------------- the DP over ideals (issue 17)
 MAX_IDEALS = 600
+"""Above this many ideals of the stage-order DAG the DP falls back to the prefixes of one
+topological order (the contiguous split PipeDream makes): the DP is O(K^2) per stage."""
 MEMORY_ROUNDS = 4
 """The DP's memory is an estimate: at most this many rounds of DP, simulate, and shrink the
 capacity of any device whose simulated peak is over (``pipeline_split``)."""
-"""Above this many ideals of the stage-order DAG the DP falls back to the prefixes of one
-topological order (the contiguous split PipeDream makes): the DP is O(K^2) per stage."""
 
 
 def unit_ideals(preds: list[list[int]], max_ideals: int = MAX_IDEALS) -> np.ndarray | None:
@@ -178,7 +178,9 @@ def best_ideal_split(
 
     * ``max(compute, t(fwd_in, p→d), t(bwd_in, q→d))`` where transfers overlap compute;
     * ``compute + t(fwd_in, p→d) + t(bwd_in, q→d) + t(fwd_out, d→q) + t(bwd_out, d→p)``
-      on a device whose transfers occupy it (as :mod:`meshplace.sim.engine` charges them);
+      on a device whose transfers occupy it (as :mod:`meshplace.sim.engine` charges them,
+      except that the simulator pays a route's latency once per tensor, the DP once per
+      direction and boundary);
     * infinite where the stage's memory exceeds the device's capacity, or where a unit
       cannot run on the device (an infinite load: ``Op.unsupported``).
 
@@ -536,7 +538,11 @@ def pipeline_split(
     )
     kind_index = problem.simulator.device_kind_index
     order = problem.cluster.ring_order(acc)
-    chunk_of_unit = chunk_units(time_by_kind[kind_index[order[0]]])[label]
+    # chunks balanced by the reference accelerator's times, or, for a unit it cannot run
+    # (an infinite time), by the unit's fastest time anywhere
+    reference = time_by_kind[kind_index[order[0]]]
+    reference = np.where(np.isfinite(reference), reference, time_by_kind.min(axis=0))
+    chunk_of_unit = chunk_units(reference)[label]
     n_chunks = int(chunk_of_unit.max()) + 1
     loads_by_kind = np.stack(
         [np.bincount(chunk_of_unit, weights=t, minlength=n_chunks) for t in units.time_by_kind]
@@ -566,6 +572,8 @@ def pipeline_split(
         if not fits:  # nothing fits: the best pipeline by time alone (stats say so)
             loose = _stage_model(problem, candidates, loads_by_kind, chunk_bytes, None)
             bottleneck, chain, stage_devices = best_ideal_split(ideals, loose, sequences)
+        if not chain:  # no stage can run some unit anywhere: one stage, infinitely slow
+            bottleneck, chain, stage_devices = float("inf"), [0, len(ideals) - 1], [0]
         plan, detail = _expand_stages(
             problem,
             graph,

@@ -32,7 +32,13 @@ from meshplace.errors import InputError
 from meshplace.graph.groups import split_strict_class
 from meshplace.graph.io import json_number
 from meshplace.graph.ir import OpGraph
-from meshplace.util import parse_json, read_text_file, short_repr, write_text_atomic
+from meshplace.util import (
+    finite_or_none,
+    parse_json,
+    read_text_file,
+    short_repr,
+    write_text_atomic,
+)
 
 FORMAT = "meshplace.plan"
 VERSION = 1
@@ -278,7 +284,8 @@ is on gpu0 but op 'b' on gpu1; a strict class runs on one device
 
 def save_plan(plan: Plan, path: str | Path) -> None:
     """Write ``plan`` atomically."""
-    write_text_atomic(path, json.dumps(plan.to_dict(), indent=1))
+    # strict JSON: an infinitely slow plan's times become null
+    write_text_atomic(path, json.dumps(finite_or_none(plan.to_dict()), indent=1, allow_nan=False))
 
 
 def plan_from_dict(data: Any, source: str = "plan") -> Plan:

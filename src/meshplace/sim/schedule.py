@@ -202,6 +202,8 @@ def simulate_schedule(
     model; returns the step time, each device's busy time, the bubble (idle share of the
     device time, averaged over devices) and each device's peak number of micro-batches
     whose forward has run and backward not yet. O(p v m)."""
+    if virtual < 1:
+        raise InputError(f"a pipeline needs at least 1 chunk per device, got {virtual}")
     forward = np.asarray(times.forward_s, dtype=np.float64)
     backward = np.asarray(times.backward_s, dtype=np.float64)
     n_virtual = len(forward)

@@ -498,7 +498,7 @@ def _lp_work_bound(per_device: np.ndarray) -> float:
         highspy.Highs.resetGlobalScheduler(True)  # see meshplace.parallel.ilp
         h.run()
     w = np.clip(np.asarray(h.getSolution().col_value, float)[:kinds], 0.0, None)
-    if w.size != kinds or w.sum() <= 0:  # no solution: the weights n_k / N
+    if w.size != kinds or w.sum() <= 0:  # no solution: equal weights 1 / K (still a bound)
         return float(per_device.min(axis=0).sum()) / kinds
     w /= w.sum()
     return float((w[:, None] * per_device).min(axis=0).sum())
