@@ -124,3 +124,27 @@ def test_an_infinitely_slow_plan_is_written_as_strict_json(tmp_path: Path) -> No
     save_plan(result_plan(problem, result, 0.05, 0), tmp_path / "p.json")
     meta = json.loads((tmp_path / "p.json").read_text(), parse_constant=float)["meta"]
     assert meta["objective_value_s"] is None and meta["runs_every_op"] is False
+
+
+def test_grouping_never_mixes_ops_that_different_devices_can_run() -> None:
+    """A chain whose ops alternate between GPU-only and CPU-only blocks: every group holds
+    ops of one mark, so every group can run somewhere, and the placers that read op times
+    find a plan that runs through their groups."""
+    from meshplace.graph.groups import group_ops
+
+    g = OpGraph("alternating")
+    for i in range(40):
+        mark = ["cpu"] if (i // 5) % 2 == 0 else ["gpu"]
+        g.add_op(Op(f"l{i}", "matmul", flops=1e9, unsupported=mark))
+        if i:
+            g.add_edge(i - 1, i, 1e3)
+    for max_groups in (2, 4, 64):
+        grouping = group_ops(g, max_groups)
+        for members in grouping.members():
+            assert len({tuple(g.ops[i].unsupported) for i in members}) == 1
+    problem = PlacementProblem.build(g, load_cluster("colocrl-4gpu"), max_groups=4)
+    assert problem.group_runs.any(axis=0).all()
+    for name in ("m_etf", "heft", "cpop", "anneal"):
+        assert math.isfinite(run_placer(name, problem, 0.05, seed=0).value), name
+    # a pipeline would need the CPU for four separate stretches: it has one CPU stage
+    assert math.isinf(run_placer("pipeline", problem, 0.05, seed=0).value)

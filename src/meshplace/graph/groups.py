@@ -64,6 +64,9 @@ class _Quotient:
 
     def __init__(self, graph: OpGraph, weight: np.ndarray) -> None:
         n = graph.num_ops
+        # ops merge only with ops the same devices can run (equal Op.unsupported)
+        marks: dict[frozenset[str], int] = {}
+        self.runs_on = [marks.setdefault(frozenset(o.unsupported), len(marks)) for o in graph.ops]
         self.parent = list(range(n))
         self.size = [1] * n
         self.weight = weight.astype(float).tolist()
@@ -93,7 +96,12 @@ class _Quotient:
         other.succ = [set(x) for x in self.succ]
         other.pred = [set(x) for x in self.pred]
         other.alive = self.alive
+        other.runs_on = list(self.runs_on)
         return other
+
+    def compatible(self, a: int, b: int) -> bool:
+        """Roots ``a`` and ``b`` may share a group: the same devices can run their ops."""
+        return self.runs_on[a] == self.runs_on[b]
 
     def merge(self, a: int, b: int) -> int:
         """Contract roots ``a`` and ``b``; the caller guarantees this closes no cycle."""
@@ -287,8 +295,12 @@ def group_ops(
             if o.colocation:
                 keyed.setdefault(o.colocation, []).append(i)
         for members in keyed.values():
-            if len(members) > 1:
-                _merge_set_if_acyclic(q, members, position)
+            by_devices: dict[int, list[int]] = {}
+            for m in members:
+                by_devices.setdefault(q.runs_on[m], []).append(m)
+            for same in by_devices.values():
+                if len(same) > 1:
+                    _merge_set_if_acyclic(q, same, position)
 
     if merge_single_consumer:
         # ColocRL's pass, kept whole where it leaves at least the target; where it would
@@ -300,7 +312,8 @@ def group_ops(
             r = merged.find(op)
             if len(merged.succ[r]) == 1:
                 (s,) = merged.succ[r]
-                merged.merge(r, s)
+                if merged.compatible(r, s):
+                    merged.merge(r, s)
         if merged.alive >= floor:
             q = merged
         else:
@@ -325,7 +338,8 @@ def _merge_single_consumers_lightest_first(q: _Quotient, floor: int) -> None:
     def push(r: int) -> None:
         if len(q.succ[r]) == 1:
             (s,) = q.succ[r]
-            heapq.heappush(heap, (q.weight[r] + q.weight[s], r, s))
+            if q.compatible(r, s):
+                heapq.heappush(heap, (q.weight[r] + q.weight[s], r, s))
 
     for r in q.roots():
         push(r)
@@ -490,10 +504,12 @@ def _contract_safe_edges(q: _Quotient, max_groups: int) -> None:
     def push_candidates(r: int) -> None:
         if len(q.succ[r]) == 1:
             (s,) = q.succ[r]
-            heapq.heappush(heap, (q.weight[r] + q.weight[s], r, s))
+            if q.compatible(r, s):
+                heapq.heappush(heap, (q.weight[r] + q.weight[s], r, s))
         if len(q.pred[r]) == 1:
             (p,) = q.pred[r]
-            heapq.heappush(heap, (q.weight[r] + q.weight[p], p, r))
+            if q.compatible(p, r):
+                heapq.heappush(heap, (q.weight[r] + q.weight[p], p, r))
 
     for r in q.roots():
         push_candidates(r)
@@ -513,7 +529,7 @@ def _contract_safe_edges(q: _Quotient, max_groups: int) -> None:
 
 def _chunk_topological(q: _Quotient, max_groups: int) -> None:
     """Cut a topological order of the groups into at most ``max_groups`` contiguous runs of
-    about equal weight."""
+    about equal weight (each then cut where the ops' ``unsupported`` marks change)."""
     order = q.topological_roots()
     total = sum(q.weight[r] for r in order)
     target = total / max_groups
@@ -526,9 +542,11 @@ def _chunk_topological(q: _Quotient, max_groups: int) -> None:
         runs[-1].append(r)
         acc += w
     for run in runs:
+        # a run holding ops different devices can run is cut where the mark changes (so
+        # the count can then exceed max_groups)
         merged = run[0]
         for r in run[1:]:
-            merged = q.merge(merged, r)
+            merged = q.merge(merged, r) if q.compatible(merged, r) else r
 
 
 def _group_names(graph: OpGraph, group_of: np.ndarray, count: int) -> list[str]:
