@@ -317,7 +317,7 @@ def group_ops(
         if merged.alive >= floor:
             q = merged
         else:
-            _merge_single_consumers_lightest_first(q, floor)
+            _contract_safe_edges(q, floor, consumer_side=False)
 
     if max_groups is not None and q.alive > max_groups:
         _contract_safe_edges(q, max_groups)
@@ -328,31 +328,6 @@ def group_ops(
     label = {r: i for i, r in enumerate(order)}
     group_of = np.array([label[q.find(i)] for i in range(n)], dtype=np.int64)
     return Grouping(graph, group_of, _group_names(graph, group_of, len(order)))
-
-
-def _merge_single_consumers_lightest_first(q: _Quotient, floor: int) -> None:
-    """Merge groups into their only consumer group, the lightest resulting group first,
-    until ``floor`` groups remain or no group has a single consumer. O((V + E) log V)."""
-    heap: list[tuple[float, int, int]] = []
-
-    def push(r: int) -> None:
-        if len(q.succ[r]) == 1:
-            (s,) = q.succ[r]
-            if q.compatible(r, s):
-                heapq.heappush(heap, (q.weight[r] + q.weight[s], r, s))
-
-    for r in q.roots():
-        push(r)
-    while heap and q.alive > floor:
-        w, a, b = heapq.heappop(heap)
-        if q.parent[a] != a or q.parent[b] != b or q.succ[a] != {b}:
-            continue
-        if w != q.weight[a] + q.weight[b]:
-            continue  # stale: a fresh entry was pushed when a weight changed
-        r = q.merge(a, b)
-        push(r)
-        for p in list(q.pred[r]):
-            push(p)
 
 
 def op_weights(graph: OpGraph) -> np.ndarray:
@@ -496,9 +471,12 @@ def tied_groups(grouping: Grouping, classes: dict[str, list[int]]) -> np.ndarray
     return np.array([find(g) for g in range(grouping.num_groups)], dtype=np.int64)
 
 
-def _contract_safe_edges(q: _Quotient, max_groups: int) -> None:
-    """Contract edges whose producer has one consumer or whose consumer has one producer,
-    lightest pair first, until ``max_groups`` remain or no such edge is left."""
+def _contract_safe_edges(q: _Quotient, max_groups: int, *, consumer_side: bool = True) -> None:
+    """Contract edges whose producer has one consumer group or (``consumer_side``) whose
+    consumer has one producer group, lightest resulting group first, between groups the
+    same devices can run, until ``max_groups`` remain or no such edge is left. With
+    ``consumer_side=False`` this is ColocRL's merge-into-the-only-consumer rule, lightest
+    first (step 2's fallback). O((V + E) log V)."""
     heap: list[tuple[float, int, int]] = []
 
     def push_candidates(r: int) -> None:
@@ -506,7 +484,7 @@ def _contract_safe_edges(q: _Quotient, max_groups: int) -> None:
             (s,) = q.succ[r]
             if q.compatible(r, s):
                 heapq.heappush(heap, (q.weight[r] + q.weight[s], r, s))
-        if len(q.pred[r]) == 1:
+        if consumer_side and len(q.pred[r]) == 1:
             (p,) = q.pred[r]
             if q.compatible(p, r):
                 heapq.heappush(heap, (q.weight[r] + q.weight[p], p, r))
@@ -517,13 +495,13 @@ def _contract_safe_edges(q: _Quotient, max_groups: int) -> None:
         w, a, b = heapq.heappop(heap)
         if q.parent[a] != a or q.parent[b] != b or b not in q.succ[a]:
             continue
-        if not (len(q.succ[a]) == 1 or len(q.pred[b]) == 1):
+        if not (len(q.succ[a]) == 1 or (consumer_side and len(q.pred[b]) == 1)):
             continue
         if w != q.weight[a] + q.weight[b]:
             continue  # stale entry; a fresh one was pushed when the weight changed
         r = q.merge(a, b)
         push_candidates(r)
-        for x in list(q.succ[r]) + list(q.pred[r]):
+        for x in (list(q.succ[r]) if consumer_side else []) + list(q.pred[r]):
             push_candidates(x)
 
 
