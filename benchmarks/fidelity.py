@@ -513,7 +513,7 @@ def run_pipelined_model(source: str, steps: int, warmup: int, passes: int) -> di
     placer's 2-stage plan at 2, 4 and 8 micro-batches under 1F1B and GPipe, measured
     under torchrun (``torch.distributed.pipelining``) vs :func:`predict_pipeline`."""
 
-    from meshplace.placers.base import PlacementProblem, run_placer
+    from meshplace.placers.base import PlacementProblem, PlacerOptions, run_placer
     from meshplace.planning import best_plan
     from meshplace.profile.calibrate import calibrate
     from meshplace.runtime.program import ModelSpec, trace_step
@@ -521,7 +521,8 @@ def run_pipelined_model(source: str, steps: int, warmup: int, passes: int) -> di
     step = trace_step(ModelSpec(source))
     cal = calibrate(step)
     problem = PlacementProblem.build(step.graph, cal.cluster, "throughput")
-    plan = best_plan(problem, [run_placer("pipeline", problem, 5.0, 0)], 5.0, 0)
+    stages = PlacerOptions(runnable_stages=True)  # a plan torch's pipelining runs
+    plan = best_plan(problem, [run_placer("pipeline", problem, 5.0, 0, stages)], 5.0, 0)
     variants = [(m, sched) for m in (2, 4, 8) for sched in ("1F1B", "GPipe")]
     predictions = {m: predict_pipeline(source, plan, cal, m) for m in (2, 4, 8)}
     timed: dict[tuple, list[float]] = {v: [] for v in variants}

@@ -8,6 +8,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from meshplace.cli import main
@@ -203,3 +204,37 @@ def test_out_all_writes_every_placers_plan(capsys, tmp_path) -> None:
     (tmp_path / "file").write_text("")
     assert main([*argv, "--out-all", str(tmp_path / "file")]) == 2
     assert "--out-all" in capsys.readouterr().err
+
+
+def test_runnable_stages_gives_a_pipeline_plan_that_runs_stage_by_stage(capsys, tmp_path) -> None:
+    """Under the throughput objective `pipeline` may return a plan torch.distributed.
+    pipelining cannot run stage by stage (the DP over ideals, the non-contiguous local
+    search), and then no micro-batches; `--runnable-stages` keeps a split of execution
+    order that it runs, with its micro-batches."""
+    from meshplace.graph.sources import workload_graph
+    from meshplace.placers.pipeline import runs_as_stages
+    from meshplace.plan.placement import load_plan
+
+    argv = ["plan", "dmcca", "--cluster", "colocrl-4gpu", "--placer", "pipeline"]
+    argv += ["--objective", "throughput", "--budget", "1", "--json"]
+    graph = workload_graph("dmcca")
+    values = {}
+    for flag in ([], ["--runnable-stages"]):
+        out = tmp_path / f"plan{len(flag)}.json"
+        assert main([*argv, *flag, "--out", str(out)]) == 0
+        row = json.loads(capsys.readouterr().out)["results"][0]
+        plan = load_plan(out)
+        devices = [plan.placement[o.name] for o in graph.ops]
+        names = sorted(set(devices))
+        as_stages = runs_as_stages(graph, np.array([names.index(d) for d in devices]))
+        assert row["stats"]["runs_as_stages"] == as_stages
+        assert plan.micro_batches == (4 * row["stats"]["stages"] if as_stages else 1)
+        values[bool(flag)] = row["objective_value_s"]
+        if flag:
+            assert as_stages and "local_search" not in row["stats"]
+        else:
+            assert row["stats"]["local_search"]["evaluations"] >= 1
+    assert values[False] <= values[True]
+    code, out, err = _run(capsys, "plan", "dmcca", "--cluster", "colocrl-2gpu", "--placer",
+                          "metis", "--runnable-stages")  # fmt: skip
+    assert code == 2 and "add pipeline to --placer" in err and err.count("\n") == 1

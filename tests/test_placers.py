@@ -36,7 +36,8 @@ from meshplace.placers import (
     run_placer,
     use_clock,
 )
-from meshplace.placers.search import BUDGET_SHARE, SIMULATED_OPS_PER_SECOND
+from meshplace.placers.base import SIMULATED_OPS_PER_SECOND
+from meshplace.placers.search import BUDGET_SHARE
 from meshplace.plan.placement import load_plan
 
 WORKLOADS = list(models.available())

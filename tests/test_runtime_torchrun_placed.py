@@ -125,7 +125,7 @@ def test_a_pipelined_placement_runs_as_a_1f1b_pipeline_like_one_process(tmp_path
     torch.distributed.pipelining 1F1B schedule of 4 micro-batches: the losses are one
     process's within 1e-5, and each stage holds the parameters, buffers and Adam state the
     plan puts on its device."""
-    from meshplace.placers.base import PlacementProblem, run_placer
+    from meshplace.placers.base import PlacementProblem, PlacerOptions, run_placer
     from meshplace.plan import save_plan
     from meshplace.planning import best_plan
 
@@ -136,7 +136,8 @@ def test_a_pipelined_placement_runs_as_a_1f1b_pipeline_like_one_process(tmp_path
     model, args, kwargs = load_build_function(source)()
     graph = capture(model, args, example_kwargs=kwargs, training=True)
     problem = _gpus_only(PlacementProblem.build(graph, load_cluster("colocrl-2gpu"), "throughput"))
-    plan = best_plan(problem, [run_placer("pipeline", problem, 5.0, 0)], 5.0, 0)
+    stages = PlacerOptions(runnable_stages=True)  # what `plan --runnable-stages` asks for
+    plan = best_plan(problem, [run_placer("pipeline", problem, 5.0, 0, stages)], 5.0, 0)
     assert plan.micro_batches == 8 and len(set(plan.placement.values())) == 2
     save_plan(plan, tmp_path / "pipe.json")
     done = subprocess.run(

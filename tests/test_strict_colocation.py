@@ -100,6 +100,19 @@ def test_every_placer_keeps_forward_and_backward_together_on_a_training_graph() 
     )
 
 
+def test_the_pipeline_local_search_moves_strict_classes_whole() -> None:
+    """Under the throughput objective the pipeline DP's plan is improved by moving groups;
+    a move takes every group a strict class ties to it, so nothing needs repairing."""
+    g = _training_like(12)
+    problem = PlacementProblem.build(
+        g, load_cluster("colocrl-4gpu"), objective="throughput", max_groups=64
+    )
+    result = run_placer("pipeline", problem, 1.0, seed=0)
+    assert result.stats["local_search"]["evaluations"] > 1
+    assert result.stats["strict_ops_moved"] == 0
+    assert split_strict_class(g, result.op_devices) is None
+
+
 def test_plan_validation_refuses_a_split_class(tmp_path: Path, capsys) -> None:
     g = _training_like(2)
     save_graph(g, tmp_path / "g.json")

@@ -167,6 +167,12 @@ def _parser(command: str = "*") -> argparse.ArgumentParser:
         "(same model, cluster, seed and budget end with the same plan)",
     )
     p.add_argument(
+        "--runnable-stages",
+        action="store_true",
+        help="pipeline: only a split torch.distributed.pipelining runs stage by stage "
+        "(contiguous in execution order; no non-contiguous local search)",
+    )
+    p.add_argument(
         "--finetune",
         type=non_negative_seconds,
         metavar="SECONDS",
@@ -525,6 +531,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     names = resolve(args.placer)  # unknown or no names: one sentence, with "did you mean"
     if args.finetune is not None and "gnn" not in names:
         raise PlacerError("--finetune trains the gnn placer only; add gnn to --placer")
+    if args.runnable_stages and "pipeline" not in names:
+        raise PlacerError(
+            "--runnable-stages applies to the pipeline placer only; add pipeline to --placer"
+        )
     if args.resume and not args.checkpoint_dir:
         raise PlacerError("--resume needs --checkpoint-dir, the folder holding the checkpoints")
     for flag, folder in (("--checkpoint-dir", args.checkpoint_dir), ("--out-all", args.out_all)):
@@ -577,6 +587,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             resume=args.resume,
             finetune_s=args.finetune,
             progress=trained,
+            runnable_stages=args.runnable_stages,
         )
         results = run_placers(
             problem,

@@ -84,6 +84,7 @@ from meshplace.graph.groups import group_ops
 from meshplace.learn.features import NUM_FEATURES, group_features
 from meshplace.learn.training import TrainingRun, save_checkpoint
 from meshplace.placers.base import (
+    SIMULATED_OPS_PER_SECOND,
     OpAssignment,
     PlacementProblem,
     PlacerError,
@@ -109,7 +110,6 @@ STATE_FEATURES = 10
 FEATURE_CLIP = 4.0
 
 # Fine-tuning budget -> updates (measured on one CPU thread, see docs/learn.md).
-SIMULATED_OPS_PER_SECOND = 3.0e6
 UPDATE_OVERHEAD_S = 0.01
 DECODE_S_PER_GROUP = 1.5e-4  # a decoding step for 16 samples on 5 devices
 PPO_S_PER_GROUP_PASS = 1.2e-4  # a batched log-prob pass: per group, 16 samples, 5 devices

@@ -99,6 +99,7 @@ from meshplace.learn.features import KINDS, kind_index, layer_key, score_and_ste
 from meshplace.learn.policy import Seq2SeqPolicy
 from meshplace.learn.training import TrainingRun
 from meshplace.placers.base import (
+    SIMULATED_OPS_PER_SECOND,
     OpAssignment,
     PlacementProblem,
     PlacerError,
@@ -109,7 +110,6 @@ from meshplace.placers.base import (
     register,
 )
 
-SIMULATED_OPS_PER_SECOND = 3.0e6  # as anneal and rl assume (benchmarks/simulator_speed.py)
 UPDATE_OVERHEAD_S = 0.02
 GROUPER_S_PER_OP = 8.0e-6  # per op per update, 16 samples: Grouper, sampling, embeddings, grad
 PLACER_S_PER_GROUP = 8.0e-4  # per group per update, 16 samples, hidden 64, one thread

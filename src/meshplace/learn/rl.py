@@ -73,6 +73,7 @@ from meshplace.learn.features import (
 from meshplace.learn.policy import Seq2SeqPolicy
 from meshplace.learn.training import TrainingRun
 from meshplace.placers.base import (
+    SIMULATED_OPS_PER_SECOND,
     PlacementProblem,
     PlacerOptions,
     ProgressFn,
@@ -81,7 +82,6 @@ from meshplace.placers.base import (
     register,
 )
 
-SIMULATED_OPS_PER_SECOND = 3.0e6  # as anneal assumes (benchmarks/simulator_speed.py)
 UPDATE_OVERHEAD_S = 0.02
 POLICY_S_PER_GROUP = 2.5e-4  # per group per update, 16 samples, hidden 64, one thread
 BUDGET_SHARE = 0.6

@@ -70,6 +70,13 @@ Clock = Callable[[], float]
 _clock: Clock = time.perf_counter
 
 
+SIMULATED_OPS_PER_SECOND = 3.0e6
+"""Simulated ops per second the searching placers assume when they turn a wall-clock
+budget into a fixed number of simulations, so the same budget reproduces the same plan.
+``benchmarks/simulator_speed.py`` measures 2.4-4 M on random op placements, and group-level
+plans (fewer transfers) run faster, so most machines finish well inside the budget."""
+
+
 def now() -> float:
     """Seconds on the placers' clock: :func:`time.perf_counter` unless :func:`use_clock`
     injected another."""
@@ -349,7 +356,8 @@ ProgressFn = Callable[[int, int, float], None]
 
 @dataclass(frozen=True)
 class PlacerOptions:
-    """Run-time options for placers that train (``family="learned"``); others ignore them.
+    """Run-time options for the placers registered with ``takes_options=True`` (the
+    learned ones, and ``pipeline``); others ignore them.
 
     Attributes:
         checkpoint_dir: folder where a training placer keeps its checkpoint
@@ -359,12 +367,16 @@ class PlacerOptions:
         finetune_s: seconds a pretrained policy (``gnn``) may train on this graph after
             placing it zero-shot; ``None`` or 0 = zero-shot only.
         progress: called after every training update with ``(done, total, best step time)``.
+        runnable_stages: ``pipeline`` returns only a split that ``torch.distributed.
+            pipelining`` runs stage by stage (contiguous in execution order, no
+            non-contiguous local search).
     """
 
     checkpoint_dir: Path | None = None
     resume: bool = False
     finetune_s: float | None = None
     progress: ProgressFn | None = None
+    runnable_stages: bool = False
 
     def checkpoint(self, placer: str) -> Path | None:
         """The checkpoint file for ``placer`` (``None`` without a checkpoint folder)."""
@@ -592,7 +604,7 @@ def run_placer(
 
     One-off costs (:func:`warm_up`) are paid first and reported as ``warmup_s``, apart from
     ``search_time_s``. ``options`` reach only placers registered with
-    ``takes_options=True`` (the learned ones).
+    ``takes_options=True`` (the learned ones and ``pipeline``).
     """
     check_budget(budget_s)
     spec = registry()[resolve([name])[0]]

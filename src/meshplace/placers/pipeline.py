@@ -15,7 +15,10 @@ take a stage. meshplace does that on *forward units*:
    unit's load is its forward, backward and update time (:func:`forward_units`);
 2. units that must share a stage are merged (:func:`condense_units`: each strict
    co-location class and everything between its members), and the merged units are
-   coarsened into at most 256 chunks of similar time along a topological order;
+   coarsened into at most 256 chunks of similar time along a topological order — both
+   execution order and the order that finishes a module before starting the next
+   (:func:`module_major_order`: an unrolled RNN's execution order interleaves its layers,
+   and chunks that mix layers cannot be split by layer) are tried, the better kept;
 3. the chunk DAG's ideals are listed (:func:`unit_ideals`); where there are more than
    :data:`MAX_IDEALS` (wide graphs such as Inception), the DP falls back to the prefixes of
    the topological order, i.e. PipeDream's contiguous split, and says so in its stats;
@@ -23,7 +26,10 @@ take a stage. meshplace does that on *forward units*:
    in ``cluster.ring_order`` order, with one CPU inserted at any position or not at all
    (:func:`device_sequences`), minimising the bottleneck under each device's memory, with
    transfers charged as the cluster says (overlapping compute, or occupying the device);
-5. forward ops go to their stage's device and :func:`complete_placement` places the rest.
+5. forward ops go to their stage's device and :func:`complete_placement` places the rest;
+6. under the ``throughput`` objective, a local search (:func:`improve_bottleneck`) then
+   moves co-location groups off the bottleneck device while the simulator says it pays —
+   the non-contiguous improvement: a stage's backward work, or one branch, elsewhere.
 
 Example
 -------
@@ -47,7 +53,13 @@ from typing import Any
 import networkx as nx
 import numpy as np
 
-from meshplace.placers.base import OpAssignment, PlacementProblem, register
+from meshplace.placers.base import (
+    SIMULATED_OPS_PER_SECOND,
+    OpAssignment,
+    PlacementProblem,
+    PlacerOptions,
+    register,
+)
 from meshplace.placers.baselines import accelerators, cpus
 from meshplace.placers.colocate import complete_placement
 
@@ -137,6 +149,52 @@ def condense_units(
     order = nx.lexicographical_topological_sort(dag, key=first.__getitem__)
     number = {c: i for i, c in enumerate(order)}
     return np.array([number[dag.graph["mapping"][u]] for u in range(n)], dtype=np.int64)
+
+
+def module_major_order(modules: Sequence[str], edges: Sequence[tuple[int, int]]) -> np.ndarray:
+    """A topological order of units ``0..n-1`` (already numbered topologically) that
+    finishes a module before it starts the next where the edges allow: among the ready
+    units, the one sharing the longest module-path prefix with the unit just placed, then
+    the lowest number. The position of each unit is returned.
+
+    Why: execution order interleaves the layers of a recurrent network (step 1 of layer
+    0, step 1 of layer 1, step 2 of layer 0, …), so runs of it mix layers and the chunks
+    cut from them form a chain whose ideals cannot separate the layers; runs of this
+    order can. Kahn's algorithm with a scan of the ready units: O(n · ready + E).
+
+    >>> # two layers over two steps: execution order a0 b0 a1 b1; a1 needs a0, b1 needs b0, a1
+    >>> module_major_order(["a", "b", "a", "b"], [(0, 1), (0, 2), (1, 3), (2, 3)]).tolist()
+    [0, 2, 1, 3]
+    """
+    n = len(modules)
+    parts = [tuple(m.split(".")) if m else () for m in modules]
+    succ: list[list[int]] = [[] for _ in range(n)]
+    indegree = [0] * n
+    for u, v in edges:
+        succ[u].append(v)
+        indegree[v] += 1
+    ready = sorted(u for u in range(n) if indegree[u] == 0)
+    position = np.empty(n, dtype=np.int64)
+    last: tuple[str, ...] = ()
+
+    def shared(u: int, last: tuple[str, ...]) -> int:
+        k = 0
+        for a, b in zip(parts[u], last):
+            if a != b:
+                break
+            k += 1
+        return k
+
+    for step in range(n):
+        pick = min(ready, key=lambda u: (-shared(u, last), u))
+        ready.remove(pick)
+        position[pick] = step
+        last = parts[pick]
+        for v in succ[pick]:
+            indegree[v] -= 1
+            if indegree[v] == 0:
+                ready.append(v)
+    return position
 
 
 @dataclass(frozen=True)
@@ -460,9 +518,13 @@ def device_sequences(accelerators_in_order: int, cpu: bool) -> list[list[int]]:
     "forward (DP over the DAG's ideals), on the accelerators and possibly a CPU "
     "(bottleneck objective, memory-aware, strict co-location kept)",
     source="Narayanan et al., PipeDream, SOSP 2019, §3.1; Tarnawski et al., NeurIPS 2020",
+    takes_options=True,
 )
 def place_pipeline(
-    problem: PlacementProblem, budget_s: float, seed: int
+    problem: PlacementProblem,
+    budget_s: float,
+    seed: int,
+    options: PlacerOptions | None = None,
 ) -> tuple[OpAssignment, dict[str, Any]]:
     """PipeDream's partitioning made optimal over ideals (Narayanan et al., SOSP 2019,
     §3.1; Tarnawski et al., NeurIPS 2020, §3; module docstring): the forward units, with
@@ -478,12 +540,24 @@ def place_pipeline(
     (``stats["fits"]`` says so). Deterministic (``seed`` is unused).
 
     ``stats["micro_batches"]`` suggests 4 x stages micro-batches (GPipe, Huang et al.,
-    NeurIPS 2019, §2.3: the fill/drain bubble is then negligible); the plan is chosen for
-    its steady-state time ``stats["bottleneck_s"]``.
+    NeurIPS 2019, §2.3: the fill/drain bubble is then negligible); the DP chooses the
+    plan for its steady-state time ``stats["bottleneck_s"]``. Under the ``throughput``
+    objective :func:`improve_bottleneck` then improves it with
+    :func:`local_search_evaluations` simulations at most (``stats["local_search"]``; the
+    stage detail describes the DP's plan before it); under ``step`` the DP's plan is
+    returned as it is — a pipeline plan, which one step does not reward.
+
+    A plan whose stages ``torch.distributed.pipelining`` can run (:func:`runs_as_stages`:
+    contiguous in execution order, backward beside forward) carries ``stats[
+    "micro_batches"]``; the DP over ideals (an unrolled RNN split by layer) and the local
+    search may return plans that are pipelines only for the max-load objective, with one
+    micro-batch. ``options.runnable_stages`` (``meshplace plan --runnable-stages``)
+    restricts the DP to splits of execution order and skips the local search, so the plan
+    always runs stage by stage.
 
     Complexity: O(V + E) for the attribution and merging, O(K C) to list K ≤ 600 ideals
     of C ≤ 256 chunks, and O(K² · S · (S + 1)) for the DP over S stage devices and the
-    S + 2 device orders.
+    S + 2 device orders, twice (two unit orders); then the local search's simulations.
 
     >>> from meshplace.graph.sources import workload_graph
     >>> from meshplace.hardware import load_cluster
@@ -492,7 +566,61 @@ def place_pipeline(
     >>> len(plan.devices) == p.graph.num_ops, stats["fits"], stats["bottleneck_s"] > 0
     (True, True, True)
     """
-    return pipeline_split(problem)
+    if options is not None and options.runnable_stages:
+        # torch.distributed.pipelining cuts the forward in execution order: PipeDream's
+        # contiguous split (the CPU may still take a stage), as it is
+        assignment, stats = pipeline_split(problem, over_ideals=False)
+    else:
+        assignment, stats = pipeline_split(problem)
+    if problem.objective == "throughput" and not (options and options.runnable_stages):
+        evaluations = local_search_evaluations(problem, budget_s)
+        devices, search = improve_bottleneck(problem, assignment.devices, evaluations)
+        assignment = OpAssignment(devices)
+        stats["local_search"] = search
+    # micro-batches only for a plan that runs as pipeline stages (torch.distributed.
+    # pipelining cuts the forward in execution order and keeps each stage's backward)
+    stats["runs_as_stages"] = runs_as_stages(problem.graph, assignment.devices)
+    if not stats["runs_as_stages"]:
+        stats["micro_batches"] = 1
+    return assignment, stats
+
+
+def runs_as_stages(graph: Any, op_devices: np.ndarray) -> bool:
+    """Whether a placement is a pipeline that ``torch.distributed.pipelining`` can run:
+    the forward compute ops, in execution (graph) order, form one run per device, and every
+    other op is where :func:`complete_placement` puts it (a backward op beside its forward
+    op, an update beside its parameter's first reader). Plans the DP builds along another
+    order (an unrolled RNN split by layer) or the local search made non-contiguous are
+    pipelines for the max-load objective but not stage by stage. O(V + E).
+
+    >>> from meshplace.graph.ir import Op, OpGraph
+    >>> g = OpGraph("g")
+    >>> for name in "abc":
+    ...     _ = g.add_op(Op(name, "matmul"))
+    >>> runs_as_stages(g, np.array([0, 0, 1])), runs_as_stages(g, np.array([0, 1, 0]))
+    (True, False)
+    """
+    devices = np.asarray(op_devices, dtype=np.int64)
+    forward = [
+        i
+        for i, o in enumerate(graph.ops)
+        if o.phase == "forward" and o.kind not in ("parameter", "buffer", "input")
+    ]
+    if not forward:
+        return True
+    seen: set[int] = set()
+    previous = -1
+    for i in forward:
+        d = int(devices[i])
+        if d != previous:
+            if d in seen:
+                return False
+            seen.add(d)
+            previous = d
+    partial = np.full(graph.num_ops, -1, dtype=np.int64)
+    partial[forward] = devices[forward]
+    expected = complete_placement(graph, partial, default=int(devices[forward[0]]))
+    return bool(np.array_equal(expected, devices))
 
 
 def pipeline_split(
@@ -532,12 +660,60 @@ def pipeline_split(
     ]
     n_units = len(units.ops)
     label = condense_units(n_units, edges, classes)
+    numberings = [("execution", label)]
+    if over_ideals:
+        merged_edges = {(int(label[u]), int(label[v])) for u, v in edges if label[u] != label[v]}
+        first_op = np.full(int(label.max()) + 1, len(units.ops), dtype=np.int64)
+        np.minimum.at(first_op, label, np.arange(n_units))
+        modules = [ops[int(units.ops[u])].module or "" for u in first_op]
+        module_major = module_major_order(modules, sorted(merged_edges))
+        if not np.array_equal(module_major, np.arange(len(module_major))):
+            numberings.append(("module", module_major[label]))
+    acc_order = problem.cluster.ring_order(acc)
+    extra = [c for c in cpus(problem) if c not in acc][:1] if cpu_stage else []
+    best: _Split | None = None
+    simulations = 0
+    for order_name, numbering in numberings:
+        split = _split_along(problem, units, numbering, edges, acc_order, extra, over_ideals)
+        split.stats["order"] = order_name
+        simulations += split.stats["memory_rounds"]
+        if best is None or (not split.fits, split.bottleneck) < (not best.fits, best.bottleneck):
+            best = split
+    assert best is not None
+    stats = {
+        "units": n_units,
+        **best.stats,
+        "orders_tried": [name for name, _ in numberings],
+        "dp_simulations": simulations,
+    }
+    return OpAssignment(best.plan), stats
+
+
+@dataclass
+class _Split:
+    plan: np.ndarray
+    bottleneck: float
+    fits: bool
+    stats: dict[str, Any]
+
+
+def _split_along(
+    problem: PlacementProblem,
+    units: ForwardUnits,
+    label: np.ndarray,
+    edges: Sequence[tuple[int, int]],
+    order: list[int],
+    extra: list[int],
+    over_ideals: bool,
+) -> _Split:
+    """The DP's pipeline for one numbering of the merged units (``label``: merged unit of
+    each forward unit, numbered topologically): chunks are runs of that numbering."""
+    graph = problem.graph
     n_merged = int(label.max()) + 1
     time_by_kind = np.stack(
         [np.bincount(label, weights=t, minlength=n_merged) for t in units.time_by_kind]
     )
     kind_index = problem.simulator.device_kind_index
-    order = problem.cluster.ring_order(acc)
     # chunks balanced by the reference accelerator's times, or, for a unit it cannot run
     # (an infinite time), by the unit's fastest time anywhere
     reference = time_by_kind[kind_index[order[0]]]
@@ -559,7 +735,6 @@ def pipeline_split(
     if ideals is None:  # too many (or not asked for): runs of the topological chunk order
         ideals = prefix_ideals(n_chunks)
 
-    extra = [c for c in cpus(problem) if c not in acc][:1] if cpu_stage else []
     candidates = order + extra
     sequences = device_sequences(len(order), cpu=bool(extra))
     capacity = problem.device_memory[candidates].astype(np.float64)
@@ -609,7 +784,6 @@ def pipeline_split(
 
     stages = len(stage_devices)
     stats = {
-        "units": n_units,
         "chunks": n_chunks,
         "ideals": len(ideals),
         "ideal_fallback": (
@@ -625,4 +799,124 @@ def pipeline_split(
         "memory_rounds": rounds,
         "fits": fits,
     }
-    return OpAssignment(plan), stats
+    return _Split(plan, float(bottleneck), fits, stats)
+
+
+# ------------------------------------------- local search after the DP (issue 17)
+LOCAL_SEARCH_SHARE = 0.2
+"""Share of the placer's budget the local search may spend, as a fixed number of
+simulations at :data:`meshplace.placers.base.SIMULATED_OPS_PER_SECOND` (fixed work, so a
+budget reproduces the plan exactly)."""
+LOCAL_SEARCH_MAX_EVALUATIONS = 2000
+
+
+def local_search_evaluations(problem: PlacementProblem, budget_s: float) -> int:
+    """How many simulations :func:`improve_bottleneck` may run within ``budget_s``.
+
+    >>> from meshplace.graph.sources import workload_graph
+    >>> from meshplace.hardware import load_cluster
+    >>> p = PlacementProblem.build(workload_graph("dmcca"), load_cluster("colocrl-2gpu"))
+    >>> local_search_evaluations(p, 0.0), local_search_evaluations(p, 1e6)
+    (0, 2000)
+    """
+    n_ops = max(problem.graph.num_ops, 1)
+    work = LOCAL_SEARCH_SHARE * budget_s * SIMULATED_OPS_PER_SECOND / n_ops
+    return int(min(LOCAL_SEARCH_MAX_EVALUATIONS, max(0.0, work)))
+
+
+def improve_bottleneck(
+    problem: PlacementProblem,
+    op_devices: np.ndarray,
+    max_evaluations: int,
+    *,
+    keep_stages: bool = False,
+) -> tuple[np.ndarray, dict[str, Any]]:
+    """Non-contiguous improvement of a plan under the problem's objective: first-improvement
+    hill climbing over moves of one co-location group (with the groups a strict class ties
+    to it) to another device that can run it, each move scored by the simulator.
+
+    The DP's pipelines are convex — every stage only sends forward — and keep each unit's
+    backward and update work beside its forward op. The simulator's throughput objective
+    (max over devices and links of their busy time) has no such rule: moving the backward
+    of a heavy layer, or one branch of a layer, to a lightly loaded device can cut the
+    bottleneck (Tarnawski et al., NeurIPS 2020, §5, improve their contiguous optimum the
+    same way). With ``objective="throughput"`` only groups on the bottleneck device are
+    tried (moves elsewhere cannot lower it), the heaviest first, each towards the least
+    busy devices first; with ``"step"`` every group is a candidate. Never worse than the
+    start (a move is kept only if the score falls). Deterministic.
+
+    Complexity: at most ``max_evaluations`` simulations, O((V + E) log V) each.
+
+    >>> from meshplace.graph.sources import workload_graph
+    >>> from meshplace.hardware import load_cluster
+    >>> p = PlacementProblem.build(
+    ...     workload_graph("rnnlm"), load_cluster("colocrl-4gpu"), objective="throughput"
+    ... )
+    >>> start = pipeline_split(p)[0].devices
+    >>> better, stats = improve_bottleneck(p, start, 200)
+    >>> stats["score_after_s"] < stats["score_before_s"], stats["evaluations"] <= 200
+    (True, True)
+    """
+    current = np.array(op_devices, dtype=np.int64)
+    group_of = problem.group_of
+    unit_of_group = problem.group_decider
+    unit_of_op = unit_of_group[group_of]
+    n_units = int(unit_of_group.max()) + 1 if len(unit_of_group) else 0
+    members = [np.flatnonzero(unit_of_op == u) for u in range(n_units)]
+    members_of = [m for m in members if len(m)]
+    runs = np.ones((problem.num_devices, len(members_of)), dtype=bool)
+    unit_groups = [np.unique(group_of[m]) for m in members_of]
+    for i, groups in enumerate(unit_groups):
+        runs[:, i] = problem.group_runs[:, groups].all(axis=1)
+    op_time = problem.simulator.op_time_by_kind[problem.simulator.device_kind_index]
+    result = problem.evaluate_ops(current)
+    score = problem.score(result)
+    start_score = score
+    evaluations, moves = 1, 0
+    while evaluations < max_evaluations:
+        busy = result.busy_s
+        candidates = list(range(len(members_of)))
+        # under throughput, only groups on the bottleneck device can lower it (where a
+        # link is the bottleneck, any group may)
+        if problem.objective == "throughput" and busy.max(initial=0.0) >= result.link_busy_s.max(
+            initial=0.0
+        ):
+            worst = int(np.argmax(busy))
+            candidates = [i for i in candidates if np.any(current[members_of[i]] == worst)]
+        weight = {
+            i: float(np.where(np.isfinite(t := op_time[current[m], m]), t, 0.0).sum())
+            for i, m in ((i, members_of[i]) for i in candidates)
+        }
+        candidates.sort(key=lambda i: (-weight[i], i))
+        targets = [int(d) for d in np.argsort(busy, kind="stable")]
+        improved = False
+        for i in candidates:
+            m = members_of[i]
+            for d in targets:
+                if not runs[d, i] or np.all(current[m] == d):
+                    continue
+                if evaluations >= max_evaluations:
+                    break
+                trial = current.copy()
+                trial[m] = d
+                if keep_stages and not runs_as_stages(problem.graph, trial):
+                    continue
+                trial_result = problem.evaluate_ops(trial)
+                evaluations += 1
+                trial_score = problem.score(trial_result)
+                if trial_score < score * (1.0 - 1e-9):
+                    current, result, score = trial, trial_result, trial_score
+                    moves += 1
+                    improved = True
+                    break
+            if improved or evaluations >= max_evaluations:
+                break
+        if not improved:
+            break
+    return current, {
+        "evaluations": evaluations,
+        "moves": moves,
+        "score_before_s": start_score,
+        "score_after_s": score,
+        "converged": evaluations < max_evaluations,
+    }

@@ -50,6 +50,7 @@ import numpy as np
 
 from meshplace.graph.groups import group_ops
 from meshplace.placers.base import (
+    SIMULATED_OPS_PER_SECOND,
     LearningCurve,
     OpAssignment,
     PlacementProblem,
@@ -58,6 +59,7 @@ from meshplace.placers.base import (
     registry,
 )
 from meshplace.placers.baselines import accelerators
+from meshplace.placers.pipeline import local_search_evaluations
 
 SEED_PLACERS = ("expert", "single", "m_etf", "heft", "cpop", "m_sct", "metis", "mincut", "pipeline")
 # Seconds a seed placer is assumed to take: (fixed, per group x device, per op). Least
@@ -80,10 +82,6 @@ BUDGET_SHARE = 0.6  # of the budget: seeding, set-up and walks together, as esti
 DEADLINE_SHARE = 0.97  # the hard wall-clock stop
 # The walks' set-up (a finer grouping, its group graph, co-location partners) per op.
 WALK_SETUP_S_PER_OP = 3e-5
-# Simulated ops per second assumed when turning the budget into a number of simulations:
-# benchmarks/simulator_speed.py measures 2.4-4 M on random op placements and group-level
-# plans (fewer transfers) run faster, so most machines finish well inside the budget.
-SIMULATED_OPS_PER_SECOND = 3.0e6
 # Metropolis temperature, as a fraction of the seed's score, at the start and the end.
 HOT = 0.005
 COLD = 1e-5
@@ -214,16 +212,21 @@ def place_anneal(problem: PlacementProblem, budget_s: float, seed: int):
     return OpAssignment(best_ops), stats
 
 
-def seed_cost_s(problem: PlacementProblem, name: str) -> float:
-    """Estimated seconds of seed placer ``name`` on ``problem``, its simulation included
-    (:data:`SEED_COST_S`; a placer without an entry is assumed to cost like ``mincut``)."""
+def seed_cost_s(problem: PlacementProblem, name: str, budget_s: float = 0.0) -> float:
+    """Estimated seconds of seed placer ``name`` on ``problem`` given ``budget_s``, its
+    simulation included (:data:`SEED_COST_S`; a placer without an entry is assumed to cost
+    like ``mincut``). ``pipeline``'s local search under the throughput objective runs a
+    number of simulations fixed by its budget (:func:`local_search_evaluations`)."""
     fixed, per_group_device, per_op = SEED_COST_S.get(name, SEED_COST_S["mincut"])
     n_ops = problem.graph.num_ops
+    simulations = 1
+    if name == "pipeline" and problem.objective == "throughput":
+        simulations += local_search_evaluations(problem, budget_s)
     return (
         fixed
         + per_group_device * problem.num_groups * problem.num_devices
         + per_op * n_ops
-        + n_ops / SIMULATED_OPS_PER_SECOND
+        + simulations * n_ops / SIMULATED_OPS_PER_SECOND
     )
 
 
@@ -247,7 +250,7 @@ def anneal_plan(
     """
     seeds, skipped, seed_s = [], [], 0.0
     for name in SEED_PLACERS if candidates is None else candidates:
-        cost = seed_cost_s(problem, name)
+        cost = seed_cost_s(problem, name, SEED_SHARE * budget_s)
         if name in ALWAYS_SEED or seed_s + cost <= SEED_SHARE * budget_s:
             seeds.append(name)
             seed_s += cost
