@@ -101,7 +101,7 @@ def test_user_model_from_python_file(capsys, tmp_path) -> None:
     ("argv", "expected"),
     [
         (["graph", "alexnet"], "Unknown workload 'alexnet'"),
-        (["graph", "gpt", "--size", "175b"], "Unknown size '175b' for workload 'gpt'"),
+        (["graph", "gpt", "--size", "530b"], "Unknown size '530b' for workload 'gpt'"),
         (["graph", "missing.json"], "missing.json: no such graph file"),
         (["graph", "{dir}/bad.json"], "bad.json: op 'a' field 'flops'"),
         (["graph", "{dir}/nope.py:build"], "nope.py: no such Python file"),

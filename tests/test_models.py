@@ -52,7 +52,7 @@ def test_available_lists_every_workload_with_default_first() -> None:
     ]
     assert got["nmt"] == ["2layer", "4layer"]
     assert got["transformer"] == ["base", "big", "mtf-5b"]
-    assert got["gpt"] == ["124m", "350m", "774m", "1.5b", "2.7b", "6.7b", "13b"]
+    assert got["gpt"] == ["124m", "350m", "774m", "1.5b", "2.7b", "6.7b", "13b", "175b"]
     assert got["dmcca"] == ["4view", "8view"]
     for name, sizes in got.items():
         assert get(name).size == sizes[0]
@@ -134,6 +134,7 @@ def test_exact_parameter_counts(name: str, size: str | None, expected: int) -> N
         ("gpt", "2.7b", 2.7e9 * 0.97, 2.7e9 * 1.03),
         ("gpt", "6.7b", 6.7e9 * 0.97, 6.7e9 * 1.03),
         ("gpt", "13b", 13.0e9 * 0.97, 13.0e9 * 1.03),
+        ("gpt", "175b", 175.0e9 * 0.99, 175.0e9 * 1.01),
     ],
 )
 def test_parameter_counts_match_the_papers(name: str, size: str, low: float, high: float) -> None:
@@ -243,8 +244,8 @@ def test_unknown_name_is_one_sentence_listing_choices() -> None:
 
 def test_unknown_size_is_one_sentence_listing_choices() -> None:
     with pytest.raises(UnknownWorkloadError) as err:
-        get("gpt", size="175b")
-    _assert_one_sentence(str(err.value), "'175b'", "'gpt'", "'124m'", "'1.5b'", "'6.7b'")
+        get("gpt", size="530b")
+    _assert_one_sentence(str(err.value), "'530b'", "'gpt'", "'124m'", "'1.5b'", "'6.7b'")
     with pytest.raises(UnknownWorkloadError):
         get("resnet50", size="101")
 

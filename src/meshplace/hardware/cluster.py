@@ -191,6 +191,7 @@ class Cluster:
         self._trees: dict[int, np.ndarray] = {}
         self._torus_cache: dict[tuple[int, int], tuple[int, ...]] = {}
         self._table: tuple[np.ndarray, np.ndarray] | None = None
+        self._dfs: list[int] | None = None  # the depth-first device order, computed once
         if torus is not None:
             self._check_torus(torus)
         elif n > 1:
@@ -438,7 +439,7 @@ class Cluster:
         """
         order = _snake(self._torus.dims) if self._torus is not None else self._dfs_order()
         if devices is None:
-            return order
+            return list(order)
         wanted = {self._idx(d) for d in devices}
         return [i for i in order if i in wanted]
 
@@ -741,6 +742,11 @@ class Cluster:
         return out
 
     def _dfs_order(self) -> list[int]:
+        if self._dfs is None:  # links never change after construction
+            self._dfs = self._compute_dfs_order()
+        return self._dfs
+
+    def _compute_dfs_order(self) -> list[int]:
         n_nodes = len(self._node_index)
         nbrs: list[set[int]] = [set() for _ in range(n_nodes)]
         for u, v in zip(self.link_src.tolist(), self.link_dst.tolist()):

@@ -26,6 +26,7 @@ Usage::
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable
 from numbers import Integral
 from types import ModuleType
@@ -53,10 +54,14 @@ def available() -> dict[str, list[str]]:
     return {name: list(module.SIZES) for name, module in _MODULES.items()}
 
 
-def get(name: str, *, batch: int | None = None, size: str | None = None) -> Workload:
+def get(
+    name: str, *, batch: int | None = None, size: str | None = None, layers: int | None = None
+) -> Workload:
     """Build workload ``name`` on the ``meta`` device.
 
     ``size`` defaults to the workload's first size and ``batch`` to its reference batch size.
+    ``layers`` overrides the depth of a workload whose builder takes it (``gpt``); others
+    raise :class:`UnknownWorkloadError`.
     Raises :class:`UnknownWorkloadError` for an unknown name or size, or a batch size that is not
     a positive integer (``dmcca`` needs at least 2: its covariances divide by ``batch - 1``).
     ``inception_v3`` builds at batch 1 but then only runs in ``eval()`` mode.
@@ -83,6 +88,13 @@ def get(name: str, *, batch: int | None = None, size: str | None = None) -> Work
             )
         batch = int(batch)
     builder: Callable[..., Workload] = module.build
+    if layers is not None:
+        if "layers" not in inspect.signature(builder).parameters:
+            raise UnknownWorkloadError(f"Workload {name!r} has no variable depth (layers).")
+        if isinstance(layers, bool) or not isinstance(layers, Integral) or layers < 0:
+            raise UnknownWorkloadError(f"Layers must be a non-negative integer, not {layers!r}.")
+        with torch.device("meta"):
+            return builder(size=size, batch=batch, layers=int(layers))
     with torch.device("meta"):
         return builder(size=size, batch=batch)
 

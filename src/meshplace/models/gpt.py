@@ -23,6 +23,7 @@ the scores, which the FLOP count reflects.
 | 2.7b | 32     | 2560    | 32    | GPT-3 2.7B, Brown Table 2.1  | 2,648,931,840 |
 | 6.7b | 32     | 4096    | 32    | GPT-3 6.7B, Brown Table 2.1  | 6,654,210,048 |
 | 13b  | 40     | 5120    | 40    | GPT-3 13B, Brown Table 2.1   | 12,853,534,720 |
+| 175b | 96     | 12288   | 96    | GPT-3 175B, Brown Table 2.1  | 174,591,676,416 |
 
 GPT-3 trains with a 2048-token context (Table 2.1); here every size uses context 1024 so that the
 sizes share one sequence length (a 2048 context would add 2.6 M / 4.2 M position-embedding
@@ -44,7 +45,7 @@ from torch import nn
 
 from meshplace.models.base import Workload, token_ids
 
-SIZES: tuple[str, ...] = ("124m", "350m", "774m", "1.5b", "2.7b", "6.7b", "13b")
+SIZES: tuple[str, ...] = ("124m", "350m", "774m", "1.5b", "2.7b", "6.7b", "13b", "175b")
 DEFAULT_BATCH = 8
 
 VOCAB = 50_257
@@ -69,6 +70,7 @@ CONFIGS = {
     "2.7b": Config(32, 2560, 32),
     "6.7b": Config(32, 4096, 32),
     "13b": Config(40, 5120, 40),
+    "175b": Config(96, 12288, 96),
 }
 
 
@@ -155,9 +157,13 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def build(size: str = "124m", batch: int | None = None) -> Workload:
-    """Build the ``gpt`` workload of the given size on the current device."""
+def build(size: str = "124m", batch: int | None = None, layers: int | None = None) -> Workload:
+    """Build the ``gpt`` workload of the given size on the current device; ``layers``
+    overrides the size's depth (the hybrid search captures a few layers of a deep model
+    and scales them, :mod:`meshplace.parallel.hybrid`)."""
     cfg = CONFIGS[size]
+    if layers is not None:
+        cfg = Config(int(layers), cfg.d_model, cfg.heads)
     batch = DEFAULT_BATCH if batch is None else batch
     model = GPT(cfg)
     inputs = (token_ids(batch, CONTEXT), token_ids(batch, CONTEXT))
@@ -183,6 +189,6 @@ def build(size: str = "124m", batch: int | None = None) -> Workload:
         ),
         source=(
             "Radford et al. 2019, Table 2 (GPT-2 sizes); Brown et al. 2020, Table 2.1 "
-            "(GPT-3 2.7B and 6.7B)"
+            "(GPT-3 2.7B, 6.7B, 13B and 175B)"
         ),
     )

@@ -29,6 +29,7 @@ Example
 from __future__ import annotations
 
 import argparse
+import math
 from typing import Any
 
 from rich.console import Console
@@ -87,12 +88,53 @@ def add_shard_arguments(parser: argparse.ArgumentParser) -> None:
         help="decide every layer on its own (default: identical layers share a decision)",
     )
     parser.add_argument(
+        "--pipeline",
+        choices=["off", "auto"],
+        default="off",
+        help="auto: choose data, tensor and pipeline parallelism, ZeRO stage, micro-batches, "
+        "schedule and recomputation jointly for a layered model (gpt; needs --global-batch)",
+    )
+    parser.add_argument(
+        "--global-batch",
+        type=int,
+        default=None,
+        help="sequences per optimizer step, for --pipeline auto",
+    )
+    parser.add_argument(
+        "--style",
+        choices=["joint", "megatron"],
+        default="joint",
+        help="--pipeline auto: joint search (default) or a Megatron-style grid (equal stages, "
+        "Megatron's tensor-parallel pattern, one recomputation, ZeRO 0/1) scored alike",
+    )
+    parser.add_argument(
         "--calibration",
         default=None,
         help="a calibration file (meshplace run --calibration-out): its measured "
         "efficiencies and launch cost replace the roofline's defaults on its device kind "
         "(both methods)",
     )
+
+
+def memory_fraction_of(args: argparse.Namespace) -> float:
+    """``--memory-fraction`` (default 1), checked to lie in (0, 1]."""
+    fraction = getattr(args, "memory_fraction", 1.0)
+    fraction = 1.0 if fraction is None else fraction
+    if not 0 < fraction <= 1:
+        raise InputError(
+            f"--memory-fraction {fraction}: must be greater than 0 and at most 1 (the share "
+            "of each device's memory a plan may use)"
+        )
+    return fraction
+
+
+def calibrated_cost_model_of(args: argparse.Namespace, cluster: Any) -> Any:
+    """The cost model ``--calibration FILE`` gives on ``cluster`` (``None`` without it)."""
+    if not getattr(args, "calibration", None):
+        return None
+    from meshplace.cost.calibration import calibrated_cost_model, load_calibration
+
+    return calibrated_cost_model(load_calibration(args.calibration), cluster)
 
 
 def _method(args: argparse.Namespace) -> str:
@@ -110,7 +152,12 @@ def _method(args: argparse.Namespace) -> str:
 
 
 def cmd_shard(args: argparse.Namespace) -> int:
-    """``meshplace shard``: dispatch to the program search or the captured-graph search."""
+    """``meshplace shard``: dispatch to the program search or the captured-graph search
+    (or, with ``--pipeline auto``, the hybrid search)."""
+    if getattr(args, "pipeline", "off") == "auto":
+        return cmd_hybrid(args)
+    if getattr(args, "global_batch", None) is not None:
+        raise InputError("--global-batch applies to --pipeline auto; use --batch otherwise")
     if _method(args) == "program":
         return mesh_cli.cmd_shard(args)
     out = getattr(args, "out", None)
@@ -133,13 +180,7 @@ def shard_captured(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     from meshplace.parallel.search import shard_graph
 
     get = getattr
-    fraction = get(args, "memory_fraction", 1.0)
-    fraction = 1.0 if fraction is None else fraction
-    if not 0 < fraction <= 1:
-        raise InputError(
-            f"--memory-fraction {fraction}: must be greater than 0 and at most 1 (the share "
-            "of each device's memory a plan may use)"
-        )
+    fraction = memory_fraction_of(args)
     optimizer = get(args, "optimizer", None) or "adam"
     if optimizer not in CAPTURE_OPTIMIZERS:
         raise InputError(
@@ -150,11 +191,7 @@ def shard_captured(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     wus = get(args, "weight_update_sharding", "auto") or "auto"
     stages = {"auto": (0, 1, 2, 3), "on": (1, 2, 3), "off": (0,)}[wus]
     cluster = load_cluster(args.cluster)
-    cost_model = None
-    if get(args, "calibration", None):
-        from meshplace.cost.calibration import calibrated_cost_model, load_calibration
-
-        cost_model = calibrated_cost_model(load_calibration(args.calibration), cluster)
+    cost_model = calibrated_cost_model_of(args, cluster)
     chips = get(args, "chips", None)
     shape = mesh_and_chips(get(args, "mesh", None), chips)
     console = Console(stderr=True)
@@ -310,5 +347,191 @@ def print_captured(console: Console, result: Any, data: dict[str, Any]) -> None:
                 f"{c['slowdown']:.3f}x",
                 gib(c["peak_memory_bytes"]),
                 "yes" if c["fits"] else "no",
+            )
+        console.print(ru)
+
+
+# ----------------------------------------------------------------- --pipeline auto
+def cmd_hybrid(args: argparse.Namespace) -> int:
+    """``meshplace shard MODEL --pipeline auto --global-batch B``: the joint search of
+    :mod:`meshplace.parallel.hybrid`, printed (or ``--json``) and written (``--out``)."""
+    from meshplace.hardware import load_cluster
+    from meshplace.models import available
+    from meshplace.parallel.hybrid import hybrid_search
+
+    get = getattr
+    out = get(args, "out", None)
+    check_output_paths({"--out": out}, inputs=[args.cluster])
+    batch = get(args, "global_batch", None)
+    if batch is None:
+        raise InputError("--pipeline auto needs --global-batch (sequences per optimizer step)")
+    if batch < 1:
+        raise InputError(f"--global-batch {batch}: must be a positive number of sequences")
+    if get(args, "batch", None) is not None:
+        raise InputError("--pipeline auto takes --global-batch, not --batch")
+    if get(args, "mesh", None):
+        raise InputError("--pipeline auto chooses the mesh itself; leave out --mesh")
+    if args.model not in available():
+        raise InputError(
+            f"--pipeline auto needs a reference workload whose depth it can vary (gpt), "
+            f"not {args.model!r}"
+        )
+    fraction = memory_fraction_of(args)
+    cluster = load_cluster(args.cluster)
+    cost_model = calibrated_cost_model_of(args, cluster)
+    console = Console(stderr=True)
+    with console.status(f"searching {args.model}…", spinner="dots") as status:
+        result = hybrid_search(
+            args.model,
+            get(args, "size", None),
+            cluster,
+            global_batch=batch,
+            chips=get(args, "chips", None),
+            memory_fraction=fraction,
+            autocast=get(args, "autocast", None) or "bf16",
+            cost_model=cost_model,
+            style=get(args, "style", "joint") or "joint",
+            progress=lambda m: status.update(f"searching {args.model}: {m}…"),
+        )
+    best = result.best
+    top = max(1, get(args, "top", 5) or 5)
+    others = [p for p in result.plans if p is not best and not math.isnan(p.time_per_batch_s)]
+    data: dict[str, Any] = {
+        "method": "hybrid",
+        "style": get(args, "style", "joint") or "joint",
+        "model": result.model,
+        "cluster": cluster.name,
+        "chips": result.chips,
+        "global_batch": result.global_batch,
+        "layers": result.layers,
+        "best": best.to_dict(),
+        "runners_up": [p.to_dict() for p in others[: top - 1]],
+        "search": {
+            "seconds": result.search_s,
+            "sharding_solves": result.solves,
+            "configurations": result.configurations,
+            "skipped": result.skipped,
+        },
+    }
+    if out:
+        write_text_atomic(
+            out, dumps_strict_json(hybrid_plan_file(result, best, cluster.name)) + "\n"
+        )
+        data["out"] = out
+    if get(args, "json", False):
+        print_json(data)
+    else:
+        print_hybrid(Console(), data)
+    return 0
+
+
+def hybrid_plan_file(result: Any, plan: Any, cluster: str) -> dict[str, Any]:
+    """The hybrid plan as a ``meshplace.parallel_plan`` document with its ``stages``."""
+    c = plan.config
+    stages = []
+    first = 0
+    size = c.dp * c.tp
+    for i, (k, r) in enumerate(zip(plan.layers_per_stage, plan.recompute, strict=True)):
+        stages.append(
+            {
+                "layers": [first, first + k],
+                "embedding": i == 0,
+                "head": i == c.pp - 1,
+                "recompute": r,
+                "devices": list(range(i * size, (i + 1) * size)),
+                "forward_s": plan.stage_forward_s[i],
+                "backward_s": plan.stage_backward_s[i],
+                "memory_bytes": plan.stage_memory_bytes[i],
+            }
+        )
+        first += k
+    return {
+        "format": "meshplace.parallel_plan",
+        "version": 1,
+        "graph": {"source": result.model, "name": result.model, "layers": result.layers},
+        "cluster": cluster,
+        "mesh": {"shape": [c.pp, c.dp, c.tp], "axes": ["pipe", "data", "tensor"]},
+        "parameters": {},
+        "inputs": {},
+        "ops": plan.strategies,
+        "stages": stages,
+        "pipeline": {
+            "global_batch": result.global_batch,
+            "micro_batch": c.micro_batch,
+            "micro_batches": c.micro_batches,
+            "schedule": c.schedule,
+            "zero": c.zero,
+        },
+        "predicted": {
+            "time_per_batch_s": plan.time_per_batch_s,
+            "bubble_fraction": plan.bubble_fraction,
+            "mfu": plan.mfu,
+            "peak_memory_bytes": max(plan.stage_memory_bytes),
+            "capacity_bytes": plan.capacity_bytes,
+        },
+    }
+
+
+def print_hybrid(console: Console, data: dict[str, Any]) -> None:
+    """The tables of ``meshplace shard --pipeline auto``."""
+    b = data["best"]
+    head = Table(
+        title=f"{data['model']} ({data['layers']} layers) on {data['chips']} chips of "
+        f"{data['cluster']}, global batch {data['global_batch']}",
+        title_justify="left",
+        show_header=False,
+    )
+    head.add_column("what")
+    head.add_column("value")
+    head.add_row("degrees", f"data {b['dp']} x tensor {b['tp']} x pipeline {b['pp']}")
+    head.add_row(
+        "micro-batches",
+        f"{b['micro_batches']} of {b['micro_batch']} sequence(s) per replica, "
+        f"{b['schedule']} schedule, ZeRO-{b['zero']}",
+    )
+    head.add_row(
+        "time per batch",
+        f"[bold]{ms(b['time_per_batch_s'])}[/bold] (simulated schedule; bubble "
+        f"{b['bubble_fraction']:.1%}), model FLOPs utilisation {b['mfu']:.1%}",
+    )
+    s = data["search"]
+    head.add_row(
+        "search",
+        f"{s['configurations']:,} configurations, {s['sharding_solves']} sharding solves, "
+        f"{s['seconds']:.1f} s",
+    )
+    console.print(head)
+    stages = Table(title="stages", title_justify="left")
+    for col in ("stage", "layers", "recompute", "forward", "backward", "memory", "capacity"):
+        stages.add_column(col, justify="left" if col in ("stage", "recompute") else "right")
+    first = 0
+    for i, k in enumerate(b["layers_per_stage"]):
+        mem = b["stage_memory_bytes"][i]
+        over = mem > b["capacity_bytes"]
+        stages.add_row(
+            str(i),
+            f"{first}-{first + k - 1}",
+            b["recompute"][i],
+            ms(b["stage_forward_s"][i]),
+            ms(b["stage_backward_s"][i]),
+            ("[red]" if over else "") + gib(mem) + (" OOM[/red]" if over else ""),
+            gib(b["capacity_bytes"]),
+        )
+        first += k
+    console.print(stages)
+    if data["runners_up"]:
+        ru = Table(title="runners-up", title_justify="left")
+        for col in ("plan", "stages", "recompute", "time per batch", "MFU", "fits"):
+            ru.add_column(
+                col, justify="left" if col in ("plan", "stages", "recompute") else "right"
+            )
+        for p in data["runners_up"]:
+            ru.add_row(
+                p["label"],
+                ",".join(map(str, p["layers_per_stage"])),
+                ",".join(sorted(set(p["recompute"]))),
+                ms(p["time_per_batch_s"]),
+                f"{p['mfu']:.1%}",
+                "yes" if p["fits"] else "no",
             )
         console.print(ru)

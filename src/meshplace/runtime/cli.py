@@ -247,8 +247,9 @@ def run_sharding_plan(args: argparse.Namespace, plan: dict[str, Any]) -> int:
     """``meshplace run --plan SHARDING_PLAN``: start torchrun with one process per mesh
     device on this host, each running :mod:`meshplace.runtime.launch`; its exit status.
     Every check that needs no process is made first (one sentence, exit 2)."""
-    from meshplace.runtime.launch import model_source
+    from meshplace.runtime.launch import model_source, read_plan
 
+    read_plan(args.plan)  # a pipelined plan is refused here, before any process starts
     for flag, value in (
         ("--placer", args.placer),
         ("--cluster-out", args.cluster_out),

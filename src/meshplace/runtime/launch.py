@@ -134,6 +134,11 @@ def read_plan(path: str) -> dict[str, Any]:
             f"`meshplace shard --out`) nor a placement ({PLACEMENT_FORMAT!r}, from "
             "`meshplace plan --out`)"
         )
+    if plan.get("format") == PLAN_FORMAT and plan.get("stages"):
+        raise InputError(
+            f"plan {path!r} is a pipelined sharding plan (`meshplace shard --pipeline auto`): "
+            "its stages do not run under torchrun yet; run a plan without --pipeline"
+        )
     return plan
 
 

@@ -1,0 +1,1035 @@
+"""Hybrid parallelism chosen jointly: pipeline stages x data x tensor parallelism x ZeRO x
+micro-batches x schedule x recomputation (issue 18).
+
+Alpa (Zheng et al., OSDI 2022, §5) splits a model into pipeline stages by a dynamic
+program over contiguous layer ranges and sub-meshes, calling its intra-operator (sharding)
+solver for every candidate stage on every sub-mesh; Megatron-LM (Narayanan et al., SC
+2021) adds the schedule (1F1B, interleaved), and Galvatron, Aceso and Mist add
+recomputation and optimizer-state sharding to the search. meshplace does the same on a
+model with a stack of identical layers (a transformer) whose depth it can vary:
+
+1. **Intra-stage sharding, solved once per (tensor-parallel degree, micro-batch).** The
+   model is captured with two layers at the per-replica micro-batch ``b`` and sharded over
+   a ``tp``-device mesh inside one host by the integer program of
+   :mod:`meshplace.parallel.search` (no weight-update sharding on that axis). Every op is
+   attributed to the part before the layers (embeddings), to a layer, or to the part after
+   them (final norm, head, loss) — backward and optimizer work to the part of its forward
+   op or parameter — so the solution gives, per part, the forward and backward seconds of
+   one micro-batch (compute, blocking collectives and resharding on the tp axis), the
+   optimizer seconds, the parameter, gradient and optimizer-state bytes, and the
+   activations kept for backward (:class:`PartCosts`, from the second layer: its input
+   arrives from a layer, as in every later one). Identical layers cost what that layer
+   costs, so a stage of ``k`` layers is ``k`` times it: repeated layers cost one solve.
+2. **Data parallelism and ZeRO** over the ``dp`` replicas of a stage, with the collectives
+   of :meth:`meshplace.mesh.layout.Mesh.collective_time` on the mesh axis laid across
+   hosts: ZeRO-0 all-reduces the gradients after the last micro-batch, ZeRO-1 (Megatron's
+   distributed optimizer) reduce-scatters them and all-gathers the updated parameters,
+   ZeRO-2 reduce-scatters after every micro-batch, ZeRO-3 also all-gathers the parameters
+   before every micro-batch's forward and backward; each overlaps the stage's backward
+   (forward for gathers) and only the excess is exposed. ZeRO-1 and up divide the
+   optimizer step by ``dp``. DeepSpeed does not combine ZeRO-2/3 with pipelining, and
+   neither does the search (``pp > 1``: ZeRO 0 or 1).
+3. **Recomputation per stage**: ``none`` keeps every activation of the micro-batches in
+   flight, ``full`` keeps only each layer's input and re-runs the layers' forward during
+   backward (one more forward). Selective recomputation (Korthikanti et al., 2022) only
+   re-runs attention's score computation, which a fused attention kernel never stores, so
+   on these models it equals ``none`` and is not offered.
+4. **Pipeline DP** (Alpa §5.2, specialised to identical layers and equal sub-meshes of
+   ``dp x tp`` devices per stage): for a schedule with ``m`` micro-batches, a split into
+   ``p`` stages of ``k_i`` layers with recomputation ``r_i`` costs ``Σ_i t_i + (m - 1)
+   max_i t_i`` (``t_i``: stage ``i``'s forward + backward + sends per micro-batch), each
+   stage's memory — its parameters, gradients and optimizer state under its ZeRO stage,
+   its kept activations times the micro-batches it holds (1F1B: ``min(p - i, m)``;
+   GPipe: ``m``) and the largest transient — within each device's capacity. The DP runs
+   for each candidate bottleneck ``t_max`` (every stage time that can occur, searched by
+   bisection for the smallest feasible and then upwards while ``m t_max`` can still
+   win), minimising ``Σ_i t_i`` over stages no slower than it; optimal over contiguous
+   splits and per-stage recomputation (:func:`best_split`, brute-force checked).
+   Interleaved 1F1B (``v = 2`` chunks per device) is scored for the even split only.
+5. **Scoring**: every configuration's best split is then run through the schedule
+   simulator (:func:`meshplace.sim.schedule.simulate_schedule`: per-micro-batch forward
+   and backward per stage, the activation and gradient sends on the real links, each
+   stage's gradient reduction and optimizer step after its last backward), which gives
+   the time per global batch that ranks the plans and that the plan reports; plans that do
+   not fit are never chosen (:attr:`HybridResult.best`).
+
+Enumerated: ``pp`` dividing the chips (at most the layers), ``tp`` in 1, 2, 4, 8 inside a
+host, ``dp = chips / (pp tp)``, per-replica micro-batch ``b`` in 1, 2, 4, 8 with ``m =
+global batch / (dp b)`` micro-batches, ZeRO 0-3 (0-1 with ``pp > 1``), schedule 1F1B,
+GPipe or interleaved, recomputation per stage.
+
+Complexity: ``|tp| x |b|`` captures and integer programs, then per configuration
+``O(log(L p) x p L^2)`` for the DP and ``O(p m)`` for the simulation.
+
+Example
+-------
+>>> from meshplace.hardware import load_cluster
+>>> result = hybrid_search("gpt", "124m", load_cluster("h2-8xh100"), global_batch=64,
+...                        tensor_parallel=(1,), micro_batch_sizes=(2,))
+>>> best = result.best
+>>> best.fits, best.dp * best.tp * best.pp == 16
+(True, True)
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from meshplace.cost.compute import CostModel
+from meshplace.errors import InputError
+from meshplace.graph.ir import OpGraph
+from meshplace.hardware.cluster import Cluster
+from meshplace.mesh.layout import LayoutError, Mesh, accelerators, build_mesh
+from meshplace.parallel.sharding import ShardingError, ShardingProblem
+from meshplace.sim.schedule import RECOMPUTE, StageTimes, simulate_schedule
+
+HYBRID_SCHEDULES = ("1f1b", "gpipe", "interleaved")
+INTERLEAVE_CHUNKS = 2
+DEFAULT_TENSOR_PARALLEL = (1, 2, 4, 8)
+DEFAULT_MICRO_BATCH_SIZES = (1, 2, 4, 8)
+PIPELINE_ZERO = (0, 1)  # DeepSpeed does not run ZeRO-2/3 under pipeline parallelism
+PARTS = ("pre", "layer", "post")
+_LAYER = re.compile(r"^(.*?)(?:^|\.)(\d+)(?:\.|$)")
+
+
+# ------------------------------------------------------------------ per-part costs
+@dataclass(frozen=True)
+class Part:
+    """One part's cost per micro-batch on one replica of ``tp`` devices (per device).
+
+    Attributes:
+        forward_s, backward_s: one micro-batch's forward and backward seconds.
+        update_s: the optimizer step (once per global batch), before ZeRO divides it.
+        parameter_bytes, gradient_bytes, state_bytes: per device, before ZeRO.
+        activation_bytes: kept from forward for backward, per micro-batch.
+        input_bytes: the part's input per micro-batch (what full recomputation keeps).
+        transient_bytes: the largest working set of one op.
+        flops: model FLOPs of one micro-batch (forward + backward + update, all tp devices).
+    """
+
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    update_s: float = 0.0
+    parameter_bytes: float = 0.0
+    gradient_bytes: float = 0.0
+    state_bytes: float = 0.0
+    activation_bytes: float = 0.0
+    input_bytes: float = 0.0
+    transient_bytes: float = 0.0
+    flops: float = 0.0
+
+
+@dataclass(frozen=True)
+class PartCosts:
+    """The three parts of a layered model at one (tp, micro-batch): what one solve of the
+    intra-stage sharding problem gives the pipeline DP.
+
+    Attributes:
+        tp, micro_batch: tensor-parallel degree and sequences per micro-batch per replica.
+        pre, layer, post: :class:`Part` costs (``layer``: one of the identical layers).
+        boundary_bytes: the activation one stage sends the next per micro-batch (the
+            layer input, per device).
+        tied_bytes: bytes of parameters both the first and the last part read (a tied
+            embedding): with ``pp > 1`` both end stages hold them and all-reduce their
+            gradients once per batch.
+        strategies: the layer's ops and their tp strategies (for the report).
+        solve_s: seconds the capture and the integer program took.
+    """
+
+    tp: int
+    micro_batch: int
+    pre: Part
+    layer: Part
+    post: Part
+    boundary_bytes: float
+    tied_bytes: float
+    strategies: dict[str, str] = field(default_factory=dict)
+    solve_s: float = 0.0
+
+
+def layer_container(graph: OpGraph) -> str:
+    """The module path holding the repeated layers (``"layers"`` for ``layers.0.attn``):
+    the longest path prefix followed by an index that takes at least two values.
+
+    >>> from meshplace.graph.ir import Op
+    >>> g = OpGraph("g")
+    >>> for m in ("embed", "layers.0.mlp", "layers.1.mlp", "head"):
+    ...     _ = g.add_op(Op(m, "matmul", module=m))
+    >>> layer_container(g)
+    'layers'
+    """
+    seen: dict[str, set[str]] = {}
+    for o in graph.ops:
+        parts = (o.module or "").split(".")
+        for i, p in enumerate(parts):
+            if p.isdigit():
+                seen.setdefault(".".join(parts[:i]), set()).add(p)
+    candidates = [k for k, v in seen.items() if len(v) >= 2]
+    if not candidates:
+        raise InputError(
+            f"graph {graph.name!r} has no stack of repeated layers (module paths such as "
+            "layers.0, layers.1): the hybrid search cuts pipeline stages between layers"
+        )
+    return max(candidates, key=len)
+
+
+def op_parts(graph: OpGraph, container: str) -> tuple[list[str], list[int]]:
+    """Part (``pre``, ``layer`` or ``post``) and layer index (-1 outside the layers) of
+    every op. Layer ops are those under ``container.N``; a forward op outside them is
+    ``pre`` if it runs before the first layer op and ``post`` otherwise; a backward op
+    follows its forward op (or, without one, runs ``post`` before the layers' backward
+    and ``pre`` after it); a parameter, its update and optimizer state follow the parameter's
+    first forward reader. O(V + E).
+    """
+    ops = graph.ops
+    prefix = container + "." if container else ""
+    part = [""] * len(ops)
+    layer = [-1] * len(ops)
+    for i, o in enumerate(ops):
+        m = o.module or ""
+        if m.startswith(prefix):
+            idx = m[len(prefix) :].split(".")[0]
+            if idx.isdigit():
+                part[i], layer[i] = "layer", int(idx)
+    compute = [o.kind not in ("parameter", "buffer", "input") for o in ops]
+    fwd_layer = [
+        i for i, o in enumerate(ops) if compute[i] and o.phase == "forward" and part[i] == "layer"
+    ]
+    bwd_layer = [
+        i for i, o in enumerate(ops) if compute[i] and o.phase == "backward" and part[i] == "layer"
+    ]
+    first_fwd = fwd_layer[0] if fwd_layer else len(ops)
+    last_bwd = bwd_layer[-1] if bwd_layer else -1
+    index = {o.name: i for i, o in enumerate(ops)}
+    for i, o in enumerate(ops):
+        if part[i] or o.kind in ("parameter", "buffer") or o.phase == "update":
+            continue
+        if o.phase == "forward" or o.kind == "input":
+            part[i] = "pre" if i < first_fwd or o.kind == "input" else "post"
+        elif o.forward_op is not None and o.forward_op in index and part[index[o.forward_op]]:
+            f = index[o.forward_op]
+            part[i], layer[i] = part[f], layer[f]
+        else:
+            part[i] = "pre" if i > last_bwd else "post"
+    # parameters, buffers and update ops: their parameter's first forward reader
+    a = graph.arrays()
+    succ = {i: [] for i in range(len(ops))}
+    for s, d in zip(a.edge_src.tolist(), a.edge_dst.tolist(), strict=True):
+        succ[s].append(d)
+    for i, o in enumerate(ops):
+        if o.kind in ("parameter", "buffer") and not part[i]:
+            readers = [d for d in succ[i] if ops[d].phase == "forward" and part[d]]
+            first = min(readers) if readers else None
+            part[i], layer[i] = (part[first], layer[first]) if first is not None else ("post", -1)
+    owner: dict[str, int] = {}
+    for i, o in enumerate(ops):
+        if o.kind == "parameter":
+            owner.setdefault(o.module or "", i)
+    for i, o in enumerate(ops):  # update ops: beside the parameter of their module
+        if not part[i]:
+            j = owner.get(o.module or "")
+            part[i], layer[i] = (part[j], layer[j]) if j is not None else ("post", -1)
+    return part, layer
+
+
+def tied_parameters(graph: OpGraph, part: Sequence[str]) -> list[int]:
+    """Parameters read in forward by both the ``pre`` and the ``post`` part."""
+    a = graph.arrays()
+    readers: dict[int, set[str]] = {}
+    for s, d in zip(a.edge_src.tolist(), a.edge_dst.tolist(), strict=True):
+        if graph.ops[s].kind == "parameter" and graph.ops[d].phase == "forward":
+            readers.setdefault(s, set()).add(part[d])
+    return sorted(i for i, r in readers.items() if {"pre", "post"} <= r)
+
+
+def part_costs(
+    graph: OpGraph,
+    cluster: Cluster,
+    tp: int,
+    micro_batch: int,
+    *,
+    cost_model: CostModel | None = None,
+    time_limit_s: float = 20.0,
+    restrict: Callable[..., ShardingProblem] | None = None,
+) -> PartCosts:
+    """Shard the two-layer ``graph`` (captured at ``micro_batch`` sequences) over ``tp``
+    devices of one host and read each part's costs off the solution (module docstring,
+    step 1); ``restrict`` (:func:`meshplace.parallel.grid.restrict_to_grid`) limits the
+    tp axis to Megatron's pattern. Raises :class:`ShardingError` when no sharding exists
+    on that mesh."""
+    start = time.perf_counter()
+    container = layer_container(graph)
+    part, layer = op_parts(graph, container)
+    mesh = build_mesh(cluster, (tp,), chips=tp)
+    problem = ShardingProblem(graph, mesh, zero_stages=(0,), cost_model=cost_model)
+    if restrict is not None:  # Megatron's pattern on the tp axis (a grid's baseline)
+        problem = restrict(problem, None, 0, 0)
+    solution = problem.cost_tables().solve(float("inf"), time_limit_s=time_limit_s)
+    if not solution.choice:
+        raise ShardingError(f"the sharding solver found no plan of {graph.name!r} over {tp}")
+    choice = [solution.choice[int(problem.class_of[g])] for g in range(len(problem.groups))]
+    layers_present = sorted({x for x in layer if x >= 0})
+    probe = layers_present[-1]  # a layer whose input comes from a layer
+
+    def bucket(i: int) -> str | None:
+        if part[i] == "layer":
+            return "layer" if layer[i] == probe else None
+        return part[i]
+
+    acc: dict[str, dict[str, float]] = {p: {} for p in PARTS}
+
+    def add(b: str | None, key: str, value: float) -> None:
+        if b is not None:
+            acc[b][key] = acc[b].get(key, 0.0) + float(value)
+
+    ops = graph.ops
+    phase_key = {"forward": "forward_s", "backward": "backward_s", "update": "update_s"}
+    for gi, g in enumerate(problem.groups):
+        st = g.strategies[choice[gi]]
+        anchor = ops[g.anchor]
+        b = bucket(g.anchor)
+        key = phase_key.get(anchor.phase, "forward_s")
+        if g.kind == "parameter":
+            # a parameter group holds its optimizer update (its compute) and its gradient's
+            # reduction over the tp axis where the ILP splits the batch there (its comm)
+            add(b, "update_s", st.compute_s)
+            add(b, "backward_s", st.comm_s)
+            add(b, "forward_s", st.gather_s if st.gathers >= 1 else 0.0)
+            add(b, "backward_s", st.gather_s if st.gathers >= 2 else 0.0)
+        else:
+            add(b, key, st.compute_s + st.comm_s)
+        for k, v in st.parts.items():
+            name = {
+                "parameters": "parameter_bytes",
+                "gradients": "gradient_bytes",
+                "optimizer_state": "state_bytes",
+                "activations": "activation_bytes",
+            }.get(k)
+            if name is not None:
+                add(b, name, v)
+        if b is not None:
+            acc[b]["transient_bytes"] = max(acc[b].get("transient_bytes", 0.0), st.transient)
+    events = problem.events()
+    for (gu, gv), recs in events.bundles.items():
+        del recs
+        gv_anchor = problem.groups[gv].anchor
+        t = _bundle_seconds(problem, choice, gu, gv, events)
+        add(bucket(gv_anchor), phase_key.get(ops[gv_anchor].phase, "forward_s"), t)
+    for i, o in enumerate(ops):
+        add(bucket(i), "flops", o.flops)
+    # the activation a stage boundary carries: what the probe layer's forward reads from
+    # outside it (its input), per device as placed (replicated over tp unless split)
+    a = graph.arrays()
+    boundary = 0.0
+    seen: set[int] = set()
+    for s, d, nbytes in zip(
+        a.edge_src.tolist(), a.edge_dst.tolist(), a.edge_bytes.tolist(), strict=True
+    ):
+        if (
+            bucket(d) == "layer"
+            and ops[d].phase == "forward"
+            and bucket(s) != "layer"
+            and ops[s].phase == "forward"
+            and ops[s].kind not in ("parameter", "buffer")
+            and s not in seen
+        ):
+            seen.add(s)
+            boundary += float(nbytes)
+    acc["layer"]["input_bytes"] = boundary
+    acc["post"]["input_bytes"] = boundary
+    tied = tied_parameters(graph, part)
+    tied_bytes = float(sum(ops[i].param_bytes for i in tied))
+    strategies = {
+        ops[g.anchor].name: g.strategies[choice[gi]].name
+        for gi, g in enumerate(problem.groups)
+        if bucket(g.anchor) == "layer" and g.kind == "op"
+    }
+    return PartCosts(
+        tp,
+        micro_batch,
+        *(Part(**acc[p]) for p in PARTS),
+        boundary_bytes=boundary,
+        tied_bytes=tied_bytes,
+        strategies=strategies,
+        solve_s=time.perf_counter() - start,
+    )
+
+
+def _bundle_seconds(
+    problem: ShardingProblem, choice: Sequence[int], gu: int, gv: int, events: Any
+) -> float:
+    """Resharding seconds of the edge bundle from group ``gu`` to ``gv`` under ``choice``
+    (as :meth:`ShardingProblem.timeline` charges it)."""
+    su = problem.groups[gu].strategies[choice[gu]]
+    sv = problem.groups[gv].strategies[choice[gv]]
+    t = 0.0
+    for pu, out, pv, j in events.bundles[(gu, gv)]:
+        rec = problem.graph.ops[problem.groups[gv].members[pv]].operands[j]
+        t += problem.reshard(
+            su.out_specs[pu][out],
+            sv.in_specs[pv][j],
+            rec["map"],
+            rec["shape"],
+            problem.itemsize(rec["op"], rec["out"]),
+        )[0]
+    return t
+
+
+# ------------------------------------------------------------------ the pipeline DP
+def best_split(
+    stage_time: np.ndarray, feasible: np.ndarray, micro_batches: int
+) -> tuple[float, list[int], list[int]]:
+    """The split of ``L`` identical layers into ``p`` contiguous stages, with one option
+    (recomputation) per stage, minimising ``Σ_i t_i + (m - 1) max_i t_i`` (Alpa, Zheng et
+    al., OSDI 2022, §5.2: the latency of a synchronous pipeline of ``m`` micro-batches).
+
+    ``stage_time[i, k, r]``: seconds per micro-batch of stage ``i`` (of ``p``) holding
+    ``k`` layers (``k = 0..L``; ``k = 0`` is never used) with option ``r``;
+    ``feasible[i, k, r]``: whether that stage fits its devices. For each candidate
+    bottleneck ``t_max`` (a value of ``stage_time``) a DP over (stage, layers placed)
+    minimises ``Σ t_i`` over stages no slower than ``t_max``; the smallest feasible
+    ``t_max`` is found by bisection (feasibility grows with it), then larger ones are
+    tried while ``(m - 1) t_max`` plus the unconstrained ``Σ`` can still win. Returns
+    ``(objective, layers per stage, option per stage)``, or ``(inf, [], [])``.
+
+    Complexity: ``O(log(p L R) + tried) x p L^2``.
+
+    >>> t = np.zeros((2, 4, 1)); t[:, 1:, 0] = np.arange(1, 4)  # k layers take k seconds
+    >>> best_split(t, np.ones_like(t, dtype=bool), micro_batches=4)  # 1 + 2 + 3 x 2
+    (9.0, [1, 2], [0, 0])
+    """
+    p, n_k, _ = stage_time.shape
+    n_layers = n_k - 1
+    ok = feasible.copy()
+    ok[:, 0, :] = False
+    finite = stage_time[ok]
+    if not finite.size or p > n_layers:
+        return float("inf"), [], []
+    candidates = np.unique(finite)
+    gap = np.arange(n_k)[None, :] - np.arange(n_k)[:, None]  # l' - l
+    valid_gap = (gap >= 1) & (gap <= n_layers)
+    gap_index = np.clip(gap, 0, n_layers)
+
+    def solve(t_max: float) -> tuple[float, list[int], list[int]]:
+        allowed = ok & (stage_time <= t_max)
+        masked = np.where(allowed, stage_time, np.inf)
+        option = np.argmin(masked, axis=2)  # [p, n_k]: the cheapest allowed option
+        cost = np.take_along_axis(masked, option[:, :, None], axis=2)[:, :, 0]
+        f = np.full(n_k, np.inf)
+        f[0] = 0.0
+        back: list[np.ndarray] = []
+        for i in range(p):
+            c = np.where(valid_gap, cost[i][gap_index], np.inf)  # [l, l']
+            total = f[:, None] + c
+            arg = np.argmin(total, axis=0)
+            f = total[arg, np.arange(n_k)]
+            back.append(arg)
+        if not np.isfinite(f[n_layers]):
+            return float("inf"), [], []
+        layers: list[int] = []
+        end = n_layers
+        for i in reversed(range(p)):
+            start = int(back[i][end])
+            layers.append(end - start)
+            end = start
+        layers.reverse()
+        options = [int(option[i, k]) for i, k in enumerate(layers)]
+        return float(f[n_layers]), layers, options
+
+    lo, hi = 0, len(candidates) - 1
+    if not np.isfinite(solve(float(candidates[hi]))[0]):
+        return float("inf"), [], []
+    while lo < hi:  # the smallest feasible bottleneck
+        mid = (lo + hi) // 2
+        if np.isfinite(solve(float(candidates[mid]))[0]):
+            hi = mid
+        else:
+            lo = mid + 1
+    floor_sum = solve(float(candidates[-1]))[0]  # Σ with no bottleneck limit: a lower bound
+    best: tuple[float, list[int], list[int]] = (float("inf"), [], [])
+    for t_max in candidates[lo:]:
+        if (micro_batches - 1) * float(t_max) + floor_sum >= best[0]:
+            break
+        total, layers, options = solve(float(t_max))
+        if not np.isfinite(total):
+            continue
+        real_max = max(float(stage_time[i, k, r]) for i, (k, r) in enumerate(zip(layers, options)))
+        value = total + (micro_batches - 1) * real_max
+        if value < best[0] - 1e-15:
+            best = (value, layers, options)
+    return best
+
+
+def brute_force_split(
+    stage_time: np.ndarray, feasible: np.ndarray, micro_batches: int
+) -> tuple[float, list[int], list[int]]:
+    """:func:`best_split` by enumerating every composition of the layers and every option
+    per stage (the tests' oracle; exponential)."""
+    import itertools
+
+    p, n_k, n_r = stage_time.shape
+    n_layers = n_k - 1
+    best: tuple[float, list[int], list[int]] = (float("inf"), [], [])
+    for cuts in itertools.combinations(range(1, n_layers), p - 1):
+        bounds = (0, *cuts, n_layers)
+        layers = [bounds[i + 1] - bounds[i] for i in range(p)]
+        for options in itertools.product(range(n_r), repeat=p):
+            if not all(feasible[i, k, r] for i, (k, r) in enumerate(zip(layers, options))):
+                continue
+            times = [float(stage_time[i, k, r]) for i, (k, r) in enumerate(zip(layers, options))]
+            value = sum(times) + (micro_batches - 1) * max(times)
+            if value < best[0] - 1e-15:
+                best = (value, layers, list(options))
+    return best
+
+
+# ------------------------------------------------------------------ configurations
+@dataclass(frozen=True)
+class HybridConfig:
+    """One point of the outer search: degrees, micro-batching, ZeRO stage, schedule."""
+
+    pp: int
+    dp: int
+    tp: int
+    micro_batch: int  # sequences per micro-batch per data-parallel replica
+    micro_batches: int
+    zero: int
+    schedule: str
+
+    @property
+    def label(self) -> str:
+        return (
+            f"dp{self.dp} tp{self.tp} pp{self.pp} mb{self.micro_batch}x{self.micro_batches} "
+            f"zero{self.zero} {self.schedule}"
+        )
+
+
+@dataclass
+class HybridPlan:
+    """A configuration with its stages, simulated time per global batch and memory."""
+
+    config: HybridConfig
+    layers_per_stage: list[int]
+    recompute: list[str]
+    time_per_batch_s: float
+    closed_form_s: float
+    bubble_fraction: float
+    stage_forward_s: list[float]
+    stage_backward_s: list[float]
+    stage_memory_bytes: list[float]
+    capacity_bytes: float
+    model_flops: float
+    chips: int
+    peak_flops: float
+    sync_s: list[float] = field(default_factory=list)
+    update_s: list[float] = field(default_factory=list)
+    strategies: dict[str, str] = field(default_factory=dict)
+    stage_times: StageTimes | None = field(default=None, repr=False)
+
+    @property
+    def fits(self) -> bool:
+        return all(m <= self.capacity_bytes for m in self.stage_memory_bytes)
+
+    @property
+    def pp(self) -> int:
+        return self.config.pp
+
+    @property
+    def dp(self) -> int:
+        return self.config.dp
+
+    @property
+    def tp(self) -> int:
+        return self.config.tp
+
+    @property
+    def mfu(self) -> float:
+        """Model FLOPs utilisation: the model's FLOPs per batch (no recomputation) over
+        the time per batch times every chip's peak."""
+        denominator = self.time_per_batch_s * self.chips * self.peak_flops
+        return self.model_flops / denominator if denominator > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        c = self.config
+        return {
+            "dp": c.dp,
+            "tp": c.tp,
+            "pp": c.pp,
+            "micro_batch": c.micro_batch,
+            "micro_batches": c.micro_batches,
+            "zero": c.zero,
+            "schedule": c.schedule,
+            "layers_per_stage": self.layers_per_stage,
+            "recompute": self.recompute,
+            "time_per_batch_s": self.time_per_batch_s,
+            "closed_form_s": self.closed_form_s,
+            "bubble_fraction": self.bubble_fraction,
+            "mfu": self.mfu,
+            "stage_forward_s": self.stage_forward_s,
+            "stage_backward_s": self.stage_backward_s,
+            "stage_memory_bytes": self.stage_memory_bytes,
+            "capacity_bytes": self.capacity_bytes,
+            "fits": self.fits,
+            "sync_s": self.sync_s,
+            "update_s": self.update_s,
+            "label": c.label,
+        }
+
+
+@dataclass
+class HybridResult:
+    """Every configuration's best split, simulated ones first by time."""
+
+    model: str
+    chips: int
+    global_batch: int
+    layers: int
+    plans: list[HybridPlan]
+    search_s: float
+    solves: int
+    configurations: int
+    part_costs: dict[tuple[int, int], PartCosts] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def best(self) -> HybridPlan:
+        """The fastest plan that fits; :class:`ShardingError` (one sentence) if none."""
+        fitting = [p for p in self.plans if p.fits]
+        if not fitting:
+            raise ShardingError(
+                f"no hybrid plan of {self.model} fits {self.chips} chips at global batch "
+                f"{self.global_batch}: every configuration's stages exceed device memory"
+            )
+        return min(fitting, key=lambda p: p.time_per_batch_s)
+
+
+# ------------------------------------------------------------------ the search
+def _stage_model(
+    pc: PartCosts,
+    config: HybridConfig,
+    layers: int,
+    mesh: Mesh,
+    dp_axis: str | None,
+) -> dict[str, np.ndarray]:
+    """Per stage position ``i``, layers ``k`` and recomputation ``r``: forward, backward
+    (with the exposed per-micro-batch ZeRO traffic), kept-activation bytes per micro-batch
+    in flight, resident bytes and transient bytes, each an array ``[p, L + 1, R]``; plus
+    per stage the once-per-batch gradient synchronisation and optimizer step."""
+    p, dp, z = config.pp, config.dp, config.zero
+    k = np.arange(layers + 1, dtype=np.float64)[None, :, None]
+    first = np.zeros((p, 1, 1))
+    first[0] = 1.0
+    last = np.zeros((p, 1, 1))
+    last[-1] = 1.0
+    full = np.array([0.0, 1.0])[None, None, :]  # recompute: none, full
+    L, pre, post = pc.layer, pc.pre, pc.post
+
+    def total(attr: str) -> np.ndarray:
+        return k * getattr(L, attr) + first * getattr(pre, attr) + last * getattr(post, attr)
+
+    # a tied embedding: the last stage holds its own copy when pp > 1
+    pre_params = max(pre.parameter_bytes, 1.0)
+    tied_share = min(pc.tied_bytes / pc.tp / pre_params, 1.0) if p > 1 else 0.0
+    params = total("parameter_bytes") + last * tied_share * pre.parameter_bytes
+    grads = total("gradient_bytes") + last * tied_share * pre.gradient_bytes
+    state = total("state_bytes") + last * tied_share * pre.state_bytes
+
+    def collective(kind: str, nbytes: np.ndarray | float) -> np.ndarray:
+        if dp_axis is None or dp == 1:
+            return np.zeros_like(np.asarray(nbytes, dtype=np.float64))
+        flat = np.asarray(nbytes, dtype=np.float64)
+        unique, inverse = np.unique(flat, return_inverse=True)
+        times = np.array([mesh.collective_time(kind, float(b), [dp_axis]) for b in unique])
+        return times[inverse].reshape(flat.shape)
+
+    forward = total("forward_s") + 0.0 * full
+    backward = total("backward_s") + full * k * L.forward_s
+    if z >= 3:  # parameters gathered before every micro-batch's forward and backward
+        gather = collective("all_gather", params)
+        forward = forward + np.maximum(gather - forward, 0.0)
+        backward = backward + np.maximum(gather - backward, 0.0)
+    if z >= 2:  # gradients reduce-scattered after every micro-batch's backward
+        scatter = collective("reduce_scatter", grads)
+        backward = backward + np.maximum(scatter - backward, 0.0)
+    divisor = {"p": dp if z >= 3 else 1, "g": dp if z >= 2 else 1, "s": dp if z >= 1 else 1}
+    resident = params / divisor["p"] + grads / divisor["g"] + state / divisor["s"]
+    kept = (
+        k * np.where(full > 0, L.input_bytes, L.activation_bytes)
+        + first * pre.activation_bytes
+        + last * post.activation_bytes
+    )
+    transient = np.maximum(
+        max(L.transient_bytes, pre.transient_bytes, post.transient_bytes),
+        full * L.activation_bytes,  # one layer's activations rebuilt for its backward
+    )
+    return {
+        "forward": np.broadcast_to(forward, (p, layers + 1, 2)),
+        "backward": np.broadcast_to(backward, (p, layers + 1, 2)),
+        "kept": np.broadcast_to(kept, (p, layers + 1, 2)),
+        "resident": np.broadcast_to(resident, (p, layers + 1, 2)),
+        "transient": np.broadcast_to(transient, (p, layers + 1, 2)),
+        "params": np.broadcast_to(params, (p, layers + 1, 2)),
+        "grads": np.broadcast_to(grads, (p, layers + 1, 2)),
+        "update": np.broadcast_to(total("update_s") / divisor["s"], (p, layers + 1, 2)),
+    }
+
+
+def _sync_seconds(
+    config: HybridConfig, grads: float, params: float, backward: float, mesh: Mesh, axis: str | None
+) -> float:
+    """Exposed once-per-batch gradient synchronisation of one stage after its last
+    backward (module docstring, step 2)."""
+    if axis is None or config.dp == 1:
+        return 0.0
+    z = config.zero
+    if z == 0:
+        t = mesh.collective_time("all_reduce", grads, [axis])
+    elif z == 1:
+        t = mesh.collective_time("reduce_scatter", grads, [axis]) + mesh.collective_time(
+            "all_gather", params, [axis]
+        )
+    elif z == 2:
+        t = mesh.collective_time("all_gather", params, [axis])
+    else:
+        t = 0.0
+    return max(0.0, t - (backward if z < 2 else 0.0))
+
+
+def in_flight(schedule: str, stages: int, micro_batches: int) -> np.ndarray:
+    """Micro-batches stage ``i`` holds at its peak: 1F1B ``min(p - i, m)``, GPipe ``m``.
+
+    >>> in_flight("1f1b", 4, 2).tolist(), in_flight("gpipe", 2, 3).tolist()
+    ([2, 2, 2, 1], [3, 3])
+    """
+    i = np.arange(stages)
+    if schedule == "gpipe":
+        return np.full(stages, micro_batches)
+    return np.minimum(stages - i, micro_batches)
+
+
+def _evaluate(
+    pc: PartCosts,
+    config: HybridConfig,
+    layers: int,
+    capacity: float,
+    stage_mesh: Mesh,
+    dp_axis: str | None,
+    link_s: Callable[[int, float], float],
+    peak_flops: float,
+    global_batch: int,
+    chips: int,
+    uniform: bool = False,
+) -> HybridPlan | None:
+    """The best split of one configuration by the DP (``uniform``: equal stages and one
+    recomputation for all, as a Megatron-style grid sets them), ranked by its closed form;
+    :func:`simulate_plan` then runs its schedule. ``None`` where the configuration has no
+    split (more stages than layers, an interleaving the layers or micro-batches do not
+    divide)."""
+    p, m = config.pp, config.micro_batches
+    if p > layers:
+        return None
+    model = _stage_model(pc, config, layers, stage_mesh, dp_axis)
+    send = np.array([link_s(i, pc.boundary_bytes) for i in range(max(p - 1, 0))])
+    per_stage_send = np.zeros(p)
+    if p > 1:
+        per_stage_send[:-1] += send  # activations out
+        per_stage_send[1:] += send  # gradients back
+    times = model["forward"] + model["backward"] + per_stage_send[:, None, None]
+    v = INTERLEAVE_CHUNKS if config.schedule == "interleaved" else 1
+    if v > 1:
+        if layers % (p * v) or m % p or p < 2:
+            return None
+        # a device's v chunks hold the micro-batches the schedule keeps in flight:
+        # Megatron-LM's count for stage 0, (p v + p - 1) chunk-micro-batches, is the most
+        flight = np.minimum((p * v + p - 1 - 2 * np.arange(p)) / v, m)[:, None, None]
+    else:
+        flight = in_flight(config.schedule, p, m)[:, None, None]
+    memory = model["resident"] + flight * model["kept"] + model["transient"]
+    feasible = memory <= capacity
+    if uniform or v > 1:
+        if layers % p:
+            return None
+        split = [layers // p] * p
+        choices = []
+        for r in range(len(RECOMPUTE)):
+            t = [float(times[i, k, r]) for i, k in enumerate(split)]
+            ok = all(feasible[i, k, r] for i, k in enumerate(split))
+            value = sum(t) + (m - 1) * max(t) if v == 1 else m * max(t) + (p - 1) * max(t) / v
+            choices.append((not ok, value, r))
+        _, value, r = min(choices)
+        options = [r] * p
+    else:
+        value, split, options = best_split(times, feasible, m)
+        if not split:  # nothing fits: the fastest split regardless, reported as OOM
+            value, split, options = best_split(times, np.ones_like(feasible), m)
+            if not split:
+                return None
+    idx = (np.arange(p), np.array(split), np.array(options))
+    forward = model["forward"][idx]
+    backward = model["backward"][idx]
+    sync = [
+        _sync_seconds(
+            config,
+            float(model["grads"][idx][i]),
+            float(model["params"][idx][i]),
+            float(backward[i]),
+            stage_mesh,
+            dp_axis,
+        )
+        for i in range(p)
+    ]
+    if p > 1 and pc.tied_bytes:  # the tied embedding's gradient, first <-> last stage
+        tie = link_s(-1, pc.tied_bytes / pc.tp)
+        sync[0] += tie
+        sync[-1] += tie
+    update = [float(x) for x in model["update"][idx]]
+    model_flops = (global_batch / config.micro_batch) * (
+        pc.pre.flops + layers * pc.layer.flops + pc.post.flops
+    )
+    plan = HybridPlan(
+        config,
+        [int(x) for x in split],
+        [RECOMPUTE[o] for o in options],
+        float("nan"),
+        float(value) + max(a + b for a, b in zip(sync, update, strict=True)),
+        float("nan"),
+        [float(x) for x in forward],
+        [float(x) for x in backward],
+        [float(x) for x in memory[idx]],
+        capacity,
+        model_flops,
+        chips,
+        peak_flops,
+        sync,
+        update,
+        pc.strategies,
+    )
+    plan.stage_times = _stage_times(pc, plan, send, v)
+    return plan
+
+
+def _stage_times(pc: PartCosts, plan: HybridPlan, send: np.ndarray, v: int) -> StageTimes:
+    """The (virtual) stages' times for the schedule simulator."""
+    p = plan.pp
+    sync, update = np.array(plan.sync_s), np.array(plan.update_s)
+    if v == 1:
+        return StageTimes(
+            np.array(plan.stage_forward_s), np.array(plan.stage_backward_s), send, None, sync,
+            update,
+        )  # fmt: skip
+    forward, backward = [], []
+    for chunk in range(v):
+        for i in range(p):
+            k = plan.layers_per_stage[i] / v
+            full = 1.0 if plan.recompute[i] == "full" else 0.0
+            pre = 1.0 if (chunk == 0 and i == 0) else 0.0
+            post = 1.0 if (chunk == v - 1 and i == p - 1) else 0.0
+            forward.append(
+                k * pc.layer.forward_s + pre * pc.pre.forward_s + post * pc.post.forward_s
+            )
+            backward.append(
+                k * (pc.layer.backward_s + full * pc.layer.forward_s)
+                + pre * pc.pre.backward_s
+                + post * pc.post.backward_s
+            )
+    wire = np.full(p * v - 1, float(send[0]) if len(send) else 0.0)
+    return StageTimes(np.array(forward), np.array(backward), wire, None, sync, update)
+
+
+def simulate_plan(plan: HybridPlan) -> HybridPlan:
+    """Run ``plan``'s schedule in the simulator: its time per global batch and bubble."""
+    c = plan.config
+    v = INTERLEAVE_CHUNKS if c.schedule == "interleaved" else 1
+    result = simulate_schedule(plan.stage_times, c.schedule, c.micro_batches, v)
+    plan.time_per_batch_s = float(result.step_s)
+    plan.bubble_fraction = float(result.bubble_fraction)
+    return plan
+
+
+def capture_layers(
+    workload: str, size: str | None, layers: int, batch: int, autocast: str | None = "bf16"
+) -> OpGraph:
+    """Capture ``workload`` (a reference workload whose depth can vary, such as ``gpt``)
+    with ``layers`` layers at ``batch`` sequences, one training step with Adam."""
+    from meshplace.graph.capture import capture
+    from meshplace.models import get
+
+    w = get(workload, size=size, batch=batch, layers=layers)
+    return capture(
+        w.model,
+        w.example_inputs,
+        training=True,
+        name=f"{workload}-{w.size}-{layers}layers-b{batch}",
+        dims=w.dims,
+        autocast=autocast,
+    )
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def hybrid_search(
+    workload: str,
+    size: str | None,
+    cluster: Cluster,
+    *,
+    global_batch: int,
+    chips: int | None = None,
+    tensor_parallel: Sequence[int] = DEFAULT_TENSOR_PARALLEL,
+    micro_batch_sizes: Sequence[int] = DEFAULT_MICRO_BATCH_SIZES,
+    schedules: Sequence[str] = HYBRID_SCHEDULES,
+    zero_stages: Sequence[int] = (0, 1, 2, 3),
+    pipeline_degrees: Sequence[int] | None = None,
+    memory_fraction: float = 1.0,
+    autocast: str | None = "bf16",
+    cost_model: CostModel | None = None,
+    style: str = "joint",
+    simulate_top: int = 12,
+    progress: Callable[[str], None] | None = None,
+    graphs: Callable[[int], OpGraph] | None = None,
+    layers: int | None = None,
+) -> HybridResult:
+    """The fastest hybrid plan of ``workload`` (module docstring) that fits.
+
+    ``style="joint"`` searches everything; ``"megatron"`` is the hand grid a user of
+    Megatron-LM searches, scored by the same model: Megatron's tensor-parallel pattern
+    (:func:`meshplace.parallel.grid.restrict_to_grid`), equal stages, one recomputation for
+    all, ZeRO 0 or 1. ``graphs`` (optional) gives the two-layer graph at a micro-batch
+    (the tests' small models; ``layers`` is then the full depth). The ``simulate_top``
+    plans best by the DP's closed form are simulated; the fastest simulated plan that fits
+    is :attr:`HybridResult.best`.
+    """
+    from meshplace.models import get
+
+    if style not in ("joint", "megatron"):
+        raise InputError(f"unknown search style {style!r}; choose joint or megatron")
+    if not 0 < memory_fraction <= 1:
+        raise InputError(f"memory fraction must be in (0, 1], got {memory_fraction}")
+    bad = [s for s in schedules if s not in HYBRID_SCHEDULES]
+    if bad:
+        raise InputError(f"unknown schedule {bad[0]!r}; choose from {', '.join(HYBRID_SCHEDULES)}")
+    if global_batch < 1:
+        raise InputError(
+            f"the global batch must be a positive number of sequences, got {global_batch}"
+        )
+    start = time.perf_counter()
+    accel = accelerators(cluster)
+    n = int(chips) if chips is not None else len(accel)
+    if not 1 <= n <= len(accel):
+        raise InputError(f"{cluster.name} has {len(accel)} accelerators, asked for {n}")
+    if graphs is None:
+        depth = get(workload, size=size).dims.get("layers")
+        if not depth:
+            raise InputError(f"workload {workload!r} has no layer count to split into stages")
+        layers = int(depth)
+
+        def graphs(batch: int) -> OpGraph:
+            return capture_layers(workload, size, 2, batch, autocast)
+
+    assert layers is not None
+    device = cluster.devices[accel[0]]
+    capacity = device.spec.memory_bytes * memory_fraction
+    peak = device.spec.peak("bfloat16" if autocast else "float32")
+    from meshplace.parallel.grid import default_max_tensor_parallel, restrict_to_grid
+
+    max_tp = default_max_tensor_parallel(cluster, n)
+    tps = [t for t in tensor_parallel if t <= max_tp and n % t == 0]
+    parts: dict[tuple[int, int], PartCosts] = {}
+    skipped: dict[str, str] = {}
+    captured: dict[int, OpGraph] = {}
+    solves = 0
+    for b in micro_batch_sizes:
+        if global_batch % b:
+            continue
+        for tp in tps:
+            if progress is not None:
+                progress(f"tp {tp}, micro-batch {b}")
+            if b not in captured:
+                captured[b] = graphs(b)
+            try:
+                if style == "megatron":
+                    parts[(tp, b)] = _grid_part_costs(
+                        captured[b], cluster, tp, b, cost_model, restrict_to_grid
+                    )
+                else:
+                    parts[(tp, b)] = part_costs(captured[b], cluster, tp, b, cost_model=cost_model)
+                solves += 1
+            except (ShardingError, LayoutError) as exc:
+                skipped[f"tp{tp} mb{b}"] = str(exc)
+    degrees = [d for d in _divisors(n) if d <= layers]
+    if pipeline_degrees is not None:
+        degrees = [d for d in degrees if d in set(pipeline_degrees)]
+    candidates: list[HybridPlan] = []
+    configurations = 0
+    meshes: dict[tuple[int, int], Mesh] = {}
+    for (tp, b), pc in sorted(parts.items()):
+        for pp in degrees:
+            if n % (pp * tp):
+                continue
+            dp = n // (pp * tp)
+            if global_batch % (dp * b):
+                continue
+            m = global_batch // (dp * b)
+            if (dp, tp) not in meshes:
+                try:
+                    meshes[(dp, tp)] = build_mesh(cluster, (dp, tp), chips=dp * tp)
+                except LayoutError as exc:
+                    skipped[f"dp{dp} tp{tp}"] = str(exc)
+                    continue
+            mesh = meshes[(dp, tp)]
+            dp_axis = mesh.axis_names[0] if dp > 1 else None
+            stage_size = dp * tp
+
+            def link_s(i: int, nbytes: float, stage_size: int = stage_size, pp: int = pp) -> float:
+                a = accel[0] if i < 0 else accel[i * stage_size]
+                z = accel[(pp - 1) * stage_size] if i < 0 else accel[(i + 1) * stage_size]
+                return cluster.transfer_time(a, z, nbytes) if a != z else 0.0
+
+            zs = [z for z in zero_stages if pp == 1 or z in PIPELINE_ZERO]
+            if style == "megatron":
+                zs = [z for z in zs if z in PIPELINE_ZERO]
+            for z in zs:
+                for schedule in schedules if pp > 1 else ("1f1b",):
+                    config = HybridConfig(pp, dp, tp, b, m, z, schedule)
+                    configurations += 1
+                    plan = _evaluate(
+                        pc, config, layers, capacity, mesh, dp_axis, link_s, peak,
+                        global_batch, n, uniform=style == "megatron",
+                    )  # fmt: skip
+                    if plan is not None:
+                        candidates.append(plan)
+    candidates.sort(key=lambda p: (not p.fits, p.closed_form_s))
+    simulated = [simulate_plan(p) for p in candidates[:simulate_top]]
+    rest = candidates[simulate_top:]
+    simulated.sort(key=lambda p: (not p.fits, p.time_per_batch_s))
+    return HybridResult(
+        workload if size is None else f"{workload} {size}",
+        n,
+        global_batch,
+        layers,
+        simulated + rest,
+        time.perf_counter() - start,
+        solves,
+        configurations,
+        parts,
+        skipped,
+    )
+
+
+def _grid_part_costs(
+    graph: OpGraph,
+    cluster: Cluster,
+    tp: int,
+    b: int,
+    cost_model: CostModel | None,
+    restrict: Callable[..., ShardingProblem],
+) -> PartCosts:
+    """:func:`part_costs` with the tp axis restricted to Megatron's pattern."""
+    return part_costs(graph, cluster, tp, b, cost_model=cost_model, restrict=restrict)

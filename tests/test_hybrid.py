@@ -1,0 +1,174 @@
+"""The joint hybrid search (issue 18): the pipeline DP equals brute force, every chosen
+plan fits by the model's own accounting, and the CLI prints one plan."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from meshplace.cli import main
+from meshplace.graph.capture import capture
+from meshplace.graph.ir import OpGraph
+from meshplace.hardware import load_cluster
+from meshplace.models import gpt
+from meshplace.parallel import hybrid
+from meshplace.parallel.sharding import ShardingError
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.integers(1, 4).flatmap(
+        lambda p: st.tuples(
+            st.just(p),
+            st.integers(p, 7),
+            st.integers(1, 2),
+            st.integers(1, 9),
+            st.integers(0, 2**32 - 1),
+        )
+    )
+)
+def test_the_pipeline_dp_equals_brute_force(case) -> None:
+    p, layers, options, micro_batches, seed = case
+    rng = np.random.default_rng(seed)
+    times = rng.integers(1, 20, size=(p, layers + 1, options)).astype(float)
+    times = np.cumsum(times, axis=1) if seed % 2 else times  # monotone in k, or not at all
+    feasible = rng.random((p, layers + 1, options)) < 0.8
+    got = hybrid.best_split(times, feasible, micro_batches)
+    want = hybrid.brute_force_split(times, feasible, micro_batches)
+    assert got[0] == pytest.approx(want[0])
+    if np.isfinite(got[0]):
+        value = [times[i, k, r] for i, (k, r) in enumerate(zip(got[1], got[2], strict=True))]
+        assert sum(got[1]) == layers and all(k >= 1 for k in got[1])
+        assert all(feasible[i, k, r] for i, (k, r) in enumerate(zip(got[1], got[2], strict=True)))
+        assert sum(value) + (micro_batches - 1) * max(value) == pytest.approx(got[0])
+
+
+def _tiny_graphs(batch: int) -> OpGraph:
+    """A 2-layer GPT of width 256 over a vocabulary of 512 and 32 tokens."""
+    with torch.device("meta"):
+        model = gpt.GPT(gpt.Config(2, 256, 4), vocab=512, context=32)
+    ids = torch.zeros(batch, 32, dtype=torch.int64)
+    return capture(model, (ids, ids), training=True, name=f"tiny-b{batch}")
+
+
+@pytest.fixture(scope="module")
+def tiny_result() -> hybrid.HybridResult:
+    return hybrid.hybrid_search(
+        "tiny", None, load_cluster("h2-8xh100"), global_batch=16,
+        tensor_parallel=(1, 2), micro_batch_sizes=(1, 2), graphs=_tiny_graphs, layers=8,
+        simulate_top=1000,
+    )  # fmt: skip
+
+
+def test_parts_add_up_to_the_whole_step() -> None:
+    """The three parts' FLOPs are the captured step's, counting the probe layer twice."""
+    g = _tiny_graphs(2)
+    pc = hybrid.part_costs(g, load_cluster("h2-8xh100"), 1, 2)
+    total = sum(o.flops for o in g.ops)
+    assert pc.pre.flops + 2 * pc.layer.flops + pc.post.flops == pytest.approx(total, rel=1e-9)
+    assert pc.layer.forward_s > 0 and pc.layer.backward_s > pc.layer.forward_s
+    assert pc.layer.parameter_bytes > 0 and pc.layer.state_bytes == 2 * pc.layer.parameter_bytes
+    assert pc.boundary_bytes == 2 * 32 * 256 * 4  # the residual stream, float32
+    assert pc.tied_bytes == 512 * 256 * 4  # the embedding the head reuses
+
+
+def test_every_configuration_is_searched_and_the_best_fits(tiny_result) -> None:
+    r = tiny_result
+    assert r.solves == 4 and r.layers == 8
+    best = r.best
+    assert best.fits and best.dp * best.tp * best.pp == 16
+    assert sum(best.layers_per_stage) == 8
+    simulated = [p for p in r.plans if not np.isnan(p.time_per_batch_s)]
+    assert all(best.time_per_batch_s <= p.time_per_batch_s for p in simulated if p.fits)
+    for p in simulated:  # the schedule's memory: 1F1B holds min(p - i, m) micro-batches
+        assert len(p.stage_memory_bytes) == p.pp
+        assert p.config.dp * p.config.micro_batch * p.config.micro_batches == 16
+    assert {p.config.schedule for p in r.plans if p.pp > 1} >= {"1f1b", "gpipe"}
+    assert all(p.config.zero in hybrid.PIPELINE_ZERO for p in r.plans if p.pp > 1)
+
+
+def test_oom_plans_are_never_chosen() -> None:
+    """Below the memory the unconstrained best plan needs, the search picks another plan
+    (recomputation, more stages) that fits; with room for none, one sentence says so."""
+    cluster = load_cluster("h2-8xh100")
+    kwargs = dict(
+        global_batch=16, tensor_parallel=(1,), micro_batch_sizes=(1,), graphs=_tiny_graphs,
+        layers=8, simulate_top=1000, zero_stages=(0, 1),
+    )  # fmt: skip
+    free = hybrid.hybrid_search("tiny", None, cluster, **kwargs).best
+    capacity = cluster.devices[hybrid.accelerators(cluster)[0]].spec.memory_bytes
+    fraction = 0.99 * max(free.stage_memory_bytes) / capacity
+    tight = hybrid.hybrid_search("tiny", None, cluster, memory_fraction=fraction, **kwargs)
+    best = tight.best
+    assert best.fits and max(best.stage_memory_bytes) <= fraction * capacity
+    assert best.config != free.config or best.recompute != free.recompute
+    assert best.time_per_batch_s >= free.time_per_batch_s  # the unconstrained one was best
+    for p in tight.plans:
+        assert p.fits == (max(p.stage_memory_bytes) <= fraction * capacity)
+    with pytest.raises(ShardingError, match="no hybrid plan"):
+        _ = hybrid.hybrid_search("tiny", None, cluster, memory_fraction=1e-9, **kwargs).best
+
+
+def test_full_recomputation_trades_time_for_memory() -> None:
+    cluster = load_cluster("h2-8xh100")
+    pc = hybrid.part_costs(_tiny_graphs(1), cluster, 1, 1)
+    config = hybrid.HybridConfig(2, 8, 1, 1, 2, 0, "1f1b")
+    mesh = hybrid.build_mesh(cluster, (8, 1), chips=8)
+    model = hybrid._stage_model(pc, config, 8, mesh, mesh.axis_names[0])
+    assert np.all(model["backward"][:, 1:, 1] > model["backward"][:, 1:, 0])
+    assert np.all(model["kept"][:, 1:, 1] < model["kept"][:, 1:, 0])
+
+
+def test_the_joint_search_is_no_worse_than_the_megatron_grid() -> None:
+    """Both scored by the same model: the grid is a subset of what the DP enumerates."""
+    cluster = load_cluster("h2-8xh100")
+    kwargs = dict(
+        global_batch=16, tensor_parallel=(1, 2), micro_batch_sizes=(1,), graphs=_tiny_graphs,
+        layers=8, simulate_top=1000,
+    )  # fmt: skip
+    joint = hybrid.hybrid_search("tiny", None, cluster, **kwargs)
+    grid = hybrid.hybrid_search("tiny", None, cluster, style="megatron", **kwargs)
+    best_closed = min(p.closed_form_s for p in joint.plans if p.fits)
+    assert best_closed <= min(p.closed_form_s for p in grid.plans if p.fits) * (1 + 1e-9)
+    assert all(len(set(p.layers_per_stage)) == 1 for p in grid.plans)
+
+
+def test_cli_prints_one_plan_and_writes_it(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "hybrid.json"
+    argv = ["shard", "gpt", "--size", "124m", "--cluster", "h1-8xh100", "--pipeline", "auto"]
+    code = main([*argv, "--global-batch", "16", "--json", "--out", str(out)])
+    assert code == 0
+    data = json.loads(capsys.readouterr().out)
+    best = data["best"]
+    assert data["method"] == "hybrid" and best["fits"]
+    assert best["dp"] * best["tp"] * best["pp"] == 8 and sum(best["layers_per_stage"]) == 12
+    plan = json.loads(out.read_text())
+    assert plan["format"] == "meshplace.parallel_plan" and len(plan["stages"]) == best["pp"]
+    assert plan["pipeline"]["micro_batches"] == best["micro_batches"]
+    for bad, words in (
+        (["--global-batch", "0"], "positive"),
+        ([], "needs --global-batch"),
+        (["--global-batch", "16", "--batch", "4"], "not --batch"),
+    ):
+        assert main([*argv, *bad]) == 2
+        err = capsys.readouterr().err
+        assert words in err and err.count("\n") == 1
+    assert main(["shard", "dmcca", "--cluster", "h1-8xh100", "--global-batch", "8"]) == 2
+    assert "--pipeline auto" in capsys.readouterr().err
+
+
+def test_a_pipelined_sharding_plan_is_refused_by_the_runtime(tmp_path: Path, capsys) -> None:
+    """Stages of a hybrid plan do not run under torchrun yet: one sentence, exit 2."""
+    plan = {"format": "meshplace.parallel_plan", "version": 1, "mesh": {"shape": [2, 1, 1]},
+            "stages": [{"layers": [0, 1]}, {"layers": [1, 2]}]}  # fmt: skip
+    path = tmp_path / "hybrid.json"
+    path.write_text(json.dumps(plan))
+    assert main(["run", "--plan", str(path), "--graph", "gpt"]) == 2
+    err = capsys.readouterr().err
+    assert "pipelined sharding plan" in err and err.count("\n") == 1
