@@ -390,6 +390,7 @@ def cmd_hybrid(args: argparse.Namespace) -> int:
             memory_fraction=fraction,
             autocast=get(args, "autocast", None) or "bf16",
             cost_model=cost_model,
+            compute=get(args, "compute", "eager") or "eager",
             style=get(args, "style", "joint") or "joint",
             progress=lambda m: status.update(f"searching {args.model}: {m}…"),
         )

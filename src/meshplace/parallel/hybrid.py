@@ -257,17 +257,19 @@ def part_costs(
     cost_model: CostModel | None = None,
     time_limit_s: float = 20.0,
     restrict: Callable[..., ShardingProblem] | None = None,
+    compute: str = "eager",
 ) -> PartCosts:
     """Shard the two-layer ``graph`` (captured at ``micro_batch`` sequences) over ``tp``
     devices of one host and read each part's costs off the solution (module docstring,
     step 1); ``restrict`` (:func:`meshplace.parallel.grid.restrict_to_grid`) limits the
-    tp axis to Megatron's pattern. Raises :class:`ShardingError` when no sharding exists
-    on that mesh."""
+    tp axis to Megatron's pattern; ``compute`` is the sharding problem's compute model
+    (``"eager"``: one kernel per op; ``"fused"``: point-wise chains fused). Raises
+    :class:`ShardingError` when no sharding exists on that mesh."""
     start = time.perf_counter()
     container = layer_container(graph)
     part, layer = op_parts(graph, container)
     mesh = build_mesh(cluster, (tp,), chips=tp)
-    problem = ShardingProblem(graph, mesh, zero_stages=(0,), cost_model=cost_model)
+    problem = ShardingProblem(graph, mesh, zero_stages=(0,), cost_model=cost_model, compute=compute)
     if restrict is not None:  # Megatron's pattern on the tp axis (a grid's baseline)
         problem = restrict(problem, None, 0, 0)
     solution = problem.cost_tables().solve(float("inf"), time_limit_s=time_limit_s)
@@ -890,6 +892,7 @@ def hybrid_search(
     memory_fraction: float = 1.0,
     autocast: str | None = "bf16",
     cost_model: CostModel | None = None,
+    compute: str = "eager",
     style: str = "joint",
     simulate_top: int = 12,
     progress: Callable[[str], None] | None = None,
@@ -901,8 +904,10 @@ def hybrid_search(
     ``style="joint"`` searches everything; ``"megatron"`` is the hand grid a user of
     Megatron-LM searches, scored by the same model: Megatron's tensor-parallel pattern
     (:func:`meshplace.parallel.grid.restrict_to_grid`), equal stages, one recomputation for
-    all, ZeRO 0 or 1. ``graphs`` (optional) gives the two-layer graph at a micro-batch
-    (the tests' small models; ``layers`` is then the full depth). The ``simulate_top``
+    all, ZeRO 0 or 1. ``compute``: the sharding problem's compute model (``"fused"`` for
+    the fused kernels Megatron-LM and torch.compile run). ``graphs`` (optional) gives the
+    two-layer graph at a micro-batch (the tests' small models; ``layers`` is then the full
+    depth). The ``simulate_top``
     plans best by the DP's closed form are simulated; the fastest simulated plan that fits
     is :attr:`HybridResult.best`.
     """
@@ -954,12 +959,15 @@ def hybrid_search(
             if b not in captured:
                 captured[b] = graphs(b)
             try:
-                if style == "megatron":
-                    parts[(tp, b)] = _grid_part_costs(
-                        captured[b], cluster, tp, b, cost_model, restrict_to_grid
-                    )
-                else:
-                    parts[(tp, b)] = part_costs(captured[b], cluster, tp, b, cost_model=cost_model)
+                parts[(tp, b)] = part_costs(
+                    captured[b],
+                    cluster,
+                    tp,
+                    b,
+                    cost_model=cost_model,
+                    restrict=restrict_to_grid if style == "megatron" else None,
+                    compute=compute,
+                )
                 solves += 1
             except (ShardingError, LayoutError) as exc:
                 skipped[f"tp{tp} mb{b}"] = str(exc)
@@ -1021,15 +1029,3 @@ def hybrid_search(
         parts,
         skipped,
     )
-
-
-def _grid_part_costs(
-    graph: OpGraph,
-    cluster: Cluster,
-    tp: int,
-    b: int,
-    cost_model: CostModel | None,
-    restrict: Callable[..., ShardingProblem],
-) -> PartCosts:
-    """:func:`part_costs` with the tp axis restricted to Megatron's pattern."""
-    return part_costs(graph, cluster, tp, b, cost_model=cost_model, restrict=restrict)
