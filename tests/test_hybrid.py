@@ -142,12 +142,12 @@ def test_the_joint_search_is_no_worse_than_the_megatron_grid() -> None:
 def test_cli_prints_one_plan_and_writes_it(tmp_path: Path, capsys) -> None:
     out = tmp_path / "hybrid.json"
     argv = ["shard", "gpt", "--size", "124m", "--cluster", "h1-8xh100", "--pipeline", "auto"]
-    code = main([*argv, "--global-batch", "16", "--json", "--out", str(out)])
+    code = main([*argv, "--chips", "2", "--global-batch", "4", "--json", "--out", str(out)])
     assert code == 0
     data = json.loads(capsys.readouterr().out)
     best = data["best"]
-    assert data["method"] == "hybrid" and best["fits"]
-    assert best["dp"] * best["tp"] * best["pp"] == 8 and sum(best["layers_per_stage"]) == 12
+    assert data["method"] == "hybrid" and best["fits"] and data["search"]["sharding_solves"] == 6
+    assert best["dp"] * best["tp"] * best["pp"] == 2 and sum(best["layers_per_stage"]) == 12
     plan = json.loads(out.read_text())
     assert plan["format"] == "meshplace.parallel_plan" and len(plan["stages"]) == best["pp"]
     assert plan["pipeline"]["micro_batches"] == best["micro_batches"]

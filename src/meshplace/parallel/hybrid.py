@@ -73,7 +73,8 @@ Example
 
 from __future__ import annotations
 
-import re
+import itertools
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -95,7 +96,6 @@ DEFAULT_TENSOR_PARALLEL = (1, 2, 4, 8)
 DEFAULT_MICRO_BATCH_SIZES = (1, 2, 4, 8)
 PIPELINE_ZERO = (0, 1)  # DeepSpeed does not run ZeRO-2/3 under pipeline parallelism
 PARTS = ("pre", "layer", "post")
-_LAYER = re.compile(r"^(.*?)(?:^|\.)(\d+)(?:\.|$)")
 
 
 # ------------------------------------------------------------------ per-part costs
@@ -135,9 +135,9 @@ class PartCosts:
         pre, layer, post: :class:`Part` costs (``layer``: one of the identical layers).
         boundary_bytes: the activation one stage sends the next per micro-batch (the
             layer input, per device).
-        tied_bytes: bytes of parameters both the first and the last part read (a tied
-            embedding): with ``pp > 1`` both end stages hold them and all-reduce their
-            gradients once per batch.
+        tied_bytes: per-device bytes of parameters both the first and the last part read
+            (a tied embedding): with ``pp > 1`` both end stages hold them and exchange
+            their gradients once per batch.
         strategies: the layer's ops and their tp strategies (for the report).
         solve_s: seconds the capture and the integer program took.
     """
@@ -285,6 +285,8 @@ def part_costs(
         return part[i]
 
     acc: dict[str, dict[str, float]] = {p: {} for p in PARTS}
+    tied = set(tied_parameters(graph, part))
+    tied_bytes = 0.0  # per device, as the solution places them
 
     def add(b: str | None, key: str, value: float) -> None:
         if b is not None:
@@ -300,6 +302,8 @@ def part_costs(
         if g.kind == "parameter":
             # a parameter group holds its optimizer update (its compute) and its gradient's
             # reduction over the tp axis where the ILP splits the batch there (its comm)
+            if g.anchor in tied:
+                tied_bytes += st.parts.get("parameters", 0.0)
             add(b, "update_s", st.compute_s)
             add(b, "backward_s", st.comm_s)
             add(b, "forward_s", st.gather_s if st.gathers >= 1 else 0.0)
@@ -345,8 +349,6 @@ def part_costs(
             boundary += float(nbytes)
     acc["layer"]["input_bytes"] = boundary
     acc["post"]["input_bytes"] = boundary
-    tied = tied_parameters(graph, part)
-    tied_bytes = float(sum(ops[i].param_bytes for i in tied))
     strategies = {
         ops[g.anchor].name: g.strategies[choice[gi]].name
         for gi, g in enumerate(problem.groups)
@@ -473,8 +475,6 @@ def brute_force_split(
 ) -> tuple[float, list[int], list[int]]:
     """:func:`best_split` by enumerating every composition of the layers and every option
     per stage (the tests' oracle; exponential)."""
-    import itertools
-
     p, n_k, n_r = stage_time.shape
     n_layers = n_k - 1
     best: tuple[float, list[int], list[int]] = (float("inf"), [], [])
@@ -602,7 +602,7 @@ class HybridResult:
     @property
     def best(self) -> HybridPlan:
         """The fastest plan that fits; :class:`ShardingError` (one sentence) if none."""
-        fitting = [p for p in self.plans if p.fits]
+        fitting = [p for p in self.plans if p.fits and not math.isnan(p.time_per_batch_s)]
         if not fitting:
             raise ShardingError(
                 f"no hybrid plan of {self.model} fits {self.chips} chips at global batch "
@@ -637,7 +637,7 @@ def _stage_model(
 
     # a tied embedding: the last stage holds its own copy when pp > 1
     pre_params = max(pre.parameter_bytes, 1.0)
-    tied_share = min(pc.tied_bytes / pc.tp / pre_params, 1.0) if p > 1 else 0.0
+    tied_share = min(pc.tied_bytes / pre_params, 1.0) if p > 1 else 0.0
     params = total("parameter_bytes") + last * tied_share * pre.parameter_bytes
     grads = total("gradient_bytes") + last * tied_share * pre.gradient_bytes
     state = total("state_bytes") + last * tied_share * pre.state_bytes
@@ -787,7 +787,7 @@ def _evaluate(
         for i in range(p)
     ]
     if p > 1 and pc.tied_bytes:  # the tied embedding's gradient, first <-> last stage
-        tie = link_s(-1, pc.tied_bytes / pc.tp)
+        tie = link_s(-1, pc.tied_bytes)
         sync[0] += tie
         sync[-1] += tie
     update = [float(x) for x in model["update"][idx]]
