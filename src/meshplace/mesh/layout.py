@@ -396,6 +396,33 @@ def build_mesh(
 _MESH_CACHE: dict[int, tuple[Cluster, dict[tuple, Mesh]]] = {}
 
 
+def mesh_over(
+    cluster: Cluster,
+    devices: np.ndarray,
+    axis_names: Sequence[str] | None = None,
+    mapping: str = "given",
+) -> Mesh:
+    """A mesh whose device array is ``devices`` (cluster device indices, shaped as the
+    mesh), analysed as :func:`build_mesh` analyses its candidates but without choosing the
+    mapping: for a caller that needs an axis in a given place (tensor parallelism inside a
+    host, data parallelism across hosts). O(devices x route length).
+
+    >>> from meshplace.hardware import load_cluster
+    >>> c = load_cluster("h2-8xh100")
+    >>> m = mesh_over(c, np.array(accelerators(c)).reshape(2, 8))  # 8 per host, inner
+    >>> m.collective_time("all_reduce", 1e9, ["x"]) > m.collective_time("all_reduce", 1e9, ["y"])
+    True
+    """
+    devices = np.asarray(devices, dtype=np.int64)
+    shape = tuple(int(s) for s in devices.shape)
+    names = tuple(axis_names) if axis_names is not None else AXIS_NAMES[: len(shape)]
+    if len(names) != len(shape) or len(set(names)) != len(names):
+        raise LayoutError(f"mesh shape {shape} needs {len(shape)} distinct axis names")
+    routes = _RouteCache(cluster)
+    axes = tuple(_analyse_axis(routes, devices, i, names[i]) for i in range(len(shape)))
+    return Mesh(cluster, shape, names, devices, axes, mapping)
+
+
 def _candidates(
     cluster: Cluster, accel: list[int], shape: tuple[int, ...]
 ) -> list[tuple[np.ndarray, str]]:

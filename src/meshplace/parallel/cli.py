@@ -158,6 +158,8 @@ def cmd_shard(args: argparse.Namespace) -> int:
         return cmd_hybrid(args)
     if getattr(args, "global_batch", None) is not None:
         raise InputError("--global-batch applies to --pipeline auto; use --batch otherwise")
+    if getattr(args, "style", "joint") == "megatron":
+        raise InputError("--style applies to --pipeline auto")
     if _method(args) == "program":
         return mesh_cli.cmd_shard(args)
     out = getattr(args, "out", None)
@@ -371,6 +373,20 @@ def cmd_hybrid(args: argparse.Namespace) -> int:
         raise InputError("--pipeline auto takes --global-batch, not --batch")
     if get(args, "mesh", None):
         raise InputError("--pipeline auto chooses the mesh itself; leave out --mesh")
+    for flag, value, default in (
+        ("--dtype", get(args, "dtype", None), None),
+        ("--rules", get(args, "rules", None), None),
+        ("--no-tie", get(args, "no_tie", False), False),
+        ("--method", get(args, "method", "auto"), "auto"),
+        ("--optimizer", get(args, "optimizer", None) or "adam", "adam"),
+    ):
+        if value != default:
+            raise InputError(
+                f"{flag} does not apply to --pipeline auto (it captures the model's layers "
+                "with Adam under --autocast, default bf16, and ties identical layers)"
+            )
+    wus = get(args, "weight_update_sharding", "auto") or "auto"
+    zero_stages = {"auto": (0, 1, 2, 3), "on": (1, 2, 3), "off": (0,)}[wus]
     if args.model not in available():
         raise InputError(
             f"--pipeline auto needs a reference workload whose depth it can vary (gpt), "
@@ -391,6 +407,7 @@ def cmd_hybrid(args: argparse.Namespace) -> int:
             autocast=get(args, "autocast", None) or "bf16",
             cost_model=cost_model,
             compute=get(args, "compute", "eager") or "eager",
+            zero_stages=zero_stages,
             style=get(args, "style", "joint") or "joint",
             progress=lambda m: status.update(f"searching {args.model}: {m}…"),
         )
@@ -406,7 +423,10 @@ def cmd_hybrid(args: argparse.Namespace) -> int:
         "global_batch": result.global_batch,
         "layers": result.layers,
         "best": best.to_dict(),
-        "runners_up": [p.to_dict() for p in others[: top - 1]],
+        "runners_up": [
+            {k: v for k, v in p.to_dict().items() if k != "schedule_tasks"}
+            for p in others[: top - 1]
+        ],
         "search": {
             "seconds": result.search_s,
             "sharding_solves": result.solves,

@@ -86,7 +86,7 @@ from meshplace.cost.compute import CostModel
 from meshplace.errors import InputError
 from meshplace.graph.ir import OpGraph
 from meshplace.hardware.cluster import Cluster
-from meshplace.mesh.layout import LayoutError, Mesh, accelerators, build_mesh
+from meshplace.mesh.layout import LayoutError, Mesh, accelerators, build_mesh, mesh_over
 from meshplace.parallel.sharding import ShardingError, ShardingProblem
 from meshplace.sim.schedule import RECOMPUTE, StageTimes, simulate_schedule
 
@@ -96,6 +96,7 @@ DEFAULT_TENSOR_PARALLEL = (1, 2, 4, 8)
 DEFAULT_MICRO_BATCH_SIZES = (1, 2, 4, 8)
 PIPELINE_ZERO = (0, 1)  # DeepSpeed does not run ZeRO-2/3 under pipeline parallelism
 PARTS = ("pre", "layer", "post")
+MAX_DRAWN = 20_000  # schedule tasks a plan's JSON carries for the report to draw
 
 
 # ------------------------------------------------------------------ per-part costs
@@ -110,7 +111,7 @@ class Part:
         activation_bytes: kept from forward for backward, per micro-batch.
         input_bytes: the part's input per micro-batch (what full recomputation keeps).
         transient_bytes: the largest working set of one op.
-        flops: model FLOPs of one micro-batch (forward + backward + update, all tp devices).
+        flops: model FLOPs of one micro-batch (forward + backward, over all tp devices).
     """
 
     forward_s: float = 0.0
@@ -327,8 +328,9 @@ def part_costs(
         gv_anchor = problem.groups[gv].anchor
         t = _bundle_seconds(problem, choice, gu, gv, events)
         add(bucket(gv_anchor), phase_key.get(ops[gv_anchor].phase, "forward_s"), t)
-    for i, o in enumerate(ops):
-        add(bucket(i), "flops", o.flops)
+    for i, o in enumerate(ops):  # model FLOPs: forward and backward (not the optimizer)
+        if o.phase != "update":
+            add(bucket(i), "flops", o.flops)
     # the activation a stage boundary carries: what the probe layer's forward reads from
     # outside it (its input), per device as placed (replicated over tp unless split)
     a = graph.arrays()
@@ -447,15 +449,18 @@ def best_split(
         return float(f[n_layers]), layers, options
 
     lo, hi = 0, len(candidates) - 1
-    if not np.isfinite(solve(float(candidates[hi]))[0]):
+    loosest = solve(float(candidates[hi]))
+    if not np.isfinite(loosest[0]):
         return float("inf"), [], []
+    if micro_batches == 1:  # Σ + 0 x max: the loosest bound's minimum Σ is the optimum
+        return loosest
     while lo < hi:  # the smallest feasible bottleneck
         mid = (lo + hi) // 2
         if np.isfinite(solve(float(candidates[mid]))[0]):
             hi = mid
         else:
             lo = mid + 1
-    floor_sum = solve(float(candidates[-1]))[0]  # Σ with no bottleneck limit: a lower bound
+    floor_sum = loosest[0]  # Σ with no bottleneck limit: a lower bound
     best: tuple[float, list[int], list[int]] = (float("inf"), [], [])
     for t_max in candidates[lo:]:
         if (micro_batches - 1) * float(t_max) + floor_sum >= best[0]:
@@ -533,6 +538,7 @@ class HybridPlan:
     update_s: list[float] = field(default_factory=list)
     strategies: dict[str, str] = field(default_factory=dict)
     stage_times: StageTimes | None = field(default=None, repr=False)
+    schedule_tasks: list[list[float]] = field(default_factory=list, repr=False)
 
     @property
     def fits(self) -> bool:
@@ -581,6 +587,9 @@ class HybridPlan:
             "sync_s": self.sync_s,
             "update_s": self.update_s,
             "label": c.label,
+            # what the report draws: [device, virtual stage, 0 forward / 1 backward,
+            # micro-batch, start, end] per task, for schedules small enough to draw
+            "schedule_tasks": self.schedule_tasks if len(self.schedule_tasks) <= MAX_DRAWN else [],
         }
 
 
@@ -603,6 +612,15 @@ class HybridResult:
     def best(self) -> HybridPlan:
         """The fastest plan that fits; :class:`ShardingError` (one sentence) if none."""
         fitting = [p for p in self.plans if p.fits and not math.isnan(p.time_per_batch_s)]
+        if not self.plans:
+            why = "; ".join(f"{k}: {v}" for k, v in self.skipped.items()) or (
+                "no data x tensor x pipeline degrees divide the chips and the global batch "
+                f"with at most {self.layers} stages"
+            )
+            raise ShardingError(
+                f"no hybrid configuration of {self.model} exists for {self.chips} chips at "
+                f"global batch {self.global_batch}: {why}"
+            )
         if not fitting:
             raise ShardingError(
                 f"no hybrid plan of {self.model} fits {self.chips} chips at global batch "
@@ -666,9 +684,13 @@ def _stage_model(
         + first * pre.activation_bytes
         + last * post.activation_bytes
     )
-    transient = np.maximum(
-        max(L.transient_bytes, pre.transient_bytes, post.transient_bytes),
-        full * L.activation_bytes,  # one layer's activations rebuilt for its backward
+    # the largest op's working set, plus one layer's activations rebuilt for its backward
+    # under full recomputation, plus (ZeRO-3) one layer's parameters gathered whole while it
+    # runs (FSDP's unit)
+    transient = (
+        max(L.transient_bytes, pre.transient_bytes, post.transient_bytes)
+        + full * L.activation_bytes
+        + (L.parameter_bytes if z >= 3 else 0.0)
     )
     return {
         "forward": np.broadcast_to(forward, (p, layers + 1, 2)),
@@ -683,24 +705,29 @@ def _stage_model(
 
 
 def _sync_seconds(
-    config: HybridConfig, grads: float, params: float, backward: float, mesh: Mesh, axis: str | None
+    config: HybridConfig,
+    grads: float,
+    params: float,
+    forward: float,
+    backward: float,
+    mesh: Mesh,
+    axis: str | None,
 ) -> float:
-    """Exposed once-per-batch gradient synchronisation of one stage after its last
-    backward (module docstring, step 2)."""
+    """Exposed once-per-batch data-parallel synchronisation of one stage (module
+    docstring, step 2): the gradient reduction after the last backward, overlapping that
+    backward (ZeRO-0 all-reduce, ZeRO-1 reduce-scatter; ZeRO-2/3 reduce-scatter after every
+    micro-batch instead), and ZeRO-1/2's all-gather of the updated parameters, which the
+    next step's first forward can overlap."""
     if axis is None or config.dp == 1:
         return 0.0
     z = config.zero
+    reduce = 0.0
     if z == 0:
-        t = mesh.collective_time("all_reduce", grads, [axis])
+        reduce = mesh.collective_time("all_reduce", grads, [axis])
     elif z == 1:
-        t = mesh.collective_time("reduce_scatter", grads, [axis]) + mesh.collective_time(
-            "all_gather", params, [axis]
-        )
-    elif z == 2:
-        t = mesh.collective_time("all_gather", params, [axis])
-    else:
-        t = 0.0
-    return max(0.0, t - (backward if z < 2 else 0.0))
+        reduce = mesh.collective_time("reduce_scatter", grads, [axis])
+    gather = mesh.collective_time("all_gather", params, [axis]) if z in (1, 2) else 0.0
+    return max(0.0, reduce - backward) + max(0.0, gather - forward)
 
 
 def in_flight(schedule: str, stages: int, micro_batches: int) -> np.ndarray:
@@ -722,7 +749,7 @@ def _evaluate(
     capacity: float,
     stage_mesh: Mesh,
     dp_axis: str | None,
-    link_s: Callable[[int, float], float],
+    link_s: Callable[[int, int, float], float],
     peak_flops: float,
     global_batch: int,
     chips: int,
@@ -737,7 +764,7 @@ def _evaluate(
     if p > layers:
         return None
     model = _stage_model(pc, config, layers, stage_mesh, dp_axis)
-    send = np.array([link_s(i, pc.boundary_bytes) for i in range(max(p - 1, 0))])
+    send = np.array([link_s(i, i + 1, pc.boundary_bytes) for i in range(max(p - 1, 0))])
     per_stage_send = np.zeros(p)
     if p > 1:
         per_stage_send[:-1] += send  # activations out
@@ -780,6 +807,7 @@ def _evaluate(
             config,
             float(model["grads"][idx][i]),
             float(model["params"][idx][i]),
+            float(forward[i]),
             float(backward[i]),
             stage_mesh,
             dp_axis,
@@ -787,7 +815,7 @@ def _evaluate(
         for i in range(p)
     ]
     if p > 1 and pc.tied_bytes:  # the tied embedding's gradient, first <-> last stage
-        tie = link_s(-1, pc.tied_bytes)
+        tie = link_s(0, p - 1, pc.tied_bytes)
         sync[0] += tie
         sync[-1] += tie
     update = [float(x) for x in model["update"][idx]]
@@ -812,12 +840,17 @@ def _evaluate(
         update,
         pc.strategies,
     )
-    plan.stage_times = _stage_times(pc, plan, send, v)
+    wrap = link_s(p - 1, 0, pc.boundary_bytes) if v > 1 else 0.0
+    plan.stage_times = _stage_times(pc, plan, send, wrap, v)
     return plan
 
 
-def _stage_times(pc: PartCosts, plan: HybridPlan, send: np.ndarray, v: int) -> StageTimes:
-    """The (virtual) stages' times for the schedule simulator."""
+def _stage_times(
+    pc: PartCosts, plan: HybridPlan, send: np.ndarray, wrap: float, v: int
+) -> StageTimes:
+    """The (virtual) stages' times for the schedule simulator: virtual stage ``s`` runs on
+    device ``s mod p``, so its send crosses the link ``s mod p -> (s + 1) mod p``
+    (``wrap`` from the last device back to the first)."""
     p = plan.pp
     sync, update = np.array(plan.sync_s), np.array(plan.update_s)
     if v == 1:
@@ -840,7 +873,8 @@ def _stage_times(pc: PartCosts, plan: HybridPlan, send: np.ndarray, v: int) -> S
                 + pre * pc.pre.backward_s
                 + post * pc.post.backward_s
             )
-    wire = np.full(p * v - 1, float(send[0]) if len(send) else 0.0)
+    per_device = [*(float(x) for x in send), float(wrap)]  # device d -> d + 1 (mod p)
+    wire = np.array([per_device[s % p] for s in range(p * v - 1)])
     return StageTimes(np.array(forward), np.array(backward), wire, None, sync, update)
 
 
@@ -851,6 +885,11 @@ def simulate_plan(plan: HybridPlan) -> HybridPlan:
     result = simulate_schedule(plan.stage_times, c.schedule, c.micro_batches, v)
     plan.time_per_batch_s = float(result.step_s)
     plan.bubble_fraction = float(result.bubble_fraction)
+    plan.schedule_tasks = [
+        [t["device"], t["stage"], 0 if t["kind"] == "F" else 1, t["micro_batch"], t["start_s"],
+         t["end_s"]]
+        for t in result.tasks
+    ]  # fmt: skip
     return plan
 
 
@@ -926,6 +965,7 @@ def hybrid_search(
         )
     start = time.perf_counter()
     accel = accelerators(cluster)
+    order = cluster.ring_order(accel)  # a host's devices consecutive
     n = int(chips) if chips is not None else len(accel)
     if not 1 <= n <= len(accel):
         raise InputError(f"{cluster.name} has {len(accel)} accelerators, asked for {n}")
@@ -938,7 +978,8 @@ def hybrid_search(
         def graphs(batch: int) -> OpGraph:
             return capture_layers(workload, size, 2, batch, autocast)
 
-    assert layers is not None
+    if layers is None or layers < 1:
+        raise InputError("the hybrid search needs the model's layer count with its graphs")
     device = cluster.devices[accel[0]]
     capacity = device.spec.memory_bytes * memory_fraction
     peak = device.spec.peak("bfloat16" if autocast else "float32")
@@ -986,25 +1027,23 @@ def hybrid_search(
                 continue
             m = global_batch // (dp * b)
             if (dp, tp) not in meshes:
-                try:
-                    meshes[(dp, tp)] = build_mesh(cluster, (dp, tp), chips=dp * tp)
-                except LayoutError as exc:
-                    skipped[f"dp{dp} tp{tp}"] = str(exc)
-                    continue
+                # tensor parallelism on consecutive devices (inside a host, as the sharding
+                # solve assumed), data parallelism across them: stage 0's devices
+                devices = np.array(order[: dp * tp]).reshape(dp, tp)
+                meshes[(dp, tp)] = mesh_over(cluster, devices, ("data", "tensor"), "tp inner")
             mesh = meshes[(dp, tp)]
-            dp_axis = mesh.axis_names[0] if dp > 1 else None
+            dp_axis = "data" if dp > 1 else None
             stage_size = dp * tp
 
-            def link_s(i: int, nbytes: float, stage_size: int = stage_size, pp: int = pp) -> float:
-                a = accel[0] if i < 0 else accel[i * stage_size]
-                z = accel[(pp - 1) * stage_size] if i < 0 else accel[(i + 1) * stage_size]
+            def link_s(i: int, j: int, nbytes: float, stage_size: int = stage_size) -> float:
+                a, z = order[i * stage_size], order[j * stage_size]
                 return cluster.transfer_time(a, z, nbytes) if a != z else 0.0
 
             zs = [z for z in zero_stages if pp == 1 or z in PIPELINE_ZERO]
             if style == "megatron":
                 zs = [z for z in zs if z in PIPELINE_ZERO]
             for z in zs:
-                for schedule in schedules if pp > 1 else ("1f1b",):
+                for schedule in schedules if pp > 1 else tuple(schedules)[:1]:
                     config = HybridConfig(pp, dp, tp, b, m, z, schedule)
                     configurations += 1
                     plan = _evaluate(

@@ -553,7 +553,9 @@ def place_pipeline(
     search may return plans that are pipelines only for the max-load objective, with one
     micro-batch. ``options.runnable_stages`` (``meshplace plan --runnable-stages``)
     restricts the DP to splits of execution order and skips the local search, so the plan
-    always runs stage by stage.
+    runs stage by stage — unless a strict co-location class spans ops far apart in
+    execution order and its merge makes a stage non-contiguous; ``stats["runs_as_stages"]``
+    says which.
 
     Complexity: O(V + E) for the attribution and merging, O(K C) to list K ≤ 600 ideals
     of C ≤ 256 chunks, and O(K² · S · (S + 1)) for the DP over S stage devices and the
@@ -828,8 +830,6 @@ def improve_bottleneck(
     problem: PlacementProblem,
     op_devices: np.ndarray,
     max_evaluations: int,
-    *,
-    keep_stages: bool = False,
 ) -> tuple[np.ndarray, dict[str, Any]]:
     """Non-contiguous improvement of a plan under the problem's objective: first-improvement
     hill climbing over moves of one co-location group (with the groups a strict class ties
@@ -858,6 +858,8 @@ def improve_bottleneck(
     (True, True)
     """
     current = np.array(op_devices, dtype=np.int64)
+    if max_evaluations < 1:
+        return current, {"evaluations": 0, "moves": 0, "converged": False}
     group_of = problem.group_of
     unit_of_group = problem.group_decider
     unit_of_op = unit_of_group[group_of]
@@ -899,8 +901,6 @@ def improve_bottleneck(
                     break
                 trial = current.copy()
                 trial[m] = d
-                if keep_stages and not runs_as_stages(problem.graph, trial):
-                    continue
                 trial_result = problem.evaluate_ops(trial)
                 evaluations += 1
                 trial_score = problem.score(trial_result)

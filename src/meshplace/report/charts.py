@@ -6,6 +6,7 @@ HTML legend where colours carry meaning).
 * :func:`timeline_chart` — one lane per device and per link, like Perfetto's track layout
   (one track per thread; https://perfetto.dev/docs/visualization/ui): ops merged into
   spans coloured by layer, transfers on the links they cross, idle time left blank;
+* :func:`schedule_chart` — a pipeline schedule, one lane per stage, micro-batches coloured;
 * :func:`memory_chart` — peak memory per device against its capacity, OOM in red;
 * :func:`group_graph_chart` — the co-location group graph laid out by depth (x is the
   longest-path level from a source, as in a layered/Sugiyama drawing; Sugiyama, Tagawa
@@ -203,6 +204,57 @@ def timeline_chart(plan: dict[str, Any]) -> tuple[str, str]:
     legend = legend_html(
         [(cls_colour[c], c) for c in classes] + [(IDLE, "idle")], "Layers (module prefix):"
     )
+    return "".join(out), legend
+
+
+# ------------------------------------------------------------ pipeline schedule
+def schedule_chart(
+    tasks: Sequence[Sequence[float]], stages: int, step_s: float, title: str
+) -> tuple[str, str]:
+    """A pipeline schedule: one lane per stage (device), one box per forward or backward
+    of a micro-batch, coloured by micro-batch (forward solid, backward pale), idle time
+    blank — the figure of the GPipe and Megatron-LM papers, drawn from simulated tasks
+    ``[device, virtual stage, 0 forward / 1 backward, micro-batch, start, end]``.
+
+    >>> svg, _ = schedule_chart([[0, 0, 0, 0, 0.0, 1.0], [0, 0, 1, 0, 1.0, 3.0]], 1, 3.0, "s")
+    >>> svg.count("<rect") >= 3
+    True
+    """
+    left, right, top, lane_h, pad = 120, 30, 24, 24, 6
+    x0, x1 = left, WIDTH - right
+    t_max = max([step_s] + [float(t[5]) for t in tasks]) or 1.0
+    height = top + stages * (lane_h + pad) + 60
+    out = [svg_open("chart-schedule", WIDTH, height, title)]
+    y_axis = top + stages * (lane_h + pad)
+    out.append(_x_axis(x0, x1, top - 4, y_axis, t_max))
+    sx = (x1 - x0) / t_max
+    for d in range(stages):
+        y = top + d * (lane_h + pad)
+        busy = sum(float(t[5]) - float(t[4]) for t in tasks if int(t[0]) == d)
+        out.append(rect(x0, y, x1 - x0, lane_h, IDLE, f"stage {d}: busy {100 * busy / t_max:.0f}%"))
+        out.append(text(x0 - 8, y + lane_h * 0.68, f"stage {d}", anchor="end", size=12))
+    micro_batches = sorted({int(t[3]) for t in tasks})
+    for t in tasks:
+        d, virtual, backward, mb = int(t[0]), int(t[1]), int(t[2]), int(t[3])
+        a, b = float(t[4]), float(t[5])
+        y = top + d * (lane_h + pad)
+        kind = "backward" if backward else "forward"
+        tip = f"{kind} of micro-batch {mb} on stage {d}"
+        tip += f" (chunk {virtual})" if virtual != d else ""
+        tip += f": {fmt_seconds(a)}–{fmt_seconds(b)}"
+        extra = ' fill-opacity="0.45"' if backward else ""
+        out.append(
+            rect(x0 + a * sx, y + 2, max((b - a) * sx, 0.6), lane_h - 4, colour(mb), tip, extra)
+        )
+    xs = x0 + step_s * sx
+    out.append(line(xs, top - 8, xs, y_axis, BOUND, 1.5))
+    out.append(text(xs - 4, top - 10, f"batch {fmt_seconds(step_s)}", anchor="end", size=11))
+    out.append("</svg>")
+    shown = micro_batches[:12]
+    items = [(colour(mb), f"micro-batch {mb}") for mb in shown]
+    if len(micro_batches) > len(shown):
+        items.append(("#FFFFFF", f"… {len(micro_batches) - len(shown)} more"))
+    legend = legend_html([*items, (IDLE, "idle")], "Forward solid, backward pale:")
     return "".join(out), legend
 
 

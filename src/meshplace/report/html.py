@@ -41,6 +41,7 @@ from meshplace.report.charts import (
     group_graph_chart,
     line_chart,
     memory_chart,
+    schedule_chart,
     stacked_bar_chart,
     timeline_chart,
 )
@@ -79,8 +80,11 @@ SCALING_KEYS = ("resnet50", "transformer_big", "detection")
 
 
 def result_kind(result: Any) -> str:
-    """``plan``, ``shard``, ``mlperf_scaling`` or ``mesh_transformer``; else ReportError."""
+    """``plan``, ``shard``, ``hybrid``, ``mlperf_scaling`` or ``mesh_transformer``; else
+    ReportError."""
     if isinstance(result, dict):
+        if result.get("method") == "hybrid" and isinstance(result.get("best"), dict):
+            return "hybrid"
         if isinstance(result.get("results"), list) and "lower_bound_s" in result:
             return "plan"
         if {"mesh", "rules", "step_time_s", "collectives"} <= set(result):
@@ -92,8 +96,8 @@ def result_kind(result: Any) -> str:
             return "mesh_transformer"
     raise ReportError(
         "the JSON is neither a plan result (meshplace plan --result), a shard result "
-        "(meshplace shard --json) nor a known benchmark (mlperf_scaling.json, "
-        "mesh_transformer.json)"
+        "(meshplace shard --json, with or without --pipeline auto) nor a known benchmark "
+        "(mlperf_scaling.json, mesh_transformer.json)"
     )
 
 
@@ -134,6 +138,8 @@ def render_html(result: dict[str, Any]) -> str:
         return _plan_page(result)
     if kind == "shard":
         return _shard_page(result)
+    if kind == "hybrid":
+        return _hybrid_page(result)
     if kind == "mlperf_scaling":
         return _mlperf_page(result)
     return _mesh_transformer_page(result)
@@ -381,6 +387,78 @@ def _shard_page(r: dict[str, Any]) -> str:
 
 
 # ------------------------------------------------------------------ benchmarks
+def _hybrid_page(r: dict[str, Any]) -> str:
+    """``meshplace shard --pipeline auto --json``: the plan, its schedule, memory per stage."""
+    b = r["best"]
+    title = f"{r.get('model', '?')} on {r.get('chips', '?')} chips of {r.get('cluster', '?')}"
+    step = float(b.get("time_per_batch_s") or 0.0)
+    sub = (
+        f"data {b['dp']} × tensor {b['tp']} × pipeline {b['pp']} · {b['micro_batches']} "
+        f"micro-batches, {esc(b['schedule'])} · <b>{esc(fmt_seconds(step))}</b> per batch of "
+        f"{r.get('global_batch', '?')} · MFU {100 * float(b.get('mfu') or 0):.1f}%"
+    )
+    first = 0
+    stage_rows = []
+    for i, k in enumerate(b["layers_per_stage"]):
+        stage_rows.append(
+            f"<tr><td>{i}</td><td>{first}–{first + k - 1}</td><td>{esc(b['recompute'][i])}</td>"
+            f'<td class="num">{esc(fmt_seconds(b["stage_forward_s"][i]))}</td>'
+            f'<td class="num">{esc(fmt_seconds(b["stage_backward_s"][i]))}</td>'
+            f'<td class="num">{esc(fmt_bytes(b["stage_memory_bytes"][i]))}</td></tr>'
+        )
+        first += k
+    table = (
+        "<table><tr><th>stage</th><th>layers</th><th>recompute</th><th>forward</th>"
+        "<th>backward</th><th>memory</th></tr>" + "".join(stage_rows) + "</table>"
+    )
+    note = (
+        f"ZeRO-{b['zero']}, {b['micro_batch']} sequence(s) per micro-batch per replica; "
+        f"bubble {100 * float(b.get('bubble_fraction') or 0):.1f}% of the devices' time "
+        "(simulated schedule)."
+    )
+    sections = [_section("stages", "Stages", esc(note), table)]
+    tasks = b.get("schedule_tasks") or []
+    if tasks:
+        svg, legend = schedule_chart(
+            tasks, int(b["pp"]), step, "Pipeline schedule: one lane per stage"
+        )
+        sections.append(_section("schedule", "Pipeline schedule", "", svg + legend))
+    else:
+        sections.append(
+            _section(
+                "schedule",
+                "Pipeline schedule",
+                "Too many tasks to draw (more than 20,000 micro-batch passes).",
+                "",
+            )
+        )
+    rows = [
+        {"device": f"stage {i}", "peak_bytes": m, "capacity_bytes": b["capacity_bytes"]}
+        for i, m in enumerate(b["stage_memory_bytes"])
+    ]
+    svg, legend = memory_chart(rows, "chart-stage-memory", "Memory per device of each stage")
+    sections.append(_section("memory", "Memory per stage", "", svg + legend))
+    runners = r.get("runners_up") or []
+    if runners:
+        body = "".join(
+            f"<tr><td>{esc(p['label'])}</td><td>{esc(','.join(map(str, p['layers_per_stage'])))}"
+            f'</td><td class="num">{esc(fmt_seconds(p["time_per_batch_s"]))}</td>'
+            f'<td class="num">{100 * float(p["mfu"]):.1f}%</td>'
+            f"<td>{'yes' if p['fits'] else 'no'}</td></tr>"
+            for p in runners
+        )
+        sections.append(
+            _section(
+                "runners-up",
+                "Runners-up",
+                "",
+                "<table><tr><th>plan</th><th>layers per stage</th><th>time per batch</th>"
+                f"<th>MFU</th><th>fits</th></tr>{body}</table>",
+            )
+        )
+    return _page(title, sub, sections)
+
+
 def _mlperf_page(r: dict[str, Any]) -> str:
     sections = []
     names = {
