@@ -251,3 +251,27 @@ def test_a_pipelined_sharding_plan_is_refused_by_the_runtime(tmp_path: Path, cap
     assert main(["run", "--plan", str(path), "--graph", "gpt"]) == 2
     err = capsys.readouterr().err
     assert "pipelined sharding plan" in err and err.count("\n") == 1
+
+
+def test_a_strict_class_across_layers_keeps_the_model_in_one_stage() -> None:
+    """Issue 17's strict co-location holds in the joint search: a class with ops in two
+    layers would be split by any cut between them, so no plan has more than one stage."""
+
+    def tied(batch: int) -> OpGraph:
+        g = _tiny_graphs(batch)
+        g.meta["strict_colocation"] = True
+        for layer in (0, 1):
+            op = next(o for o in g.ops if o.module == f"layers.{layer}.mlp.fc")
+            op.colocation = "across"
+        return g
+
+    cluster = load_cluster("h2-8xh100")
+    kwargs = dict(
+        global_batch=16, tensor_parallel=(1,), micro_batch_sizes=(1,), layers=8,
+        simulate_top=1000,
+    )  # fmt: skip
+    free = hybrid.hybrid_search("tiny", None, cluster, graphs=_tiny_graphs, **kwargs)
+    assert any(p.pp > 1 for p in free.plans)
+    result = hybrid.hybrid_search("tiny", None, cluster, graphs=tied, **kwargs)
+    assert result.plans and all(p.pp == 1 for p in result.plans)
+    assert "'across'" in result.skipped["pipeline"]

@@ -53,6 +53,10 @@ model with a stack of identical layers (a transformer) whose depth it can vary:
    the time per global batch that ranks the plans and that the plan reports; plans that do
    not fit are never chosen (:attr:`HybridResult.best`).
 
+A strict co-location class (``meta.strict_colocation``, issue 17) never spans two stages:
+where one spans layers or the parts around them, the model stays one stage
+(:func:`class_across_stages`).
+
 Enumerated: ``pp`` dividing the chips (at most the layers), ``tp`` in 1, 2, 4, 8 inside a
 host, ``dp = chips / (pp tp)``, per-replica micro-batch ``b`` in 1, 2, 4, 8 with ``m =
 global batch / (dp b)`` micro-batches, ZeRO 0-3 (0-1 with ``pp > 1``), schedule 1F1B,
@@ -237,6 +241,29 @@ def op_parts(graph: OpGraph, container: str) -> tuple[list[str], list[int]]:
             j = owner.get(o.module or "")
             part[i], layer[i] = (part[j], layer[j]) if j is not None else ("post", -1)
     return part, layer
+
+
+def class_across_stages(graph: OpGraph) -> str | None:
+    """The first strict co-location class (issue 17) whose ops lie in two different parts
+    or layers — one a pipeline cut could split — or ``None``. O(V).
+
+    >>> from meshplace.graph.ir import Op
+    >>> g = OpGraph("g", meta={"strict_colocation": True})
+    >>> for name, module, key in (("a", "layers.0", "k"), ("b", "layers.1", "k")):
+    ...     _ = g.add_op(Op(name, "matmul", module=module, colocation=key))
+    >>> class_across_stages(g)
+    'k'
+    """
+    from meshplace.graph.groups import strict_classes
+
+    classes = strict_classes(graph)
+    if not classes:
+        return None
+    part, layer = op_parts(graph, layer_container(graph))
+    for key, members in classes.items():
+        if len({(part[i], layer[i]) for i in members}) > 1:
+            return key
+    return None
 
 
 def tied_parameters(graph: OpGraph, part: Sequence[str]) -> list[int]:
@@ -1015,6 +1042,13 @@ def hybrid_search(
     degrees = [d for d in _divisors(n) if d <= layers]
     if pipeline_degrees is not None:
         degrees = [d for d in degrees if d in set(pipeline_degrees)]
+    crossing = next((k for k in map(class_across_stages, captured.values()) if k), None)
+    if crossing is not None:  # a strict class no stage cut may split: one stage only
+        degrees = [d for d in degrees if d == 1]
+        skipped["pipeline"] = (
+            f"strict co-location class {crossing!r} spans layers or the parts around them, "
+            "so the model is not cut into stages"
+        )
     candidates: list[HybridPlan] = []
     configurations = 0
     meshes: dict[tuple[int, int], Mesh] = {}
