@@ -3,7 +3,10 @@ plan fits by the model's own accounting, and the CLI prints one plan."""
 
 from __future__ import annotations
 
+import functools
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -49,8 +52,10 @@ def test_the_pipeline_dp_equals_brute_force(case) -> None:
         assert sum(value) + (micro_batches - 1) * max(value) == pytest.approx(got[0])
 
 
+@functools.cache
 def _tiny_graphs(batch: int) -> OpGraph:
-    """A 2-layer GPT of width 256 over a vocabulary of 512 and 32 tokens."""
+    """A 2-layer GPT of width 256 over a vocabulary of 512 and 32 tokens (captured once per
+    batch: the searches only read it)."""
     with torch.device("meta"):
         model = gpt.GPT(gpt.Config(2, 256, 4), vocab=512, context=32)
     ids = torch.zeros(batch, 32, dtype=torch.int64)
@@ -208,11 +213,16 @@ def test_the_joint_search_is_no_worse_than_the_megatron_grid() -> None:
 def test_cli_prints_one_plan_and_writes_it(tmp_path: Path, capsys) -> None:
     out = tmp_path / "hybrid.json"
     argv = ["shard", "gpt", "--size", "124m", "--cluster", "h1-8xh100", "--pipeline", "auto"]
-    code = main([*argv, "--chips", "2", "--global-batch", "4", "--json", "--out", str(out)])
-    assert code == 0
-    data = json.loads(capsys.readouterr().out)
+    # through a subprocess: stdout is exactly one JSON document, whatever HiGHS prints
+    done = subprocess.run(
+        [sys.executable, "-m", "meshplace.cli", *argv, "--chips", "2", "--global-batch", "2",
+         "--json", "--out", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    data = json.loads(done.stdout)
     best = data["best"]
-    assert data["method"] == "hybrid" and best["fits"] and data["search"]["sharding_solves"] == 6
+    assert data["method"] == "hybrid" and best["fits"] and data["search"]["sharding_solves"] == 4
     assert best["dp"] * best["tp"] * best["pp"] == 2 and sum(best["layers_per_stage"]) == 12
     plan = json.loads(out.read_text())
     assert plan["format"] == "meshplace.parallel_plan" and len(plan["stages"]) == best["pp"]
@@ -258,7 +268,7 @@ def test_a_strict_class_across_layers_keeps_the_model_in_one_stage() -> None:
     layers would be split by any cut between them, so no plan has more than one stage."""
 
     def tied(batch: int) -> OpGraph:
-        g = _tiny_graphs(batch)
+        g = _tiny_graphs.__wrapped__(batch)  # a capture of its own, marked
         g.meta["strict_colocation"] = True
         for layer in (0, 1):
             op = next(o for o in g.ops if o.module == f"layers.{layer}.mlp.fc")

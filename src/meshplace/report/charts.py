@@ -209,12 +209,17 @@ def timeline_chart(plan: dict[str, Any]) -> tuple[str, str]:
 
 # ------------------------------------------------------------ pipeline schedule
 def schedule_chart(
-    tasks: Sequence[Sequence[float]], stages: int, step_s: float, title: str
+    tasks: Sequence[Sequence[float]],
+    stages: int,
+    step_s: float,
+    title: str,
+    tail_s: Sequence[float] | None = None,
 ) -> tuple[str, str]:
     """A pipeline schedule: one lane per stage (device), one box per forward or backward
     of a micro-batch, coloured by micro-batch (forward solid, backward pale), idle time
     blank — the figure of the GPipe and Megatron-LM papers, drawn from simulated tasks
-    ``[device, virtual stage, 0 forward / 1 backward, micro-batch, start, end]``.
+    ``[device, virtual stage, 0 forward / 1 backward, micro-batch, start, end]``; ``tail_s``
+    (per stage) is the gradient synchronisation and optimizer step after its last task.
 
     >>> svg, _ = schedule_chart([[0, 0, 0, 0, 0.0, 1.0], [0, 0, 1, 0, 1.0, 3.0]], 1, 3.0, "s")
     >>> svg.count("<rect") >= 3
@@ -246,6 +251,13 @@ def schedule_chart(
         out.append(
             rect(x0 + a * sx, y + 2, max((b - a) * sx, 0.6), lane_h - 4, colour(mb), tip, extra)
         )
+    for d, tail in enumerate(tail_s or []):
+        ends = [float(t[5]) for t in tasks if int(t[0]) == d]
+        if tail > 0 and ends:
+            a = max(ends)
+            y = top + d * (lane_h + pad)
+            tip = f"stage {d}: gradient synchronisation and optimizer step, {fmt_seconds(tail)}"
+            out.append(rect(x0 + a * sx, y + 2, max(tail * sx, 0.6), lane_h - 4, "#888888", tip))
     xs = x0 + step_s * sx
     out.append(line(xs, top - 8, xs, y_axis, BOUND, 1.5))
     out.append(text(xs - 4, top - 10, f"batch {fmt_seconds(step_s)}", anchor="end", size=11))
@@ -254,7 +266,8 @@ def schedule_chart(
     items = [(colour(mb), f"micro-batch {mb}") for mb in shown]
     if len(micro_batches) > len(shown):
         items.append(("#FFFFFF", f"… {len(micro_batches) - len(shown)} more"))
-    legend = legend_html([*items, (IDLE, "idle")], "Forward solid, backward pale:")
+    items += [("#888888", "gradient sync + optimizer"), (IDLE, "idle")]
+    legend = legend_html(items, "Forward solid, backward pale:")
     return "".join(out), legend
 
 

@@ -419,8 +419,9 @@ def _hybrid_page(r: dict[str, Any]) -> str:
     sections = [_section("stages", "Stages", esc(note), table)]
     tasks = b.get("schedule_tasks") or []
     if tasks:
+        tail = [a + u for a, u in zip(b.get("sync_s", []), b.get("update_s", []), strict=False)]
         svg, legend = schedule_chart(
-            tasks, int(b["pp"]), step, "Pipeline schedule: one lane per stage"
+            tasks, int(b["pp"]), step, "Pipeline schedule: one lane per stage", tail
         )
         sections.append(_section("schedule", "Pipeline schedule", "", svg + legend))
     else:
