@@ -285,3 +285,18 @@ def test_a_strict_class_across_layers_keeps_the_model_in_one_stage() -> None:
     result = hybrid.hybrid_search("tiny", None, cluster, graphs=tied, **kwargs)
     assert result.plans and all(p.pp == 1 for p in result.plans)
     assert "'across'" in result.skipped["pipeline"]
+
+
+def test_a_users_model_file_is_searched_at_its_own_batch(capsys) -> None:
+    """`file.py:build` (no depth to vary): its own capture, its batch as the micro-batch,
+    its own layer stack."""
+    example = Path(__file__).resolve().parents[1] / "examples" / "llama.py"
+    argv = ["shard", f"{example}:build_tiny", "--cluster", "dgx-h100", "--chips", "2"]
+    assert main([*argv, "--pipeline", "auto", "--global-batch", "8", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    best = data["best"]
+    assert data["layers"] == 2 and best["micro_batch"] == 2  # build_tiny: batch 2, 2 layers
+    assert best["dp"] * best["micro_batch"] * best["micro_batches"] == 8
+    assert data["search"]["sharding_solves"] == 2  # tp 1 and 2, one micro-batch size
+    assert main([*argv, "--pipeline", "auto", "--global-batch", "3"]) == 2
+    assert "no hybrid configuration" in capsys.readouterr().err

@@ -99,5 +99,15 @@ def get(
         return builder(size=size, batch=batch)
 
 
+def varies_depth(name: str) -> bool:
+    """Whether workload ``name`` can be built with another depth (``get(..., layers=)``).
+
+    >>> varies_depth("gpt"), varies_depth("resnet50"), varies_depth("model.py:build")
+    (True, False, False)
+    """
+    module = _MODULES.get(name)
+    return module is not None and "layers" in inspect.signature(module.build).parameters
+
+
 def _choices(names: Iterable[str]) -> str:
     return ", ".join(repr(n) for n in names)

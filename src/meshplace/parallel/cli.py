@@ -358,7 +358,7 @@ def cmd_hybrid(args: argparse.Namespace) -> int:
     """``meshplace shard MODEL --pipeline auto --global-batch B``: the joint search of
     :mod:`meshplace.parallel.hybrid`, printed (or ``--json``) and written (``--out``)."""
     from meshplace.hardware import load_cluster
-    from meshplace.models import available
+    from meshplace.models import varies_depth
     from meshplace.parallel.hybrid import hybrid_search
 
     get = getattr
@@ -387,16 +387,36 @@ def cmd_hybrid(args: argparse.Namespace) -> int:
             )
     wus = get(args, "weight_update_sharding", "auto") or "auto"
     zero_stages = {"auto": (0, 1, 2, 3), "on": (1, 2, 3), "off": (0,)}[wus]
-    if args.model not in available():
-        raise InputError(
-            f"--pipeline auto needs a reference workload whose depth it can vary (gpt), "
-            f"not {args.model!r}"
-        )
     fraction = memory_fraction_of(args)
     cluster = load_cluster(args.cluster)
     cost_model = calibrated_cost_model_of(args, cluster)
     console = Console(stderr=True)
+    autocast = get(args, "autocast", None) or "bf16"
     with console.status(f"searching {args.model}…", spinner="dots") as status:
+        fixed: dict[str, Any] = {}
+        if not varies_depth(args.model):
+            # any other model (file.py:build, graph.json, a workload of fixed depth): its
+            # own capture, at its own batch as the micro-batch, its own layer stack
+            from meshplace.graph.sources import graph_source
+            from meshplace.parallel.hybrid import graph_batch, layer_count
+
+            status.update(f"capturing {args.model}…")
+            source = graph_source(
+                args.model,
+                size=get(args, "size", None),
+                training=True,
+                autocast=autocast,
+                cache=not get(args, "no_cache", False),
+            )
+            for note in source.notes:
+                console.print(f"meshplace: note: {note}", highlight=False, markup=False)
+            graph = source.graph
+            micro = graph_batch(graph)
+            fixed = {
+                "graphs": lambda b: graph,
+                "layers": layer_count(graph),
+                "micro_batch_sizes": (micro,),
+            }
         result = hybrid_search(
             args.model,
             get(args, "size", None),
@@ -404,12 +424,13 @@ def cmd_hybrid(args: argparse.Namespace) -> int:
             global_batch=batch,
             chips=get(args, "chips", None),
             memory_fraction=fraction,
-            autocast=get(args, "autocast", None) or "bf16",
+            autocast=autocast,
             cost_model=cost_model,
             compute=get(args, "compute", "eager") or "eager",
             zero_stages=zero_stages,
             style=get(args, "style", "joint") or "joint",
             progress=lambda m: status.update(f"searching {args.model}: {m}…"),
+            **fixed,
         )
     best = result.best
     top = max(1, get(args, "top", 5) or 5)

@@ -6,7 +6,9 @@ program over contiguous layer ranges and sub-meshes, calling its intra-operator 
 solver for every candidate stage on every sub-mesh; Megatron-LM (Narayanan et al., SC
 2021) adds the schedule (1F1B, interleaved), and Galvatron, Aceso and Mist add
 recomputation and optimizer-state sharding to the search. meshplace does the same on a
-model with a stack of identical layers (a transformer) whose depth it can vary:
+model with a stack of identical layers (a transformer); step 1 captures two layers when the
+workload's depth can vary, and otherwise takes the model's own capture at its own batch
+(``graphs``, ``layers``, one micro-batch size):
 
 1. **Intra-stage sharding, solved once per (tensor-parallel degree, micro-batch).** The
    model is captured with two layers at the per-replica micro-batch ``b`` and sharded over
@@ -241,6 +243,44 @@ def op_parts(graph: OpGraph, container: str) -> tuple[list[str], list[int]]:
             j = owner.get(o.module or "")
             part[i], layer[i] = (part[j], layer[j]) if j is not None else ("post", -1)
     return part, layer
+
+
+def layer_count(graph: OpGraph) -> int:
+    """How many layers the stack of :func:`layer_container` holds.
+
+    >>> from meshplace.graph.ir import Op
+    >>> g = OpGraph("g")
+    >>> for m in ("embed", "h.0.mlp", "h.1.mlp", "h.2.attn"):
+    ...     _ = g.add_op(Op(m, "matmul", module=m))
+    >>> layer_count(g)
+    3
+    """
+    _, layer = op_parts(graph, layer_container(graph))
+    return len({x for x in layer if x >= 0})
+
+
+def graph_batch(graph: OpGraph) -> int:
+    """The batch a captured graph was traced at: the leading dimension every input shares.
+    Raises :class:`InputError` when the inputs do not agree on one.
+
+    >>> from meshplace.graph.ir import Op
+    >>> g = OpGraph("g")
+    >>> _ = g.add_op(Op("input:ids", "input", output_shapes=[[4, 32]]))
+    >>> graph_batch(g)
+    4
+    """
+    leading = {
+        int(o.output_shapes[0][0])
+        for o in graph.ops
+        if o.kind == "input" and o.output_shapes and len(o.output_shapes[0]) >= 1
+    }
+    if len(leading) != 1:
+        raise InputError(
+            f"graph {graph.name!r}: cannot tell its batch size (its inputs' leading "
+            f"dimensions are {sorted(leading) or 'missing'}); the hybrid search splits the "
+            "batch into micro-batches"
+        )
+    return leading.pop()
 
 
 def class_across_stages(graph: OpGraph) -> str | None:
