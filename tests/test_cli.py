@@ -232,6 +232,16 @@ def test_runnable_stages_gives_a_pipeline_plan_that_runs_stage_by_stage(capsys, 
         values[bool(flag)] = row["objective_value_s"]
         if flag:
             assert as_stages and "local_search" not in row["stats"]
+            # its schedule, reported by `plan`, is what `simulate` runs for the plan file
+            graph_file = tmp_path / "dmcca.json"
+            assert main(["graph", "dmcca", "--out", str(graph_file)]) == 0
+            capsys.readouterr()
+            sim = ["simulate", "--graph", str(graph_file), "--cluster", "colocrl-4gpu"]
+            assert main([*sim, "--plan", str(out), "--objective", "throughput", "--json"]) == 0
+            simulated = json.loads(capsys.readouterr().out)["pipeline"]
+            schedule = row["stats"]["schedule"]
+            assert simulated["micro_batches"] == schedule["micro_batches"]
+            assert simulated["step_s"] == pytest.approx(schedule["step_s"], rel=1e-12)
         else:
             assert row["stats"]["local_search"]["evaluations"] >= 1
     assert values[False] <= values[True]

@@ -676,6 +676,15 @@ def _print_plan_report(console: Console, r: dict[str, Any]) -> None:
             f"{row['evaluations']:,}",
         )
     console.print(table)
+    for row in r["results"]:  # a pipeline's schedule, as `meshplace simulate` runs its plan
+        sched = (row.get("stats") or {}).get("schedule")
+        if row["placer"] == "pipeline" and sched:
+            console.print(
+                f"pipeline as {sched['schedule'].upper()} with {sched['micro_batches']} "
+                f"micro-batches: {sched['step_s'] * 1e3:,.1f} ms per step, bubble "
+                f"{sched['bubble_fraction']:.1%} (the table's number is the steady state)",
+                highlight=False,
+            )
     console.print(f"lower bound: {r['lower_bound_s'] * 1e3:,.1f} ms", highlight=False)
     if best is None:
         console.print(

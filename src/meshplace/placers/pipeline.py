@@ -584,7 +584,41 @@ def place_pipeline(
     stats["runs_as_stages"] = runs_as_stages(problem.graph, assignment.devices)
     if not stats["runs_as_stages"]:
         stats["micro_batches"] = 1
+    elif stats["micro_batches"] > 1:
+        stats["schedule"] = schedule_of(problem, assignment.devices, stats["micro_batches"])
     return assignment, stats
+
+
+def schedule_of(
+    problem: PlacementProblem, op_devices: np.ndarray, micro_batches: int, schedule: str = "1f1b"
+) -> dict[str, Any] | None:
+    """The plan run as a pipeline ``schedule`` of ``micro_batches`` — what ``meshplace
+    simulate`` reports for the plan file (:func:`meshplace.sim.schedule.pipeline_of_placement`
+    and :func:`~meshplace.sim.schedule.simulate_schedule`): time per step, per micro-batch,
+    bubble and micro-batches held per stage; ``None`` if the plan is not a pipeline.
+
+    >>> from meshplace.graph.sources import workload_graph
+    >>> from meshplace.hardware import load_cluster
+    >>> p = PlacementProblem.build(workload_graph("dmcca"), load_cluster("colocrl-2gpu"))
+    >>> plan, stats = place_pipeline(p, 1.0, 0)
+    >>> s = stats["schedule"]
+    >>> s["micro_batches"] == stats["micro_batches"] and s["step_s"] > 0
+    True
+    """
+    from meshplace.sim.schedule import pipeline_of_placement, simulate_schedule
+
+    pipeline = pipeline_of_placement(problem.simulator, op_devices, micro_batches)
+    if pipeline is None:
+        return None
+    result = simulate_schedule(pipeline.times, schedule, micro_batches)
+    return {
+        "schedule": schedule,
+        "micro_batches": micro_batches,
+        "step_s": result.step_s,
+        "per_micro_batch_s": result.step_s / micro_batches,
+        "bubble_fraction": result.bubble_fraction,
+        "peak_in_flight": result.peak_in_flight,
+    }
 
 
 def runs_as_stages(graph: Any, op_devices: np.ndarray) -> bool:
