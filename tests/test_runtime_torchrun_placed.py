@@ -138,7 +138,7 @@ def test_a_pipelined_placement_runs_as_a_1f1b_pipeline_like_one_process(tmp_path
     problem = _gpus_only(PlacementProblem.build(graph, load_cluster("colocrl-2gpu"), "throughput"))
     stages = PlacerOptions(runnable_stages=True)  # what `plan --runnable-stages` asks for
     plan = best_plan(problem, [run_placer("pipeline", problem, 5.0, 0, stages)], 5.0, 0)
-    assert plan.micro_batches == 8 and len(set(plan.placement.values())) == 2
+    assert plan.micro_batches in (2, 4, 8) and len(set(plan.placement.values())) == 2
     save_plan(plan, tmp_path / "pipe.json")
     done = subprocess.run(
         [

@@ -279,7 +279,7 @@ def result_plan(
     and ``--out-all`` for each), its objective value, step time and memory verdict in
     ``meta``."""
     names = [problem.device_names[d] for d in result.op_devices.tolist()]
-    # a pipeline's micro-batches (the pipeline placer suggests 4 x stages) travel with
+    # a pipeline's micro-batches (the pipeline placer's fastest 1F1B count) travel with
     # the plan, so that the runtime runs it as one (meshplace.runtime.pipelined)
     micro_batches = 1
     if problem.objective == "throughput":

@@ -84,6 +84,24 @@ def summarize(graph: OpGraph, max_groups: int | None = DEFAULT_MAX_GROUPS) -> di
     }
 
 
+def traced_batch(graph: OpGraph) -> int | None:
+    """The batch a captured graph was traced at: the leading dimension every input shares
+    (``None`` when the inputs have none or disagree). O(V).
+
+    >>> from meshplace.graph.ir import Op
+    >>> g = OpGraph("g")
+    >>> _ = g.add_op(Op("input:ids", "input", output_shapes=[[4, 32]]))
+    >>> traced_batch(g)
+    4
+    """
+    leading = {
+        int(o.output_shapes[0][0])
+        for o in graph.ops
+        if o.kind == "input" and o.output_shapes and len(o.output_shapes[0]) >= 1
+    }
+    return leading.pop() if len(leading) == 1 else None
+
+
 def human(value: float, unit: str = "") -> str:
     """``1.23e9`` → ``"1.23 G"`` (decimal prefixes; bytes use binary ones)."""
     if unit == "B":

@@ -260,8 +260,9 @@ def layer_count(graph: OpGraph) -> int:
 
 
 def graph_batch(graph: OpGraph) -> int:
-    """The batch a captured graph was traced at: the leading dimension every input shares.
-    Raises :class:`InputError` when the inputs do not agree on one.
+    """The batch a captured graph was traced at
+    (:func:`meshplace.graph.summary.traced_batch`); :class:`InputError` when the inputs
+    do not agree on one.
 
     >>> from meshplace.graph.ir import Op
     >>> g = OpGraph("g")
@@ -269,18 +270,15 @@ def graph_batch(graph: OpGraph) -> int:
     >>> graph_batch(g)
     4
     """
-    leading = {
-        int(o.output_shapes[0][0])
-        for o in graph.ops
-        if o.kind == "input" and o.output_shapes and len(o.output_shapes[0]) >= 1
-    }
-    if len(leading) != 1:
+    from meshplace.graph.summary import traced_batch
+
+    batch = traced_batch(graph)
+    if batch is None:
         raise InputError(
-            f"graph {graph.name!r}: cannot tell its batch size (its inputs' leading "
-            f"dimensions are {sorted(leading) or 'missing'}); the hybrid search splits the "
-            "batch into micro-batches"
+            f"graph {graph.name!r}: cannot tell its batch size (its inputs do not share a "
+            "leading dimension); the hybrid search splits the batch into micro-batches"
         )
-    return leading.pop()
+    return batch
 
 
 def class_across_stages(graph: OpGraph) -> str | None:

@@ -38,8 +38,10 @@ Example
 >>> from meshplace.placers.base import PlacementProblem, run_placer
 >>> p = PlacementProblem.build(workload_graph("dmcca"), load_cluster("colocrl-2gpu"))
 >>> r = run_placer("pipeline", p, budget_s=2.0, seed=0)
->>> r.stats["stages"] <= 3, r.stats["micro_batches"] == 4 * r.stats["stages"]  # 2 GPUs, a CPU
-(True, True)
+>>> r.stats["stages"] <= 3  # 2 GPUs, a CPU
+True
+>>> r.stats["micro_batches"] == r.stats["schedule"]["micro_batches"]  # the best 1F1B
+True
 """
 
 from __future__ import annotations
@@ -539,23 +541,24 @@ def place_pipeline(
     each stage's memory must fit its device. If no split fits, memory is ignored
     (``stats["fits"]`` says so). Deterministic (``seed`` is unused).
 
-    ``stats["micro_batches"]`` suggests 4 x stages micro-batches (GPipe, Huang et al.,
-    NeurIPS 2019, §2.3: the fill/drain bubble is then negligible); the DP chooses the
-    plan for its steady-state time ``stats["bottleneck_s"]``. Under the ``throughput``
-    objective :func:`improve_bottleneck` then improves it with
+    The DP chooses the plan for its steady-state time ``stats["bottleneck_s"]``. Under
+    the ``throughput`` objective :func:`improve_bottleneck` then improves it with
     :func:`local_search_evaluations` simulations at most (``stats["local_search"]``; the
     stage detail describes the DP's plan before it); under ``step`` the DP's plan is
     returned as it is — a pipeline plan, which one step does not reward.
 
     A plan whose stages ``torch.distributed.pipelining`` can run (:func:`runs_as_stages`:
     contiguous in execution order, backward beside forward) carries ``stats[
-    "micro_batches"]``; the DP over ideals (an unrolled RNN split by layer) and the local
-    search may return plans that are pipelines only for the max-load objective, with one
-    micro-batch. ``options.runnable_stages`` (``meshplace plan --runnable-stages``)
-    restricts the DP to splits of execution order and skips the local search, so the plan
-    runs stage by stage — unless a strict co-location class spans ops far apart in
-    execution order and its merge makes a stage non-contiguous; ``stats["runs_as_stages"]``
-    says which.
+    "micro_batches"]``: of 1, 2, 4 and 8 per stage (:func:`micro_batch_choices`), the count
+    whose 1F1B schedule is fastest (``stats["schedule"]``, :func:`schedule_of`; GPipe's
+    rule, Huang et al., NeurIPS 2019, §2.3, takes 4 per stage to make the fill and drain
+    small, but each micro-batch also pays every op's launch again). The DP over ideals (an
+    unrolled RNN split by layer) and the local search may return plans that are pipelines
+    only for the max-load objective, with one micro-batch. ``options.runnable_stages``
+    (``meshplace plan --runnable-stages``) restricts the DP to splits of execution order
+    and skips the local search, so the plan runs stage by stage — unless a strict
+    co-location class spans ops far apart in execution order and its merge makes a stage
+    non-contiguous; ``stats["runs_as_stages"]`` says which.
 
     Complexity: O(V + E) for the attribution and merging, O(K C) to list K ≤ 600 ideals
     of C ≤ 256 chunks, and O(K² · S · (S + 1)) for the DP over S stage devices and the
@@ -584,9 +587,39 @@ def place_pipeline(
     stats["runs_as_stages"] = runs_as_stages(problem.graph, assignment.devices)
     if not stats["runs_as_stages"]:
         stats["micro_batches"] = 1
-    elif stats["micro_batches"] > 1:
-        stats["schedule"] = schedule_of(problem, assignment.devices, stats["micro_batches"])
+    elif stats["stages"] <= 1:
+        stats["micro_batches"] = 1  # one stage: nothing to pipeline
+    else:
+        # the micro-batch count is the schedule's best: 1, 2, 4 or 8 per stage (of those
+        # the traced batch divides), simulated as 1F1B — the fill and drain shrink with
+        # more micro-batches, every op's launch is paid once more per micro-batch
+        best = None
+        for m in micro_batch_choices(problem.graph, stats["stages"]):
+            schedule = schedule_of(problem, assignment.devices, m)
+            if schedule is not None and (best is None or schedule["step_s"] < best["step_s"]):
+                best = schedule
+        if best is not None:
+            stats["micro_batches"] = best["micro_batches"]
+            stats["schedule"] = best
     return assignment, stats
+
+
+def micro_batch_choices(graph: Any, stages: int) -> list[int]:
+    """Micro-batch counts the pipeline placer tries: 1, 2, 4 and 8 per stage, those the
+    traced batch divides (all four when the batch is unknown; at least the smallest).
+
+    >>> from meshplace.graph.ir import Op, OpGraph
+    >>> g = OpGraph("g")
+    >>> _ = g.add_op(Op("input:x", "input", output_shapes=[[8, 16]]))
+    >>> micro_batch_choices(g, 2)
+    [2, 4, 8]
+    """
+    from meshplace.graph.summary import traced_batch
+
+    batch = traced_batch(graph)
+    counts = [k * stages for k in (1, 2, 4, 8)]
+    fitting = [m for m in counts if batch is None or batch % m == 0]
+    return fitting or counts[:1]
 
 
 def schedule_of(

@@ -6,12 +6,13 @@ schedule), as PyTorch implements them (``torch.distributed.pipelining``:
 ``pipeline``/``SplitPoint``, ``PipelineStage``, ``ScheduleGPipe``, ``Schedule1F1B``).
 
 A placement plan whose objective is throughput with more than one micro-batch (``meshplace
-plan --objective throughput``; the ``pipeline`` placer writes ``4 x stages``
-micro-batches) describes a pipeline: its forward ops form one contiguous run per device,
-in the order the devices appear. :func:`stage_boundaries` reads the module where each run
-begins (the first op of the next device: the child of the two ops' common module path that
-holds it, e.g. ``layers.1``); torch's pipelining front end traces the model once
-(``torch.export``) and splits it there into one ``PipelineStage`` per rank. The schedule
+plan --objective throughput``; the ``pipeline`` placer writes the micro-batch count whose
+simulated 1F1B schedule is fastest) describes a pipeline: its forward ops form one
+contiguous run per device, in the order the devices appear. :func:`stage_boundaries`
+reads the module where each run begins (the first op of the next device: the child of the
+two ops' common module path that holds it, e.g. ``layers.1``); torch's pipelining front
+end traces the model once (``torch.export``) and splits it there into one
+``PipelineStage`` per rank. The schedule
 (1F1B by default, or GPipe) runs the plan's micro-batches through the stages; each rank's
 Adam updates only its stage's parameters.
 
