@@ -549,8 +549,9 @@ def place_pipeline(
 
     A plan whose stages ``torch.distributed.pipelining`` can run (:func:`runs_as_stages`:
     contiguous in execution order, backward beside forward) carries ``stats[
-    "micro_batches"]``: of 1, 2, 4 and 8 per stage (:func:`micro_batch_choices`), the count
-    whose 1F1B schedule is fastest (``stats["schedule"]``, :func:`schedule_of`; GPipe's
+    "micro_batches"]``: of the counts up to 8 per stage that divide the batch
+    (:func:`micro_batch_choices`), the count whose 1F1B schedule is fastest
+    (``stats["schedule"]``, :func:`schedule_of`; GPipe's
     rule, Huang et al., NeurIPS 2019, §2.3, takes 4 per stage to make the fill and drain
     small, but each micro-batch also pays every op's launch again). The DP over ideals (an
     unrolled RNN split by layer) and the local search may return plans that are pipelines
@@ -598,28 +599,29 @@ def place_pipeline(
             schedule = schedule_of(problem, assignment.devices, m)
             if schedule is not None and (best is None or schedule["step_s"] < best["step_s"]):
                 best = schedule
+        stats["micro_batches"] = best["micro_batches"] if best is not None else 1
         if best is not None:
-            stats["micro_batches"] = best["micro_batches"]
             stats["schedule"] = best
     return assignment, stats
 
 
 def micro_batch_choices(graph: Any, stages: int) -> list[int]:
-    """Micro-batch counts the pipeline placer tries: 1, 2, 4 and 8 per stage, those the
-    traced batch divides (all four when the batch is unknown; at least the smallest).
+    """Micro-batch counts the pipeline placer tries: every count from 2 to 8 per stage that
+    divides the traced batch (1, 2, 4 and 8 per stage when the batch is unknown; none for a
+    batch of one — the plan then has one micro-batch).
 
     >>> from meshplace.graph.ir import Op, OpGraph
     >>> g = OpGraph("g")
-    >>> _ = g.add_op(Op("input:x", "input", output_shapes=[[8, 16]]))
-    >>> micro_batch_choices(g, 2)
-    [2, 4, 8]
+    >>> _ = g.add_op(Op("input:x", "input", output_shapes=[[32, 16]]))
+    >>> micro_batch_choices(g, 3), micro_batch_choices(g, 1)
+    ([2, 4, 8, 16], [2, 4, 8])
     """
     from meshplace.graph.summary import traced_batch
 
     batch = traced_batch(graph)
-    counts = [k * stages for k in (1, 2, 4, 8)]
-    fitting = [m for m in counts if batch is None or batch % m == 0]
-    return fitting or counts[:1]
+    if batch is None:
+        return [k * stages for k in (1, 2, 4, 8)]
+    return [m for m in range(2, min(batch, 8 * stages) + 1) if batch % m == 0]
 
 
 def schedule_of(
