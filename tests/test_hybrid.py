@@ -16,8 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshplace.cli import main
+from meshplace.errors import InputError
 from meshplace.graph.capture import capture
-from meshplace.graph.ir import OpGraph
+from meshplace.graph.ir import Op, OpGraph
 from meshplace.hardware import load_cluster
 from meshplace.models import gpt
 from meshplace.parallel import hybrid
@@ -300,3 +301,44 @@ def test_a_users_model_file_is_searched_at_its_own_batch(capsys) -> None:
     assert data["search"]["sharding_solves"] == 2  # tp 1 and 2, one micro-batch size
     assert main([*argv, "--pipeline", "auto", "--global-batch", "3"]) == 2
     assert "no hybrid configuration" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("modules", "words"),
+    [
+        (["enc.layers.0", "enc.layers.1", "dec.layers.0", "dec.layers.1"], "2 separate layer"),
+        (["embed", "head"], "no stack of repeated layers"),
+    ],
+)
+def test_one_stack_of_layers_is_cut(modules, words) -> None:
+    g = OpGraph("g")
+    for m in modules:
+        g.add_op(Op(m, "matmul", module=m, flops=1.0))
+    with pytest.raises(InputError, match=words):
+        hybrid.layer_container(g)
+
+
+def _stack(flops: tuple[float, ...], chained: bool) -> OpGraph:
+    g = OpGraph("stack")
+    g.add_op(Op("embed", "embedding", module="embed", flops=1.0))
+    for k, f in enumerate(flops):
+        g.add_op(Op(f"l{k}", "matmul", module=f"layers.{k}.mlp.0", flops=f))
+        g.add_op(Op(f"l{k}b", "matmul", module=f"layers.{k}.mlp.1", flops=0.0))
+        g.add_edge(f"l{k}", f"l{k}b", 4)
+        g.add_edge(f"l{k - 1}b" if chained and k else "embed", f"l{k}", 4)
+    return g
+
+
+@pytest.mark.parametrize(
+    ("flops", "chained", "words"),
+    [((2.0, 3.0, 2.0), True, "layer 1 has 3"), ((2.0, 2.0, 2.0), False, "does not read")],
+)
+def test_the_stack_must_be_a_chain_of_identical_layers(flops, chained, words) -> None:
+    """The search prices every layer as one and cuts between them: a layer that differs,
+    or layers that are parallel branches, are refused in one sentence."""
+    good = _stack((2.0, 2.0, 2.0), chained=True)
+    assert hybrid.layer_container(good) == "layers"  # not layers.N.mlp, a Sequential inside
+    hybrid.check_layer_stack(good, *hybrid.op_parts(good, "layers"))
+    bad = _stack(flops, chained)
+    with pytest.raises(InputError, match=words):
+        hybrid.check_layer_stack(bad, *hybrid.op_parts(bad, "layers"))

@@ -215,14 +215,8 @@ def test_valid_deterministic_fast(problems, workload: str) -> None:
     assert 1 <= stats["stages"] <= 5
     # micro-batches only where torch.distributed.pipelining can run the plan stage by stage
     assert stats["runs_as_stages"] == pipeline.runs_as_stages(problem.graph, first.op_devices)
-    choices = pipeline.micro_batch_choices(problem.graph, stats["stages"])
-    if stats["runs_as_stages"] and stats["stages"] > 1 and choices:
-        # the fastest 1F1B count of those tried, each simulated as `meshplace simulate` does
-        assert stats["micro_batches"] in choices
-        times = [pipeline.schedule_of(problem, first.op_devices, m)["step_s"] for m in choices]
-        assert stats["schedule"]["step_s"] == min(times)
-    else:
-        assert stats["micro_batches"] == 1
+    # a plan for one step: nothing to pipeline (the throughput case is tested below)
+    assert stats["micro_batches"] == 1 and "schedule" not in stats
     # The DP's stage loads are exactly what the simulator sees each device busy with:
     # attribution to forward units matches complete_placement.
     for stage in stats["stage_detail"]:
@@ -405,3 +399,34 @@ def test_pipeline_under_throughput_is_no_worse_than_the_other_placers_on_rnnlm()
             if name not in ("pipeline", "anneal"):
                 other = run_placer(name, problem, 1.0, seed=0)
                 assert ours.value <= other.value, name
+
+
+@pytest.mark.parametrize("workload", ["dmcca", "resnet50"])
+def test_a_stage_plan_gets_the_micro_batches_of_its_fastest_1f1b_schedule(workload: str) -> None:
+    """Under throughput, with --runnable-stages: of the counts from one to eight per stage
+    that divide the batch, the one whose simulated 1F1B schedule is fastest."""
+    from meshplace.graph.summary import traced_batch
+    from meshplace.placers.base import PlacerOptions
+
+    problem = PlacementProblem.build(
+        workload_graph(workload), load_cluster("colocrl-4gpu"), objective="throughput"
+    )
+    r = run_placer("pipeline", problem, 1.0, 0, PlacerOptions(runnable_stages=True))
+    stats = r.stats
+    assert stats["runs_as_stages"] and stats["stages"] > 1
+    choices = pipeline.micro_batch_choices(problem.graph, stats["stages"])
+    batch = traced_batch(problem.graph)
+    assert choices and all(m >= stats["stages"] and batch % m == 0 for m in choices)
+    times = {m: pipeline.schedule_of(problem, r.op_devices, m)["step_s"] for m in choices}
+    assert stats["micro_batches"] == min(times, key=times.get)
+    assert stats["schedule"]["step_s"] == min(times.values())
+
+
+def test_micro_batch_choices_need_a_batch_every_stage_can_share() -> None:
+    g = OpGraph("g")
+    g.add_op(Op("input:x", "input", output_shapes=[[6, 16]]))
+    assert pipeline.micro_batch_choices(g, 2) == [2, 3, 6]
+    assert pipeline.micro_batch_choices(g, 8) == []  # fewer sequences than stages
+    g.add_op(Op("input:t", "input", output_shapes=[[]]))  # a scalar cannot be split
+    assert pipeline.micro_batch_choices(g, 2) == []
+    assert pipeline.micro_batch_choices(OpGraph("no inputs"), 2) == []

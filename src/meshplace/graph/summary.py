@@ -86,7 +86,7 @@ def summarize(graph: OpGraph, max_groups: int | None = DEFAULT_MAX_GROUPS) -> di
 
 def traced_batch(graph: OpGraph) -> int | None:
     """The batch a captured graph was traced at: the leading dimension every input shares
-    (``None`` when the inputs have none or disagree). O(V).
+    (``None`` when the inputs disagree, or one is a scalar, or there are none). O(V).
 
     >>> from meshplace.graph.ir import Op
     >>> g = OpGraph("g")
@@ -94,11 +94,10 @@ def traced_batch(graph: OpGraph) -> int | None:
     >>> traced_batch(g)
     4
     """
-    leading = {
-        int(o.output_shapes[0][0])
-        for o in graph.ops
-        if o.kind == "input" and o.output_shapes and len(o.output_shapes[0]) >= 1
-    }
+    shapes = [o.output_shapes[0] if o.output_shapes else [] for o in graph.ops if o.kind == "input"]
+    if any(len(shape) == 0 for shape in shapes):
+        return None  # a scalar input cannot be split into micro-batches
+    leading = {int(shape[0]) for shape in shapes}
     return leading.pop() if len(leading) == 1 else None
 
 

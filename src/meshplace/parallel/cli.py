@@ -363,7 +363,7 @@ def cmd_hybrid(args: argparse.Namespace) -> int:
 
     get = getattr
     out = get(args, "out", None)
-    check_output_paths({"--out": out}, inputs=[args.cluster])
+    check_output_paths({"--out": out}, inputs=[args.cluster, args.model])
     batch = get(args, "global_batch", None)
     if batch is None:
         raise InputError("--pipeline auto needs --global-batch (sequences per optimizer step)")

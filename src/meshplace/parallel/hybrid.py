@@ -161,12 +161,15 @@ class PartCosts:
 
 
 def layer_container(graph: OpGraph) -> str:
-    """The module path holding the repeated layers (``"layers"`` for ``layers.0.attn``):
-    the longest path prefix followed by an index that takes at least two values.
+    """The module path holding the repeated layers (``"layers"`` for ``layers.0.attn``): a
+    path prefix followed by an index that takes at least two values, not itself inside
+    another such stack's layers (a ``Sequential`` within each block). A model with two
+    separate stacks (an encoder and a decoder, ResNet's four stages) is refused in one
+    sentence: the search cuts one stack.
 
     >>> from meshplace.graph.ir import Op
     >>> g = OpGraph("g")
-    >>> for m in ("embed", "layers.0.mlp", "layers.1.mlp", "head"):
+    >>> for m in ("embed", "layers.0.mlp.0", "layers.0.mlp.1", "layers.1.mlp.0", "head"):
     ...     _ = g.add_op(Op(m, "matmul", module=m))
     >>> layer_container(g)
     'layers'
@@ -178,12 +181,68 @@ def layer_container(graph: OpGraph) -> str:
             if p.isdigit():
                 seen.setdefault(".".join(parts[:i]), set()).add(p)
     candidates = [k for k, v in seen.items() if len(v) >= 2]
-    if not candidates:
+
+    def inside(k: str, outer: str) -> bool:  # k lies within one layer of stack `outer`
+        rest = k[len(outer) + 1 :] if outer else k
+        return (
+            k != outer
+            and (not outer or k.startswith(outer + "."))
+            and (rest.split(".")[0].isdigit())
+        )
+
+    stacks = [k for k in candidates if not any(inside(k, o) for o in candidates)]
+    if not stacks:
         raise InputError(
             f"graph {graph.name!r} has no stack of repeated layers (module paths such as "
             "layers.0, layers.1): the hybrid search cuts pipeline stages between layers"
         )
-    return max(candidates, key=len)
+    if len(stacks) > 1:
+        raise InputError(
+            f"graph {graph.name!r} has {len(stacks)} separate layer stacks "
+            f"({', '.join(sorted(stacks)[:4])}); the hybrid search cuts a model with one"
+        )
+    return stacks[0]
+
+
+def check_layer_stack(graph: OpGraph, part: Sequence[str], layer: Sequence[int]) -> None:
+    """Refuse (one sentence) a stack whose layers are not a chain of identical layers —
+    each reading the one before, with the same forward FLOPs and parameter bytes — since
+    the search prices every layer as one and cuts the stack between layers. O(V + E)."""
+    ops = graph.ops
+    n = max((x for x in layer if x >= 0), default=-1) + 1
+    flops = np.zeros(n)
+    params = np.zeros(n)
+    for i, o in enumerate(ops):
+        if layer[i] >= 0 and o.phase == "forward":
+            flops[layer[i]] += o.flops
+            params[layer[i]] += o.param_bytes if o.kind == "parameter" else 0.0
+    for k in range(1, n):
+        for name, values in (("forward FLOPs", flops), ("parameter bytes", params)):
+            if not math.isclose(values[k], values[0], rel_tol=1e-6, abs_tol=1e-9):
+                raise InputError(
+                    f"graph {graph.name!r}: layer {k} has {values[k]:,.0f} {name} and layer 0 "
+                    f"{values[0]:,.0f}; the hybrid search needs identical layers"
+                )
+    a = graph.arrays()
+    forward = [o.phase == "forward" for o in ops]
+    preds: dict[int, list[int]] = {}
+    for src, dst in zip(a.edge_src.tolist(), a.edge_dst.tolist(), strict=True):
+        preds.setdefault(dst, []).append(src)
+    follows = set()  # layers read (directly or through ops outside the stack) by layer k
+    for d in range(len(ops)):
+        if layer[d] < 1 or not forward[d]:
+            continue
+        for src in preds.get(d, []):
+            if layer[src] >= 0:
+                follows.add((layer[src], layer[d]))
+            elif forward[src]:
+                follows.update((layer[s2], layer[d]) for s2 in preds.get(src, []) if layer[s2] >= 0)
+    for k in range(1, n):
+        if (k - 1, k) not in follows:
+            raise InputError(
+                f"graph {graph.name!r}: layer {k} does not read layer {k - 1}'s output; the "
+                "hybrid search cuts a chain of layers, not parallel branches"
+            )
 
 
 def op_parts(graph: OpGraph, container: str) -> tuple[list[str], list[int]]:
@@ -334,6 +393,7 @@ def part_costs(
     start = time.perf_counter()
     container = layer_container(graph)
     part, layer = op_parts(graph, container)
+    check_layer_stack(graph, part, layer)
     mesh = build_mesh(cluster, (tp,), chips=tp)
     problem = ShardingProblem(graph, mesh, zero_stages=(0,), cost_model=cost_model, compute=compute)
     if restrict is not None:  # Megatron's pattern on the tp axis (a grid's baseline)
@@ -672,6 +732,7 @@ class HybridResult:
     configurations: int
     part_costs: dict[tuple[int, int], PartCosts] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
+    micro_batch_sizes: tuple[int, ...] = ()
 
     @property
     def best(self) -> HybridPlan:
@@ -679,8 +740,10 @@ class HybridResult:
         fitting = [p for p in self.plans if p.fits and not math.isnan(p.time_per_batch_s)]
         if not self.plans:
             why = "; ".join(f"{k}: {v}" for k, v in self.skipped.items()) or (
-                "no data x tensor x pipeline degrees divide the chips and the global batch "
-                f"with at most {self.layers} stages"
+                "no data x tensor x pipeline degrees divide the chips, and the global batch "
+                "into micro-batches of "
+                + " or ".join(map(str, self.micro_batch_sizes or ("?",)))
+                + f" sequences, with at most {self.layers} stages"
             )
             raise ShardingError(
                 f"no hybrid configuration of {self.model} exists for {self.chips} chips at "
@@ -1139,4 +1202,5 @@ def hybrid_search(
         configurations,
         parts,
         skipped,
+        tuple(micro_batch_sizes),
     )

@@ -38,10 +38,8 @@ Example
 >>> from meshplace.placers.base import PlacementProblem, run_placer
 >>> p = PlacementProblem.build(workload_graph("dmcca"), load_cluster("colocrl-2gpu"))
 >>> r = run_placer("pipeline", p, budget_s=2.0, seed=0)
->>> r.stats["stages"] <= 3  # 2 GPUs, a CPU
-True
->>> r.stats["micro_batches"] == r.stats["schedule"]["micro_batches"]  # the best 1F1B
-True
+>>> r.stats["stages"] <= 3, r.stats["micro_batches"]  # 2 GPUs, a CPU; one step: 1
+(True, 1)
 """
 
 from __future__ import annotations
@@ -549,8 +547,9 @@ def place_pipeline(
 
     A plan whose stages ``torch.distributed.pipelining`` can run (:func:`runs_as_stages`:
     contiguous in execution order, backward beside forward) carries ``stats[
-    "micro_batches"]``: of the counts up to 8 per stage that divide the batch
-    (:func:`micro_batch_choices`), the count whose 1F1B schedule is fastest
+    "micro_batches"]`` under the ``throughput`` objective: of the counts from 1 to 8 per
+    stage that divide the batch (:func:`micro_batch_choices`), the one whose 1F1B schedule
+    is fastest
     (``stats["schedule"]``, :func:`schedule_of`; GPipe's
     rule, Huang et al., NeurIPS 2019, §2.3, takes 4 per stage to make the fill and drain
     small, but each micro-batch also pays every op's launch again). The DP over ideals (an
@@ -588,14 +587,20 @@ def place_pipeline(
     stats["runs_as_stages"] = runs_as_stages(problem.graph, assignment.devices)
     if not stats["runs_as_stages"]:
         stats["micro_batches"] = 1
-    elif stats["stages"] <= 1:
-        stats["micro_batches"] = 1  # one stage: nothing to pipeline
+    elif problem.objective != "throughput" or stats["stages"] <= 1:
+        stats["micro_batches"] = 1  # a plan for one step, or one stage: nothing to pipeline
     else:
         # the micro-batch count is the schedule's best: 1, 2, 4 or 8 per stage (of those
         # the traced batch divides), simulated as 1F1B — the fill and drain shrink with
         # more micro-batches, every op's launch is paid once more per micro-batch
         best = None
-        for m in micro_batch_choices(problem.graph, stats["stages"]):
+        forward = [
+            i
+            for i, o in enumerate(problem.graph.ops)
+            if o.phase == "forward" and o.kind not in ("parameter", "buffer", "input")
+        ]
+        stages = len(set(assignment.devices[forward].tolist()))  # after the local search
+        for m in micro_batch_choices(problem.graph, stages):
             schedule = schedule_of(problem, assignment.devices, m)
             if schedule is not None and (best is None or schedule["step_s"] < best["step_s"]):
                 best = schedule
@@ -606,22 +611,23 @@ def place_pipeline(
 
 
 def micro_batch_choices(graph: Any, stages: int) -> list[int]:
-    """Micro-batch counts the pipeline placer tries: every count from 2 to 8 per stage that
-    divides the traced batch (1, 2, 4 and 8 per stage when the batch is unknown; none for a
-    batch of one — the plan then has one micro-batch).
+    """Micro-batch counts the pipeline placer tries: from one per stage (PyTorch's 1F1B
+    needs at least as many micro-batches as stages) to 8 per stage, those that divide the
+    traced batch; none when the batch is unknown or smaller than the stages (the plan then
+    has one micro-batch).
 
     >>> from meshplace.graph.ir import Op, OpGraph
     >>> g = OpGraph("g")
     >>> _ = g.add_op(Op("input:x", "input", output_shapes=[[32, 16]]))
-    >>> micro_batch_choices(g, 3), micro_batch_choices(g, 1)
-    ([2, 4, 8, 16], [2, 4, 8])
+    >>> micro_batch_choices(g, 3), micro_batch_choices(g, 64)
+    ([4, 8, 16], [])
     """
     from meshplace.graph.summary import traced_batch
 
     batch = traced_batch(graph)
     if batch is None:
-        return [k * stages for k in (1, 2, 4, 8)]
-    return [m for m in range(2, min(batch, 8 * stages) + 1) if batch % m == 0]
+        return []
+    return [m for m in range(max(stages, 2), min(batch, 8 * stages) + 1) if batch % m == 0]
 
 
 def schedule_of(
@@ -635,10 +641,10 @@ def schedule_of(
     >>> from meshplace.graph.sources import workload_graph
     >>> from meshplace.hardware import load_cluster
     >>> p = PlacementProblem.build(workload_graph("dmcca"), load_cluster("colocrl-2gpu"))
-    >>> plan, stats = place_pipeline(p, 1.0, 0)
-    >>> s = stats["schedule"]
-    >>> s["micro_batches"] == stats["micro_batches"] and s["step_s"] > 0
-    True
+    >>> plan, _ = pipeline_split(p, over_ideals=False)  # PipeDream's split: runs as stages
+    >>> s = schedule_of(p, plan.devices, 4)
+    >>> s["micro_batches"], s["step_s"] > 0
+    (4, True)
     """
     from meshplace.sim.schedule import pipeline_of_placement, simulate_schedule
 

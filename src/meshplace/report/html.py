@@ -393,9 +393,10 @@ def _hybrid_page(r: dict[str, Any]) -> str:
     title = f"{r.get('model', '?')} on {r.get('chips', '?')} chips of {r.get('cluster', '?')}"
     step = float(b.get("time_per_batch_s") or 0.0)
     sub = (
-        f"data {b['dp']} × tensor {b['tp']} × pipeline {b['pp']} · {b['micro_batches']} "
-        f"micro-batches, {esc(b['schedule'])} · <b>{esc(fmt_seconds(step))}</b> per batch of "
-        f"{r.get('global_batch', '?')} · MFU {100 * float(b.get('mfu') or 0):.1f}%"
+        f"data {esc(b['dp'])} × tensor {esc(b['tp'])} × pipeline {esc(b['pp'])} · "
+        f"{esc(b['micro_batches'])} micro-batches, {esc(b['schedule'])} · "
+        f"<b>{esc(fmt_seconds(step))}</b> per batch of {esc(r.get('global_batch', '?'))} · "
+        f"MFU {100 * float(b.get('mfu') or 0):.1f}%"
     )
     first = 0
     stage_rows = []
