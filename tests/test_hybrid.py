@@ -251,6 +251,12 @@ def test_cli_prints_one_plan_and_writes_it(tmp_path: Path, capsys) -> None:
         assert words in err and err.count("\n") == 1
     assert main(["shard", "dmcca", "--cluster", "h1-8xh100", "--global-batch", "8"]) == 2
     assert "--pipeline auto" in capsys.readouterr().err
+    assert main(["shard", "dmcca", "--cluster", "h1-8xh100", "--style", "megatron"]) == 2
+    assert "--pipeline auto" in capsys.readouterr().err
+    for flag in (["--dtype", "bf16"], ["--no-tie"], ["--optimizer", "sgd"]):
+        assert main([*argv, "--global-batch", "16", *flag]) == 2
+        err = capsys.readouterr().err
+        assert "does not apply to --pipeline auto" in err and err.count("\n") == 1
 
 
 def test_a_pipelined_sharding_plan_is_refused_by_the_runtime(tmp_path: Path, capsys) -> None:
