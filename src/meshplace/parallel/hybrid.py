@@ -1073,10 +1073,10 @@ def hybrid_search(
     (:func:`meshplace.parallel.grid.restrict_to_grid`), equal stages, one recomputation for
     all, ZeRO 0 or 1. ``compute``: the sharding problem's compute model (``"fused"`` for
     the fused kernels Megatron-LM and torch.compile run). ``graphs`` (optional) gives the
-    two-layer graph at a micro-batch (the tests' small models; ``layers`` is then the full
-    depth). The ``simulate_top``
-    plans best by the DP's closed form are simulated; the fastest simulated plan that fits
-    is :attr:`HybridResult.best`.
+    graph at a micro-batch size — two layers of a deeper model, or a model's own capture at
+    its own batch (``micro_batch_sizes`` then that batch) — and ``layers`` the full depth.
+    The ``simulate_top`` plans best by the DP's closed form are simulated; the fastest
+    simulated plan that fits is :attr:`HybridResult.best`.
     """
     from meshplace.models import get
 
