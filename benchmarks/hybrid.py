@@ -65,24 +65,17 @@ def _graph(size: str, batch: int) -> Any:
 
 
 def _point(plan: HybridPlan, search_s: float) -> dict[str, Any]:
-    c = plan.config
+    """The row's view of a plan: :meth:`HybridPlan.to_dict` without the per-stage lists,
+    recomputation summarised, the largest memory per GPU and the search's seconds."""
+    d = plan.to_dict()
+    keep = ("dp", "tp", "pp", "micro_batch", "micro_batches", "schedule", "zero")
+    keep += ("layers_per_stage", "time_per_batch_s", "mfu", "bubble_fraction", "capacity_bytes")
     kinds = sorted(set(plan.recompute))
     return {
-        "dp": c.dp,
-        "tp": c.tp,
-        "pp": c.pp,
-        "micro_batch": c.micro_batch,
-        "micro_batches": c.micro_batches,
-        "schedule": c.schedule,
-        "zero": c.zero,
+        **{k: d[k] for k in keep},
         "recompute": kinds[0] if len(kinds) == 1 else "mixed",
         "recompute_stages": plan.recompute.count("full"),
-        "layers_per_stage": plan.layers_per_stage,
-        "time_per_batch_s": plan.time_per_batch_s,
-        "mfu": plan.mfu,
-        "bubble_fraction": plan.bubble_fraction,
         "max_memory_bytes": max(plan.stage_memory_bytes),
-        "capacity_bytes": plan.capacity_bytes,
         "search_s": search_s,
     }
 
