@@ -510,19 +510,30 @@ def predict_pipeline(
 
 def run_pipelined_model(source: str, steps: int, warmup: int, passes: int) -> dict:
     """Pipelined placements of ``source`` on the 2 calibrated workers: the pipeline
-    placer's 2-stage plan at 2, 4 and 8 micro-batches under 1F1B and GPipe, measured
-    under torchrun (``torch.distributed.pipelining``) vs :func:`predict_pipeline`."""
+    DP's split of execution order (PipeDream's, which torch's pipelining runs stage by
+    stage) at 2, 4 and 8 micro-batches under 1F1B and GPipe, measured under torchrun
+    (``torch.distributed.pipelining``) vs :func:`predict_pipeline`. The split is taken
+    from the DP itself, not the placer: the placer's objective may rightly prefer one
+    plain step for a small model, and this family measures pipelines."""
 
-    from meshplace.placers.base import PlacementProblem, PlacerOptions, run_placer
-    from meshplace.planning import best_plan
+    from meshplace.placers.base import PlacementProblem
+    from meshplace.placers.pipeline import pipeline_split
+    from meshplace.plan import Plan
     from meshplace.profile.calibrate import calibrate
     from meshplace.runtime.program import ModelSpec, trace_step
 
     step = trace_step(ModelSpec(source))
     cal = calibrate(step)
     problem = PlacementProblem.build(step.graph, cal.cluster, "throughput")
-    stages = PlacerOptions(runnable_stages=True)  # a plan torch's pipelining runs
-    plan = best_plan(problem, [run_placer("pipeline", problem, 5.0, 0, stages)], 5.0, 0)
+    split, _ = pipeline_split(problem, over_ideals=False)  # a plan torch's pipelining runs
+    plan = Plan.from_devices(
+        step.graph,
+        cal.cluster.name,
+        [problem.device_names[d] for d in split.devices],
+        objective="throughput",
+        micro_batches=2,  # a pipeline; each run below names its own count
+        meta={"placer": "pipeline"},
+    )
     variants = [(m, sched) for m in (2, 4, 8) for sched in ("1F1B", "GPipe")]
     predictions = {m: predict_pipeline(source, plan, cal, m) for m in (2, 4, 8)}
     timed: dict[tuple, list[float]] = {v: [] for v in variants}

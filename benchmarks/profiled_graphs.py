@@ -22,8 +22,10 @@ three in one strict class):
   parallel, scores, softmax, context, output projection, residuals, a feed-forward pair).
 
 Every plan is scored by the max-load objective — the largest over devices of compute +
-incoming + outgoing transfer time — which is what ``meshplace``'s simulator computes for
-occupying transfers (a property test pins it to that closed form), with memory checked
+incoming + outgoing transfer time. For a graph without batched inputs (its times are one
+micro-batch's, and the stream of micro-batches has no end) that is meshplace's throughput
+objective, the steady state, and it is what the simulator computes for occupying transfers
+(a property test pins it to that closed form), with memory checked
 against the cap. The reference is PipeDream's optimal *contiguous* split (runs of one
 topological order on the accelerators, no CPU stage: ``pipeline_split(over_ideals=False,
 cpu_stage=False)``); ``pipeline`` is meshplace's DP over ideals with the CPU as a possible
@@ -224,6 +226,8 @@ links:
 # ------------------------------------------------------------------------ scoring
 def score(problem: PlacementProblem, op_devices: np.ndarray) -> dict[str, Any]:
     sim = problem.simulator.simulate(op_devices, "throughput")
+    # these graphs have no batched inputs: the throughput objective is the steady state
+    assert sim.throughput_model == "steady state", sim.throughput_model
     return {
         "max_load_s": float(sim.throughput_time_s),
         "oom": bool(sim.oom),

@@ -209,42 +209,46 @@ def test_out_all_writes_every_placers_plan(capsys, tmp_path) -> None:
 def test_runnable_stages_gives_a_pipeline_plan_that_runs_stage_by_stage(capsys, tmp_path) -> None:
     """Under the throughput objective `pipeline` may return a plan torch.distributed.
     pipelining cannot run stage by stage (the DP over ideals, the non-contiguous local
-    search), and then no micro-batches; `--runnable-stages` keeps a split of execution
-    order that it runs, with its micro-batches."""
+    search); `--runnable-stages` keeps a split of execution order that it runs. Either
+    way the plan file carries the micro-batches its objective value was simulated at, and
+    `simulate` reports the same number for it (one pipeline objective)."""
     from meshplace.graph.sources import workload_graph
     from meshplace.placers.pipeline import runs_as_stages
     from meshplace.plan.placement import load_plan
 
-    argv = ["plan", "dmcca", "--cluster", "colocrl-4gpu", "--placer", "pipeline"]
+    argv = ["plan", "resnet50", "--cluster", "colocrl-2gpu", "--placer", "pipeline"]
     argv += ["--objective", "throughput", "--budget", "1", "--json"]
-    graph = workload_graph("dmcca")
+    graph = workload_graph("resnet50")
+    graph_file = tmp_path / "resnet50.json"
+    assert main(["graph", "resnet50", "--out", str(graph_file)]) == 0
+    capsys.readouterr()
     values = {}
     for flag in ([], ["--runnable-stages"]):
-        out = tmp_path / f"plan{len(flag)}.json"
-        assert main([*argv, *flag, "--out", str(out)]) == 0
-        row = json.loads(capsys.readouterr().out)["results"][0]
-        plan = load_plan(out)
+        folder = tmp_path / f"plans{len(flag)}"
+        assert main([*argv, *flag, "--out-all", str(folder)]) == 0
+        rows = {r["placer"]: r for r in json.loads(capsys.readouterr().out)["results"]}
+        row = rows["pipeline"]
+        plan = load_plan(folder / "pipeline.json")
         devices = [plan.placement[o.name] for o in graph.ops]
         names = sorted(set(devices))
         as_stages = runs_as_stages(graph, np.array([names.index(d) for d in devices]))
         assert row["stats"]["runs_as_stages"] == as_stages
-        assert plan.micro_batches == (row["stats"]["micro_batches"] if as_stages else 1)
+        assert plan.micro_batches == row["micro_batches"] == row["stats"]["micro_batches"] > 1
         values[bool(flag)] = row["objective_value_s"]
         if flag:
             assert as_stages and "local_search" not in row["stats"]
-            # its schedule, reported by `plan`, is what `simulate` runs for the plan file
-            graph_file = tmp_path / "dmcca.json"
-            assert main(["graph", "dmcca", "--out", str(graph_file)]) == 0
-            capsys.readouterr()
-            sim = ["simulate", "--graph", str(graph_file), "--cluster", "colocrl-4gpu"]
-            assert main([*sim, "--plan", str(out), "--objective", "throughput", "--json"]) == 0
-            simulated = json.loads(capsys.readouterr().out)["pipeline"]
-            schedule = row["stats"]["schedule"]
-            assert simulated["micro_batches"] == schedule["micro_batches"]
-            assert simulated["step_s"] == pytest.approx(schedule["step_s"], rel=1e-12)
         else:
             assert row["stats"]["local_search"]["evaluations"] >= 1
+        # `simulate` reads the micro-batches and the objective from the plan file
+        sim = ["simulate", "--graph", str(graph_file), "--cluster", "colocrl-2gpu"]
+        assert main([*sim, "--plan", str(folder / "pipeline.json"), "--json"]) == 0
+        simulated = json.loads(capsys.readouterr().out)
+        assert simulated["objective"] == "throughput"
+        assert simulated["objective_value_s"] == pytest.approx(row["objective_value_s"], rel=1e-12)
+        schedule = row["stats"]["schedule"]
+        assert simulated["pipeline"]["micro_batches"] == schedule["micro_batches"]
+        assert simulated["pipeline"]["step_s"] == pytest.approx(schedule["step_s"], rel=1e-12)
     assert values[False] <= values[True]
-    code, out, err = _run(capsys, "plan", "dmcca", "--cluster", "colocrl-2gpu", "--placer",
+    code, _out, err = _run(capsys, "plan", "dmcca", "--cluster", "colocrl-2gpu", "--placer",
                           "metis", "--runnable-stages")  # fmt: skip
     assert code == 2 and "add pipeline to --placer" in err and err.count("\n") == 1

@@ -529,7 +529,7 @@ def test_occupying_transfers_make_throughput_the_closed_form(scenario, seed) -> 
         seconds = cluster.links[link].latency + nbytes / cluster.links[link].bandwidth
         load[src] += seconds
         load[dst] += seconds
-    assert r.throughput_time_s == pytest.approx(load.max(), rel=1e-9, abs=1e-15)
+    assert r.steady_state_s == pytest.approx(load.max(), rel=1e-9, abs=1e-15)
     assert np.allclose(r.busy_s, load, rtol=1e-9, atol=1e-15)
     # with copy engines the same plan's devices are busy only computing
     overlap = Simulator(graph, cluster.with_transfers("overlap")).simulate(placement)

@@ -201,7 +201,11 @@ def _parser(command: str = "*") -> argparse.ArgumentParser:
     s.add_argument("--inference", action="store_true", help="simulate the inference graph")
     _add_capture_arguments(s)
     s.add_argument("--plan", required=True, help="plan.json (see docs/formats.md)")
-    s.add_argument("--objective", default="step", choices=["step", "throughput"])
+    s.add_argument(
+        "--objective",
+        choices=["step", "throughput"],
+        help="which number is the objective (default: the plan's own)",
+    )
     s.add_argument("--calibration", help=_CALIBRATION_HELP)
     s.add_argument("--transfers", choices=["overlap", "occupy"], help=_TRANSFERS_HELP)
     s.add_argument("--trace", help="write a Chrome trace (opens in Perfetto) to this file")
@@ -646,9 +650,11 @@ def _print_plan_report(console: Console, r: dict[str, Any]) -> None:
         f"objective {r['objective']}"
     )
     table = Table(title=title, title_justify="left")
+    throughput = r["objective"] == "throughput"
     for col in (
         "placer",
         r["objective"] + " time",
+        *(["micro-batches"] if throughput else []),
         "vs single",
         "vs expert",
         "peak memory / OOM",
@@ -669,6 +675,7 @@ def _print_plan_report(console: Console, r: dict[str, Any]) -> None:
         table.add_row(
             name,
             f"{row['objective_value_s'] * 1e3:,.1f} ms",
+            *([str(row.get("micro_batches", 1))] if throughput else []),
             f"{row['speedup_vs_single']:.2f}×" if row.get("speedup_vs_single") else "–",
             f"{row['speedup_vs_expert']:.2f}×" if row.get("speedup_vs_expert") else "–",
             mem,
@@ -676,15 +683,13 @@ def _print_plan_report(console: Console, r: dict[str, Any]) -> None:
             f"{row['evaluations']:,}",
         )
     console.print(table)
-    for row in r["results"]:  # a pipeline's schedule, as `meshplace simulate` runs its plan
-        sched = (row.get("stats") or {}).get("schedule")
-        if row["placer"] == "pipeline" and sched:
-            console.print(
-                f"pipeline as {sched['schedule'].upper()} with {sched['micro_batches']} "
-                f"micro-batches: {sched['step_s'] * 1e3:,.1f} ms per step, bubble "
-                f"{sched['bubble_fraction']:.1%} (the table's number is the steady state)",
-                highlight=False,
-            )
+    if throughput:
+        console.print(
+            "throughput time: one training step with the batch split into the micro-batches "
+            "shown, run as 1F1B where the plan is a pipeline (as `meshplace simulate` runs "
+            "the written plan); 1 means one plain step",
+            highlight=False,
+        )
     console.print(f"lower bound: {r['lower_bound_s'] * 1e3:,.1f} ms", highlight=False)
     if best is None:
         console.print(
@@ -749,6 +754,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
     from meshplace.hardware import load_cluster
     from meshplace.plan.placement import load_plan
+    from meshplace.sim.schedule import SCHEDULES
     from meshplace.sim.simulator import Simulator
     from meshplace.sim.trace import write_chrome_trace
 
@@ -763,14 +769,28 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     )
     sim = Simulator(graph, cluster, cost_model)
     sim.check_runnable(placement, args.plan)
-    result = sim.simulate(placement, objective=args.objective)
+    # the plan's objective, micro-batches and schedule unless the command names another
+    objective = args.objective or plan.objective
+    schedule = str(plan.meta.get("schedule", "1f1b")).lower()
+    if schedule not in SCHEDULES:
+        raise InputError(
+            f"{args.plan}: unknown pipeline schedule {schedule!r} in meta.schedule; allowed: "
+            f"{', '.join(SCHEDULES)}"
+        )
+    result = sim.simulate(
+        placement,
+        objective=objective,
+        micro_batches=plan.micro_batches if plan.micro_batches > 1 else None,
+        pipelined=True,
+        schedule=schedule,
+    )
     if args.trace:
         write_chrome_trace(sim, result, args.trace)
     summary = {"graph": graph.name, "cluster": cluster.name, "plan": args.plan}
     if args.calibration:
         summary["calibration"] = args.calibration
     summary.update(result.to_dict())
-    summary["pipeline"] = _pipelined(sim, placement, plan)
+    summary["pipeline"] = _pipelined(sim, placement, result)
     if source.cache is not None:
         summary["cache"] = source.cache
     if args.trace:
@@ -782,24 +802,23 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _pipelined(sim: Any, placement: Any, plan: Any) -> dict[str, Any] | None:
-    """For a plan of more than one micro-batch: the placement run as a pipeline schedule
-    (the plan's ``meta.schedule``, default 1F1B), per stage device in pipeline order;
-    ``None`` for a one-micro-batch plan or a placement that is not a pipeline."""
-    if plan.micro_batches <= 1:
+def _pipelined(sim: Any, placement: Any, result: Any) -> dict[str, Any] | None:
+    """The throughput objective's schedule of the simulated plan (its micro-batches, as
+    the plan's ``meta.schedule``, default 1F1B), per stage device in pipeline order;
+    ``None`` when one micro-batch is what it runs (a plan of one micro-batch that is not
+    a pipeline, or faster as one step)."""
+    if result.schedule is None:
         return None
-    from meshplace.sim.schedule import pipeline_of_placement, simulate_schedule
+    from meshplace.sim.schedule import pipeline_of_placement
 
-    pipeline = pipeline_of_placement(sim, placement, plan.micro_batches)
-    if pipeline is None:
+    pipeline = pipeline_of_placement(sim, placement, result.micro_batches)
+    if pipeline is None:  # pragma: no cover - the objective read it as one
         return None
-    schedule = str(plan.meta.get("schedule", "1f1b")).lower()
-    result = simulate_schedule(pipeline.times, schedule, plan.micro_batches)
     return {
-        **result.to_dict(),
+        **result.schedule.to_dict(),
         "devices": [sim.device_names[d] for d in pipeline.devices],
-        "memory_bytes": pipeline.memory_bytes(result),
-        "memory_bytes_full_recompute": pipeline.memory_bytes(result, "full"),
+        "memory_bytes": pipeline.memory_bytes(result.schedule),
+        "memory_bytes_full_recompute": pipeline.memory_bytes(result.schedule, "full"),
         "memory_capacity_bytes": [float(sim.memory_capacity[d]) for d in pipeline.devices],
     }
 
@@ -811,11 +830,22 @@ def _print_simulation(console: Console, s: dict[str, Any]) -> None:
     head.add_column("what", style="bold")
     head.add_column("value")
     head.add_row("step time", f"{s['step_time_s'] * 1e3:,.3f} ms")
-    steady = f"{s['throughput_time_s'] * 1e3:,.3f} ms per step"
-    if s.get("time_per_sample_s"):
-        steady += f" ({s['time_per_sample_s'] * 1e6:,.1f} µs per sample)"
-    head.add_row("pipelined steady state", steady)
     pipe = s.get("pipeline")
+    pipelined = f"{s['throughput_time_s'] * 1e3:,.3f} ms per step"
+    if pipe:
+        pipelined += f" over {pipe['micro_batches']} micro-batches"
+    elif s.get("throughput_model") == "steady state":
+        pipelined += " in the steady state (the graph's batch is unknown: no split)"
+    else:
+        pipelined += " as one step (not a pipeline, or fastest unsplit)"
+    if s.get("time_per_sample_s"):
+        pipelined += f", {s['time_per_sample_s'] * 1e6:,.1f} µs per sample"
+    head.add_row("throughput objective", pipelined)
+    head.add_row(
+        "max-load steady state",
+        f"{s['steady_state_s'] * 1e3:,.3f} ms per step (busiest device or link: the limit of "
+        "infinitely many micro-batches)",
+    )
     if pipe:
         head.add_row(
             f"{pipe['schedule'].upper()}, {pipe['micro_batches']} micro-batches",
@@ -833,8 +863,8 @@ def _print_simulation(console: Console, s: dict[str, Any]) -> None:
             )
         )
         head.add_row("memory per stage", memory)
-    measured = "step" if s["objective"] == "step" else "steady state"
-    value = s["step_time_s"] if s["objective"] == "step" else s["throughput_time_s"]
+    measured = "step" if s["objective"] == "step" else "pipelined step"
+    value = s["objective_value_s"]
     gap = value / s["lower_bound_s"] if s["lower_bound_s"] else float("nan")
     head.add_row(
         f"lower bound ({s['objective']})",

@@ -279,11 +279,9 @@ def result_plan(
     and ``--out-all`` for each), its objective value, step time and memory verdict in
     ``meta``."""
     names = [problem.device_names[d] for d in result.op_devices.tolist()]
-    # a pipeline's micro-batches (the pipeline placer's fastest 1F1B count) travel with
-    # the plan, so that the runtime runs it as one (meshplace.runtime.pipelined)
-    micro_batches = 1
-    if problem.objective == "throughput":
-        micro_batches = int((result.stats or {}).get("micro_batches", 1))
+    # the micro-batches the throughput objective scored the plan at travel with it, so
+    # that `simulate` and the runtime run it as one (meshplace.runtime.pipelined)
+    micro_batches = result.sim.micro_batches if problem.objective == "throughput" else 1
     return Plan.from_devices(
         problem.graph,
         problem.cluster.name,

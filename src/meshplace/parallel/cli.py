@@ -358,7 +358,7 @@ def cmd_hybrid(args: argparse.Namespace) -> int:
     """``meshplace shard MODEL --pipeline auto --global-batch B``: the joint search of
     :mod:`meshplace.parallel.hybrid`, printed (or ``--json``) and written (``--out``)."""
     from meshplace.hardware import load_cluster
-    from meshplace.models import varies_depth
+    from meshplace.models import available, varies_depth
     from meshplace.parallel.hybrid import hybrid_search
 
     get = getattr
@@ -395,28 +395,39 @@ def cmd_hybrid(args: argparse.Namespace) -> int:
     with console.status(f"searching {args.model}…", spinner="dots") as status:
         fixed: dict[str, Any] = {}
         if not varies_depth(args.model):
-            # any other model (file.py:build, graph.json, a workload of fixed depth): its
-            # own capture, at its own batch as the micro-batch, its own layer stack
             from meshplace.graph.sources import graph_source
             from meshplace.parallel.hybrid import graph_batch, layer_count
 
-            status.update(f"capturing {args.model}…")
-            source = graph_source(
-                args.model,
-                size=get(args, "size", None),
-                training=True,
-                autocast=autocast,
-                cache=not get(args, "no_cache", False),
-            )
-            for note in source.notes:
-                console.print(f"meshplace: note: {note}", highlight=False, markup=False)
-            graph = source.graph
-            micro = graph_batch(graph)
-            fixed = {
-                "graphs": lambda b: graph,
-                "layers": layer_count(graph),
-                "micro_batch_sizes": (micro,),
-            }
+            def captured(batch: int | None) -> Any:
+                status.update(f"capturing {args.model}…")
+                source = graph_source(
+                    args.model,
+                    batch=batch,
+                    size=get(args, "size", None),
+                    training=True,
+                    autocast=autocast,
+                    cache=not get(args, "no_cache", False),
+                )
+                for note in source.notes:
+                    console.print(f"meshplace: note: {note}", highlight=False, markup=False)
+                return source.graph
+
+            if args.model in available():
+                # a reference workload of fixed depth (its builder takes the batch): the
+                # whole model, captured at each micro-batch size, its own layer stack
+                fixed = {
+                    "graphs": captured,
+                    "layers": layer_count(captured(None)),  # its reference batch
+                }
+            else:
+                # any other model (file.py:build, graph.json): its own capture, at its own
+                # batch as the micro-batch, its own layer stack
+                graph = captured(None)
+                fixed = {
+                    "graphs": lambda b: graph,
+                    "layers": layer_count(graph),
+                    "micro_batch_sizes": (graph_batch(graph),),
+                }
         result = hybrid_search(
             args.model,
             get(args, "size", None),

@@ -1126,7 +1126,11 @@ def hybrid_search(
             if progress is not None:
                 progress(f"tp {tp}, micro-batch {b}")
             if b not in captured:
-                captured[b] = graphs(b)
+                try:
+                    captured[b] = graphs(b)
+                except InputError as exc:  # a model that cannot run at this batch
+                    skipped[f"mb{b}"] = str(exc)
+                    break
             try:
                 parts[(tp, b)] = part_costs(
                     captured[b],

@@ -551,6 +551,7 @@ class PlacerResult:
             "placer": self.placer,
             "step_time_s": self.sim.step_time_s,
             "throughput_time_s": self.sim.throughput_time_s,
+            "micro_batches": self.sim.micro_batches,
             "objective_value_s": self.sim.value,
             "oom": self.sim.oom,
             "oom_devices": self.sim.oom_devices,

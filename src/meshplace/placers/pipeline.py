@@ -571,50 +571,35 @@ def place_pipeline(
     >>> len(plan.devices) == p.graph.num_ops, stats["fits"], stats["bottleneck_s"] > 0
     (True, True, True)
     """
-    if options is not None and options.runnable_stages:
-        # torch.distributed.pipelining cuts the forward in execution order: PipeDream's
-        # contiguous split (the CPU may still take a stage), as it is
-        assignment, stats = pipeline_split(problem, over_ideals=False)
+    runnable = options is not None and options.runnable_stages
+    # torch.distributed.pipelining cuts the forward in execution order: with
+    # runnable_stages, PipeDream's contiguous split (the CPU may still take a stage)
+    if problem.objective == "throughput":
+        assignment, stats = split_by_objective(problem, over_ideals=not runnable)
     else:
-        assignment, stats = pipeline_split(problem)
-    if problem.objective == "throughput" and not (options and options.runnable_stages):
+        assignment, stats = pipeline_split(problem, over_ideals=not runnable)
+    if problem.objective == "throughput" and not runnable:
         evaluations = local_search_evaluations(problem, budget_s)
         devices, search = improve_bottleneck(problem, assignment.devices, evaluations)
         assignment = OpAssignment(devices)
         stats["local_search"] = search
-    # micro-batches only for a plan that runs as pipeline stages (torch.distributed.
-    # pipelining cuts the forward in execution order and keeps each stage's backward)
     stats["runs_as_stages"] = runs_as_stages(problem.graph, assignment.devices)
-    if not stats["runs_as_stages"]:
-        stats["micro_batches"] = 1
-    elif problem.objective != "throughput" or stats["stages"] <= 1:
-        stats["micro_batches"] = 1  # a plan for one step, or one stage: nothing to pipeline
-    else:
-        # the micro-batch count is the schedule's best: 1, 2, 4 or 8 per stage (of those
-        # the traced batch divides), simulated as 1F1B — the fill and drain shrink with
-        # more micro-batches, every op's launch is paid once more per micro-batch
-        best = None
-        forward = [
-            i
-            for i, o in enumerate(problem.graph.ops)
-            if o.phase == "forward" and o.kind not in ("parameter", "buffer", "input")
-        ]
-        stages = len(set(assignment.devices[forward].tolist()))  # after the local search
-        for m in micro_batch_choices(problem.graph, stages):
-            schedule = schedule_of(problem, assignment.devices, m)
-            if schedule is not None and (best is None or schedule["step_s"] < best["step_s"]):
-                best = schedule
-        stats["micro_batches"] = best["micro_batches"] if best is not None else 1
-        if best is not None:
-            stats["schedule"] = best
+    stats["micro_batches"] = 1
+    if problem.objective == "throughput":
+        # the objective itself chooses the micro-batch count (Simulator.pipelined_step):
+        # record it and its schedule so the plan file carries what was scored
+        scored = problem.simulator.simulate(
+            problem.keep_strict(assignment.devices)[0], objective="throughput"
+        )
+        stats["micro_batches"] = scored.micro_batches
+        if scored.schedule is not None:
+            stats["schedule"] = schedule_summary(scored.schedule)
     return assignment, stats
 
 
 def micro_batch_choices(graph: Any, stages: int) -> list[int]:
-    """Micro-batch counts the pipeline placer tries: from one per stage (PyTorch's 1F1B
-    needs at least as many micro-batches as stages) to 8 per stage, those that divide the
-    traced batch; none when the batch is unknown or smaller than the stages (the plan then
-    has one micro-batch).
+    """The micro-batch counts the throughput objective tries for a pipeline of ``stages``
+    over ``graph`` (:func:`meshplace.sim.schedule.micro_batch_choices` at the traced batch).
 
     >>> from meshplace.graph.ir import Op, OpGraph
     >>> g = OpGraph("g")
@@ -623,11 +608,22 @@ def micro_batch_choices(graph: Any, stages: int) -> list[int]:
     ([4, 8, 16], [])
     """
     from meshplace.graph.summary import traced_batch
+    from meshplace.sim.schedule import micro_batch_choices as choices
 
-    batch = traced_batch(graph)
-    if batch is None:
-        return []
-    return [m for m in range(max(stages, 2), min(batch, 8 * stages) + 1) if batch % m == 0]
+    return choices(traced_batch(graph), stages)
+
+
+def schedule_summary(result: Any) -> dict[str, Any]:
+    """What the ``plan`` table and ``stats["schedule"]`` show of a simulated schedule
+    (:class:`meshplace.sim.schedule.ScheduleResult`)."""
+    return {
+        "schedule": result.schedule,
+        "micro_batches": result.micro_batches,
+        "step_s": result.step_s,
+        "per_micro_batch_s": result.step_s / result.micro_batches,
+        "bubble_fraction": result.bubble_fraction,
+        "peak_in_flight": result.peak_in_flight,
+    }
 
 
 def schedule_of(
@@ -651,15 +647,7 @@ def schedule_of(
     pipeline = pipeline_of_placement(problem.simulator, op_devices, micro_batches)
     if pipeline is None:
         return None
-    result = simulate_schedule(pipeline.times, schedule, micro_batches)
-    return {
-        "schedule": schedule,
-        "micro_batches": micro_batches,
-        "step_s": result.step_s,
-        "per_micro_batch_s": result.step_s / micro_batches,
-        "bubble_fraction": result.bubble_fraction,
-        "peak_in_flight": result.peak_in_flight,
-    }
+    return schedule_summary(simulate_schedule(pipeline.times, schedule, micro_batches))
 
 
 def runs_as_stages(graph: Any, op_devices: np.ndarray) -> bool:
@@ -701,12 +689,17 @@ def runs_as_stages(graph: Any, op_devices: np.ndarray) -> bool:
 
 
 def pipeline_split(
-    problem: PlacementProblem, *, over_ideals: bool = True, cpu_stage: bool = True
+    problem: PlacementProblem,
+    *,
+    over_ideals: bool = True,
+    cpu_stage: bool = True,
+    max_stages: int | None = None,
 ) -> tuple[OpAssignment, dict[str, Any]]:
     """The ``pipeline`` placer's plan and stats (:func:`place_pipeline`). ``over_ideals=
     False`` restricts the DP to the prefixes of one topological order and ``cpu_stage=
     False`` to the accelerators: both off is PipeDream's contiguous split, the reference
-    ``benchmarks/profiled_graphs.py`` compares against.
+    ``benchmarks/profiled_graphs.py`` compares against. ``max_stages`` caps the number
+    of stages (:func:`split_by_objective`).
 
     >>> from meshplace.graph.sources import workload_graph
     >>> from meshplace.hardware import load_cluster
@@ -751,9 +744,11 @@ def pipeline_split(
     best: _Split | None = None
     simulations = 0
     for order_name, numbering in numberings:
-        split = _split_along(problem, units, numbering, edges, acc_order, extra, over_ideals)
+        split = _split_along(
+            problem, units, numbering, edges, acc_order, extra, over_ideals, max_stages
+        )
         split.stats["order"] = order_name
-        simulations += split.stats["memory_rounds"]
+        simulations += split.stats["simulations"]
         if best is None or (not split.fits, split.bottleneck) < (not best.fits, best.bottleneck):
             best = split
     assert best is not None
@@ -764,6 +759,58 @@ def pipeline_split(
         "dp_simulations": simulations,
     }
     return OpAssignment(best.plan), stats
+
+
+def split_by_objective(
+    problem: PlacementProblem, *, over_ideals: bool = True
+) -> tuple[OpAssignment, dict[str, Any]]:
+    """The DP's split with the stage count the problem's objective prefers.
+
+    The DP (:func:`pipeline_split`) minimises the slowest stage, which more stages never
+    make worse. The pipelined step that the throughput objective simulates
+    (:meth:`meshplace.sim.simulator.Simulator.pipelined_step`) also pays the fill and
+    drain, each micro-batch's kernel launches and the optimizer step after the last
+    backward, so fewer stages — one, the plain step — can be faster. For each count
+    ``k`` up to the DP's own, the DP's best split into at most ``k`` stages is simulated
+    and the best score kept (``stats["stage_counts_tried"]``), the way Alpa (Zheng et
+    al., OSDI 2022, §5.2) enumerates stage counts around its DP.
+
+    Complexity: ``k`` DP runs and ``k`` simulations.
+
+    >>> from meshplace.graph.sources import workload_graph
+    >>> from meshplace.hardware import load_cluster
+    >>> p = PlacementProblem.build(
+    ...     workload_graph("dmcca"), load_cluster("colocrl-4gpu"), objective="throughput"
+    ... )
+    >>> _, stats = split_by_objective(p)
+    >>> [t["max_stages"] for t in stats["stage_counts_tried"]]
+    [1, 2, 3, 4, 5]
+    """
+    assignment, stats = pipeline_split(problem, over_ideals=over_ideals)
+    most = int(stats["stages"])
+    tried: list[dict[str, Any]] = []
+    best: tuple[float, OpAssignment, dict[str, Any]] | None = None
+    for k in range(1, most + 1):
+        if k == most:
+            split, split_stats = assignment, stats
+        else:
+            split, split_stats = pipeline_split(problem, over_ideals=over_ideals, max_stages=k)
+        result = problem.evaluate_ops(split.devices)
+        score = problem.score(result)
+        tried.append(
+            {
+                "max_stages": k,
+                "stages": int(split_stats["stages"]),
+                "score_s": score,
+                "micro_batches": result.micro_batches,
+                "dp_simulations": int(split_stats["dp_simulations"]),
+            }
+        )
+        if best is None or score < best[0]:
+            best = (score, split, split_stats)
+    assert best is not None
+    chosen = {**best[2], "stage_counts_tried": tried}
+    return best[1], chosen
 
 
 @dataclass
@@ -782,6 +829,7 @@ def _split_along(
     order: list[int],
     extra: list[int],
     over_ideals: bool,
+    max_stages: int | None = None,
 ) -> _Split:
     """The DP's pipeline for one numbering of the merged units (``label``: merged unit of
     each forward unit, numbered topologically): chunks are runs of that numbering."""
@@ -814,8 +862,10 @@ def _split_along(
 
     candidates = order + extra
     sequences = device_sequences(len(order), cpu=bool(extra))
+    if max_stages is not None:  # the same sequences, cut short (each once)
+        sequences = [list(t) for t in dict.fromkeys(tuple(q[:max_stages]) for q in sequences)]
     capacity = problem.device_memory[candidates].astype(np.float64)
-    rounds = 0
+    rounds = simulated = 0
     while rounds < MEMORY_ROUNDS:
         rounds += 1
         model = _stage_model(problem, candidates, loads_by_kind, chunk_bytes, memory, capacity)
@@ -845,6 +895,7 @@ def _split_along(
         # device's capacity in the DP shrinks to its stage's estimate scaled down by the
         # overshoot, and the DP runs again
         peak = problem.evaluate_ops(plan).peak_memory_bytes[candidates]
+        simulated += 1
         real = problem.device_memory[candidates]
         used = np.zeros(len(candidates), dtype=bool)
         used[stage_devices] = True
@@ -874,6 +925,7 @@ def _split_along(
         "micro_batches": MICRO_BATCHES_PER_STAGE * stages,
         "stage_detail": detail,
         "memory_rounds": rounds,
+        "simulations": simulated,
         "fits": fits,
     }
     return _Split(plan, float(bottleneck), fits, stats)

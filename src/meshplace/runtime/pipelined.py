@@ -99,8 +99,9 @@ def stage_boundaries(
         if i and device != ops[i - 1][1]:
             if device in order:
                 raise InputError(
-                    f"the placement is not a pipeline: {device}'s forward ops are not "
-                    f"contiguous ({op.name!r} returns to it after {ops[i - 1][1]})"
+                    f"the placement is not a pipeline torch can cut: {device}'s forward ops "
+                    f"are not contiguous in execution order ({op.name!r} returns to it after "
+                    f"{ops[i - 1][1]}); plan it with `meshplace plan --runnable-stages`"
                 )
             parts = op.module.split(".") if op.module else []
             # the modules holding the op that begin after the previous run did; of those,

@@ -44,11 +44,14 @@ Example
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
+from numba import njit
 
 from meshplace.errors import InputError
+from meshplace.graph.ir import PHASE_INDEX
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
@@ -194,14 +197,101 @@ def _interleaved_order(d: int, p: int, m: int, v: int) -> list[tuple[str, int, i
     return order
 
 
+@lru_cache(maxsize=512)
+def _order_arrays(
+    schedule: str, stages: int, micro_batches: int, virtual: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`device_orders` flattened for the compiled kernel: each device's tasks from
+    ``ptr[d]`` to ``ptr[d + 1]``, with kind (0 forward, 1 backward), virtual stage and
+    micro-batch. Cached: a search asks for the same few shapes again and again."""
+    orders = device_orders(schedule, stages, micro_batches, virtual)
+    ptr = np.zeros(stages + 1, np.int64)
+    np.cumsum([len(o) for o in orders], out=ptr[1:])
+    flat = [task for order in orders for task in order]
+    kind = np.array([0 if k == "F" else 1 for k, _, _ in flat], np.int64)
+    stage = np.array([s for _, s, _ in flat], np.int64)
+    micro = np.array([b for _, _, b in flat], np.int64)
+    for arr in (ptr, kind, stage, micro):
+        arr.setflags(write=False)
+    return ptr, kind, stage, micro
+
+
+@njit(cache=True)
+def _schedule_kernel(ptr, kind, stage, micro, forward, backward, act, grad, m):  # pragma: no cover
+    """The longest-path pass over the fixed device orders (see the module docstring):
+    each device runs its next task once the task it depends on has ended, sweeping the
+    devices until all are done. Returns each task's start and end, each device's peak
+    in-flight count and the time its last task ends. Compiled because a search runs it
+    once per micro-batch count per plan it scores."""
+    p = ptr.size - 1
+    n_virtual = forward.size
+    ends_f = np.full((n_virtual, m), -1.0)
+    ends_b = np.full((n_virtual, m), -1.0)
+    start = np.zeros(kind.size)
+    end = np.zeros(kind.size)
+    position = ptr[:-1].copy()
+    device_free = np.zeros(p)
+    in_flight = np.zeros(p, np.int64)
+    peak = np.zeros(p, np.int64)
+    pending = kind.size
+    while pending > 0:
+        progressed = False
+        for d in range(p):
+            while position[d] < ptr[d + 1]:
+                t = position[d]
+                s = stage[t]
+                b = micro[t]
+                if kind[t] == 0:
+                    if s > 0:
+                        if ends_f[s - 1, b] < 0.0:
+                            break
+                        ready = ends_f[s - 1, b] + act[s - 1]
+                    else:
+                        ready = 0.0
+                    duration = forward[s]
+                else:
+                    if s < n_virtual - 1:
+                        if ends_b[s + 1, b] < 0.0:
+                            break
+                        ready = ends_b[s + 1, b] + grad[s]
+                    else:
+                        if ends_f[s, b] < 0.0:
+                            break
+                        ready = ends_f[s, b]
+                    duration = backward[s]
+                begin = max(device_free[d], ready)
+                start[t] = begin
+                end[t] = begin + duration
+                device_free[d] = begin + duration
+                if kind[t] == 0:
+                    ends_f[s, b] = begin + duration
+                    in_flight[d] += 1
+                else:
+                    ends_b[s, b] = begin + duration
+                    in_flight[d] -= 1
+                peak[d] = max(peak[d], in_flight[d])
+                position[d] += 1
+                pending -= 1
+                progressed = True
+        if not progressed:
+            raise RuntimeError("internal: the pipeline schedule's orders deadlock")
+    return start, end, peak, device_free
+
+
 def simulate_schedule(
-    times: StageTimes, schedule: str, micro_batches: int, virtual: int = 1
+    times: StageTimes,
+    schedule: str,
+    micro_batches: int,
+    virtual: int = 1,
+    *,
+    keep_tasks: bool = True,
 ) -> ScheduleResult:
     """Simulate one step of ``schedule`` with ``micro_batches`` over the stages of
     ``times`` (``p v`` virtual stages on ``p`` devices). See the module docstring for the
     model; returns the step time, each device's busy time, the bubble (idle share of the
     device time, averaged over devices) and each device's peak number of micro-batches
-    whose forward has run and backward not yet. O(p v m)."""
+    whose forward has run and backward not yet; ``keep_tasks=False`` leaves out the
+    per-task timeline (a search needs only the times). O(p v m), in compiled code."""
     if virtual < 1:
         raise InputError(f"a pipeline needs at least 1 chunk per device, got {virtual}")
     forward = np.asarray(times.forward_s, dtype=np.float64)
@@ -219,48 +309,24 @@ def simulate_schedule(
         if times.gradient_s is not None
         else act
     )
-    orders = device_orders(schedule, p, m, virtual)
-
-    end: dict[tuple[str, int, int], float] = {}
-    position = [0] * p
-    device_free = [0.0] * p
-    pending = sum(len(o) for o in orders)
+    ptr, kind, stage, micro = _order_arrays(schedule, p, m, virtual)
+    start, end, peak_arr, device_free = _schedule_kernel(
+        ptr, kind, stage, micro, forward, backward, act, grad, m
+    )
+    peak = [int(x) for x in peak_arr]
     tasks: list[dict[str, Any]] = []
-    in_flight = [0] * p
-    peak = [0] * p
-    while pending:
-        progressed = False
+    if keep_tasks:
         for d in range(p):
-            while position[d] < len(orders[d]):
-                kind, s, b = orders[d][position[d]]
-                if kind == "F":
-                    dep = ("F", s - 1, b) if s > 0 else None
-                    wire = act[s - 1] if s > 0 else 0.0
-                    dur = forward[s]
-                else:
-                    dep = ("B", s + 1, b) if s < n_virtual - 1 else ("F", s, b)
-                    wire = grad[s] if s < n_virtual - 1 else 0.0
-                    dur = backward[s]
-                if dep is not None and dep not in end:
-                    break  # waits for another device
-                ready = end[dep] + wire if dep is not None else 0.0
-                start = max(device_free[d], ready)
-                end[(kind, s, b)] = device_free[d] = start + dur
-                tasks.append({"device": d, "kind": kind, "stage": s, "micro_batch": b,
-                              "start_s": start, "end_s": start + dur})  # fmt: skip
-                in_flight[d] += 1 if kind == "F" else -1
-                peak[d] = max(peak[d], in_flight[d])
-                position[d] += 1
-                pending -= 1
-                progressed = True
-        if not progressed:  # pragma: no cover - the orders above never deadlock
-            raise RuntimeError(f"internal: the {schedule} orders deadlock")
+            for t in range(ptr[d], ptr[d + 1]):
+                tasks.append({"device": d, "kind": "F" if kind[t] == 0 else "B",
+                              "stage": int(stage[t]), "micro_batch": int(micro[t]),
+                              "start_s": float(start[t]), "end_s": float(end[t])})  # fmt: skip
     busy = [
         float(sum(forward[s] + backward[s] for s in range(d, n_virtual, p)) * m) for d in range(p)
     ]
     allreduce = _per_device(times.allreduce_s, p)
     update = _per_device(times.update_s, p)
-    finish = [device_free[d] + allreduce[d] + update[d] for d in range(p)]
+    finish = [float(device_free[d]) + allreduce[d] + update[d] for d in range(p)]
     busy = [busy[d] + allreduce[d] + update[d] for d in range(p)]
     step = float(max(finish))
     bubble = float(np.mean([1.0 - b / step for b in busy])) if step > 0 else 0.0
@@ -286,6 +352,23 @@ def _per_device(values: np.ndarray | None, p: int) -> np.ndarray:
 
 
 RECOMPUTE = ("none", "full")
+
+
+def micro_batch_choices(batch: int | None, stages: int) -> list[int]:
+    """Micro-batch counts a pipeline of ``stages`` is tried with: from one per stage
+    (PyTorch's 1F1B needs at least as many micro-batches as stages) to 8 per stage, those
+    that divide ``batch`` (the traced batch, :func:`meshplace.graph.summary.traced_batch`)
+    so the runtime can split it; none when the batch is unknown or smaller than the
+    stages. GPipe's rule (Huang et al., NeurIPS 2019, §2.3) takes 4 per stage to make the
+    fill and drain small; the schedule decides here, because every micro-batch also pays
+    each op's launch again.
+
+    >>> micro_batch_choices(32, 3), micro_batch_choices(32, 64), micro_batch_choices(None, 2)
+    ([4, 8, 16], [], [])
+    """
+    if batch is None:
+        return []
+    return [m for m in range(max(stages, 2), min(batch, 8 * stages) + 1) if batch % m == 0]
 
 
 @dataclass(frozen=True)
@@ -323,6 +406,164 @@ class PipelineOfPlacement:
         return [float(x) for x in self.resident_bytes + held]
 
 
+class PipelineReader:
+    """Reads op placements of one simulator's (graph, cluster) as pipelines: the arrays
+    that do not depend on the placement (phases, which ops are compute, which forward
+    outputs a backward op reads, each device's launch overhead), so that reading a
+    placement is a few ``bincount`` passes — the throughput objective does it for every
+    plan a search scores (:meth:`meshplace.sim.simulator.Simulator.simulate`).
+    Get one from ``Simulator.pipeline_reader``."""
+
+    def __init__(self, sim: Any) -> None:
+        a = sim.arrays
+        ops = sim.graph.ops
+        self.sim = sim
+        self.phase = a.phase.astype(np.int64)
+        self.compute = np.array([o.kind not in ("parameter", "buffer", "input") for o in ops])
+        forward_compute = (self.phase == PHASE_INDEX["forward"]) & self.compute
+        order = a.topo_order
+        self.forward_in_order = order[forward_compute[order]]
+        self.launch_by_device = np.array(
+            [
+                sim.cost_model.launch_on(sim.device_kinds[d], sim.cluster.devices[d].spec)
+                for d in range(sim.num_devices)
+            ]
+        )
+        src, dst = a.edge_src, a.edge_dst
+        fwd, bwd, upd = (PHASE_INDEX[k] for k in ("forward", "backward", "update"))
+        self.edge_src, self.edge_dst, self.edge_bytes = src, dst, a.edge_bytes
+        self.forward_edge = (self.phase[src] == fwd) & (self.phase[dst] == fwd)
+        self.gradient_edge = (
+            ~self.forward_edge & (self.phase[src] != upd) & (self.phase[dst] != upd)
+        )
+        # forward outputs that some backward op reads: kept from one pass to the other
+        self._routes: dict[tuple[int, int], tuple[float, float]] = {}
+        reads = (self.phase[src] == fwd) & (self.phase[dst] == bwd) & self.compute[src]
+        self.kept_ops = np.unique(src[reads])
+
+    def route(self, src: int, dst: int) -> tuple[float, float]:
+        """(latency, bottleneck bandwidth) of the route from device ``src`` to ``dst``, as
+        :meth:`meshplace.hardware.cluster.Cluster.transfer_time` times it; cached."""
+        key = (src, dst)
+        found = self._routes.get(key)
+        if found is None:
+            cluster = self.sim.cluster
+            links = list(cluster.route(src, dst))
+            found = (
+                (
+                    float(cluster.link_latency[links].sum()),
+                    float(cluster.link_bandwidth[links].min()),
+                )
+                if links
+                else (0.0, float("inf"))
+            )
+            self._routes[key] = found
+        return found
+
+    def read(self, placement: np.ndarray, times: np.ndarray | None = None) -> PipelineTotals | None:
+        """The placement's per-stage totals for the whole batch (see
+        :func:`pipeline_of_placement`), or ``None`` when it is not a pipeline; ``times``
+        replaces the simulator's op times. O(V + E)."""
+        sim = self.sim
+        placement = np.asarray(placement, dtype=np.int64)
+        on = placement[self.forward_in_order]
+        devices, first = np.unique(on, return_index=True)
+        if devices.size < 2:
+            return None
+        stages = devices[np.argsort(first, kind="stable")]
+        p = stages.size
+        stage_of = np.full(sim.num_devices, -1, np.int64)
+        stage_of[stages] = np.arange(p)
+        op_stage = stage_of[placement]
+        js, jd = op_stage[self.edge_src], op_stage[self.edge_dst]
+        crossing = (js >= 0) & (jd >= 0) & (js != jd)
+        forward_cross = crossing & self.forward_edge
+        if np.any(jd[forward_cross] < js[forward_cross]):
+            return None  # activations flowing back: not a pipeline
+        # every op's work is some stage's: compute on a device that runs no forward
+        # compute would overlap the whole pipeline for free in the stage model
+        if np.any(self.compute & (op_stage < 0)):
+            return None
+        gradient_cross = crossing & self.gradient_edge & (jd < js)
+        if times is None:
+            times = sim.op_times(placement)
+        launch = self.launch_by_device[placement] * self.compute
+        staged = op_stage >= 0
+        fwd, bwd = PHASE_INDEX["forward"], PHASE_INDEX["backward"]
+
+        def per_stage(mask: np.ndarray, weights: np.ndarray) -> np.ndarray:
+            return np.bincount(op_stage[mask], weights=weights[mask], minlength=p)
+
+        work = np.where(self.compute, times, 0.0)
+        is_forward, is_backward = staged & (self.phase == fwd), staged & (self.phase == bwd)
+        is_update = staged & ~is_forward & ~is_backward
+        kept_stage = op_stage[self.kept_ops]
+        held = kept_stage >= 0
+        ahead = [self.route(int(stages[j]), int(stages[j + 1])) for j in range(p - 1)]
+        back = [self.route(int(stages[j + 1]), int(stages[j])) for j in range(p - 1)]
+        return PipelineTotals(
+            devices=[int(d) for d in stages],
+            forward_s=per_stage(is_forward, work),
+            forward_launch_s=per_stage(is_forward, launch),
+            backward_s=per_stage(is_backward, work),
+            backward_launch_s=per_stage(is_backward, launch),
+            update_s=per_stage(is_update, times),
+            activation_bytes=np.bincount(
+                js[forward_cross], weights=self.edge_bytes[forward_cross], minlength=p
+            )[: p - 1],
+            gradient_bytes=np.bincount(
+                jd[gradient_cross], weights=self.edge_bytes[gradient_cross], minlength=p
+            )[: p - 1],
+            resident_bytes=np.bincount(placement, weights=sim.resident_per_op)[stages],
+            kept_bytes=np.bincount(
+                kept_stage[held], weights=sim.transient_bytes[self.kept_ops][held], minlength=p
+            ),
+            activation_route=np.array(ahead, dtype=np.float64).reshape(p - 1, 2),
+            gradient_route=np.array(back, dtype=np.float64).reshape(p - 1, 2),
+        )
+
+
+@dataclass(frozen=True)
+class PipelineTotals:
+    """A placement read as a pipeline, for the whole batch: per stage (in pipeline order)
+    its forward, backward and update seconds, the launch overhead inside the forward and
+    backward seconds (paid again per micro-batch), the bytes it sends to the next stage
+    (activations) and to the previous one (gradients), its resident and kept bytes, and
+    the (latency, bandwidth) of the routes between consecutive stages, both ways.
+    :meth:`split` divides it into micro-batches."""
+
+    devices: list[int]
+    forward_s: np.ndarray
+    forward_launch_s: np.ndarray
+    backward_s: np.ndarray
+    backward_launch_s: np.ndarray
+    update_s: np.ndarray
+    activation_bytes: np.ndarray
+    gradient_bytes: np.ndarray
+    resident_bytes: np.ndarray
+    kept_bytes: np.ndarray
+    activation_route: np.ndarray
+    gradient_route: np.ndarray
+
+    def split(self, micro_batches: int) -> PipelineOfPlacement:
+        """The pipeline of ``micro_batches``: each op's time split over the micro-batches
+        with its launch paid once per micro-batch, each transfer a micro-batch's share
+        over its route (latency plus bytes over the bottleneck bandwidth, nothing when
+        nothing crosses). O(p)."""
+        m = int(micro_batches)
+        forward = (self.forward_s - self.forward_launch_s) / m + self.forward_launch_s
+        backward = (self.backward_s - self.backward_launch_s) / m + self.backward_launch_s
+        activation = _wire(self.activation_bytes / m, self.activation_route)
+        gradient = _wire(self.gradient_bytes / m, self.gradient_route)
+        return PipelineOfPlacement(
+            list(self.devices),
+            StageTimes(forward, backward, activation, gradient, update_s=self.update_s.copy()),
+            self.resident_bytes.copy(),
+            self.kept_bytes / m,
+            np.concatenate([[0.0], self.activation_bytes / m]),
+        )
+
+
 def pipeline_of_placement(
     sim: Any, placement: np.ndarray, micro_batches: int
 ) -> PipelineOfPlacement | None:
@@ -333,81 +574,15 @@ def pipeline_of_placement(
     overhead once per micro-batch; its update ops run once per step (``update_s``); the
     activation (gradient) transfer between consecutive stages is the forward (backward)
     bytes crossing from one to the next, a micro-batch's share, over their route. ``None``
-    when the placement is not a pipeline: a stage sends activations to an earlier stage
-    (or, for one stage, nothing to pipeline). O(V + E)."""
-    graph = sim.graph
-    ops = graph.ops
-    a = sim.arrays
-    placement = np.asarray(placement, dtype=np.int64)
-    m = int(micro_batches)
-    phase = np.array([o.phase for o in ops])
-    compute = np.array([o.kind not in ("parameter", "buffer", "input") for o in ops])
-    first: dict[int, int] = {}
-    for position, i in enumerate(a.topo_order.tolist()):
-        if phase[i] == "forward" and compute[i]:
-            first.setdefault(int(placement[i]), position)
-    stages = sorted(first, key=first.__getitem__)
-    if len(stages) < 2:
-        return None
-    stage_of = {d: j for j, d in enumerate(stages)}
-    times = sim.op_times(placement)
-    launch = (
-        np.array(
-            [
-                sim.cost_model.launch_on(sim.device_kinds[d], sim.cluster.devices[d].spec)
-                for d in range(sim.num_devices)
-            ]
-        )[placement]
-        * compute
-    )
-    per_micro_batch = np.where(compute, (times - launch) / m + launch, 0.0)
-    p = len(stages)
-    forward_s, backward_s, update_s = np.zeros(p), np.zeros(p), np.zeros(p)
-    for i, d in enumerate(placement.tolist()):
-        j = stage_of.get(d)
-        if j is None:
-            continue  # a device with no forward compute: its ops are not pipelined
-        if phase[i] == "forward":
-            forward_s[j] += per_micro_batch[i]
-        elif phase[i] == "backward":
-            backward_s[j] += per_micro_batch[i]
-        else:
-            update_s[j] += times[i]
-    fwd_bytes, bwd_bytes = np.zeros(p - 1), np.zeros(p - 1)
-    for s, d, nbytes in graph.edges():
-        js, jd = stage_of.get(int(placement[s])), stage_of.get(int(placement[d]))
-        if js is None or jd is None or js == jd:
-            continue
-        if phase[s] == "forward" and phase[d] == "forward":
-            if jd < js:
-                return None  # activations flowing back: not a pipeline
-            fwd_bytes[js] += nbytes / m  # leaves at the boundary after its stage
-        elif phase[s] != "update" and phase[d] != "update" and jd < js:
-            bwd_bytes[jd] += nbytes / m
-    # memory: resident bytes on each stage's device; per micro-batch the forward outputs
-    # its backward reads (kept between the passes) and the activation it receives
-    resident = np.array([float(sim.resident_per_op[placement == d].sum()) for d in stages])
-    kept = np.zeros(p)
-    seen = set()
-    for s, d, _ in graph.edges():
-        j = stage_of.get(int(placement[s]))
-        reads_forward = phase[s] == "forward" and phase[d] == "backward" and compute[s]
-        if j is not None and reads_forward and s not in seen:
-            kept[j] += float(sim.transient_bytes[s]) / m
-            seen.add(s)
-    received = np.concatenate([[0.0], fwd_bytes])
-    activation = np.array(
-        [_wire(sim, stages[j], stages[j + 1], fwd_bytes[j]) for j in range(p - 1)]
-    )
-    gradient = np.array([_wire(sim, stages[j + 1], stages[j], bwd_bytes[j]) for j in range(p - 1)])
-    return PipelineOfPlacement(
-        stages,
-        StageTimes(forward_s, backward_s, activation, gradient, update_s=update_s),
-        resident,
-        kept,
-        received,
-    )
+    when the placement is not a pipeline: a stage sends activations to an earlier stage,
+    a device that runs no forward compute runs other compute (a backward or update op
+    away from every stage), or there is one stage only. Gradients a stage sends to a
+    later one (a weight shared by both accumulating its gradient) are exchanged once per
+    step, not per micro-batch, and are not charged. O(V + E) (:class:`PipelineReader`)."""
+    totals = sim.pipeline_reader.read(placement)
+    return None if totals is None else totals.split(micro_batches)
 
 
-def _wire(sim: Any, src: int, dst: int, nbytes: float) -> float:
-    return float(sim.cluster.transfer_time(src, dst, nbytes)) if nbytes > 0 else 0.0
+def _wire(nbytes: np.ndarray, route: np.ndarray) -> np.ndarray:
+    """Seconds to send ``nbytes[j]`` over route ``j`` (``[latency, bandwidth]`` rows)."""
+    return np.where(nbytes > 0, route[:, 0] + nbytes / route[:, 1], 0.0)

@@ -16,9 +16,19 @@ routes nothing. Both give the same routes, so results are identical.
 Objectives:
 
 * ``step`` — the makespan of one synchronous training (or inference) step;
-* ``throughput`` — pipelined steady state: when micro-batches stream through the stages,
-  each step is limited by the most loaded resource, so the objective is the largest busy
-  time over devices and links (per step; divide by the batch for time per sample).
+* ``throughput`` — one training step when the batch may be split into micro-batches that
+  stream through the stages: a placement that reads as a pipeline (its stages only send
+  activations forward, :func:`meshplace.sim.schedule.pipeline_of_placement`) is run as
+  the simulated 1F1B schedule (:func:`~meshplace.sim.schedule.simulate_schedule`) at the
+  micro-batch count that makes it fastest (:func:`~meshplace.sim.schedule.micro_batch_choices`,
+  or the plan's own count), and any other placement — or one where a single micro-batch
+  is faster — as one step of the event simulation. The same number is what ``meshplace
+  simulate`` reports for the written plan and what the hybrid search
+  (:mod:`meshplace.parallel.hybrid`) ranks by: one pipeline objective (issue 18, item 4).
+  Its limit for infinitely many micro-batches is the max-load *steady state*, the largest
+  busy time over devices and links (:attr:`SimResult.steady_state_s`); a graph whose batch
+  is unknown (no batched inputs: a graph profiled elsewhere, its times per micro-batch)
+  cannot be split, and is scored by that limit (:data:`THROUGHPUT_MODELS`).
 
 Example
 -------
@@ -45,9 +55,20 @@ from numba import njit
 from meshplace.cost.compute import CostModel
 from meshplace.errors import InputError
 from meshplace.graph.ir import OpGraph
+from meshplace.graph.summary import traced_batch
 from meshplace.sim.engine import simulate_kernel
+from meshplace.sim.schedule import (
+    PipelineReader,
+    ScheduleResult,
+    micro_batch_choices,
+    simulate_schedule,
+)
 
 OBJECTIVES = ("step", "throughput")
+THROUGHPUT_MODELS = ("schedule", "one step", "steady state")
+"""How the throughput objective ran a plan (``SimResult.throughput_model``): as a pipeline
+schedule over micro-batches, as one plain step, or — for a graph whose batch is unknown —
+as the steady state of an unbounded stream of micro-batches."""
 _HUGE = 1e30  # seconds: stands for "cannot run here" inside the throughput bound
 # Up to this many devices the simulator builds every route up front; above it, per plan.
 DENSE_ROUTE_DEVICES = 256
@@ -60,7 +81,7 @@ class SimResult:
 
     objective: str
     step_time_s: float
-    throughput_time_s: float
+    throughput_time_s: float | None
     lower_bound_s: float
     device_names: list[str]
     device_kinds: list[str]
@@ -79,11 +100,18 @@ class SimResult:
     transfer_start: np.ndarray
     transfer_end: np.ndarray
     batch: int | None = None
+    steady_state_s: float = 0.0
+    micro_batches: int = 1
+    schedule: ScheduleResult | None = None
+    throughput_model: str | None = None
 
     @property
     def value(self) -> float:
-        """The objective's value (seconds): step time or steady-state time per step."""
-        return self.step_time_s if self.objective == "step" else self.throughput_time_s
+        """The objective's value (seconds): the step time, or under ``throughput`` the
+        step pipelined over :attr:`micro_batches` (:attr:`schedule`)."""
+        if self.objective == "step" or self.throughput_time_s is None:
+            return self.step_time_s
+        return self.throughput_time_s
 
     @property
     def oom_devices(self) -> list[str]:
@@ -121,7 +149,14 @@ class SimResult:
             "objective_value_s": self.value,
             "step_time_s": self.step_time_s,
             "throughput_time_s": self.throughput_time_s,
-            "time_per_sample_s": self.throughput_time_s / self.batch if self.batch else None,
+            "micro_batches": self.micro_batches,
+            "throughput_model": self.throughput_model,
+            "steady_state_s": self.steady_state_s,
+            "time_per_sample_s": (
+                self.throughput_time_s / self.batch
+                if self.batch and self.throughput_time_s is not None
+                else None
+            ),
             "lower_bound_s": self.lower_bound_s,
             "oom": self.oom,
             "oom_devices": self.oom_devices,
@@ -226,11 +261,66 @@ class Simulator:
         self.link_names = [link.name for link in cluster.links]
         self._lower_bound: float | None = None
         self._throughput_bound: float | None = None
+        self._pipeline_reader: PipelineReader | None = None
+        self.traced_batch = traced_batch(graph)
 
     # ----------------------------------------------------------------- helpers
     @property
     def num_devices(self) -> int:
         return len(self.device_names)
+
+    @property
+    def pipeline_reader(self) -> PipelineReader:
+        """Reads this simulator's placements as pipelines (built on first use)."""
+        if self._pipeline_reader is None:
+            self._pipeline_reader = PipelineReader(self)
+        return self._pipeline_reader
+
+    def pipelined_step(
+        self,
+        placement: np.ndarray,
+        step_s: float,
+        micro_batches: int | None = None,
+        times: np.ndarray | None = None,
+        schedule: str = "1f1b",
+    ) -> tuple[float, int, ScheduleResult | None]:
+        """The throughput objective of ``placement`` whose one-micro-batch step takes
+        ``step_s``: (seconds per step, micro-batches, the 1F1B schedule or ``None``).
+
+        If the placement reads as a pipeline, each micro-batch count of
+        :func:`micro_batch_choices` (one to eight per stage that divide the traced batch;
+        only ``micro_batches`` when given and above one) is simulated as ``schedule``
+        (1F1B unless the plan names another); the fastest wins unless one step
+        (``step_s``) is faster — except that a given ``micro_batches`` is kept (it is the
+        plan's). Otherwise ``(step_s, 1, None)``. ``times`` replaces the op times (e.g.
+        with a calibration's extra costs). O(V + E) plus O(p m) per count.
+
+        >>> from meshplace.graph.ir import Op, OpGraph
+        >>> from meshplace.hardware import load_cluster
+        >>> g = OpGraph("g")
+        >>> _ = g.add_op(Op("input:x", "input", output_shapes=[[8, 4]]))
+        >>> for i in range(2):
+        ...     _ = g.add_op(Op(f"f{i}", "matmul", flops=1e11, output_shapes=[[8, 4]]))
+        >>> g.add_edge("input:x", "f0", 128); g.add_edge("f0", "f1", 128)
+        >>> sim = Simulator(g, load_cluster("colocrl-2gpu"))
+        >>> one = sim.simulate(sim.placement_of(["gpu0", "gpu0", "gpu1"]))
+        >>> value, m, schedule = sim.pipelined_step(one.placement, one.step_time_s)
+        >>> m, value < one.step_time_s
+        (8, True)
+        """
+        totals = self.pipeline_reader.read(placement, times)
+        if totals is None:
+            return step_s, 1, None
+        p = len(totals.devices)
+        forced = micro_batches is not None and micro_batches > 1
+        counts = [int(micro_batches)] if forced else micro_batch_choices(self.traced_batch, p)
+        best: tuple[float, int, ScheduleResult | None] = (step_s, 1, None)
+        for m in counts:
+            result = simulate_schedule(totals.split(m).times, schedule, m, keep_tasks=False)
+            value = result.step_s
+            if forced or value < best[0]:
+                best = (value, m, result)
+        return best
 
     def placement_of(self, device_names: Sequence[str]) -> np.ndarray:
         """Device indices from device names (one per op)."""
@@ -355,10 +445,18 @@ class Simulator:
         objective: str = "step",
         time_scale: float = 1.0,
         extra_time: np.ndarray | None = None,
+        micro_batches: int | None = None,
+        pipelined: bool | None = None,
+        schedule: str = "1f1b",
     ) -> SimResult:
         """Simulate one step under ``placement`` (device index per op). ``extra_time``
         (seconds per op, optional) is added to the ops' times for this simulation only —
-        e.g. the exact message costs of a runtime whose messages the graph does not show."""
+        e.g. the exact message costs of a runtime whose messages the graph does not show.
+
+        The throughput objective's pipelined step (:meth:`pipelined_step`, at
+        ``micro_batches`` when given, as ``schedule``) is computed under
+        ``objective="throughput"`` or when ``pipelined`` is true; otherwise
+        ``throughput_time_s`` is ``None`` (a step-objective search does not pay for it)."""
         if objective not in OBJECTIVES:
             raise InputError(f"unknown objective {objective!r}; allowed: {', '.join(OBJECTIVES)}")
         placement = np.ascontiguousarray(placement, dtype=np.int64)
@@ -369,6 +467,9 @@ class Simulator:
             raise InputError(f"placement names device indices outside 0..{self.num_devices - 1}")
         a = self.arrays
         route_ptr, route_links, pair_keys = self._routes_for(placement)
+        op_times = self.op_times(placement)
+        if extra_time is not None:
+            op_times = op_times + extra_time
         resident = np.bincount(placement, weights=self.resident_per_op, minlength=self.num_devices)
         (
             makespan,
@@ -386,9 +487,7 @@ class Simulator:
         ) = simulate_kernel(
             self.num_devices,
             placement,
-            self.op_times(placement)
-            if extra_time is None
-            else self.op_times(placement) + extra_time,
+            op_times,
             self.priority,
             a.succ_ptr,
             a.succ_idx,
@@ -409,7 +508,21 @@ class Simulator:
             self.in_order,
             self.occupy,
         )
-        throughput = float(max(busy.max(initial=0.0), link_busy.max(initial=0.0)))
+        steady = float(max(busy.max(initial=0.0), link_busy.max(initial=0.0)))
+        throughput, m, scheduled, model = None, 1, None, None
+        forced = micro_batches is not None and micro_batches > 1
+        if (objective == "throughput" or pipelined) and self.traced_batch is None and not forced:
+            # no batch to split (a graph profiled elsewhere, per micro-batch): the stream
+            # of micro-batches is unbounded, and its limit is the busiest resource
+            throughput, model = steady, THROUGHPUT_MODELS[2]
+        elif objective == "throughput" or pipelined:
+            # the schedule is in unscaled seconds: scale the step to compare, then back
+            unscaled_step = float(makespan) / time_scale if time_scale else 0.0
+            value, m, scheduled = self.pipelined_step(
+                placement, unscaled_step, micro_batches, op_times, schedule
+            )
+            throughput = value * time_scale
+            model = THROUGHPUT_MODELS[0] if scheduled is not None else THROUGHPUT_MODELS[1]
         return SimResult(
             objective=objective,
             step_time_s=float(makespan),
@@ -432,6 +545,10 @@ class Simulator:
             transfer_start=x_start,
             transfer_end=x_end,
             batch=self.graph.meta.get("batch"),
+            steady_state_s=steady,
+            micro_batches=m,
+            schedule=scheduled,
+            throughput_model=model,
         )
 
 

@@ -1,0 +1,230 @@
+"""One pipeline objective (issue 18, item 4): the throughput objective is the simulated
+schedule of the placement read as a pipeline, at its fastest micro-batch count, or one
+plain step; a graph without a batch is scored by the steady state."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from meshplace.graph.ir import Op, OpGraph
+from meshplace.graph.sources import workload_graph
+from meshplace.hardware import load_cluster
+from meshplace.sim.schedule import (
+    StageTimes,
+    device_orders,
+    micro_batch_choices,
+    pipeline_of_placement,
+    simulate_schedule,
+)
+from meshplace.sim.simulator import Simulator
+
+
+def reference_pipeline(sim: Simulator, placement: np.ndarray, m: int):
+    """The reading of a placement as a pipeline, op by op and edge by edge (the
+    vectorised :class:`PipelineReader` must agree): stages in the order of their first
+    forward compute op; ``None`` if activations flow back, a device outside the stages
+    runs compute, or there is one stage."""
+    graph = sim.graph
+    ops = graph.ops
+    compute = [o.kind not in ("parameter", "buffer", "input") for o in ops]
+    first: dict[int, int] = {}
+    for position, i in enumerate(sim.arrays.topo_order.tolist()):
+        if ops[i].phase == "forward" and compute[i]:
+            first.setdefault(int(placement[i]), position)
+    stages = sorted(first, key=first.__getitem__)
+    if len(stages) < 2:
+        return None
+    if any(compute[i] and int(placement[i]) not in first for i in range(graph.num_ops)):
+        return None
+    j_of = {d: j for j, d in enumerate(stages)}
+    p = len(stages)
+    times = sim.op_times(placement)
+    forward, backward, update = np.zeros(p), np.zeros(p), np.zeros(p)
+    for i, o in enumerate(ops):
+        j = j_of.get(int(placement[i]))
+        if j is None:
+            continue
+        dev = sim.cluster.devices[int(placement[i])]
+        launch = sim.cost_model.launch_on(dev.kind, dev.spec) if compute[i] else 0.0
+        share = (times[i] - launch) / m + launch if compute[i] else 0.0
+        if o.phase == "forward":
+            forward[j] += share
+        elif o.phase == "backward":
+            backward[j] += share
+        else:
+            update[j] += times[i]
+    sent, returned = np.zeros(p - 1), np.zeros(p - 1)
+    for s, d, nbytes in graph.edges():
+        js, jd = j_of.get(int(placement[s])), j_of.get(int(placement[d]))
+        if js is None or jd is None or js == jd:
+            continue
+        if ops[s].phase == "forward" and ops[d].phase == "forward":
+            if jd < js:
+                return None
+            sent[js] += nbytes / m
+        elif "update" not in (ops[s].phase, ops[d].phase) and jd < js:
+            returned[jd] += nbytes / m
+
+    def wire(src: int, dst: int, nbytes: float) -> float:
+        return sim.cluster.transfer_time(src, dst, nbytes) if nbytes > 0 else 0.0
+
+    activation = [wire(stages[j], stages[j + 1], sent[j]) for j in range(p - 1)]
+    gradient = [wire(stages[j + 1], stages[j], returned[j]) for j in range(p - 1)]
+    return stages, forward, backward, update, np.array(activation), np.array(gradient)
+
+
+def contiguous_cuts(sim: Simulator, devices: list[int], rng: np.random.Generator) -> np.ndarray:
+    """A pipeline: the forward ops in execution order cut into runs over ``devices``, every
+    other op beside the forward op it belongs to (complete_placement)."""
+    from meshplace.placers.colocate import complete_placement
+
+    graph = sim.graph
+    forward = [
+        i
+        for i in sim.arrays.topo_order.tolist()
+        if graph.ops[i].phase == "forward" and graph.ops[i].kind not in ("parameter", "input")
+    ]
+    cuts = np.sort(rng.choice(np.arange(1, len(forward)), len(devices) - 1, replace=False))
+    partial = np.full(graph.num_ops, -1, dtype=np.int64)
+    for run, members in enumerate(np.split(np.array(forward), cuts)):
+        partial[members] = devices[run]
+    return complete_placement(graph, partial, default=devices[0])
+
+
+@pytest.fixture(scope="module")
+def sims() -> dict[str, Simulator]:
+    cluster = load_cluster("colocrl-4gpu")
+    return {w: Simulator(workload_graph(w), cluster) for w in ("dmcca", "rnnlm", "resnet50")}
+
+
+@pytest.mark.parametrize("workload", ["dmcca", "rnnlm", "resnet50"])
+@pytest.mark.parametrize("seed", range(4))
+def test_the_vectorised_reading_equals_the_op_by_op_one(sims, workload: str, seed: int) -> None:
+    sim = sims[workload]
+    rng = np.random.default_rng(seed)
+    gpus = [1, 2, 3, 4]
+    rng.shuffle(gpus)
+    for placement in (
+        contiguous_cuts(sim, gpus[: 2 + seed % 3], rng),  # a pipeline
+        rng.integers(0, sim.num_devices, sim.graph.num_ops),  # almost never one
+    ):
+        for m in (1, 4):
+            ours = pipeline_of_placement(sim, placement, m)
+            ref = reference_pipeline(sim, placement, m)
+            assert (ours is None) == (ref is None)
+            if ours is None:
+                continue
+            stages, forward, backward, update, activation, gradient = ref
+            assert ours.devices == stages
+            for got, want in (
+                (ours.times.forward_s, forward),
+                (ours.times.backward_s, backward),
+                (ours.times.update_s, update),
+                (ours.times.activation_s, activation),
+                (ours.times.gradient_s, gradient),
+            ):
+                np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-15)
+
+
+@pytest.mark.parametrize("workload", ["dmcca", "rnnlm", "resnet50"])
+def test_the_objective_is_the_fastest_schedule_or_one_step(sims, workload: str) -> None:
+    sim = sims[workload]
+    rng = np.random.default_rng(7)
+    placement = contiguous_cuts(sim, [1, 2, 3], rng)
+    step = sim.simulate(placement, "step")
+    assert step.throughput_time_s is None and step.value == step.step_time_s
+    result = sim.simulate(placement, "throughput")
+    choices = micro_batch_choices(sim.traced_batch, 3)
+    assert choices  # every reference workload knows its batch
+    candidates = {1: result.step_time_s}
+    for m in choices:
+        candidates[m] = simulate_schedule(
+            pipeline_of_placement(sim, placement, m).times, "1f1b", m
+        ).step_s
+    best = min(candidates, key=candidates.get)
+    assert result.micro_batches == best
+    assert result.value == result.throughput_time_s == pytest.approx(candidates[best], rel=1e-12)
+    assert result.throughput_model == ("schedule" if best > 1 else "one step")
+    assert (result.schedule is not None) == (best > 1)
+    assert result.value >= result.lower_bound_s * (1 - 1e-12)
+    # a plan's own count is kept, even where another would be faster
+    for m in choices:
+        forced = sim.simulate(placement, "throughput", micro_batches=m)
+        assert forced.micro_batches == m
+        assert forced.value == pytest.approx(candidates[m], rel=1e-12)
+    # scaling every time scales the objective
+    doubled = sim.simulate(placement, "throughput", time_scale=2.0)
+    assert doubled.value == pytest.approx(2 * result.value, rel=1e-9)
+    assert doubled.micro_batches == result.micro_batches
+
+
+def test_work_outside_the_stages_makes_a_placement_one_step(sims) -> None:
+    """A backward op moved to a GPU that runs no forward compute would overlap the whole
+    pipeline for free in the stage model: such a placement is scored as one step."""
+    sim = sims["rnnlm"]
+    placement = contiguous_cuts(sim, [1, 2], np.random.default_rng(0))
+    assert pipeline_of_placement(sim, placement, 4) is not None
+    backward = next(i for i, o in enumerate(sim.graph.ops) if o.phase == "backward")
+    placement[backward] = 3
+    assert pipeline_of_placement(sim, placement, 4) is None
+    result = sim.simulate(placement, "throughput")
+    assert result.micro_batches == 1 and result.throughput_model == "one step"
+    assert result.value == result.step_time_s
+
+
+def test_a_graph_without_a_batch_is_scored_by_the_steady_state() -> None:
+    """No batched inputs (a graph profiled elsewhere, times per micro-batch): the stream
+    of micro-batches has no end, and the objective is its limit, the busiest resource."""
+    g = OpGraph("layers")
+    for i in range(4):
+        g.add_op(Op(f"f{i}", "matmul", flops=1e10))
+        if i:
+            g.add_edge(f"f{i - 1}", f"f{i}", 1e6)
+    sim = Simulator(g, load_cluster("colocrl-2gpu"))
+    placement = sim.placement_of(["gpu0", "gpu0", "gpu1", "gpu1"])
+    result = sim.simulate(placement, "throughput")
+    assert sim.traced_batch is None
+    assert result.throughput_model == "steady state" and result.micro_batches == 1
+    assert result.value == result.steady_state_s
+    assert result.steady_state_s == pytest.approx(result.busy_s.max(), rel=1e-12)
+    # a plan that names its micro-batches is run as that schedule all the same
+    forced = sim.simulate(placement, "throughput", micro_batches=4)
+    assert forced.throughput_model == "schedule" and forced.micro_batches == 4
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])
+@pytest.mark.parametrize("seed", range(3))
+def test_the_compiled_schedule_is_the_event_loop(schedule: str, seed: int) -> None:
+    """The compiled longest-path pass gives each task the start an event loop over the
+    same device orders gives (written out here, task by task)."""
+    rng = np.random.default_rng(seed)
+    p, v = 3, 2 if schedule == "interleaved" else 1
+    m = 6
+    forward, backward = rng.uniform(0.5, 2, p * v), rng.uniform(0.5, 3, p * v)
+    act, grad = rng.uniform(0, 0.3, p * v - 1), rng.uniform(0, 0.3, p * v - 1)
+    times = StageTimes(forward, backward, act, grad)
+    result = simulate_schedule(times, schedule, m, virtual=v)
+    end: dict[tuple, float] = {}
+    free = [0.0] * p
+    orders = device_orders(schedule, p, m, v)
+    position = [0] * p
+    while any(position[d] < len(orders[d]) for d in range(p)):
+        for d in range(p):
+            while position[d] < len(orders[d]):
+                kind, s, b = orders[d][position[d]]
+                if kind == "F":
+                    dep, wire = (("F", s - 1, b), act[s - 1]) if s else (None, 0.0)
+                elif s < p * v - 1:
+                    dep, wire = ("B", s + 1, b), grad[s]
+                else:
+                    dep, wire = ("F", s, b), 0.0
+                if dep is not None and dep not in end:
+                    break
+                start = max(free[d], end[dep] + wire if dep else 0.0)
+                end[(kind, s, b)] = free[d] = start + (forward[s] if kind == "F" else backward[s])
+                position[d] += 1
+    assert result.step_s == pytest.approx(max(free), rel=1e-12)
+    for task in result.tasks:
+        key = (task["kind"], task["stage"], task["micro_batch"])
+        assert task["end_s"] == pytest.approx(end[key], rel=1e-12)
