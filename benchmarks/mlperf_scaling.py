@@ -18,7 +18,21 @@ This script reproduces the shape of those studies with meshplace's cost model on
   (weight-update sharding on or off).
 
 Per-chip throughput is samples / step / chips; scaling efficiency is the per-chip
-throughput relative to the same configuration on 16 chips. Writes
+throughput relative to the same configuration on 16 chips.
+
+ResNet-50 and Transformer-big also get the **hybrid plan** of each row (issue 18,
+:func:`meshplace.parallel.hybrid.hybrid_search`): the PyTorch model captured at a few
+micro-batch sizes (ResNet-50: 8, 16, 32 images; Transformer-big: 2, 8, 32 sentence pairs),
+sharded over tensor-parallel groups of up to 8 chips, cut into pipeline stages between its
+units (ResNet's bottleneck blocks, the encoder's and the decoder's layers, and the ops
+around them), with data parallelism, ZeRO, micro-batches, schedule and recomputation
+chosen jointly — and the best of those plans with one stage beside it, so the table shows
+where a pipeline axis or recomputation helps. The hybrid plans are costed on the captured
+graph by the sharding solver's model, the rows above on the named dimensions
+(``meshplace.mesh.cost``): compare within a table, not across them. The detection net
+exists only as a named-dimension program and gets no hybrid plan.
+
+Writes
 ``benchmarks/results/mlperf_scaling.json`` and prints Markdown tables.
 
 Usage::
@@ -29,13 +43,18 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
+import time
 from pathlib import Path
 
 from meshplace.errors import InputError
+from meshplace.graph.ir import OpGraph
+from meshplace.graph.sources import graph_source
 from meshplace.hardware import load_cluster
 from meshplace.mesh.program import program_for
 from meshplace.mesh.search import evaluate_layout, search
+from meshplace.parallel.hybrid import hybrid_search, simulate_plan
 from meshplace.provenance import write_result
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -54,6 +73,58 @@ def _point(cost, chips: int) -> dict:
         "peak_memory_bytes": cost.peak_memory_bytes,
         "fits": cost.fits,
     }
+
+
+HYBRID_MICRO_BATCHES = {"resnet50": (8, 16, 32), "transformer": (2, 8, 32)}
+
+
+def hybrid_rows(model: str, size: str | None, batch_of) -> list[dict]:
+    """The hybrid plan of every row (module docstring), the sharding solves shared by the
+    rows (they depend on the tensor-parallel group and the micro-batch only)."""
+    pod = load_cluster("tpu-v3-pod")
+
+    @functools.cache
+    def graph_at(batch: int) -> OpGraph:
+        return graph_source(model, batch=batch, size=size, training=True, autocast="bf16").graph
+
+    solved: dict = {}
+    rows = []
+    for chips in CHIPS:
+        start = time.perf_counter()
+        result = hybrid_search(
+            model, size, pod, global_batch=batch_of(chips), chips=chips,
+            micro_batch_sizes=HYBRID_MICRO_BATCHES[model], graphs=graph_at, solved=solved,
+        )  # fmt: skip
+        best = result.best
+        flat = sorted(
+            (p for p in result.plans if p.pp == 1), key=lambda p: (not p.fits, p.closed_form_s)
+        )
+        one_stage = simulate_plan(flat[0]) if flat else None
+        rows.append(
+            {
+                "chips": chips,
+                "batch": batch_of(chips),
+                "units": len(result.units),
+                "best": _hybrid_point(best, batch_of(chips), chips),
+                "one_stage": _hybrid_point(one_stage, batch_of(chips), chips)
+                if one_stage
+                else None,
+                "search_s": time.perf_counter() - start,
+                "sharding_solves": result.solves,
+            }
+        )
+        print(
+            f"{model} {chips} hybrid: {best.config.label} "
+            f"{best.time_per_batch_s * 1e3:.2f} ms ({time.perf_counter() - start:.1f} s)",
+            file=sys.stderr,
+        )
+    return rows
+
+
+def _hybrid_point(plan, batch: int, chips: int) -> dict:
+    entry = {k: v for k, v in plan.to_dict().items() if k != "schedule_tasks"}
+    entry["samples_per_s_per_chip"] = batch / plan.time_per_batch_s / chips
+    return entry
 
 
 def data_parallel(model: str, size: str | None, batch_of) -> list[dict]:
@@ -122,10 +193,15 @@ def main() -> None:
         "resnet50": data_parallel("resnet50", None, lambda n: 32 * n),
         "transformer_big": data_parallel("transformer", "big", lambda n: 2048),
         "detection": spatial(),
+        "hybrid": {
+            "resnet50": hybrid_rows("resnet50", None, lambda n: 32 * n),
+            "transformer_big": hybrid_rows("transformer", "big", lambda n: 2048),
+        },
     }
     RESULTS.mkdir(exist_ok=True)
     write_result(RESULTS / "mlperf_scaling.json", results)
     _markdown(results)
+    _hybrid_markdown(results)
 
 
 def _ms(p: dict | None) -> str:
@@ -138,6 +214,33 @@ def _thr(p: dict | None) -> str:
 
 def _eff(p: dict | None) -> str:
     return f"{p['efficiency'] * 100:.0f}%" if p and "efficiency" in p else "–"
+
+
+def _hybrid_markdown(res: dict) -> None:
+    print(
+        "\n**Hybrid plans** (the captured PyTorch model; data x tensor x pipeline x ZeRO x "
+        "micro-batches x schedule x recomputation; the sharding solver's cost model)\n"
+    )
+    print(
+        "| model | chips | batch | hybrid plan | stages (units) | recompute | step | "
+        "samples/s/chip | one stage: plan | step | pipeline gain | search |"
+    )
+    print("|---|---:|---:|---|---|---|---:|---:|---|---:|---:|---:|")
+    for key, title in (("resnet50", "ResNet-50"), ("transformer_big", "Transformer-big")):
+        for r in res["hybrid"][key]:
+            b, flat = r["best"], r["one_stage"]
+            gain = flat["time_per_batch_s"] / b["time_per_batch_s"] if flat else float("nan")
+            print(
+                f"| {title} | {r['chips']} | {r['batch']:,} | {b['label']} | "
+                f"{'+'.join(map(str, b['layers_per_stage']))} | "
+                f"{','.join(sorted(set(b['recompute'])))} | {_ms_batch(b)} | {_thr(b)} | "
+                f"{flat['label'] if flat else '–'} | {_ms_batch(flat)} | {gain:.2f}x | "
+                f"{r['search_s']:.1f} s |"
+            )
+
+
+def _ms_batch(p: dict | None) -> str:
+    return f"{p['time_per_batch_s'] * 1e3:.2f} ms" if p else "–"
 
 
 def _markdown(res: dict) -> None:

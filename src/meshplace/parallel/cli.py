@@ -396,7 +396,7 @@ def cmd_hybrid(args: argparse.Namespace) -> int:
         fixed: dict[str, Any] = {}
         if not varies_depth(args.model):
             from meshplace.graph.sources import graph_source
-            from meshplace.parallel.hybrid import graph_batch, layer_count
+            from meshplace.parallel.hybrid import graph_batch
 
             def captured(batch: int | None) -> Any:
                 status.update(f"capturing {args.model}…")
@@ -414,20 +414,14 @@ def cmd_hybrid(args: argparse.Namespace) -> int:
 
             if args.model in available():
                 # a reference workload of fixed depth (its builder takes the batch): the
-                # whole model, captured at each micro-batch size, its own layer stack
-                fixed = {
-                    "graphs": captured,
-                    "layers": layer_count(captured(None)),  # its reference batch
-                }
+                # whole model, captured at each micro-batch size; its own layer stack, or
+                # its units where its layers differ (ResNet's stages, encoder-decoder)
+                fixed = {"graphs": captured}
             else:
                 # any other model (file.py:build, graph.json): its own capture, at its own
-                # batch as the micro-batch, its own layer stack
+                # batch as the micro-batch
                 graph = captured(None)
-                fixed = {
-                    "graphs": lambda b: graph,
-                    "layers": layer_count(graph),
-                    "micro_batch_sizes": (graph_batch(graph),),
-                }
+                fixed = {"graphs": lambda b: graph, "micro_batch_sizes": (graph_batch(graph),)}
         result = hybrid_search(
             args.model,
             get(args, "size", None),
@@ -454,6 +448,7 @@ def cmd_hybrid(args: argparse.Namespace) -> int:
         "chips": result.chips,
         "global_batch": result.global_batch,
         "layers": result.layers,
+        **({"units": result.units} if result.units else {}),
         "best": best.to_dict(),
         "runners_up": [
             {k: v for k, v in p.to_dict().items() if k != "schedule_tasks"}
@@ -488,6 +483,7 @@ def hybrid_plan_file(result: Any, plan: Any, cluster: str) -> dict[str, Any]:
         stages.append(
             {
                 "layers": [first, first + k],
+                **({"units": plan.stage_units[i]} if plan.stage_units else {}),
                 "embedding": i == 0,
                 "head": i == c.pp - 1,
                 "recompute": r,
@@ -501,7 +497,12 @@ def hybrid_plan_file(result: Any, plan: Any, cluster: str) -> dict[str, Any]:
     return {
         "format": "meshplace.parallel_plan",
         "version": 1,
-        "graph": {"source": result.model, "name": result.model, "layers": result.layers},
+        "graph": {
+            "source": result.model,
+            "name": result.model,
+            "layers": result.layers,
+            **({"units": result.units} if result.units else {}),
+        },
         "cluster": cluster,
         "mesh": {"shape": [c.pp, c.dp, c.tp], "axes": ["pipe", "data", "tensor"]},
         "parameters": {},
@@ -529,7 +530,8 @@ def print_hybrid(console: Console, data: dict[str, Any]) -> None:
     """The tables of ``meshplace shard --pipeline auto``."""
     b = data["best"]
     head = Table(
-        title=f"{data['model']} ({data['layers']} layers) on {data['chips']} chips of "
+        title=f"{data['model']} ({data['layers']} {'units' if data.get('units') else 'layers'}) "
+        f"on {data['chips']} chips of "
         f"{data['cluster']}, global batch {data['global_batch']}",
         title_justify="left",
         show_header=False,
@@ -555,15 +557,18 @@ def print_hybrid(console: Console, data: dict[str, Any]) -> None:
     )
     console.print(head)
     stages = Table(title="stages", title_justify="left")
-    for col in ("stage", "layers", "recompute", "forward", "backward", "memory", "capacity"):
-        stages.add_column(col, justify="left" if col in ("stage", "recompute") else "right")
+    named = b.get("stage_units")  # a model cut between units: their names
+    columns = ("stage", "units" if named else "layers", "recompute", "forward", "backward")
+    for col in (*columns, "memory", "capacity"):
+        left = col in ("stage", "recompute", "units")
+        stages.add_column(col, justify="left" if left else "right")
     first = 0
     for i, k in enumerate(b["layers_per_stage"]):
         mem = b["stage_memory_bytes"][i]
         over = mem > b["capacity_bytes"]
         stages.add_row(
             str(i),
-            f"{first}-{first + k - 1}",
+            named[i] if named else f"{first}-{first + k - 1}",
             b["recompute"][i],
             ms(b["stage_forward_s"][i]),
             ms(b["stage_backward_s"][i]),

@@ -94,6 +94,13 @@ from meshplace.graph.ir import OpGraph
 from meshplace.hardware.cluster import Cluster
 from meshplace.mesh.layout import LayoutError, Mesh, accelerators, build_mesh, mesh_over
 from meshplace.parallel.sharding import ShardingError, ShardingProblem
+from meshplace.parallel.units import (
+    best_unit_split,
+    bottleneck_search,
+    boundary_bytes,
+    op_units,
+    shared_parameters,
+)
 from meshplace.sim.schedule import RECOMPUTE, StageTimes, simulate_schedule
 
 HYBRID_SCHEDULES = ("1f1b", "gpipe", "interleaved")
@@ -363,6 +370,41 @@ def class_across_stages(graph: OpGraph) -> str | None:
     return None
 
 
+def has_layer_stack(graph: OpGraph) -> bool:
+    """Whether ``graph`` has one stack of identical layers in a chain, which the search
+    prices by one layer (else it is cut between units, :mod:`meshplace.parallel.units`).
+
+    >>> from meshplace.graph.ir import Op
+    >>> g = OpGraph("g")
+    >>> for m in ("stem", "stage1.0", "stage2.0"):
+    ...     _ = g.add_op(Op(m, "conv", module=m))
+    >>> has_layer_stack(g)
+    False
+    """
+    try:
+        container = layer_container(graph)
+        part, layer = op_parts(graph, container)
+        check_layer_stack(graph, part, layer)
+    except InputError:
+        return False
+    return True
+
+
+def class_across_units(graph: OpGraph) -> str | None:
+    """:func:`class_across_stages` for a model cut between units: the first strict
+    co-location class whose ops lie in two units, or ``None``. O(V + E)."""
+    from meshplace.graph.groups import strict_classes
+
+    classes = strict_classes(graph)
+    if not classes:
+        return None
+    unit = op_units(graph)[1]
+    for key, members in classes.items():
+        if len({int(unit[i]) for i in members}) > 1:
+            return key
+    return None
+
+
 def tied_parameters(graph: OpGraph, part: Sequence[str]) -> list[int]:
     """Parameters read in forward by both the ``pre`` and the ``post`` part."""
     a = graph.arrays()
@@ -410,52 +452,9 @@ def part_costs(
             return "layer" if layer[i] == probe else None
         return part[i]
 
-    acc: dict[str, dict[str, float]] = {p: {} for p in PARTS}
     tied = set(tied_parameters(graph, part))
-    tied_bytes = 0.0  # per device, as the solution places them
-
-    def add(b: str | None, key: str, value: float) -> None:
-        if b is not None:
-            acc[b][key] = acc[b].get(key, 0.0) + float(value)
-
+    acc, tied_bytes = _attributed_costs(problem, choice, bucket, PARTS, tied)
     ops = graph.ops
-    phase_key = {"forward": "forward_s", "backward": "backward_s", "update": "update_s"}
-    for gi, g in enumerate(problem.groups):
-        st = g.strategies[choice[gi]]
-        anchor = ops[g.anchor]
-        b = bucket(g.anchor)
-        key = phase_key.get(anchor.phase, "forward_s")
-        if g.kind == "parameter":
-            # a parameter group holds its optimizer update (its compute) and its gradient's
-            # reduction over the tp axis where the ILP splits the batch there (its comm)
-            if g.anchor in tied:
-                tied_bytes += st.parts.get("parameters", 0.0)
-            add(b, "update_s", st.compute_s)
-            add(b, "backward_s", st.comm_s)
-            add(b, "forward_s", st.gather_s if st.gathers >= 1 else 0.0)
-            add(b, "backward_s", st.gather_s if st.gathers >= 2 else 0.0)
-        else:
-            add(b, key, st.compute_s + st.comm_s)
-        for k, v in st.parts.items():
-            name = {
-                "parameters": "parameter_bytes",
-                "gradients": "gradient_bytes",
-                "optimizer_state": "state_bytes",
-                "activations": "activation_bytes",
-            }.get(k)
-            if name is not None:
-                add(b, name, v)
-        if b is not None:
-            acc[b]["transient_bytes"] = max(acc[b].get("transient_bytes", 0.0), st.transient)
-    events = problem.events()
-    for (gu, gv), recs in events.bundles.items():
-        del recs
-        gv_anchor = problem.groups[gv].anchor
-        t = _bundle_seconds(problem, choice, gu, gv, events)
-        add(bucket(gv_anchor), phase_key.get(ops[gv_anchor].phase, "forward_s"), t)
-    for i, o in enumerate(ops):  # model FLOPs: forward and backward (not the optimizer)
-        if o.phase != "update":
-            add(bucket(i), "flops", o.flops)
     # the activation a stage boundary carries: what the probe layer's forward reads from
     # outside it (its input), per device as placed (replicated over tp unless split)
     a = graph.arrays()
@@ -490,6 +489,65 @@ def part_costs(
         strategies=strategies,
         solve_s=time.perf_counter() - start,
     )
+
+
+def _attributed_costs(
+    problem: ShardingProblem,
+    choice: Sequence[int],
+    bucket: Callable[[int], Any],
+    buckets: Sequence[Any],
+    tied: set[int],
+) -> tuple[dict[Any, dict[str, float]], float]:
+    """Each bucket's costs in a sharding solution (``choice`` per group): forward,
+    backward and optimizer seconds (compute, collectives on the tp axis, resharding into
+    the bucket's ops), parameter, gradient, optimizer-state and kept-activation bytes per
+    device, the largest working set, and model FLOPs; ``bucket(op)`` names an op's bucket
+    (``None``: not counted). Also the per-device bytes of the ``tied`` parameters. O(V + E)."""
+    acc: dict[Any, dict[str, float]] = {b: {} for b in buckets}
+    tied_bytes = 0.0  # per device, as the solution places them
+
+    def add(b: Any, key: str, value: float) -> None:
+        if b is not None:
+            acc[b][key] = acc[b].get(key, 0.0) + float(value)
+
+    ops = problem.graph.ops
+    phase_key = {"forward": "forward_s", "backward": "backward_s", "update": "update_s"}
+    for gi, g in enumerate(problem.groups):
+        st = g.strategies[choice[gi]]
+        anchor = ops[g.anchor]
+        b = bucket(g.anchor)
+        key = phase_key.get(anchor.phase, "forward_s")
+        if g.kind == "parameter":
+            # a parameter group holds its optimizer update (its compute) and its gradient's
+            # reduction over the tp axis where the ILP splits the batch there (its comm)
+            if g.anchor in tied:
+                tied_bytes += st.parts.get("parameters", 0.0)
+            add(b, "update_s", st.compute_s)
+            add(b, "backward_s", st.comm_s)
+            add(b, "forward_s", st.gather_s if st.gathers >= 1 else 0.0)
+            add(b, "backward_s", st.gather_s if st.gathers >= 2 else 0.0)
+        else:
+            add(b, key, st.compute_s + st.comm_s)
+        for k, v in st.parts.items():
+            name = {
+                "parameters": "parameter_bytes",
+                "gradients": "gradient_bytes",
+                "optimizer_state": "state_bytes",
+                "activations": "activation_bytes",
+            }.get(k)
+            if name is not None:
+                add(b, name, v)
+        if b is not None:
+            acc[b]["transient_bytes"] = max(acc[b].get("transient_bytes", 0.0), st.transient)
+    events = problem.events()
+    for gu, gv in events.bundles:
+        gv_anchor = problem.groups[gv].anchor
+        t = _bundle_seconds(problem, choice, gu, gv, events)
+        add(bucket(gv_anchor), phase_key.get(ops[gv_anchor].phase, "forward_s"), t)
+    for i, o in enumerate(ops):  # model FLOPs: forward and backward (not the optimizer)
+        if o.phase != "update":
+            add(bucket(i), "flops", o.flops)
+    return acc, tied_bytes
 
 
 def _bundle_seconds(
@@ -573,31 +631,10 @@ def best_split(
         options = [int(option[i, k]) for i, k in enumerate(layers)]
         return float(f[n_layers]), layers, options
 
-    lo, hi = 0, len(candidates) - 1
-    loosest = solve(float(candidates[hi]))
-    if not np.isfinite(loosest[0]):
-        return float("inf"), [], []
-    if micro_batches == 1:  # Σ + 0 x max: the loosest bound's minimum Σ is the optimum
-        return loosest
-    while lo < hi:  # the smallest feasible bottleneck
-        mid = (lo + hi) // 2
-        if np.isfinite(solve(float(candidates[mid]))[0]):
-            hi = mid
-        else:
-            lo = mid + 1
-    floor_sum = loosest[0]  # Σ with no bottleneck limit: a lower bound
-    best: tuple[float, list[int], list[int]] = (float("inf"), [], [])
-    for t_max in candidates[lo:]:
-        if (micro_batches - 1) * float(t_max) + floor_sum >= best[0]:
-            break
-        total, layers, options = solve(float(t_max))
-        if not np.isfinite(total):
-            continue
-        real_max = max(float(stage_time[i, k, r]) for i, (k, r) in enumerate(zip(layers, options)))
-        value = total + (micro_batches - 1) * real_max
-        if value < best[0] - 1e-15:
-            best = (value, layers, options)
-    return best
+    def slowest(layers: list[int], options: list[int]) -> float:
+        return max(float(stage_time[i, k, r]) for i, (k, r) in enumerate(zip(layers, options)))
+
+    return bottleneck_search(candidates, solve, slowest, micro_batches)
 
 
 def brute_force_split(
@@ -664,6 +701,7 @@ class HybridPlan:
     strategies: dict[str, str] = field(default_factory=dict)
     stage_times: StageTimes | None = field(default=None, repr=False)
     schedule_tasks: list[list[float]] = field(default_factory=list, repr=False)
+    stage_units: list[str] = field(default_factory=list)
 
     @property
     def fits(self) -> bool:
@@ -712,6 +750,8 @@ class HybridPlan:
             "sync_s": self.sync_s,
             "update_s": self.update_s,
             "label": c.label,
+            # a model cut between heterogeneous units: each stage's first and last unit
+            **({"stage_units": self.stage_units} if self.stage_units else {}),
             # what the report draws: [device, virtual stage, 0 forward / 1 backward,
             # micro-batch, start, end] per task, for schedules small enough to draw
             "schedule_tasks": self.schedule_tasks if len(self.schedule_tasks) <= MAX_DRAWN else [],
@@ -733,6 +773,7 @@ class HybridResult:
     part_costs: dict[tuple[int, int], PartCosts] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
     micro_batch_sizes: tuple[int, ...] = ()
+    units: list[str] = field(default_factory=list)
 
     @property
     def best(self) -> HybridPlan:
@@ -743,7 +784,8 @@ class HybridResult:
                 "no data x tensor x pipeline degrees divide the chips, and the global batch "
                 "into micro-batches of "
                 + " or ".join(map(str, self.micro_batch_sizes or ("?",)))
-                + f" sequences, with at most {self.layers} stages"
+                + " sequences"
+                + (f", with at most {self.layers} stages" if self.layers else "")
             )
             raise ShardingError(
                 f"no hybrid configuration of {self.model} exists for {self.chips} chips at "
@@ -755,6 +797,234 @@ class HybridResult:
                 f"{self.global_batch}: every configuration's stages exceed device memory"
             )
         return min(fitting, key=lambda p: p.time_per_batch_s)
+
+
+# ------------------------------------------------------------------ heterogeneous units
+@dataclass(frozen=True)
+class UnitCosts:
+    """A model without identical layers at one (tp, micro-batch): each pipeline unit's
+    :class:`Part` from one solve of the whole model (:mod:`meshplace.parallel.units`).
+
+    Attributes:
+        names: the units in execution order; ``units``: their costs.
+        boundary_bytes: ``[U + 1]`` activation bytes crossing the cut before unit ``c``.
+        shared: per parameter several units read (a tied embedding), its per-device
+            parameter + gradient + optimizer-state bytes and its reader units.
+    """
+
+    tp: int
+    micro_batch: int
+    names: list[str]
+    units: list[Part]
+    boundary_bytes: np.ndarray
+    shared: list[tuple[float, list[int]]]
+    strategies: dict[str, str] = field(default_factory=dict)
+    solve_s: float = 0.0
+
+
+def unit_costs(
+    graph: OpGraph,
+    cluster: Cluster,
+    tp: int,
+    micro_batch: int,
+    *,
+    cost_model: CostModel | None = None,
+    time_limit_s: float = 20.0,
+    compute: str = "eager",
+) -> UnitCosts:
+    """Shard the whole ``graph`` (captured at ``micro_batch``) over ``tp`` devices of one
+    host and read each unit's costs off the solution — :func:`part_costs` for a model cut
+    between heterogeneous units (:func:`meshplace.parallel.units.op_units`). Raises
+    :class:`ShardingError` when no sharding exists on that mesh."""
+    start = time.perf_counter()
+    names, unit = op_units(graph)
+    mesh = build_mesh(cluster, (tp,), chips=tp)
+    problem = ShardingProblem(graph, mesh, zero_stages=(0,), cost_model=cost_model, compute=compute)
+    solution = problem.cost_tables().solve(float("inf"), time_limit_s=time_limit_s)
+    if not solution.choice:
+        raise ShardingError(f"the sharding solver found no plan of {graph.name!r} over {tp}")
+    choice = [solution.choice[int(problem.class_of[g])] for g in range(len(problem.groups))]
+    n_units = len(names)
+    acc, _ = _attributed_costs(problem, choice, lambda i: int(unit[i]), range(n_units), set())
+    crossing = boundary_bytes(graph, unit, n_units)
+    readers = shared_parameters(graph, unit)
+    shared = []
+    for gi, g in enumerate(problem.groups):
+        if g.kind == "parameter" and g.anchor in readers:
+            parts = g.strategies[choice[gi]].parts
+            held = sum(parts.get(k, 0.0) for k in ("parameters", "gradients", "optimizer_state"))
+            shared.append((float(held), readers[g.anchor]))
+    ops = graph.ops
+    strategies = {
+        ops[g.anchor].name: g.strategies[choice[gi]].name
+        for gi, g in enumerate(problem.groups)
+        if g.kind == "op"
+    }
+    return UnitCosts(
+        tp,
+        micro_batch,
+        names,
+        [Part(**{**acc[u], "input_bytes": float(crossing[u])}) for u in range(n_units)],
+        crossing,
+        shared,
+        strategies,
+        time.perf_counter() - start,
+    )
+
+
+def _range_sum(values: np.ndarray) -> np.ndarray:
+    """``[U + 1, U + 1]``: the sum of ``values[s:e]`` at ``[s, e]`` (0 where ``e <= s``)."""
+    prefix = np.concatenate([[0.0], np.cumsum(values)])
+    return np.maximum(prefix[None, :] - prefix[:, None], 0.0)
+
+
+def _range_max(values: np.ndarray) -> np.ndarray:
+    """``[U + 1, U + 1]``: the largest of ``values[s:e]`` at ``[s, e]`` (0 where ``e <= s``)."""
+    n = len(values)
+    out = np.zeros((n + 1, n + 1))
+    for s in range(n):
+        out[s, s + 1 :] = np.maximum.accumulate(values[s:])
+    return out
+
+
+def _unit_stage_model(
+    uc: UnitCosts, config: HybridConfig, mesh: Mesh, dp_axis: str | None
+) -> dict[str, np.ndarray]:
+    """:func:`_stage_model` for units: each array ``[p, U + 1, U + 1, R]`` indexed by
+    stage position, first unit, end unit and recomputation (``full`` keeps each unit's
+    input and re-runs its forward during backward)."""
+    p, dp, z = config.pp, config.dp, config.zero
+
+    def attr(name: str) -> np.ndarray:
+        return np.array([getattr(u, name) for u in uc.units], dtype=np.float64)
+
+    def summed(name: str) -> np.ndarray:
+        return _range_sum(attr(name))[None, :, :, None]
+
+    full = np.array([0.0, 1.0])[None, None, None, :]  # recompute: none, full
+    n = len(uc.units) + 1
+    params, grads = summed("parameter_bytes"), summed("gradient_bytes")
+    state = summed("state_bytes")
+    # a parameter several units read: a stage with a reader but not the first keeps a copy
+    copies = np.zeros((n, n))
+    s_idx, e_idx = np.arange(n)[:, None], np.arange(n)[None, :]
+    for held, readers in uc.shared:
+        owner = readers[0]
+        holds_owner = (s_idx <= owner) & (owner < e_idx)
+        holds_reader = np.zeros((n, n), dtype=bool)
+        for r in readers[1:]:
+            holds_reader |= (s_idx <= r) & (r < e_idx)
+        copies += held * (holds_reader & ~holds_owner)
+
+    def collective(kind: str, nbytes: np.ndarray) -> np.ndarray:
+        if dp_axis is None or dp == 1:
+            return np.zeros_like(nbytes)
+        unique, inverse = np.unique(nbytes, return_inverse=True)
+        times = np.array([mesh.collective_time(kind, float(b), [dp_axis]) for b in unique])
+        return times[inverse].reshape(nbytes.shape)
+
+    fwd = summed("forward_s")
+    forward = fwd + 0.0 * full
+    backward = summed("backward_s") + full * fwd
+    if z >= 3:
+        gather = collective("all_gather", params)
+        forward = forward + np.maximum(gather - forward, 0.0)
+        backward = backward + np.maximum(gather - backward, 0.0)
+    if z >= 2:
+        scatter = collective("reduce_scatter", grads)
+        backward = backward + np.maximum(scatter - backward, 0.0)
+    divisor = {"p": dp if z >= 3 else 1, "g": dp if z >= 2 else 1, "s": dp if z >= 1 else 1}
+    resident = (
+        params / divisor["p"] + grads / divisor["g"] + state / divisor["s"]
+        + copies[None, :, :, None]
+    )  # fmt: skip
+    kept = np.where(full > 0, summed("input_bytes"), summed("activation_bytes"))
+    transient = (
+        _range_max(attr("transient_bytes"))[None, :, :, None]
+        + full * _range_max(attr("activation_bytes"))[None, :, :, None]
+        + (_range_max(attr("parameter_bytes"))[None, :, :, None] if z >= 3 else 0.0)
+    )
+    shape = (p, n, n, len(RECOMPUTE))
+    return {
+        "forward": np.broadcast_to(forward, shape),
+        "backward": np.broadcast_to(backward, shape),
+        "kept": np.broadcast_to(kept, shape),
+        "resident": np.broadcast_to(resident, shape),
+        "transient": np.broadcast_to(transient, shape),
+        "params": np.broadcast_to(params, shape),
+        "grads": np.broadcast_to(grads, shape),
+        "update": np.broadcast_to(summed("update_s") / divisor["s"], shape),
+    }
+
+
+def _evaluate_units(
+    uc: UnitCosts,
+    config: HybridConfig,
+    capacity: float,
+    stage_mesh: Mesh,
+    dp_axis: str | None,
+    link_s: Callable[[int, int, float], float],
+    peak_flops: float,
+    global_batch: int,
+    chips: int,
+) -> HybridPlan | None:
+    """:func:`_evaluate` for a model cut between heterogeneous units: the DP over (first
+    unit, end unit) ranges (:func:`meshplace.parallel.units.best_unit_split`), each
+    stage charged the activation it receives and the gradient it sends back at its own
+    cuts. ``None`` for more stages than units and for the interleaved schedule (whose
+    chunks need equal stages)."""
+    p, m = config.pp, config.micro_batches
+    n_units = len(uc.units)
+    if p > n_units or config.schedule == "interleaved":
+        return None
+    model = _unit_stage_model(uc, config, stage_mesh, dp_axis)
+    n = n_units + 1
+    crossing = uc.boundary_bytes
+    arrive = np.zeros((p, n, 1, 1))  # stage i's input at its first cut (and its gradient back)
+    leave = np.zeros((p, 1, n, 1))  # stage i's output at its end cut (and the gradient in)
+    for i in range(p):
+        if i > 0:
+            arrive[i, :, 0, 0] = [link_s(i - 1, i, float(b)) if b else 0.0 for b in crossing]
+        if i < p - 1:
+            leave[i, 0, :, 0] = [link_s(i, i + 1, float(b)) if b else 0.0 for b in crossing]
+    times = model["forward"] + model["backward"] + arrive + leave
+    flight = in_flight(config.schedule, p, m)[:, None, None, None]
+    memory = model["resident"] + flight * model["kept"] + model["transient"]
+    value, bounds, options = best_unit_split(times, memory <= capacity, m)
+    if not bounds:  # nothing fits: the fastest split regardless, reported as OOM
+        value, bounds, options = best_unit_split(times, np.ones_like(memory, dtype=bool), m)
+        if not bounds:
+            return None
+    idx = (np.arange(p), np.array(bounds[:-1]), np.array(bounds[1:]), np.array(options))
+    sync = _stage_syncs(config, model, idx, stage_mesh, dp_axis)
+    stage_of = np.searchsorted(np.array(bounds[1:]), np.arange(n_units), side="right")
+    for held, readers in uc.shared:  # a shared parameter's gradient, owner <-> copies
+        owner = int(stage_of[readers[0]])
+        for j in sorted({int(stage_of[r]) for r in readers[1:]} - {owner}):
+            t = link_s(min(owner, j), max(owner, j), held)
+            sync[owner] += t
+            sync[j] += t
+    flops = sum(u.flops for u in uc.units)
+    sends = np.array(
+        [link_s(i, i + 1, float(crossing[bounds[i + 1]])) for i in range(p - 1)], dtype=np.float64
+    )
+    plan = _plan_of(
+        config, [bounds[i + 1] - bounds[i] for i in range(p)], options, value, model, idx,
+        memory, sync, capacity, (global_batch / config.micro_batch) * flops, chips, peak_flops,
+        uc.strategies,
+    )  # fmt: skip
+    plan.stage_units = [
+        uc.names[bounds[i]]
+        if bounds[i + 1] - bounds[i] == 1
+        else f"{uc.names[bounds[i]]} – {uc.names[bounds[i + 1] - 1]}"
+        for i in range(p)
+    ]
+    update = plan.update_s
+    plan.stage_times = StageTimes(
+        np.array(plan.stage_forward_s), np.array(plan.stage_backward_s), sends, None,
+        np.array(sync), np.array(update),
+    )  # fmt: skip
+    return plan
 
 
 # ------------------------------------------------------------------ the search
@@ -858,6 +1128,63 @@ def _sync_seconds(
     return max(0.0, reduce - backward) + max(0.0, gather - forward)
 
 
+def _stage_syncs(
+    config: HybridConfig,
+    model: dict[str, np.ndarray],
+    idx: tuple[np.ndarray, ...],
+    mesh: Mesh,
+    axis: str | None,
+) -> list[float]:
+    """:func:`_sync_seconds` of each stage of a split (``idx`` into the stage model)."""
+    forward, backward = model["forward"][idx], model["backward"][idx]
+    grads, params = model["grads"][idx], model["params"][idx]
+    return [
+        _sync_seconds(
+            config, float(grads[i]), float(params[i]), float(forward[i]), float(backward[i]),
+            mesh, axis,
+        )
+        for i in range(config.pp)
+    ]  # fmt: skip
+
+
+def _plan_of(
+    config: HybridConfig,
+    per_stage: list[int],
+    options: Sequence[int],
+    value: float,
+    model: dict[str, np.ndarray],
+    idx: tuple[np.ndarray, ...],
+    memory: np.ndarray,
+    sync: list[float],
+    capacity: float,
+    model_flops: float,
+    chips: int,
+    peak_flops: float,
+    strategies: dict[str, str],
+) -> HybridPlan:
+    """The :class:`HybridPlan` of a split (``idx`` into the stage model): its closed form
+    is the DP's value plus the slowest stage's synchronisation and optimizer step."""
+    update = [float(x) for x in model["update"][idx]]
+    return HybridPlan(
+        config,
+        per_stage,
+        [RECOMPUTE[o] for o in options],
+        float("nan"),
+        float(value) + max(a + b for a, b in zip(sync, update, strict=True)),
+        float("nan"),
+        [float(x) for x in model["forward"][idx]],
+        [float(x) for x in model["backward"][idx]],
+        [float(x) for x in memory[idx]],
+        capacity,
+        model_flops,
+        chips,
+        peak_flops,
+        sync,
+        update,
+        strategies,
+    )
+
+
 def in_flight(schedule: str, stages: int, micro_batches: int) -> np.ndarray:
     """Micro-batches stage ``i`` holds at its peak: 1F1B ``min(p - i, m)``, GPipe ``m``.
 
@@ -928,46 +1255,18 @@ def _evaluate(
             if not split:
                 return None
     idx = (np.arange(p), np.array(split), np.array(options))
-    forward = model["forward"][idx]
-    backward = model["backward"][idx]
-    sync = [
-        _sync_seconds(
-            config,
-            float(model["grads"][idx][i]),
-            float(model["params"][idx][i]),
-            float(forward[i]),
-            float(backward[i]),
-            stage_mesh,
-            dp_axis,
-        )
-        for i in range(p)
-    ]
+    sync = _stage_syncs(config, model, idx, stage_mesh, dp_axis)
     if p > 1 and pc.tied_bytes:  # the tied embedding's gradient, first <-> last stage
         tie = link_s(0, p - 1, pc.tied_bytes)
         sync[0] += tie
         sync[-1] += tie
-    update = [float(x) for x in model["update"][idx]]
     model_flops = (global_batch / config.micro_batch) * (
         pc.pre.flops + layers * pc.layer.flops + pc.post.flops
     )
-    plan = HybridPlan(
-        config,
-        [int(x) for x in split],
-        [RECOMPUTE[o] for o in options],
-        float("nan"),
-        float(value) + max(a + b for a, b in zip(sync, update, strict=True)),
-        float("nan"),
-        [float(x) for x in forward],
-        [float(x) for x in backward],
-        [float(x) for x in memory[idx]],
-        capacity,
-        model_flops,
-        chips,
-        peak_flops,
-        sync,
-        update,
-        pc.strategies,
-    )
+    plan = _plan_of(
+        config, [int(x) for x in split], options, value, model, idx, memory, sync, capacity,
+        model_flops, chips, peak_flops, pc.strategies,
+    )  # fmt: skip
     wrap = link_s(p - 1, 0, pc.boundary_bytes) if v > 1 else 0.0
     plan.stage_times = _stage_times(pc, plan, send, wrap, v)
     return plan
@@ -1065,6 +1364,8 @@ def hybrid_search(
     progress: Callable[[str], None] | None = None,
     graphs: Callable[[int], OpGraph] | None = None,
     layers: int | None = None,
+    units: bool | None = None,
+    solved: dict[tuple[int, int], PartCosts | UnitCosts] | None = None,
 ) -> HybridResult:
     """The fastest hybrid plan of ``workload`` (module docstring) that fits.
 
@@ -1074,7 +1375,14 @@ def hybrid_search(
     all, ZeRO 0 or 1. ``compute``: the sharding problem's compute model (``"fused"`` for
     the fused kernels Megatron-LM and torch.compile run). ``graphs`` (optional) gives the
     graph at a micro-batch size — two layers of a deeper model, or a model's own capture at
-    its own batch (``micro_batch_sizes`` then that batch) — and ``layers`` the full depth.
+    its own batch (``micro_batch_sizes`` then that batch) — and ``layers`` the full depth
+    (by default the graph's own stack). A model with no stack of identical layers (ResNet's
+    stages, an encoder and a decoder; ``units=True`` forces it, ``None`` decides by
+    :func:`has_layer_stack`) is cut between its units instead
+    (:mod:`meshplace.parallel.units`): one solve of the whole graph per (tp, micro-batch),
+    the DP over unit ranges, no interleaving. ``solved`` (optional) holds the per-(tp,
+    micro-batch) costs of earlier searches of the same model on the same cluster, reused
+    and extended: the sharding solves do not depend on the chip count or the batch.
     The ``simulate_top`` plans best by the DP's closed form are simulated; the fastest
     simulated plan that fits is :attr:`HybridResult.best`.
     """
@@ -1106,8 +1414,6 @@ def hybrid_search(
         def graphs(batch: int) -> OpGraph:
             return capture_layers(workload, size, 2, batch, autocast)
 
-    if layers is None or layers < 1:
-        raise InputError("the hybrid search needs the model's layer count with its graphs")
     device = cluster.devices[accel[0]]
     capacity = device.spec.memory_bytes * memory_fraction
     peak = device.spec.peak("bfloat16" if autocast else "float32")
@@ -1115,39 +1421,68 @@ def hybrid_search(
 
     max_tp = default_max_tensor_parallel(cluster, n)
     tps = [t for t in tensor_parallel if t <= max_tp and n % t == 0]
-    parts: dict[tuple[int, int], PartCosts] = {}
+    parts: dict[tuple[int, int], PartCosts | UnitCosts] = {}
     skipped: dict[str, str] = {}
     captured: dict[int, OpGraph] = {}
-    solves = 0
     for b in micro_batch_sizes:
-        if global_batch % b:
-            continue
+        if global_batch % b == 0 and tps:
+            if progress is not None:
+                progress(f"capturing micro-batch {b}")
+            try:
+                captured[b] = graphs(b)
+            except InputError as exc:  # a model that cannot run at this batch
+                skipped[f"mb{b}"] = str(exc)
+    unit_names: list[str] = []
+    if captured:
+        first = next(iter(captured.values()))
+        if units is None:
+            units = not has_layer_stack(first)
+        if units:
+            if style == "megatron":
+                raise InputError(
+                    f"graph {first.name!r} has no stack of identical layers, which the "
+                    "Megatron-style grid splits evenly; search it with the joint style"
+                )
+            unit_names = op_units(first)[0]
+            layers = len(unit_names)
+        elif layers is None:
+            layers = layer_count(first)
+    if captured and (layers is None or layers < 1):
+        raise InputError("the hybrid search needs the model's layer count with its graphs")
+    layers = layers or 0  # nothing captured: no configuration, said by HybridResult.best
+    solves = 0
+    for b, graph in captured.items():
         for tp in tps:
+            if solved is not None and (tp, b) in solved:
+                parts[(tp, b)] = solved[(tp, b)]
+                continue
             if progress is not None:
                 progress(f"tp {tp}, micro-batch {b}")
-            if b not in captured:
-                try:
-                    captured[b] = graphs(b)
-                except InputError as exc:  # a model that cannot run at this batch
-                    skipped[f"mb{b}"] = str(exc)
-                    break
             try:
-                parts[(tp, b)] = part_costs(
-                    captured[b],
-                    cluster,
-                    tp,
-                    b,
-                    cost_model=cost_model,
-                    restrict=restrict_to_grid if style == "megatron" else None,
-                    compute=compute,
-                )
+                if units:
+                    parts[(tp, b)] = unit_costs(
+                        graph, cluster, tp, b, cost_model=cost_model, compute=compute
+                    )
+                else:
+                    parts[(tp, b)] = part_costs(
+                        graph,
+                        cluster,
+                        tp,
+                        b,
+                        cost_model=cost_model,
+                        restrict=restrict_to_grid if style == "megatron" else None,
+                        compute=compute,
+                    )
                 solves += 1
+                if solved is not None:
+                    solved[(tp, b)] = parts[(tp, b)]
             except (ShardingError, LayoutError) as exc:
                 skipped[f"tp{tp} mb{b}"] = str(exc)
     degrees = [d for d in _divisors(n) if d <= layers]
     if pipeline_degrees is not None:
         degrees = [d for d in degrees if d in set(pipeline_degrees)]
-    crossing = next((k for k in map(class_across_stages, captured.values()) if k), None)
+    across = class_across_units if units else class_across_stages
+    crossing = next((k for k in map(across, captured.values()) if k), None)
     if crossing is not None:  # a strict class no stage cut may split: one stage only
         degrees = [d for d in degrees if d == 1]
         skipped["pipeline"] = (
@@ -1185,10 +1520,15 @@ def hybrid_search(
                 for schedule in schedules if pp > 1 else tuple(schedules)[:1]:
                     config = HybridConfig(pp, dp, tp, b, m, z, schedule)
                     configurations += 1
-                    plan = _evaluate(
-                        pc, config, layers, capacity, mesh, dp_axis, link_s, peak,
-                        global_batch, n, uniform=style == "megatron",
-                    )  # fmt: skip
+                    if isinstance(pc, UnitCosts):
+                        plan = _evaluate_units(
+                            pc, config, capacity, mesh, dp_axis, link_s, peak, global_batch, n
+                        )
+                    else:
+                        plan = _evaluate(
+                            pc, config, layers, capacity, mesh, dp_axis, link_s, peak,
+                            global_batch, n, uniform=style == "megatron",
+                        )  # fmt: skip
                     if plan is not None:
                         candidates.append(plan)
     candidates.sort(key=lambda p: (not p.fits, p.closed_form_s))
@@ -1207,4 +1547,5 @@ def hybrid_search(
         parts,
         skipped,
         tuple(micro_batch_sizes),
+        unit_names,
     )

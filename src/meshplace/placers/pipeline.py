@@ -773,7 +773,8 @@ def split_by_objective(
     backward, so fewer stages — one, the plain step — can be faster. For each count
     ``k`` up to the DP's own, the DP's best split into at most ``k`` stages is simulated
     and the best score kept (``stats["stage_counts_tried"]``), the way Alpa (Zheng et
-    al., OSDI 2022, §5.2) enumerates stage counts around its DP.
+    al., OSDI 2022, §5.2) enumerates stage counts around its DP. A graph without a batch
+    is scored by the steady state, which the DP minimises itself: its split is kept.
 
     Complexity: ``k`` DP runs and ``k`` simulations.
 
@@ -787,6 +788,10 @@ def split_by_objective(
     [1, 2, 3, 4, 5]
     """
     assignment, stats = pipeline_split(problem, over_ideals=over_ideals)
+    if problem.simulator.traced_batch is None:
+        # no batch to split: the objective is the steady state, the slowest stage, which
+        # the DP itself minimises over every stage count
+        return assignment, {**stats, "stage_counts_tried": []}
     most = int(stats["stages"])
     tried: list[dict[str, Any]] = []
     best: tuple[float, OpAssignment, dict[str, Any]] | None = None
