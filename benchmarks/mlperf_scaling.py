@@ -22,7 +22,7 @@ throughput relative to the same configuration on 16 chips.
 
 ResNet-50 and Transformer-big also get the **hybrid plan** of each row (issue 18,
 :func:`meshplace.parallel.hybrid.hybrid_search`): the PyTorch model captured at a few
-micro-batch sizes (ResNet-50: 8, 16, 32 images; Transformer-big: 2, 8, 32 sentence pairs),
+micro-batch sizes (ResNet-50: 8, 16, 32 images; Transformer-big: 2 to 32 sentence pairs),
 sharded over tensor-parallel groups of up to 8 chips, cut into pipeline stages between its
 units (ResNet's bottleneck blocks, the encoder's and the decoder's layers, and the ops
 around them), with data parallelism, ZeRO, micro-batches, schedule and recomputation
@@ -75,7 +75,7 @@ def _point(cost, chips: int) -> dict:
     }
 
 
-HYBRID_MICRO_BATCHES = {"resnet50": (8, 16, 32), "transformer": (2, 8, 32)}
+HYBRID_MICRO_BATCHES = {"resnet50": (8, 16, 32), "transformer": (2, 4, 8, 16, 32)}
 
 
 def hybrid_rows(model: str, size: str | None, batch_of) -> list[dict]:

@@ -169,6 +169,14 @@ def test_the_cli_cuts_a_users_model_between_units(tmp_path: Path, capsys) -> Non
     first = data["best"]
     if first["pp"] > 1:
         assert [s["units"] for s in plan["stages"]] == first["stage_units"]
+    # the HTML report names the units of each stage (of the best plan with stages)
+    staged = next((p for p in [first, *data["runners_up"]] if p["pp"] > 1), None)
+    assert staged is not None
+    result = tmp_path / "result.json"
+    result.write_text(json.dumps({**data, "best": {**staged, "schedule_tasks": []}}))
+    assert main(["report", str(result), "--html", str(tmp_path / "r.html")]) == 0
+    html = (tmp_path / "r.html").read_text()
+    assert "<th>units</th>" in html and staged["stage_units"][0] in html
     assert main([*argv, "--pipeline", "auto", "--global-batch", "16", "--style", "megatron"]) == 2
     err = capsys.readouterr().err
     assert "no stack of identical layers" in err and err.count("\n") == 1

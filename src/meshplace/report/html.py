@@ -400,16 +400,19 @@ def _hybrid_page(r: dict[str, Any]) -> str:
     )
     first = 0
     stage_rows = []
+    named = b.get("stage_units")  # a model cut between units: their names
     for i, k in enumerate(b["layers_per_stage"]):
+        span = esc(named[i]) if named else f"{first}–{first + k - 1}"
         stage_rows.append(
-            f"<tr><td>{i}</td><td>{first}–{first + k - 1}</td><td>{esc(b['recompute'][i])}</td>"
+            f"<tr><td>{i}</td><td>{span}</td><td>{esc(b['recompute'][i])}</td>"
             f'<td class="num">{esc(fmt_seconds(b["stage_forward_s"][i]))}</td>'
             f'<td class="num">{esc(fmt_seconds(b["stage_backward_s"][i]))}</td>'
             f'<td class="num">{esc(fmt_bytes(b["stage_memory_bytes"][i]))}</td></tr>'
         )
         first += k
     table = (
-        "<table><tr><th>stage</th><th>layers</th><th>recompute</th><th>forward</th>"
+        f"<table><tr><th>stage</th><th>{'units' if named else 'layers'}</th><th>recompute</th>"
+        "<th>forward</th>"
         "<th>backward</th><th>memory</th></tr>" + "".join(stage_rows) + "</table>"
     )
     note = (
