@@ -91,15 +91,21 @@ def test_a_plan_trains_under_torchrun_like_one_process_and_each_rank_holds_its_s
     assert share < budget < whole
     done = _meshplace_run(
         tmp_path, "--plan", "plan.json", "--steps", "3", "--warmup", "1", "--json",
-        "--memory-budget", str(budget),
+        "--memory-budget", str(budget), "--checkpoint-dir", "ck",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip(), done.stderr[-3000:]
     report = json.loads(done.stdout)  # rank 0 prints exactly one JSON document
-    expected, _model = one_process_losses(source, 3)  # the same three Adam steps
+    expected, trained = one_process_losses(source, 3)  # the same three Adam steps
     assert torch.allclose(
         torch.tensor(report["measured"]["losses"]), torch.tensor(expected), rtol=1e-5, atol=1e-6
     )
+    # and the parameters after them, gathered whole (the reductions run in another order)
+    saved = torch.load(tmp_path / "ck" / "rank0.pt")
+    reference = dict(trained.named_parameters())
+    assert sorted(saved) == sorted(reference)
+    for name, value in saved.items():
+        assert torch.allclose(value, reference[name].detach(), rtol=1e-5, atol=1e-6), name
     assert report["world_size"] == 2 and report["steps"] == 3 and report["warmup"] == 1
     assert report["measured"]["step_time_s"] > 0
     # each rank holds its block of every parameter, gradient and Adam moment exactly as
@@ -126,6 +132,7 @@ def test_bad_runs_are_one_sentence_and_exit_2(tmp_path: Path, monkeypatch, capsy
     big = {"format": "meshplace.parallel_plan", "mesh": {"shape": [2]}, "graph": {}}
     big["predicted"] = {"memory_bytes": {"parameters": 64.0, "optimizer_state": 128.0}}
     (tmp_path / "big.json").write_text(json.dumps(big))
+    (tmp_path / "f").write_text("a file, not a folder")
     env_world = {"WORLD_SIZE": "2", "RANK": "0"}
     # the module as torchrun starts it: one sentence on stderr, nothing on stdout
     done = subprocess.run(
@@ -151,6 +158,7 @@ def test_bad_runs_are_one_sentence_and_exit_2(tmp_path: Path, monkeypatch, capsy
         (["--plan", "plan.json"], "FILE.py:build"),
         (["--plan", "plan.json", "--model", "m.py:build"], "needs 4 processes, torchrun started 2"),
         (["--plan", "plan.json", "--steps", "2", "--warmup", "2"], "fewer than --steps"),
+        (["--plan", "plan.json", "--model", "m.py:build", "--checkpoint-dir", "f"], "is a file"),
     ]
     for args, message in cases:
         assert runtime_main(args) == 2, args
@@ -161,7 +169,7 @@ def test_bad_runs_are_one_sentence_and_exit_2(tmp_path: Path, monkeypatch, capsy
     for args, message in (
         (["--plan", "plan.json", "--graph", "m.py:build", "--cluster-out", "c.yaml"], "does not"),
         (["--plan", "plan.json", "--graph", "m.py:build", "--worker-devices", "cuda:0"], "cpu or"),
-        (["--plan", "plan.json", "--graph", "m.py:build", "--checkpoint-dir", "c"], "does not"),
+        (["--plan", "plan.json", "--graph", "m.py:build", "--checkpoint-dir", "f"], "is a file"),
     ):
         assert meshplace_main(["run", *args]) == 2, args
         err = capsys.readouterr().err

@@ -154,7 +154,7 @@ def test_a_pipelined_placement_runs_as_a_1f1b_pipeline_like_one_process(tmp_path
             *[sys.executable, "-m", "torch.distributed.run", "--standalone"],
             *["--nproc-per-node", "2", "-m", "meshplace.runtime", "--plan", "pipe.json"],
             *["--model", source, "--schedule", "1F1B", "--micro-batches", "4"],
-            *["--steps", "3", "--warmup", "1", "--json"],
+            *["--steps", "3", "--warmup", "1", "--json", "--checkpoint-dir", "ck"],
         ],
         capture_output=True,
         text=True,
@@ -166,10 +166,19 @@ def test_a_pipelined_placement_runs_as_a_1f1b_pipeline_like_one_process(tmp_path
     report = json.loads(done.stdout)
     assert report["plan"] == "pipeline" and report["micro_batches"] == 4
     assert report["stage_begins"][0] == "" and report["stage_begins"][1].startswith("layers.")
-    expected, _model = one_process_losses(source, 3)
+    expected, trained = one_process_losses(source, 3)
     assert torch.allclose(
         torch.tensor(report["measured"]["losses"]), torch.tensor(expected), rtol=0, atol=1e-5
     )
+    # the parameters after the three steps: each stage's own, together the whole model's
+    # (four micro-batches' gradients summed, so within 1e-5, not bit for bit)
+    stages = [torch.load(tmp_path / "ck" / f"rank{r}.pt") for r in (0, 1)]
+    assert stages[0] and stages[1] and not set(stages[0]) & set(stages[1])
+    saved = {**stages[0], **stages[1]}
+    reference = dict(trained.named_parameters())
+    assert sorted(saved) == sorted(reference)
+    for name, value in saved.items():
+        assert torch.allclose(value, reference[name].detach(), rtol=0, atol=1e-5), name
     memory = report["memory_per_rank"]
     assert memory["optimizer_state"]["measured"] == memory["optimizer_state"]["predicted"]
     assert memory["parameters"]["measured"] == memory["parameters"]["predicted"]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from pathlib import Path
 from typing import Any
 
 from meshplace.argtypes import non_negative_int, positive_int, positive_seconds
@@ -66,8 +67,10 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--checkpoint-dir",
         default=None,
-        help="--launcher torchrun: each rank writes its parameters and optimizer state to "
-        "DIR/rankR.pt after the last step",
+        help="--launcher torchrun or a sharding plan: after the last step write the "
+        "parameters to DIR (each placement rank its own and their optimizer state, each "
+        "pipeline stage its own: DIR/rankR.pt; a sharding plan every parameter whole: "
+        "DIR/rank0.pt)",
     )
     parser.add_argument(
         "--micro-batches",
@@ -256,17 +259,23 @@ def run_sharding_plan(args: argparse.Namespace, plan: dict[str, Any]) -> int:
         ("--calibration-out", getattr(args, "calibration_out", None)),
         ("--batch", args.batch),
         ("--size", args.size),
-        ("--checkpoint-dir", getattr(args, "checkpoint_dir", None)),
         ("--micro-batches", getattr(args, "micro_batches", None)),
         ("--schedule", getattr(args, "schedule", None)),
     ):
         if value is not None:
             raise InputError(f"{flag} does not apply to a sharding plan ({args.plan})")
+    checkpoint_dir = getattr(args, "checkpoint_dir", None)
+    if checkpoint_dir is not None and Path(checkpoint_dir).is_file():
+        raise InputError(f"--checkpoint-dir {checkpoint_dir!r} is a file")
     source = model_source(plan, args.graph)
     nproc = math.prod(int(s) for s in plan["mesh"]["shape"])
     extra = ["--model", source]
-    if getattr(args, "memory_budget", None) is not None:
-        extra += ["--memory-budget", str(args.memory_budget)]
+    for flag, value in (
+        ("--memory-budget", getattr(args, "memory_budget", None)),
+        ("--checkpoint-dir", getattr(args, "checkpoint_dir", None)),
+    ):
+        if value is not None:
+            extra += [flag, str(value)]
     return run_with_torchrun(args, nproc, extra)
 
 

@@ -91,8 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--checkpoint-dir",
         default=None,
-        help="placement: each rank writes its parameters and optimizer state to "
-        "DIR/rankR.pt after the last step",
+        help="after the last step, write the parameters: each rank of a placement its own "
+        "and their optimizer state, each stage of a pipelined placement its own (both to "
+        "DIR/rankR.pt), rank 0 of a sharding plan every parameter whole (DIR/rank0.pt)",
     )
     parser.add_argument("--steps", type=positive_int, default=10, help="Adam steps (default 10)")
     parser.add_argument(
@@ -352,9 +353,13 @@ def run_sharded_plan(
     warmup: int,
     lr: float,
     device_type: str,
+    checkpoint_dir: str | None = None,
 ) -> dict[str, Any]:
     """Train the model of ``source`` under ``plan`` for ``steps`` Adam steps on this rank
-    (``torch.distributed`` already initialised); what this rank measured."""
+    (``torch.distributed`` already initialised); what this rank measured.
+    ``checkpoint_dir``: after the last step every parameter is gathered whole (DTensor's
+    ``full_tensor``, on every rank) and rank 0 writes them there (``rank0.pt``, a dict
+    name → tensor)."""
     import torch
 
     from meshplace.graph.capture import as_loss
@@ -437,6 +442,14 @@ def run_sharded_plan(
         if isinstance(v, torch.Tensor) and v.dim() > 0  # Adam's step counter is a scalar
     )
     peak = peak_bytes(device_type)
+    if checkpoint_dir is not None:
+        whole = {
+            name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu()
+            for name, p in model.named_parameters()
+        }
+        if rank == 0:
+            Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
+            torch.save(whole, Path(checkpoint_dir) / "rank0.pt")
     return {
         "times_s": times,
         "losses": losses,
@@ -534,7 +547,7 @@ def main(argv: list[str] | None = None) -> int:
                     raise InputError(
                         f"--schedule {args.schedule!r}: choose one of {', '.join(SCHEDULES)}"
                     )
-                for flag in ("batch", "size", "memory_budget", "checkpoint_dir"):
+                for flag in ("batch", "size", "memory_budget"):
                     if getattr(args, flag) is not None:
                         name = "--" + flag.replace("_", "-")
                         raise InputError(f"{name} does not apply to a pipelined placement")
@@ -550,7 +563,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
             spec = placement_model(plan, args)
         else:
-            for flag in ("batch", "size", "checkpoint_dir", "micro_batches"):
+            for flag in ("batch", "size", "micro_batches"):
                 if getattr(args, flag) is not None:
                     name = "--" + flag.replace("_", "-")
                     raise InputError(f"{name} applies to placement plans, not to {args.plan}")
@@ -559,6 +572,8 @@ def main(argv: list[str] | None = None) -> int:
             source = model_source(plan, args.model)
             if args.memory_budget is not None:
                 check_memory_budget(plan, args.memory_budget)
+        if args.checkpoint_dir is not None and Path(args.checkpoint_dir).is_file():
+            raise InputError(f"--checkpoint-dir {args.checkpoint_dir!r} is a file")
         if "WORLD_SIZE" not in os.environ:
             raise InputError("run it under torchrun (WORLD_SIZE is not set)")
         if not placement:
@@ -591,6 +606,7 @@ def main(argv: list[str] | None = None) -> int:
                     lr=args.lr,
                     schedule=args.schedule,
                     device_type=device_type,
+                    checkpoint_dir=args.checkpoint_dir,
                 )
             elif placement:
                 from meshplace.runtime.placed import run_placed_plan
@@ -613,6 +629,7 @@ def main(argv: list[str] | None = None) -> int:
                     warmup=args.warmup,
                     lr=args.lr,
                     device_type=device_type,
+                    checkpoint_dir=args.checkpoint_dir,
                 )
             error = None
         except InputError as exc:  # every rank refuses (the same sentence), or one does

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -166,11 +167,14 @@ def run_pipelined_plan(
     lr: float,
     schedule: str,
     device_type: str,
+    checkpoint_dir: str | None = None,
 ) -> dict[str, Any]:
     """Train the ``FILE.py:build`` model of ``source`` (built from seed 0, as every rank
     builds it) under the pipelined placement ``plan`` with ``micro_batches`` per step, for
     ``steps`` Adam steps on this rank (``torch.distributed`` initialised, one rank per
-    stage); what this rank measured.
+    stage); what this rank measured. ``checkpoint_dir``: after the last step this rank
+    writes its stage's parameters there (``rank{R}.pt``, a dict from the model's own
+    parameter names to tensors).
     """
     import torch.distributed as dist
     from torch.distributed.pipelining import (
@@ -249,6 +253,13 @@ def run_pipelined_plan(
     )
     predicted = share_bytes(graph, [devices.index(d) for d in names], rank)
     peak = peak_bytes(device_type)
+    if checkpoint_dir is not None:
+        Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
+        own = {  # the stage keeps the model's names under InputsEnterFirst's "model."
+            name.removeprefix("model."): p.detach().cpu()
+            for name, p in stage.submod.named_parameters()
+        }
+        torch.save(own, Path(checkpoint_dir) / f"rank{rank}.pt")
     return {
         "device": devices[rank],
         "stage_begins": boundaries[rank - 1] if rank else "",
