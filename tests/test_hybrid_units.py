@@ -141,7 +141,10 @@ def test_a_model_without_identical_layers_is_cut_between_its_units(resnet_result
         for i in range(plan.pp):
             units = pc.units[bounds[i] : bounds[i + 1]]
             forward = sum(u.forward_s for u in units)
-            assert plan.stage_forward_s[i] >= forward * (1 - 1e-12)
+            if plan.config.zero < 3:  # exactly the units' (ZeRO-3 adds exposed gathers)
+                assert plan.stage_forward_s[i] == pytest.approx(forward, rel=1e-12)
+            else:
+                assert plan.stage_forward_s[i] >= forward * (1 - 1e-12)
         if not np.isnan(plan.time_per_batch_s):
             c = plan.config
             simulated = simulate_schedule(plan.stage_times, c.schedule, c.micro_batches)

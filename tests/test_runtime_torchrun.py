@@ -153,6 +153,8 @@ def test_bad_runs_are_one_sentence_and_exit_2(tmp_path: Path, monkeypatch, capsy
         (["--plan", "placed.json", "--micro-batches", "2"], "apply to pipelined placements"),
         (["--plan", "pipe.json", "--schedule", "zigzag"], "choose one of 1F1B, GPipe"),
         (["--plan", "pipe.json", "--memory-budget", "9"], "does not apply to a pipelined"),
+        # --micro-batches 1 runs a pipeline as an op placement: its model is looked up
+        (["--plan", "pipe.json", "--micro-batches", "1"], "not a model the runtime knows"),
         (["--plan", "big.json", "--model", "m.py:build", "--memory-budget", "9"], "over"),
         (["--plan", "plan.json", "--model", "m.py:build", "--schedule", "GPipe"], "pipelined"),
         (["--plan", "plan.json"], "FILE.py:build"),

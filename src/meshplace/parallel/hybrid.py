@@ -770,7 +770,7 @@ class HybridResult:
     search_s: float
     solves: int
     configurations: int
-    part_costs: dict[tuple[int, int], PartCosts] = field(default_factory=dict)
+    part_costs: dict[tuple[int, int], PartCosts | UnitCosts] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
     micro_batch_sizes: tuple[int, ...] = ()
     units: list[str] = field(default_factory=list)
@@ -809,7 +809,7 @@ class UnitCosts:
         names: the units in execution order; ``units``: their costs.
         boundary_bytes: ``[U + 1]`` activation bytes crossing the cut before unit ``c``.
         shared: per parameter several units read (a tied embedding), its per-device
-            parameter + gradient + optimizer-state bytes and its reader units.
+            parameter, gradient and optimizer-state bytes and its reader units.
     """
 
     tp: int
@@ -817,7 +817,7 @@ class UnitCosts:
     names: list[str]
     units: list[Part]
     boundary_bytes: np.ndarray
-    shared: list[tuple[float, list[int]]]
+    shared: list[tuple[float, float, float, list[int]]]
     strategies: dict[str, str] = field(default_factory=dict)
     solve_s: float = 0.0
 
@@ -852,8 +852,9 @@ def unit_costs(
     for gi, g in enumerate(problem.groups):
         if g.kind == "parameter" and g.anchor in readers:
             parts = g.strategies[choice[gi]].parts
-            held = sum(parts.get(k, 0.0) for k in ("parameters", "gradients", "optimizer_state"))
-            shared.append((float(held), readers[g.anchor]))
+            kinds = ("parameters", "gradients", "optimizer_state")
+            held = [float(parts.get(k, 0.0)) for k in kinds]
+            shared.append((held[0], held[1], held[2], readers[g.anchor]))
     ops = graph.ops
     strategies = {
         ops[g.anchor].name: g.strategies[choice[gi]].name
@@ -903,18 +904,21 @@ def _unit_stage_model(
 
     full = np.array([0.0, 1.0])[None, None, None, :]  # recompute: none, full
     n = len(uc.units) + 1
-    params, grads = summed("parameter_bytes"), summed("gradient_bytes")
-    state = summed("state_bytes")
-    # a parameter several units read: a stage with a reader but not the first keeps a copy
-    copies = np.zeros((n, n))
+    # a parameter several units read: a stage with a reader but not the first keeps a
+    # copy, with its gradient and optimizer state (sharded by ZeRO like its own)
+    copies = np.zeros((3, n, n))
     s_idx, e_idx = np.arange(n)[:, None], np.arange(n)[None, :]
-    for held, readers in uc.shared:
+    for p_bytes, g_bytes, s_bytes, readers in uc.shared:
         owner = readers[0]
         holds_owner = (s_idx <= owner) & (owner < e_idx)
         holds_reader = np.zeros((n, n), dtype=bool)
         for r in readers[1:]:
             holds_reader |= (s_idx <= r) & (r < e_idx)
-        copies += held * (holds_reader & ~holds_owner)
+        copy = holds_reader & ~holds_owner
+        copies += np.array([p_bytes, g_bytes, s_bytes])[:, None, None] * copy
+    params = summed("parameter_bytes") + copies[0][None, :, :, None]
+    grads = summed("gradient_bytes") + copies[1][None, :, :, None]
+    state = summed("state_bytes") + copies[2][None, :, :, None]
 
     def collective(kind: str, nbytes: np.ndarray) -> np.ndarray:
         if dp_axis is None or dp == 1:
@@ -934,10 +938,7 @@ def _unit_stage_model(
         scatter = collective("reduce_scatter", grads)
         backward = backward + np.maximum(scatter - backward, 0.0)
     divisor = {"p": dp if z >= 3 else 1, "g": dp if z >= 2 else 1, "s": dp if z >= 1 else 1}
-    resident = (
-        params / divisor["p"] + grads / divisor["g"] + state / divisor["s"]
-        + copies[None, :, :, None]
-    )  # fmt: skip
+    resident = params / divisor["p"] + grads / divisor["g"] + state / divisor["s"]
     kept = np.where(full > 0, summed("input_bytes"), summed("activation_bytes"))
     transient = (
         _range_max(attr("transient_bytes"))[None, :, :, None]
@@ -998,16 +999,15 @@ def _evaluate_units(
     idx = (np.arange(p), np.array(bounds[:-1]), np.array(bounds[1:]), np.array(options))
     sync = _stage_syncs(config, model, idx, stage_mesh, dp_axis)
     stage_of = np.searchsorted(np.array(bounds[1:]), np.arange(n_units), side="right")
-    for held, readers in uc.shared:  # a shared parameter's gradient, owner <-> copies
+    for _, g_bytes, _, readers in uc.shared:  # a shared parameter's gradient, both ways
         owner = int(stage_of[readers[0]])
         for j in sorted({int(stage_of[r]) for r in readers[1:]} - {owner}):
-            t = link_s(min(owner, j), max(owner, j), held)
+            t = link_s(min(owner, j), max(owner, j), g_bytes)
             sync[owner] += t
             sync[j] += t
     flops = sum(u.flops for u in uc.units)
-    sends = np.array(
-        [link_s(i, i + 1, float(crossing[bounds[i + 1]])) for i in range(p - 1)], dtype=np.float64
-    )
+    cut = [float(crossing[bounds[i + 1]]) for i in range(p - 1)]
+    sends = np.array([link_s(i, i + 1, b) if b else 0.0 for i, b in enumerate(cut)])
     plan = _plan_of(
         config, [bounds[i + 1] - bounds[i] for i in range(p)], options, value, model, idx,
         memory, sync, capacity, (global_batch / config.micro_batch) * flops, chips, peak_flops,

@@ -776,7 +776,8 @@ def split_by_objective(
     al., OSDI 2022, §5.2) enumerates stage counts around its DP. A graph without a batch
     is scored by the steady state, which the DP minimises itself: its split is kept.
 
-    Complexity: ``k`` DP runs and ``k`` simulations.
+    Complexity: ``k`` DP runs (each with its memory rounds' simulations) and ``k``
+    simulations.
 
     >>> from meshplace.graph.sources import workload_graph
     >>> from meshplace.hardware import load_cluster
@@ -968,14 +969,15 @@ def improve_bottleneck(
     to it) to another device that can run it, each move scored by the simulator.
 
     The DP's pipelines are convex — every stage only sends forward — and keep each unit's
-    backward and update work beside its forward op. The simulator's throughput objective
-    (max over devices and links of their busy time) has no such rule: moving the backward
-    of a heavy layer, or one branch of a layer, to a lightly loaded device can cut the
-    bottleneck (Tarnawski et al., NeurIPS 2020, §5, improve their contiguous optimum the
-    same way). With ``objective="throughput"`` only groups on the bottleneck device are
-    tried (moves elsewhere cannot lower it), the heaviest first, each towards the least
-    busy devices first; with ``"step"`` every group is a candidate. Never worse than the
-    start (a move is kept only if the score falls). Deterministic.
+    backward and update work beside its forward op. The simulated objective has no such
+    rule: moving the backward of a heavy layer, or one branch of a layer, to a lightly
+    loaded device can cut the bottleneck (Tarnawski et al., NeurIPS 2020, §5, improve
+    their contiguous optimum the same way). Where the objective is the steady state (max
+    over devices and links of their busy time: a graph without a batch) only groups on the
+    bottleneck device are tried (moves elsewhere cannot lower it); otherwise — the
+    pipelined step, one step — every group is a candidate; the heaviest first, each
+    towards the least busy devices first. Never worse than the start (a move is kept only
+    if the score falls). Deterministic.
 
     Complexity: at most ``max_evaluations`` simulations, O((V + E) log V) each.
 
@@ -1010,11 +1012,11 @@ def improve_bottleneck(
     while evaluations < max_evaluations:
         busy = result.busy_s
         candidates = list(range(len(members_of)))
-        # under throughput, only groups on the bottleneck device can lower it (where a
-        # link is the bottleneck, any group may)
-        if problem.objective == "throughput" and busy.max(initial=0.0) >= result.link_busy_s.max(
-            initial=0.0
-        ):
+        # in the steady state (no batch to split) only groups on the bottleneck device
+        # can lower it (where a link is the bottleneck, any group may); the pipelined or
+        # plain step also pays transfers and the critical path: every group may
+        steady = problem.objective == "throughput" and result.throughput_model == "steady state"
+        if steady and busy.max(initial=0.0) >= result.link_busy_s.max(initial=0.0):
             worst = int(np.argmax(busy))
             candidates = [i for i in candidates if np.any(current[members_of[i]] == worst)]
         weight = {

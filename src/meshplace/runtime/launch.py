@@ -105,7 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--micro-batches",
         type=positive_int,
         default=None,
-        help="pipelined placement: micro-batches per step (default: the plan's)",
+        help="pipelined placement: micro-batches per step (default: the plan's; 1 runs it "
+        "as an op placement, one step at a time)",
     )
     parser.add_argument(
         "--schedule",
@@ -541,7 +542,9 @@ def main(argv: list[str] | None = None) -> int:
             from meshplace.runtime.pipelined import SCHEDULES, is_pipelined
 
             placed = plan_from_dict(plan, args.plan)
-            pipelined = is_pipelined(placed)
+            # --micro-batches 1 runs a pipeline plan as an op placement, one step at a time
+            as_steps = args.micro_batches == 1 and is_pipelined(placed)
+            pipelined = is_pipelined(placed) and not as_steps
             if pipelined:
                 if args.schedule not in SCHEDULES:
                     raise InputError(
@@ -556,7 +559,7 @@ def main(argv: list[str] | None = None) -> int:
                         "a pipelined placement runs a FILE.py:build model; pass --model"
                     )
                 source = model_source({}, args.model)
-            elif args.micro_batches is not None or args.schedule != "1F1B":
+            elif (args.micro_batches is not None and not as_steps) or args.schedule != "1F1B":
                 raise InputError(
                     f"--micro-batches and --schedule apply to pipelined placements; {args.plan} "
                     "is not one (its objective is not throughput with several micro-batches)"

@@ -102,7 +102,8 @@ def stage_boundaries(
                 raise InputError(
                     f"the placement is not a pipeline torch can cut: {device}'s forward ops "
                     f"are not contiguous in execution order ({op.name!r} returns to it after "
-                    f"{ops[i - 1][1]}); plan it with `meshplace plan --runnable-stages`"
+                    f"{ops[i - 1][1]}); run it as an op placement with --micro-batches 1, or "
+                    "plan one with `meshplace plan --placer pipeline --runnable-stages`"
                 )
             parts = op.module.split(".") if op.module else []
             # the modules holding the op that begin after the previous run did; of those,

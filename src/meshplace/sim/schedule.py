@@ -43,6 +43,7 @@ Example
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
@@ -460,6 +461,39 @@ class PipelineReader:
             self._routes[key] = found
         return found
 
+    def stage_order(self, placement: np.ndarray, by_first_op: np.ndarray) -> np.ndarray | None:
+        """The stage devices in pipeline order: a topological order of the graph of
+        forward activations between them (Kahn's algorithm, ties to the device whose
+        first forward op runs first — branches split over devices may start in any
+        order), or ``None`` where activations flow both ways. O(E + p log p)."""
+        n = self.sim.num_devices
+        is_stage = np.zeros(n, dtype=bool)
+        is_stage[by_first_op] = True
+        src, dst = placement[self.edge_src], placement[self.edge_dst]
+        cross = self.forward_edge & (src != dst) & is_stage[src] & is_stage[dst]
+        pairs = np.unique(src[cross] * n + dst[cross])
+        rank = np.full(n, -1, dtype=np.int64)
+        rank[by_first_op] = np.arange(by_first_op.size)
+        succ: dict[int, list[int]] = {}
+        indegree = np.zeros(n, dtype=np.int64)
+        for key in pairs.tolist():
+            a, b = divmod(key, n)
+            succ.setdefault(a, []).append(b)
+            indegree[b] += 1
+        ready = [(int(rank[d]), int(d)) for d in by_first_op.tolist() if indegree[d] == 0]
+        heapq.heapify(ready)
+        order: list[int] = []
+        while ready:
+            _, d = heapq.heappop(ready)
+            order.append(d)
+            for b in succ.get(d, []):
+                indegree[b] -= 1
+                if indegree[b] == 0:
+                    heapq.heappush(ready, (int(rank[b]), b))
+        if len(order) < by_first_op.size:
+            return None
+        return np.array(order, dtype=np.int64)
+
     def read(self, placement: np.ndarray, times: np.ndarray | None = None) -> PipelineTotals | None:
         """The placement's per-stage totals for the whole batch (see
         :func:`pipeline_of_placement`), or ``None`` when it is not a pipeline; ``times``
@@ -470,7 +504,9 @@ class PipelineReader:
         devices, first = np.unique(on, return_index=True)
         if devices.size < 2:
             return None
-        stages = devices[np.argsort(first, kind="stable")]
+        stages = self.stage_order(placement, devices[np.argsort(first, kind="stable")])
+        if stages is None:
+            return None  # activations flow both ways between stages: not a pipeline
         p = stages.size
         stage_of = np.full(sim.num_devices, -1, np.int64)
         stage_of[stages] = np.arange(p)
@@ -478,8 +514,6 @@ class PipelineReader:
         js, jd = op_stage[self.edge_src], op_stage[self.edge_dst]
         crossing = (js >= 0) & (jd >= 0) & (js != jd)
         forward_cross = crossing & self.forward_edge
-        if np.any(jd[forward_cross] < js[forward_cross]):
-            return None  # activations flowing back: not a pipeline
         # every op's work is some stage's: compute on a device that runs no forward
         # compute would overlap the whole pipeline for free in the stage model
         if np.any(self.compute & (op_stage < 0)):
@@ -568,17 +602,21 @@ def pipeline_of_placement(
     sim: Any, placement: np.ndarray, micro_batches: int
 ) -> PipelineOfPlacement | None:
     """Read an op placement as a pipeline of ``micro_batches``: the devices that run
-    forward compute ops are the stages, in the order their first forward op runs; a
+    forward compute ops are the stages, in a topological order of the activations they
+    send each other (:meth:`PipelineReader.stage_order`); a
     stage's forward (backward) time per micro-batch is its forward (backward) ops' time
     for the whole batch split over the micro-batches, each op still paying its launch
     overhead once per micro-batch; its update ops run once per step (``update_s``); the
     activation (gradient) transfer between consecutive stages is the forward (backward)
     bytes crossing from one to the next, a micro-batch's share, over their route. ``None``
-    when the placement is not a pipeline: a stage sends activations to an earlier stage,
+    when the placement is not a pipeline: activations flow both ways between two stages,
     a device that runs no forward compute runs other compute (a backward or update op
     away from every stage), or there is one stage only. Gradients a stage sends to a
     later one (a weight shared by both accumulating its gradient) are exchanged once per
-    step, not per micro-batch, and are not charged. O(V + E) (:class:`PipelineReader`)."""
+    step, not per micro-batch, and are not charged here; nor is contention of transfers
+    on a shared link: the throughput objective floors the schedule at the busiest
+    device's and link's work for that reason (``Simulator.pipelined_step``). O(V + E)
+    (:class:`PipelineReader`)."""
     totals = sim.pipeline_reader.read(placement)
     return None if totals is None else totals.split(micro_batches)
 

@@ -25,10 +25,11 @@ Objectives:
   is faster — as one step of the event simulation. The same number is what ``meshplace
   simulate`` reports for the written plan and what the hybrid search
   (:mod:`meshplace.parallel.hybrid`) ranks by: one pipeline objective (issue 18, item 4).
-  Its limit for infinitely many micro-batches is the max-load *steady state*, the largest
-  busy time over devices and links (:attr:`SimResult.steady_state_s`); a graph whose batch
-  is unknown (no batched inputs: a graph profiled elsewhere, its times per micro-batch)
-  cannot be split, and is scored by that limit (:data:`THROUGHPUT_MODELS`).
+  It is never below the max-load *steady state*, the largest busy time over devices and
+  links for the whole batch (:attr:`SimResult.steady_state_s`), which a stream of
+  infinitely many micro-batches would approach; a graph whose batch is unknown (no
+  batched inputs: a graph profiled elsewhere, its times per micro-batch) cannot be split,
+  and is scored by the steady state itself (:data:`THROUGHPUT_MODELS`).
 
 Example
 -------
@@ -283,6 +284,7 @@ class Simulator:
         micro_batches: int | None = None,
         times: np.ndarray | None = None,
         schedule: str = "1f1b",
+        floor_s: float = 0.0,
     ) -> tuple[float, int, ScheduleResult | None]:
         """The throughput objective of ``placement`` whose one-micro-batch step takes
         ``step_s``: (seconds per step, micro-batches, the 1F1B schedule or ``None``).
@@ -290,10 +292,14 @@ class Simulator:
         If the placement reads as a pipeline, each micro-batch count of
         :func:`micro_batch_choices` (one to eight per stage that divide the traced batch;
         only ``micro_batches`` when given and above one) is simulated as ``schedule``
-        (1F1B unless the plan names another); the fastest wins unless one step
-        (``step_s``) is faster — except that a given ``micro_batches`` is kept (it is the
-        plan's). Otherwise ``(step_s, 1, None)``. ``times`` replaces the op times (e.g.
-        with a calibration's extra costs). O(V + E) plus O(p m) per count.
+        (1F1B unless the plan names another), never below ``floor_s`` (the busiest
+        device's or link's work for the whole batch: the stage model charges transfers
+        as delays, not as load on a shared link, and gradients exchanged once per step
+        not at all); the fastest wins unless one step (``step_s``) is faster — except
+        that a given ``micro_batches`` is kept (it is the plan's). Otherwise ``(step_s,
+        1, None)``. ``times`` replaces the op times (e.g. with a calibration's extra
+        costs). An interleaved ``schedule`` tries only counts its stages divide. O(V + E)
+        plus O(p m) per count.
 
         >>> from meshplace.graph.ir import Op, OpGraph
         >>> from meshplace.hardware import load_cluster
@@ -314,10 +320,12 @@ class Simulator:
         p = len(totals.devices)
         forced = micro_batches is not None and micro_batches > 1
         counts = [int(micro_batches)] if forced else micro_batch_choices(self.traced_batch, p)
+        if schedule == "interleaved":  # Megatron-LM's rule: a multiple of the stages
+            counts = [m for m in counts if m % p == 0]
         best: tuple[float, int, ScheduleResult | None] = (step_s, 1, None)
         for m in counts:
             result = simulate_schedule(totals.split(m).times, schedule, m, keep_tasks=False)
-            value = result.step_s
+            value = max(result.step_s, floor_s)
             if forced or value < best[0]:
                 best = (value, m, result)
         return best
@@ -511,6 +519,8 @@ class Simulator:
         steady = float(max(busy.max(initial=0.0), link_busy.max(initial=0.0)))
         throughput, m, scheduled, model = None, 1, None, None
         forced = micro_batches is not None and micro_batches > 1
+        # a graph whose batch is unknown is not split, unless a plan names its micro-batches
+        # (then the graph is the whole batch, split as the plan says)
         if (objective == "throughput" or pipelined) and self.traced_batch is None and not forced:
             # no batch to split (a graph profiled elsewhere, per micro-batch): the stream
             # of micro-batches is unbounded, and its limit is the busiest resource
@@ -518,8 +528,9 @@ class Simulator:
         elif objective == "throughput" or pipelined:
             # the schedule is in unscaled seconds: scale the step to compare, then back
             unscaled_step = float(makespan) / time_scale if time_scale else 0.0
+            floor = steady / time_scale if time_scale else 0.0
             value, m, scheduled = self.pipelined_step(
-                placement, unscaled_step, micro_batches, op_times, schedule
+                placement, unscaled_step, micro_batches, op_times, schedule, floor
             )
             throughput = value * time_scale
             model = THROUGHPUT_MODELS[0] if scheduled is not None else THROUGHPUT_MODELS[1]
