@@ -92,7 +92,8 @@ def add_shard_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["off", "auto"],
         default="off",
         help="auto: choose data, tensor and pipeline parallelism, ZeRO stage, micro-batches, "
-        "schedule and recomputation jointly for a layered model (gpt; needs --global-batch)",
+        "schedule and recomputation jointly, stages cut between identical layers (gpt) or "
+        "between a model's blocks (resnet50, encoder-decoder); needs --global-batch",
     )
     parser.add_argument(
         "--global-batch",

@@ -436,14 +436,9 @@ def part_costs(
     container = layer_container(graph)
     part, layer = op_parts(graph, container)
     check_layer_stack(graph, part, layer)
-    mesh = build_mesh(cluster, (tp,), chips=tp)
-    problem = ShardingProblem(graph, mesh, zero_stages=(0,), cost_model=cost_model, compute=compute)
-    if restrict is not None:  # Megatron's pattern on the tp axis (a grid's baseline)
-        problem = restrict(problem, None, 0, 0)
-    solution = problem.cost_tables().solve(float("inf"), time_limit_s=time_limit_s)
-    if not solution.choice:
-        raise ShardingError(f"the sharding solver found no plan of {graph.name!r} over {tp}")
-    choice = [solution.choice[int(problem.class_of[g])] for g in range(len(problem.groups))]
+    problem, choice = _solve_over_tp(
+        graph, cluster, tp, cost_model, compute, time_limit_s, restrict
+    )
     layers_present = sorted({x for x in layer if x >= 0})
     probe = layers_present[-1]  # a layer whose input comes from a layer
 
@@ -489,6 +484,28 @@ def part_costs(
         strategies=strategies,
         solve_s=time.perf_counter() - start,
     )
+
+
+def _solve_over_tp(
+    graph: OpGraph,
+    cluster: Cluster,
+    tp: int,
+    cost_model: CostModel | None,
+    compute: str,
+    time_limit_s: float,
+    restrict: Callable[..., ShardingProblem] | None = None,
+) -> tuple[ShardingProblem, list[int]]:
+    """The integer program of ``graph`` over a ``tp``-device mesh of one host (no ZeRO on
+    that axis; ``restrict``: Megatron's pattern, a grid's baseline) and each group's
+    chosen strategy; :class:`ShardingError` when it has no solution."""
+    mesh = build_mesh(cluster, (tp,), chips=tp)
+    problem = ShardingProblem(graph, mesh, zero_stages=(0,), cost_model=cost_model, compute=compute)
+    if restrict is not None:
+        problem = restrict(problem, None, 0, 0)
+    solution = problem.cost_tables().solve(float("inf"), time_limit_s=time_limit_s)
+    if not solution.choice:
+        raise ShardingError(f"the sharding solver found no plan of {graph.name!r} over {tp}")
+    return problem, [solution.choice[int(problem.class_of[g])] for g in range(len(problem.groups))]
 
 
 def _attributed_costs(
@@ -838,12 +855,7 @@ def unit_costs(
     :class:`ShardingError` when no sharding exists on that mesh."""
     start = time.perf_counter()
     names, unit = op_units(graph)
-    mesh = build_mesh(cluster, (tp,), chips=tp)
-    problem = ShardingProblem(graph, mesh, zero_stages=(0,), cost_model=cost_model, compute=compute)
-    solution = problem.cost_tables().solve(float("inf"), time_limit_s=time_limit_s)
-    if not solution.choice:
-        raise ShardingError(f"the sharding solver found no plan of {graph.name!r} over {tp}")
-    choice = [solution.choice[int(problem.class_of[g])] for g in range(len(problem.groups))]
+    problem, choice = _solve_over_tp(graph, cluster, tp, cost_model, compute, time_limit_s)
     n_units = len(names)
     acc, _ = _attributed_costs(problem, choice, lambda i: int(unit[i]), range(n_units), set())
     crossing = boundary_bytes(graph, unit, n_units)
