@@ -56,10 +56,11 @@ def one_process_losses(source: str, steps: int) -> tuple[list[float], torch.nn.M
     return losses, model
 
 
-def _meshplace_run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+def _meshplace_run(tmp_path: Path, *args: str, fault: str = "") -> subprocess.CompletedProcess:
     """``meshplace run ARGS`` (a sharding plan: torchrun ``--standalone``, so a free
-    rendezvous port on 127.0.0.1 for this test alone)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    rendezvous port on 127.0.0.1 for this test alone); ``fault``: ``"RANK:STEP"``, that
+    rank kills itself in that step (``MESHPLACE_TORCHRUN_FAULT``)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MESHPLACE_TORCHRUN_FAULT": fault}
     return subprocess.run(
         [sys.executable, "-m", "meshplace.cli", "run", *args],
         capture_output=True,
@@ -205,7 +206,10 @@ def test_a_rank_killed_mid_run_ends_the_job_with_one_sentence_and_no_processes(
     )
     out, err = proc.communicate(timeout=240)
     assert proc.returncode == 1, err[-2000:]
-    sentence = "rank 1 was killed by SIGKILL; torchrun stopped the other ranks (exit status 1)"
+    sentence = (
+        "rank 1 was killed by SIGKILL while running the forward of module '0' (Linear) in "
+        "step 2; torchrun stopped the other ranks (exit status 1)"
+    )
     assert err.splitlines()[-1] == f"meshplace: error: {sentence}"
     assert json.loads(out) == {"error": sentence, "exit_status": 1}
     wait_for(lambda: not session_processes(proc.pid), "every rank to be gone", timeout=30)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -101,6 +102,20 @@ def test_an_op_placement_runs_under_torchrun_each_rank_building_only_its_ops(
     assert refused.stderr.count("\n") == 1 and f"--memory-budget {int(budget):,}" in refused.stderr
     assert refused.stdout == ""
 
+    # rank 1 killed in the second step: named with the op it was running
+    killed = _meshplace_run(
+        tmp_path,
+        *["--plan", plan, "--graph", "nmt-small", *model, "--launcher", "torchrun"],
+        *["--steps", "3", "--warmup", "1"],
+        fault="1:1",
+    )
+    assert killed.returncode == 1, killed.stderr[-3000:]
+    assert re.fullmatch(
+        r"meshplace: error: rank 1 was killed by SIGKILL while running op '\w+' in step 2; "
+        r"torchrun stopped the other ranks \(exit status 1\)",
+        killed.stderr.splitlines()[-1],
+    ), killed.stderr[-2000:]
+
 
 LLAMA_BATCH_8 = """\
 import dataclasses
@@ -182,3 +197,17 @@ def test_a_pipelined_placement_runs_as_a_1f1b_pipeline_like_one_process(tmp_path
     memory = report["memory_per_rank"]
     assert memory["optimizer_state"]["measured"] == memory["optimizer_state"]["predicted"]
     assert memory["parameters"]["measured"] == memory["parameters"]["predicted"]
+
+    # rank 1 killed in the second step: named with the micro-batch whose forward it ran
+    killed = _meshplace_run(
+        tmp_path,
+        *["--plan", "pipe.json", "--graph", source, "--launcher", "torchrun"],
+        *["--micro-batches", "4", "--steps", "3", "--warmup", "1"],
+        fault="1:1",
+    )
+    assert killed.returncode == 1, killed.stderr[-3000:]
+    assert killed.stderr.splitlines()[-1] == (
+        "meshplace: error: rank 1 was killed by SIGKILL while running the forward of "
+        "micro-batch 1 of 4 on stage 1 in step 2; torchrun stopped the other ranks "
+        "(exit status 1)"
+    ), killed.stderr[-2000:]

@@ -316,7 +316,9 @@ def run_with_torchrun(args: argparse.Namespace, nproc: int, runtime_args: list[s
     import os
     import subprocess
     import sys
+    import tempfile
 
+    from meshplace.runtime.activity import ACTIVITY_ENV
     from meshplace.util import print_json
 
     devices = args.worker_devices
@@ -334,8 +336,14 @@ def run_with_torchrun(args: argparse.Namespace, nproc: int, runtime_args: list[s
     env = {**os.environ}
     env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default, without its banner
     # torchrun's elastic agent ends every rank when one dies; its messages (and the ranks')
-    # pass through on stderr, and a failure ends with one sentence naming the rank
-    done = subprocess.run(command, check=False, env=env, capture_output=True, text=True)
+    # pass through on stderr, and a failure ends with one sentence naming the rank and
+    # what it was running, which each rank publishes in this folder (runtime/activity.py)
+    with tempfile.TemporaryDirectory(prefix="meshplace-activity-") as activity:
+        env[ACTIVITY_ENV] = activity
+        done = subprocess.run(command, check=False, env=env, capture_output=True, text=True)
+        error = None
+        if done.returncode != 0 and "meshplace: error: " not in done.stderr:
+            error = failed_rank_sentence(done.stderr, done.returncode, activity)
     sys.stderr.write(done.stderr)
     lines = done.stdout.splitlines()
     documents = [line for line in lines if args.json and line.startswith("{")]
@@ -346,19 +354,19 @@ def run_with_torchrun(args: argparse.Namespace, nproc: int, runtime_args: list[s
         if args.json and len(documents) == 1:
             print_json(json.loads(documents[0]))
         return 0
-    if "meshplace: error: " in done.stderr:  # a rank refused the plan in one sentence
+    if error is None:  # a rank refused the plan in one sentence
         error = done.stderr.rsplit("meshplace: error: ", 1)[1].splitlines()[0]
-    else:
-        error = failed_rank_sentence(done.stderr, done.returncode)
     print(f"meshplace: error: {error}", file=sys.stderr)  # the last line, after torchrun's
     if args.json:
         print_json({"error": error, "exit_status": done.returncode or 1})
     return done.returncode or 1
 
 
-def failed_rank_sentence(stderr: str, status: int) -> str:
+def failed_rank_sentence(stderr: str, status: int, activity: str | None = None) -> str:
     """One sentence on a torchrun job that failed, naming the first rank torchrun reports
-    as failed (``exitcode: -9 ... local_rank: 1``) and how it ended.
+    as failed (``exitcode: -9 ... local_rank: 1``), how it ended and — from the status
+    that rank published in the folder ``activity`` (:mod:`meshplace.runtime.activity`) —
+    what it was running.
 
     >>> failed_rank_sentence("... failed (exitcode: -9) local_rank: 1 (pid: 7) of ...", 1)
     'rank 1 was killed by SIGKILL; torchrun stopped the other ranks (exit status 1)'
@@ -367,6 +375,8 @@ def failed_rank_sentence(stderr: str, status: int) -> str:
     """
     import re
     import signal
+
+    from meshplace.runtime.activity import last_activity
 
     found = re.search(r"exitcode: (-?\d+)\)? local_rank: (\d+)", stderr)
     if found is None:
@@ -379,6 +389,9 @@ def failed_rank_sentence(stderr: str, status: int) -> str:
             how = f"was killed by signal {-code}"
     else:
         how = f"exited with status {code}"
+    doing = last_activity(activity, int(rank)) if activity is not None else None
+    if doing is not None:
+        how += f" while {doing}"
     return f"rank {rank} {how}; torchrun stopped the other ranks (exit status {status})"
 
 

@@ -52,6 +52,18 @@ import torch.multiprocessing as mp
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from meshplace.errors import InputError
+from meshplace.runtime.activity import (
+    AWAITED,
+    COMPUTE,
+    DONE,
+    NODE,
+    RECV,
+    SLOT,
+    STATE,
+    STATE_NAMES,
+    STEP,
+    SYNC,
+)
 from meshplace.runtime.processes import (
     WorkerFailure,
     die_with_parent,
@@ -90,22 +102,6 @@ __all__ = [
     "transport_policy",
     "yield_transport_threads",
 ]
-
-# worker states published in shared memory
-_SETUP, _COMPUTE, _RECV, _SYNC, _DONE = 0, 1, 2, 3, 4
-# Each worker's status words sit in their own 128 bytes of the shared array (with all
-# workers' words in one cache line, every per-node write would take the line from the
-# other workers' cores): the node being run, the state, the step (1-based; 0 while
-# setting up) and, while receiving, the node whose value is awaited.
-_SLOT = 16
-_NODE, _STATE, _STEP, _AWAITED = 0, 1, 2, 3
-_STATE_NAMES = {
-    _SETUP: "setting up",
-    _COMPUTE: "computing",
-    _RECV: "waiting to receive",
-    _SYNC: "synchronizing",
-    _DONE: "done",
-}
 
 #: What :class:`Fault` can inject.
 FAULT_KINDS = ("raise", "exit", "hang", "stop", "kill")
@@ -304,10 +300,10 @@ def _worker(
 
 def _node_at(sched: NodeSchedule | None, status: Any, rank: int) -> str:
     """The name of the node worker ``rank`` is at, or ``setup`` before its first step."""
-    base = _SLOT * rank
-    if sched is None or status[base + _STEP] == 0:
+    base = SLOT * rank
+    if sched is None or status[base + STEP] == 0:
         return "setup"
-    idx = int(status[base + _NODE])
+    idx = int(status[base + NODE])
     return sched.names[idx] if 0 <= idx < len(sched.names) else "setup"
 
 
@@ -479,7 +475,7 @@ def run_worker_steps(
     device = device or torch.device("cpu")
     on_gpu = device.type == "cuda"
     if status is None:
-        status = [0] * (_SLOT * (rank + 1))
+        status = [0] * (SLOT * (rank + 1))
     nodes = list(step.gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     params, bufs, states, inputs = (
@@ -523,7 +519,7 @@ def run_worker_steps(
         for upos, p in updates
         if sched.device[param_node_pos[p]] == rank and sched.device[upos] != rank
     ]
-    base = _SLOT * rank
+    base = SLOT * rank
     records: list[tuple] = []
     st = _StepState()
 
@@ -541,13 +537,13 @@ def run_worker_steps(
 
     def receive(i: int, env: list) -> None:
         for j in first_reader[i]:
-            status[base + _AWAITED] = j
-            status[base + _STATE] = _RECV
+            status[base + AWAITED] = j
+            status[base + STATE] = RECV
             start = time.perf_counter()
             env[j] = finish_receive(examples[j], st.posted.pop(j), device)
             end = time.perf_counter()
             st.wait += end - start
-            status[base + _STATE] = _COMPUTE
+            status[base + STATE] = COMPUTE
             if st.events is not None:
                 st.events.append((-1 - j, start, end))
 
@@ -584,20 +580,20 @@ def run_worker_steps(
         st.step = s
         st.keep, st.pending, st.wait = [], [], 0.0
         st.events = [] if timeline else None
-        status[base + _STEP] = s + 1
-        status[base + _STATE] = _SYNC
+        status[base + STEP] = s + 1
+        status[base + STATE] = SYNC
         dist.barrier()
         if on_gpu:
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
-        status[base + _STATE] = _COMPUTE
+        status[base + STATE] = COMPUTE
         st.posted, upd = post_receives()
         env = interp.walk(
             placeholder_values,
             before=before,
             after=after,
             each=stamp if timeline else None,
-            mark=(status, base + _NODE),
+            mark=(status, base + NODE),
         )
         # New parameter and optimizer-state values: to the owner of the placeholder.
         for upos, p in updates:
@@ -613,13 +609,13 @@ def run_worker_steps(
             if sched.device[upos] == rank:
                 new = env[upos]
             else:
-                status[base + _AWAITED] = upos
-                status[base + _STATE] = _RECV
+                status[base + AWAITED] = upos
+                status[base + STATE] = RECV
                 new, work = upd[p]
                 work.wait()
                 new = _to_device(new, device)
             placeholder_values[p] = new.detach()
-        status[base + _STATE] = _SYNC
+        status[base + STATE] = SYNC
         for w in st.pending:
             w.wait()
         if on_gpu:
@@ -627,7 +623,7 @@ def run_worker_steps(
         t1 = time.perf_counter()
         loss = float(env[loss_pos]) if sched.device[loss_pos] == rank else None
         records.append((t0, t1, loss, t1 - t0 - st.wait, st.wait, st.events))
-    status[base + _STATE] = _DONE
+    status[base + STATE] = DONE
     dist.barrier()
     params_out = None
     if want_params:
@@ -743,7 +739,7 @@ def run_placement(
             )
     sched = schedule_nodes(step, op_device)
     ctx = mp.get_context(start_method)
-    status = ctx.Array("q", _SLOT * world, lock=False)
+    status = ctx.Array("q", SLOT * world, lock=False)
     results = ctx.Queue()
     with private_temp_folder("meshplace-run-") as tmp:
         store_path = os.path.join(tmp, "store")
@@ -922,7 +918,7 @@ def _collect(
         if any(p.exitcode not in (None, 0) for r, p in enumerate(procs) if r not in ok):
             _diagnose(procs, status, results, names, sched, errors, traces)
         now = time.monotonic()
-        progress = [(status[_SLOT * r + _NODE], status[_SLOT * r + _STEP]) for r in range(world)]
+        progress = [(status[SLOT * r + NODE], status[SLOT * r + STEP]) for r in range(world)]
         if progress != last:
             last = progress
             last_change = now
@@ -930,7 +926,7 @@ def _collect(
                 on_started()
                 on_started = None
             continue
-        in_setup = all(status[_SLOT * r + _STEP] == 0 for r in range(world))
+        in_setup = all(status[SLOT * r + STEP] == 0 for r in range(world))
         stalled = now - last_change
         if stalled > hang_timeout:
             # a stopped worker makes no progress, set up or not: name it at once
@@ -960,10 +956,10 @@ def _collect(
 def _doing(sched: NodeSchedule, status: Any, rank: int) -> str:
     """What worker ``rank`` was doing, from its status words: ``computing op 'add_1'``,
     ``waiting to receive op 'mm'`` (the op it receives for), ``setting up``."""
-    base = _SLOT * rank
-    if status[base + _STEP] == 0:
+    base = SLOT * rank
+    if status[base + STEP] == 0:
         return "setting up"
-    state = _STATE_NAMES.get(int(status[base + _STATE]), "running")
+    state = STATE_NAMES.get(int(status[base + STATE]), "running")
     return f"{state} op {_node_at(sched, status, rank)!r}"
 
 
@@ -987,27 +983,27 @@ def _stall_failure(
     else the worker that a waiting receiver's chain of awaited values ends at (a receiving
     worker waits on the producer of the value it awaits); else the worker furthest
     behind."""
-    state = {r: int(status[_SLOT * r + _STATE]) for r in running}
-    computing = [r for r in running if state[r] == _COMPUTE]
+    state = {r: int(status[SLOT * r + STATE]) for r in running}
+    computing = [r for r in running if state[r] == COMPUTE]
     waiter: int | None = None
     if computing:
         culprit = computing[0]
     else:
-        receiving = [r for r in running if state[r] == _RECV]
+        receiving = [r for r in running if state[r] == RECV]
         if receiving:
             culprit, chain = receiving[0], [receiving[0]]
-            while state.get(culprit) == _RECV:
-                awaited = int(status[_SLOT * culprit + _AWAITED])
+            while state.get(culprit) == RECV:
+                awaited = int(status[SLOT * culprit + AWAITED])
                 producer = sched.device[awaited] if 0 <= awaited < len(sched.device) else culprit
                 if producer in chain or producer not in state:
                     break
                 waiter, culprit = culprit, producer
                 chain.append(culprit)
         else:
-            culprit = min(running, key=lambda r: (status[_SLOT * r + _STEP], r))
+            culprit = min(running, key=lambda r: (status[SLOT * r + STEP], r))
     text = f"hung: no progress for {limit:g} s while {_doing(sched, status, culprit)}"
     if waiter is not None:
-        awaited = int(status[_SLOT * waiter + _AWAITED])
+        awaited = int(status[SLOT * waiter + AWAITED])
         text += f" (worker {waiter} waits for its value of {sched.names[awaited]!r})"
     return _failure(culprit, names, sched, status, "hung", text)
 

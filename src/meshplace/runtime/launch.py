@@ -54,8 +54,10 @@ from typing import Any
 from meshplace.argtypes import non_negative_int, positive_int
 from meshplace.errors import InputError
 
-#: Fault injection for tests: ``"RANK:STEP"`` makes that rank kill itself (SIGKILL) as
-#: that step starts, as a crashed or OOM-killed process would end.
+#: Fault injection for tests: ``"RANK:STEP"`` makes that rank kill itself (SIGKILL) in that
+#: step (0-based) — at its first op (placement), its first leaf module's forward (sharding
+#: plan) or its first micro-batch's forward (pipeline) — as a crashed or OOM-killed process
+#: would end.
 FAULT_ENV = "MESHPLACE_TORCHRUN_FAULT"
 
 
@@ -365,6 +367,7 @@ def run_sharded_plan(
 
     from meshplace.graph.capture import as_loss
     from meshplace.graph.sources import load_build_function
+    from meshplace.runtime.activity import SYNC, RankActivity, module_places, watch_modules
     from meshplace.runtime.sharded import (
         apply_sharding_plan,
         device_mesh,
@@ -414,12 +417,24 @@ def run_sharded_plan(
     times: list[float] = []
     losses: list[float] = []
     grad_bytes = 0
-    fault = os.environ.get(FAULT_ENV, "")
     rank = torch.distributed.get_rank()
-    for step in range(steps):
-        if fault == f"{rank}:{step}":
+    # where this rank is, for the launcher to name if it dies (runtime/activity.py)
+    places = module_places(model)
+    activity = RankActivity(rank, torch.distributed.get_world_size(), places)
+    fault_step = fault_step_of(os.environ.get(FAULT_ENV, ""), rank)
+    current = [0]
+
+    def kill_if_faulted() -> None:  # tests: die in the forward, as a crash would
+        if current[0] == fault_step:
             os.kill(os.getpid(), signal.SIGKILL)
+
+    watch_modules(model, activity, on_leaf=kill_if_faulted)
+    for step in range(steps):
+        current[0] = step
+        activity.start_step(step)
+        activity.at(0, SYNC)
         torch.distributed.barrier()
+        activity.at(0)
         start = time.perf_counter()
         with sharded_step(device_type):
             loss, _how = as_loss(zero.forward(model, pos, kw))
@@ -427,6 +442,7 @@ def run_sharded_plan(
         place_gradients_like_parameters(model)
         zero.after_backward()
         grad_bytes = zero.gradient_bytes(model)
+        activity.at(len(places) - 1)
         optimizer.step()
         zero.after_step()
         optimizer.zero_grad(set_to_none=True)
@@ -461,6 +477,17 @@ def run_sharded_plan(
         "uneven": zero.uneven,
         "meta_buffers": meta_buffers,
     }
+
+
+def fault_step_of(fault: str, rank: int) -> int | None:
+    """The step (0-based) at which ``MESHPLACE_TORCHRUN_FAULT`` (``"RANK:STEP"``) makes
+    rank ``rank`` kill itself, or None.
+
+    >>> fault_step_of("1:2", 1), fault_step_of("1:2", 0), fault_step_of("", 0)
+    (2, None, None)
+    """
+    who, _, when = fault.partition(":")
+    return int(when) if who == str(rank) and when.isdigit() else None
 
 
 def step_timing(per_rank: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
@@ -610,6 +637,7 @@ def main(argv: list[str] | None = None) -> int:
                     schedule=args.schedule,
                     device_type=device_type,
                     checkpoint_dir=args.checkpoint_dir,
+                    fault_step=fault_step_of(os.environ.get(FAULT_ENV, ""), dist.get_rank()),
                 )
             elif placement:
                 from meshplace.runtime.placed import run_placed_plan

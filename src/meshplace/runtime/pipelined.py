@@ -36,6 +36,8 @@ Example (2 ranks)::
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -45,6 +47,7 @@ import torch
 
 from meshplace.errors import InputError
 from meshplace.graph.ir import OpGraph
+from meshplace.runtime.activity import SYNC, RankActivity
 
 #: Schedules a pipelined plan can run with (``--schedule``).
 SCHEDULES = ("1F1B", "GPipe")
@@ -147,6 +150,57 @@ class InputsEnterFirst(torch.nn.Module):
         return loss.reshape(1)
 
 
+class StageActivity(RankActivity):
+    """A stage's places (runtime/activity.py): the forward and the backward of each
+    micro-batch, then the optimizer step; the stage's forward calls in a step count the
+    micro-batches."""
+
+    def __init__(self, rank: int, world: int, micro_batches: int) -> None:
+        places = [
+            f"the {phase} of micro-batch {i + 1} of {micro_batches} on stage {rank}"
+            for i in range(micro_batches)
+            for phase in ("forward", "backward")
+        ]
+        super().__init__(rank, world, [*places, "the optimizer step"])
+        self.forwards = 0
+        self.kill_at_forward = False
+
+    def start_step(self, step: int) -> None:
+        super().start_step(step)
+        self.forwards = 0
+
+
+def watch_stage(module: torch.nn.Module, rank: int, world: int, micro_batches: int) -> Any:
+    """Publish which micro-batch's forward or backward the stage ``module`` runs: a forward
+    pre-hook counts the step's forwards, a forward hook hooks the outputs, whose gradient
+    marks the micro-batch's backward as it starts. Returns the :class:`StageActivity`."""
+    from torch.utils._pytree import tree_leaves
+
+    activity = StageActivity(rank, world, micro_batches)
+
+    def backward_of(index: int) -> Any:
+        def hook(_grad: Any) -> None:
+            activity.at(index)
+
+        return hook
+
+    def pre(_module: Any, _args: Any) -> None:
+        activity.at(2 * min(activity.forwards, micro_batches - 1))
+        if activity.kill_at_forward:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def post(_module: Any, _args: Any, output: Any) -> None:
+        index = 2 * min(activity.forwards, micro_batches - 1) + 1
+        activity.forwards += 1
+        for t in tree_leaves(output):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(backward_of(index))
+
+    module.register_forward_pre_hook(pre)
+    module.register_forward_hook(post)
+    return activity
+
+
 def _chunk(value: Any, micro_batches: int) -> Any:
     if not isinstance(value, torch.Tensor):
         return value
@@ -169,13 +223,15 @@ def run_pipelined_plan(
     schedule: str,
     device_type: str,
     checkpoint_dir: str | None = None,
+    fault_step: int | None = None,
 ) -> dict[str, Any]:
     """Train the ``FILE.py:build`` model of ``source`` (built from seed 0, as every rank
     builds it) under the pipelined placement ``plan`` with ``micro_batches`` per step, for
     ``steps`` Adam steps on this rank (``torch.distributed`` initialised, one rank per
     stage); what this rank measured. ``checkpoint_dir``: after the last step this rank
     writes its stage's parameters there (``rank{R}.pt``, a dict from the model's own
-    parameter names to tensors).
+    parameter names to tensors). ``fault_step`` (tests): this rank kills itself (SIGKILL)
+    in that step's first micro-batch forward.
     """
     import torch.distributed as dist
     from torch.distributed.pipelining import (
@@ -223,10 +279,16 @@ def run_pipelined_plan(
     inputs = [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]
     keywords = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
     target = torch.zeros(micro_batches, device=device)  # the loss is the model's own
+    activity = watch_stage(stage.submod, rank, world, micro_batches)
     times: list[float] = []
     losses: list[float | None] = []
-    for _ in range(steps):
+    for step in range(steps):
+        activity.start_step(step)
+        activity.at(0, SYNC)
         dist.barrier()
+        activity.at(0)
+        if step == fault_step:
+            activity.kill_at_forward = True
         start = time.perf_counter()
         micro: list[torch.Tensor] = []
         if first and last:
@@ -237,6 +299,7 @@ def run_pipelined_plan(
             runner.step(target=target, losses=micro)
         else:
             runner.step()
+        activity.at(2 * micro_batches)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if device_type == "cuda":

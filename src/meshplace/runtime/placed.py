@@ -39,6 +39,7 @@ import torch
 
 from meshplace.errors import InputError
 from meshplace.graph.ir import OpGraph
+from meshplace.runtime.activity import RankActivity
 from meshplace.runtime.executor import (
     Fault,
     natural_key,
@@ -173,7 +174,11 @@ def run_placed_plan(
         kill = Fault(op=mine[0], kind="kill", step=int(fault.partition(":")[2]))
     if device_type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    outcome = run_worker_steps(rank, step, sched, steps, None, kill, False, device=device)
+    # published where the launcher can read it if this rank dies (runtime/activity.py)
+    activity = RankActivity(rank, world, [f"op {name!r}" for name in sched.names])
+    outcome = run_worker_steps(
+        rank, step, sched, steps, activity.status, kill, False, device=device
+    )
     if checkpoint_dir is not None:
         names = checkpoint_names(step)
         Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,198 @@
+"""Where each rank is, so that a rank that dies can be named with what it was running.
+
+A rank publishes four status words — the place it is at, its state, its step (1-based;
+0 while setting up) and, while receiving, the place whose value it awaits — in a status
+array. :func:`run_placement <meshplace.runtime.executor.run_placement>` shares that array
+between its worker processes; under torchrun (``meshplace run --launcher torchrun`` or a
+sharding plan) each rank writes it to a small memory-mapped file in the folder named by
+``MESHPLACE_ACTIVITY_DIR``, beside the names of its places (written once, at setup), and
+the launcher reads the dead rank's file after torchrun has stopped the job
+(:func:`last_activity`). A write is a store into shared memory, no system call, so ranks
+publish every op (placements) or every module's forward and backward (sharded and
+pipelined plans, :func:`watch_modules`) at no measurable cost. A rank killed outright
+(``SIGKILL``, the kernel's OOM killer) can still be named: the words are in the page
+cache, not in the process.
+
+Each rank's words sit in their own 128 bytes (``SLOT`` words) of the array: with every
+rank's words in one cache line, each write would take the line from the other ranks' cores.
+
+Example (one rank, no folder: a private array)::
+
+    >>> activity = RankActivity(0, 1, ["op 'mm'", "op 'add'"])
+    >>> activity.start_step(0); activity.at(1)
+    >>> activity.status[STEP], activity.status[NODE]
+    (1, 1)
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+#: The folder where torchrun ranks publish their status files (set by ``meshplace run``).
+ACTIVITY_ENV = "MESHPLACE_ACTIVITY_DIR"
+
+# rank states
+SETUP, COMPUTE, RECV, SYNC, DONE = 0, 1, 2, 3, 4
+STATE_NAMES = {
+    SETUP: "setting up",
+    COMPUTE: "computing",
+    RECV: "waiting to receive",
+    SYNC: "synchronizing",
+    DONE: "done",
+}
+#: words per rank, and the words' positions inside a rank's slot
+SLOT = 16
+NODE, STATE, STEP, AWAITED = 0, 1, 2, 3
+_WORD = 8  # bytes of a signed 64-bit word
+
+
+class RankActivity:
+    """The status words of rank ``rank`` of ``world`` and the names of its ``places``.
+
+    ``status`` is a mutable sequence of ``SLOT * world`` integers (only this rank's slot,
+    from ``SLOT * rank``, is written): a private list, or — with ``directory`` (default:
+    the ``MESHPLACE_ACTIVITY_DIR`` environment variable) — a memory-mapped file
+    ``rank{R}.status`` there, with ``rank{R}.places.json`` beside it. O(world) memory.
+    """
+
+    def __init__(
+        self, rank: int, world: int, places: Sequence[str], directory: str | None = None
+    ) -> None:
+        self.rank, self.places, self.base = rank, list(places), SLOT * rank
+        folder = directory if directory is not None else os.environ.get(ACTIVITY_ENV)
+        self.status: Any
+        if not folder:
+            self.status = [0] * (SLOT * world)
+            return
+        path = Path(folder)
+        names = path / f"rank{rank}.places.json"
+        names.with_suffix(".tmp").write_text(json.dumps(self.places))
+        names.with_suffix(".tmp").replace(names)  # a reader never sees half a list
+        status = path / f"rank{rank}.status"
+        status.write_bytes(bytes(SLOT * world * _WORD))
+        with status.open("r+b") as f:
+            self._map = mmap.mmap(f.fileno(), SLOT * world * _WORD)
+        self.status = memoryview(self._map).cast("q")
+
+    def start_step(self, step: int) -> None:
+        """Step ``step`` (0-based) begins."""
+        self.status[self.base + STEP] = step + 1
+        self.status[self.base + STATE] = COMPUTE
+
+    def at(self, place: int, state: int = COMPUTE) -> None:
+        """The rank is at place number ``place`` (an index into ``places``), in ``state``."""
+        self.status[self.base + NODE] = place
+        self.status[self.base + STATE] = state
+
+
+def describe(places: Sequence[str], words: Sequence[int]) -> str:
+    """What a rank with these four status words was doing, as a phrase after "while".
+
+    >>> describe(["op 'mm'", "op 'add'"], [1, COMPUTE, 3, 0])
+    "running op 'add' in step 3"
+    >>> describe(["op 'mm'", "op 'add'"], [1, RECV, 3, 0])
+    "waiting to receive op 'mm' (for op 'add') in step 3"
+    >>> describe([], [0, SETUP, 0, 0])
+    'setting up (before the first step)'
+    """
+    node, state, step, awaited = (int(w) for w in words[:4])
+    if step == 0:
+        return "setting up (before the first step)"
+
+    def name(i: int) -> str:
+        return places[i] if 0 <= i < len(places) else f"place {i}"
+
+    if state == RECV:
+        return f"waiting to receive {name(awaited)} (for {name(node)}) in step {step}"
+    if state == SYNC:
+        return f"synchronizing with the other ranks in step {step}"
+    if state == DONE:
+        return "finishing (after the last step)"
+    return f"running {name(node)} in step {step}"
+
+
+def last_activity(directory: str | Path, rank: int) -> str | None:
+    """What rank ``rank`` was last doing, from its files in ``directory``
+    (:func:`describe`), or None when it published nothing there (it died before setup)."""
+    path = Path(directory)
+    try:
+        places = json.loads((path / f"rank{rank}.places.json").read_text())
+        raw = (path / f"rank{rank}.status").read_bytes()
+    except (OSError, ValueError):
+        return None
+    base = SLOT * rank * _WORD
+    if len(raw) < base + 4 * _WORD:
+        return None
+    words = memoryview(raw[base : base + 4 * _WORD]).cast("q").tolist()
+    return describe(places, words)
+
+
+def module_places(model: Any) -> list[str]:
+    """The places of a module tree: the forward and the backward of every module, in
+    ``named_modules`` order (``2k``: forward of module k, ``2k + 1``: its backward), then
+    the optimizer step. O(modules).
+
+    >>> import torch
+    >>> for place in module_places(torch.nn.Sequential(torch.nn.Linear(2, 2))):
+    ...     print(place)
+    the forward of the model (Sequential)
+    the backward of the model (Sequential)
+    the forward of module '0' (Linear)
+    the backward of module '0' (Linear)
+    the optimizer step
+    """
+    places = []
+    for name, module in model.named_modules():
+        what = f"module {name!r}" if name else "the model"
+        kind = type(module).__name__
+        places += [f"the forward of {what} ({kind})", f"the backward of {what} ({kind})"]
+    return [*places, "the optimizer step"]
+
+
+def watch_modules(
+    model: Any, activity: RankActivity, on_leaf: Callable[[], None] | None = None
+) -> list[Any]:
+    """Publish the module whose forward or backward this rank runs (the places of
+    :func:`module_places`): a forward pre-hook marks a module's forward and a forward
+    hook marks its parent's again and hooks the module's outputs, whose gradient marks its
+    backward as it starts. ``on_leaf`` is called at every leaf module's forward (fault
+    injection in tests). Returns the hook handles. Cost per step: three Python calls per
+    module.
+    """
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    stack: list[int] = []
+    handles = []
+
+    def mark_backward(index: int) -> Callable[[Any], None]:
+        def hook(_grad: Any) -> None:
+            activity.at(index)
+
+        return hook
+
+    for k, (_name, module) in enumerate(model.named_modules()):
+        leaf = next(module.children(), None) is None
+
+        def pre(_module: Any, _args: Any, forward: int = 2 * k, leaf: bool = leaf) -> None:
+            stack.append(forward)
+            activity.at(forward)
+            if leaf and on_leaf is not None:
+                on_leaf()
+
+        def post(_module: Any, _args: Any, output: Any, backward: int = 2 * k + 1) -> None:
+            stack.pop()
+            if stack:
+                activity.at(stack[-1])
+            for t in tree_leaves(output):
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(mark_backward(backward))
+
+        handles.append(module.register_forward_pre_hook(pre))
+        handles.append(module.register_forward_hook(post))
+    return handles
