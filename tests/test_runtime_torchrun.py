@@ -215,18 +215,17 @@ def test_a_rank_killed_mid_run_ends_the_job_with_one_sentence_and_no_processes(
     wait_for(lambda: not session_processes(proc.pid), "every rank to be gone", timeout=30)
 
 
-def test_a_plan_splitting_a_convolution_weight_is_refused_in_one_sentence() -> None:
+def test_a_plan_splitting_a_convolution_over_its_channels_is_refused_in_one_sentence() -> None:
     import pytest
 
     from meshplace.errors import InputError
-    from meshplace.runtime.launch import refuse_split_convolutions
+    from meshplace.runtime.launch import refuse_channel_split_convolutions
 
-    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU())
-    whole = {"0.weight": {"placements": ["Replicate()", "Replicate()"]}}
-    refuse_split_convolutions(model, {"parameters": whole})  # whole weights run
-    split = {"0.weight": {"placements": ["Shard(1)", "Replicate()"]}}
-    with pytest.raises(InputError, match=r"splits convolution parameter '0\.weight'"):
-        refuse_split_convolutions(model, {"parameters": split})
+    # batch, height and width splits run (the weights whole); channel splits do not
+    refuse_channel_split_convolutions({"ops": {"convolution": "n@x h@y", "mm": "o@x"}})
+    for strategy in ("o@x", "n@x i@y"):
+        with pytest.raises(InputError, match=r"splits convolution 'convolution_2' over its"):
+            refuse_channel_split_convolutions({"ops": {"convolution_2": strategy}})
 
 
 def _free_port() -> int:

@@ -210,25 +210,31 @@ def zero_placements(placements: list[Any], shape: Sequence[int], mesh_shape: Seq
     return out
 
 
-def refuse_split_convolutions(model: Any, plan: dict[str, Any]) -> None:
-    """DTensor's convolution runs only on whole weights (and batch-split inputs): a plan
-    that splits a convolution's weight is one sentence here, not an error deep in a rank.
-    ``meshplace.runtime.spmd.run_plan`` executes such plans op by op."""
-    import torch
+def refuse_channel_split_convolutions(plan: dict[str, Any]) -> None:
+    """A plan that splits a convolution over its channels (the solver's ``o@x``/``i@x``
+    strategies) is one sentence here, not an error deep in a rank: the DTensor path runs
+    convolutions split along the batch (DTensor's own) or the image's height and width
+    (:mod:`meshplace.runtime.spatial`), with whole weights (a weight the plan stores split
+    is gathered at use). ``meshplace.runtime.spmd.run_plan`` executes any plan op by op.
 
-    convs = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
-    for name, module in model.named_modules():
-        if not isinstance(module, convs):
+    >>> refuse_channel_split_convolutions({"ops": {"convolution": "n@x w@y"}})
+    >>> try:
+    ...     refuse_channel_split_convolutions({"ops": {"convolution_1": "o@x"}})
+    ... except InputError as e:
+    ...     print(str(e)[:61])
+    the plan splits convolution 'convolution_1' over its channels
+    """
+    for op, strategy in plan.get("ops", {}).items():
+        if not op.startswith("convolution"):
             continue
-        for pname, _ in module.named_parameters(recurse=False):
-            full = f"{name}.{pname}" if name else pname
-            placements = plan["parameters"].get(full, {}).get("placements", [])
-            if any(p != "Replicate()" for p in placements):
-                raise InputError(
-                    f"the plan splits convolution parameter {full!r} ({', '.join(placements)}), "
-                    "and DTensor's convolution needs it whole; run it op by op with "
-                    "meshplace.runtime.spmd.run_plan, or shard with the convolutions replicated"
-                )
+        labels = {word.partition("@")[0] for word in strategy.split() if "@" in word}
+        if labels & {"o", "i"}:
+            raise InputError(
+                f"the plan splits convolution {op!r} over its channels ({strategy}); the "
+                "torchrun runtime splits convolutions along the batch, height or width "
+                "only: run it op by op with meshplace.runtime.spmd.run_plan, or shard with "
+                "the convolutions' channels whole"
+            )
 
 
 def place_gradients_like_parameters(model: Any) -> None:
@@ -378,12 +384,14 @@ def run_sharded_plan(
         rank_device,
         sharded_step,
     )
+    from meshplace.runtime.spatial import use_spatial_convolutions
 
     torch.manual_seed(0)  # every rank builds the same weights and inputs
     built = load_build_function(source)()
     model, args = built[0], tuple(built[1])
     kwargs = dict(built[2]) if len(built) > 2 else {}
-    refuse_split_convolutions(model, plan)
+    refuse_channel_split_convolutions(plan)
+    use_spatial_convolutions(model)  # a convolution of a split image: halo exchange
     device = rank_device(device_type)
     mesh = device_mesh(plan, device_type)
     # a model built on the meta device: each parameter's block only, never the whole
