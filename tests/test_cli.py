@@ -140,6 +140,23 @@ def test_bad_batch_is_rejected_by_the_parser(capsys) -> None:
     assert err.count("\n") == 1, err
 
 
+def test_a_files_batch_takes_the_first_rows_of_its_inputs(tmp_path, capsys) -> None:
+    """`--batch` on FILE.py:build captures the first rows of its inputs (a micro-batch of
+    them); a batch its inputs' batch does not divide is one sentence, exit 2."""
+    model = tmp_path / "net.py"
+    model.write_text(USER_MODEL)
+    code, out, err = _run(capsys, "graph", f"{model}:build", "--batch", "2", "--json", "--no-cache")
+    assert code == 0, err
+    graph = json.loads(out)
+    code, out, _ = _run(capsys, "graph", f"{model}:build", "--json", "--no-cache")
+    whole = json.loads(out)
+    assert graph["flops_forward"] == pytest.approx(whole["flops_forward"] / 4)  # 2 of 8 rows
+    assert graph["param_bytes"] == whole["param_bytes"]
+    code, out, err = _run(capsys, "graph", f"{model}:build", "--batch", "3", "--no-cache")
+    assert code == 2 and out == ""
+    assert "have a batch of 8; --batch 3 must divide it" in err and err.count("\n") == 1
+
+
 def test_console_script_exit_code_without_traceback(tmp_path) -> None:
     bad = tmp_path / "cyclic.json"
     bad.write_text(

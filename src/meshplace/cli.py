@@ -93,7 +93,11 @@ def _parser(command: str = "*") -> argparse.ArgumentParser:
     g.add_argument(
         "model", help="workload name (see `meshplace workloads`), graph.json or file.py:fn"
     )
-    g.add_argument("--batch", type=positive_int, help="batch size (reference workloads)")
+    g.add_argument(
+        "--batch",
+        type=positive_int,
+        help="batch size (reference workloads; FILE.py:build: the first rows of its inputs)",
+    )
     g.add_argument("--size", help="model size, e.g. 124m or base (reference workloads)")
     g.add_argument("--inference", action="store_true", help="capture the inference graph")
     g.add_argument(
@@ -133,7 +137,11 @@ def _parser(command: str = "*") -> argparse.ArgumentParser:
         help="seconds per searching placer (default 10)",
     )
     p.add_argument("--seed", type=seed, default=0, help="random seed (default 0)")
-    p.add_argument("--batch", type=positive_int, help="batch size (reference workloads)")
+    p.add_argument(
+        "--batch",
+        type=positive_int,
+        help="batch size (reference workloads; FILE.py:build: the first rows of its inputs)",
+    )
     p.add_argument("--size", help="model size (reference workloads)")
     p.add_argument("--inference", action="store_true", help="place the inference graph")
     _add_capture_arguments(p)
@@ -196,7 +204,11 @@ def _parser(command: str = "*") -> argparse.ArgumentParser:
     )
     s.add_argument("--graph", required=True, help="workload name, graph.json or file.py:fn")
     s.add_argument("--cluster", required=True, help="preset name or cluster.yaml")
-    s.add_argument("--batch", type=positive_int, help="batch size (reference workloads)")
+    s.add_argument(
+        "--batch",
+        type=positive_int,
+        help="batch size (reference workloads; FILE.py:build: the first rows of its inputs)",
+    )
     s.add_argument("--size", help="model size (reference workloads)")
     s.add_argument("--inference", action="store_true", help="simulate the inference graph")
     _add_capture_arguments(s)

@@ -39,7 +39,7 @@ import json
 import os
 import sys
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -129,10 +129,9 @@ def graph_source(
             )
         return _with_notes(GraphSource(load_graph(spec)))
     if ".py:" in spec or spec.endswith(".py"):
-        if batch is not None or size is not None:
+        if size is not None:
             raise InputError(
-                f"{spec}: --batch and --size apply to reference workloads; "
-                "set them inside your build function"
+                f"{spec}: --size applies to reference workloads; set it inside your build function"
             )
         return _with_notes(
             _graph_from_python(
@@ -142,6 +141,7 @@ def graph_source(
                 dtype=dtype,
                 autocast=autocast,
                 cache=cache,
+                batch=batch,
             )
         )
     graph = workload_graph(
@@ -276,6 +276,17 @@ def _split_spec(spec: str) -> tuple[Path, str]:
     if not path.is_file():
         raise InputError(f"{path}: no such Python file")
     return path, fn_name
+
+
+def build_from_seed(spec: str, seed: int = 0) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
+    """``(model, args, kwargs)`` of ``FILE.py:FUNCTION`` built after ``torch.manual_seed
+    (seed)``: what every torchrun rank builds, so that all ranks start from the same
+    weights and inputs (:func:`load_build_function`'s errors)."""
+    import torch
+
+    torch.manual_seed(seed)
+    built = load_build_function(spec)()
+    return built[0], tuple(built[1]), dict(built[2]) if len(built) > 2 else {}
 
 
 def load_build_function(spec: str) -> Callable[[], tuple[Any, ...]]:
@@ -424,8 +435,10 @@ def _graph_from_python(
     dtype: str | None = None,
     autocast: str | None = None,
     cache: bool = True,
+    batch: int | None = None,
 ) -> GraphSource:
-    """Capture ``FILE.py:FUNCTION``, or load it from the cache (:func:`cache_key`)."""
+    """Capture ``FILE.py:FUNCTION``, or load it from the cache (:func:`cache_key`);
+    ``batch``: the first ``batch`` rows of its inputs (:func:`first_rows`)."""
     path, fn_name = _split_spec(spec)
     options = {
         "training": training,
@@ -433,6 +446,7 @@ def _graph_from_python(
         "dtype": dtype,
         "autocast": autocast,
         "fused_attention": True,
+        **({"batch": batch} if batch is not None else {}),  # earlier keys stay valid
     }
     name = path.stem
     entry = cache_dir() / "graphs" / f"{cache_key(path, fn_name, options)}.json"
@@ -442,7 +456,7 @@ def _graph_from_python(
             hit.name = name
             hit.meta["workload"] = spec
             return GraphSource(hit, {"status": "hit", "path": str(entry)})
-    graph = _capture_python(spec, training, optimizer, dtype, autocast, name)
+    graph = _capture_python(spec, training, optimizer, dtype, autocast, name, batch)
     if not cache:
         return GraphSource(graph, {"status": "off", "path": None})
     reason = _store_cached(graph, entry)
@@ -484,11 +498,14 @@ def _capture_python(
     dtype: str | None,
     autocast: str | None,
     name: str,
+    batch: int | None = None,
 ) -> OpGraph:
     from meshplace.graph.capture import CaptureError, capture
 
     model, inputs, *rest = load_build_function(spec)()
     kwargs = rest[0] if rest else None
+    if batch is not None:
+        inputs, kwargs = first_rows(inputs, kwargs or {}, batch, spec)
     try:
         graph = capture(
             model,
@@ -504,3 +521,39 @@ def _capture_python(
         raise CaptureError(f"{spec}: {exc}") from None
     graph.meta.setdefault("workload", spec)
     return graph
+
+
+def first_rows(
+    args: Sequence[Any], kwargs: dict[str, Any], rows: int, spec: str = "the model"
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The first ``rows`` rows of every tensor input (positional and keyword): a build
+    function's inputs at a smaller batch, as a micro-batch of them. Every tensor input
+    must share its leading dimension (the batch, as
+    :func:`meshplace.graph.summary.traced_batch` reads it), which ``rows`` must divide;
+    else :class:`InputError`. O(inputs).
+
+    >>> import torch
+    >>> args, kw = first_rows((torch.zeros(8, 3),), {"labels": torch.zeros(8)}, 2)
+    >>> args[0].shape, kw["labels"].shape
+    (torch.Size([2, 3]), torch.Size([2]))
+    """
+    import torch
+
+    tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
+    leading = {int(t.shape[0]) if t.dim() else 0 for t in tensors}
+    if len(leading) != 1 or 0 in leading:
+        raise InputError(
+            f"{spec}: its inputs do not share a leading (batch) dimension, so --batch "
+            "cannot take their first rows"
+        )
+    batch = leading.pop()
+    if rows < 1 or batch % rows:
+        raise InputError(
+            f"{spec}: its inputs have a batch of {batch}; --batch {rows} must divide it "
+            "(a file's --batch takes the first rows of its inputs)"
+        )
+
+    def cut(v: Any) -> Any:
+        return v[:rows] if isinstance(v, torch.Tensor) else v
+
+    return tuple(cut(v) for v in args), {k: cut(v) for k, v in kwargs.items()}

@@ -413,14 +413,14 @@ def cmd_hybrid(args: argparse.Namespace) -> int:
                     console.print(f"meshplace: note: {note}", highlight=False, markup=False)
                 return source.graph
 
-            if args.model in available():
-                # a reference workload of fixed depth (its builder takes the batch): the
-                # whole model, captured at each micro-batch size; its own layer stack, or
-                # its units where its layers differ (ResNet's stages, encoder-decoder)
+            if args.model in available() or not args.model.endswith(".json"):
+                # a reference workload of fixed depth (its builder takes the batch) or a
+                # FILE.py:build model (the first rows of its inputs): the whole model,
+                # captured at each micro-batch size; its own layer stack, or its units
+                # where its layers differ (ResNet's stages, encoder-decoder)
                 fixed = {"graphs": captured}
             else:
-                # any other model (file.py:build, graph.json): its own capture, at its own
-                # batch as the micro-batch
+                # a saved graph: its own capture, at its own batch as the micro-batch
                 graph = captured(None)
                 fixed = {"graphs": lambda b: graph, "micro_batch_sizes": (graph_batch(graph),)}
         result = hybrid_search(
@@ -492,6 +492,8 @@ def hybrid_plan_file(result: Any, plan: Any, cluster: str) -> dict[str, Any]:
                 "forward_s": plan.stage_forward_s[i],
                 "backward_s": plan.stage_backward_s[i],
                 "memory_bytes": plan.stage_memory_bytes[i],
+                # a device's parameter, gradient and optimizer-state bytes after ZeRO
+                **({"held_bytes": plan.stage_held_bytes[i]} if plan.stage_held_bytes else {}),
             }
         )
         first += k
@@ -503,10 +505,17 @@ def hybrid_plan_file(result: Any, plan: Any, cluster: str) -> dict[str, Any]:
             "name": result.model,
             "layers": result.layers,
             **({"units": result.units} if result.units else {}),
+            **({"layer_container": result.layer_container} if result.layer_container else {}),
         },
         "cluster": cluster,
         "mesh": {"shape": [c.pp, c.dp, c.tp], "axes": ["pipe", "data", "tensor"]},
-        "parameters": {},
+        # inside each stage: the stage's (data, tensor) mesh; a parameter's placements
+        # are over it (replicated over data, weight-update sharded by `zero`)
+        "stage_mesh": {"shape": [c.dp, c.tp], "axes": ["data", "tensor"]},
+        "parameters": {
+            name: {"placements": ["Replicate()", placement], "zero": c.zero}
+            for name, placement in sorted(plan.tensor_placements.items())
+        },
         "inputs": {},
         "ops": plan.strategies,
         "stages": stages,

@@ -93,6 +93,7 @@ from meshplace.errors import InputError
 from meshplace.graph.ir import OpGraph
 from meshplace.hardware.cluster import Cluster
 from meshplace.mesh.layout import LayoutError, Mesh, accelerators, build_mesh, mesh_over
+from meshplace.parallel.search import dtensor_placements
 from meshplace.parallel.sharding import ShardingError, ShardingProblem
 from meshplace.parallel.units import (
     best_unit_split,
@@ -109,6 +110,8 @@ DEFAULT_TENSOR_PARALLEL = (1, 2, 4, 8)
 DEFAULT_MICRO_BATCH_SIZES = (1, 2, 4, 8)
 PIPELINE_ZERO = (0, 1)  # DeepSpeed does not run ZeRO-2/3 under pipeline parallelism
 PARTS = ("pre", "layer", "post")
+#: what a stage's device holds, as the runtime reports it (HybridPlan.stage_held_bytes)
+HELD_KINDS = ("parameters", "gradients", "optimizer_state")
 MAX_DRAWN = 20_000  # schedule tasks a plan's JSON carries for the report to draw
 
 
@@ -154,6 +157,9 @@ class PartCosts:
             their gradients once per batch.
         strategies: the layer's ops and their tp strategies (for the report).
         solve_s: seconds the capture and the integer program took.
+        tensor_placements: every parameter of the captured graph (by name) and its DTensor
+            placement on the tp axis (``Shard(k)`` or ``Replicate()``): what the torchrun
+            runtime gives the parameters inside a stage.
     """
 
     tp: int
@@ -165,6 +171,7 @@ class PartCosts:
     tied_bytes: float
     strategies: dict[str, str] = field(default_factory=dict)
     solve_s: float = 0.0
+    tensor_placements: dict[str, str] = field(default_factory=dict)
 
 
 def layer_container(graph: OpGraph) -> str:
@@ -483,7 +490,27 @@ def part_costs(
         tied_bytes=tied_bytes,
         strategies=strategies,
         solve_s=time.perf_counter() - start,
+        tensor_placements=like_probe_layer(tensor_placements(problem, choice), container, probe),
     )
+
+
+def like_probe_layer(placements: dict[str, str], container: str, probe: int) -> dict[str, str]:
+    """``placements`` with every layer's parameters placed as the probe layer's are: the
+    per-part costs count the probe layer once per layer, so that is the placement they
+    price (a whole-model capture may solve other layers differently). O(parameters).
+
+    >>> like_probe_layer({"layers.0.w": "Shard(1)", "layers.1.w": "Shard(0)", "e": "Shard(0)"},
+    ...                  "layers", 1)
+    {'layers.0.w': 'Shard(0)', 'layers.1.w': 'Shard(0)', 'e': 'Shard(0)'}
+    """
+    prefix = f"{container}."
+    out = {}
+    for name, placement in placements.items():
+        index, _, rest = name.removeprefix(prefix).partition(".")
+        if name.startswith(prefix) and index.isdigit() and rest:
+            placement = placements.get(f"{prefix}{probe}.{rest}", placement)
+        out[name] = placement
+    return out
 
 
 def _solve_over_tp(
@@ -506,6 +533,19 @@ def _solve_over_tp(
     if not solution.choice:
         raise ShardingError(f"the sharding solver found no plan of {graph.name!r} over {tp}")
     return problem, [solution.choice[int(problem.class_of[g])] for g in range(len(problem.groups))]
+
+
+def tensor_placements(problem: ShardingProblem, choice: Sequence[int]) -> dict[str, str]:
+    """Each parameter's DTensor placement on the (one) tp axis of a solution (``choice``
+    per group), by the parameter's name: ``Shard(k)`` or ``Replicate()``. O(groups)."""
+    ops = problem.graph.ops
+    return {
+        ops[g.anchor].name.removeprefix("param:"): dtensor_placements(
+            g.strategies[choice[gi]].out_specs[0][0]
+        )[0]
+        for gi, g in enumerate(problem.groups)
+        if g.kind == "parameter"
+    }
 
 
 def _attributed_costs(
@@ -719,6 +759,10 @@ class HybridPlan:
     stage_times: StageTimes | None = field(default=None, repr=False)
     schedule_tasks: list[list[float]] = field(default_factory=list, repr=False)
     stage_units: list[str] = field(default_factory=list)
+    #: every parameter's placement on the tp axis (:func:`tensor_placements`)
+    tensor_placements: dict[str, str] = field(default_factory=dict)
+    #: per stage, a device's parameter, gradient and optimizer-state bytes after ZeRO
+    stage_held_bytes: list[dict[str, float]] = field(default_factory=list)
 
     @property
     def fits(self) -> bool:
@@ -791,6 +835,8 @@ class HybridResult:
     skipped: dict[str, str] = field(default_factory=dict)
     micro_batch_sizes: tuple[int, ...] = ()
     units: list[str] = field(default_factory=list)
+    #: the module path of the layer stack stages are cut in (``"layers"``; "" for units)
+    layer_container: str = ""
 
     @property
     def best(self) -> HybridPlan:
@@ -837,6 +883,7 @@ class UnitCosts:
     shared: list[tuple[float, float, float, list[int]]]
     strategies: dict[str, str] = field(default_factory=dict)
     solve_s: float = 0.0
+    tensor_placements: dict[str, str] = field(default_factory=dict)
 
 
 def unit_costs(
@@ -882,6 +929,7 @@ def unit_costs(
         shared,
         strategies,
         time.perf_counter() - start,
+        tensor_placements(problem, choice),
     )
 
 
@@ -967,6 +1015,7 @@ def _unit_stage_model(
         "params": np.broadcast_to(params, shape),
         "grads": np.broadcast_to(grads, shape),
         "update": np.broadcast_to(summed("update_s") / divisor["s"], shape),
+        **_held(params, grads, state, divisor, shape),
     }
 
 
@@ -1025,6 +1074,7 @@ def _evaluate_units(
         memory, sync, capacity, (global_batch / config.micro_batch) * flops, chips, peak_flops,
         uc.strategies,
     )  # fmt: skip
+    plan.tensor_placements = uc.tensor_placements
     plan.stage_units = [
         uc.names[bounds[i]]
         if bounds[i + 1] - bounds[i] == 1
@@ -1111,6 +1161,24 @@ def _stage_model(
         "params": np.broadcast_to(params, (p, layers + 1, 2)),
         "grads": np.broadcast_to(grads, (p, layers + 1, 2)),
         "update": np.broadcast_to(total("update_s") / divisor["s"], (p, layers + 1, 2)),
+        **_held(params, grads, state, divisor, (p, layers + 1, 2)),
+    }
+
+
+def _held(
+    params: np.ndarray,
+    grads: np.ndarray,
+    state: np.ndarray,
+    divisor: dict[str, int],
+    shape: tuple[int, ...],
+) -> dict[str, np.ndarray]:
+    """What a device of a stage holds between steps and at the step, after ZeRO divides it
+    (parameters from stage 3, gradients from 2, optimizer state from 1): the bytes the
+    torchrun runtime reports per rank."""
+    return {
+        "held_parameters": np.broadcast_to(params / divisor["p"], shape),
+        "held_gradients": np.broadcast_to(grads / divisor["g"], shape),
+        "held_optimizer_state": np.broadcast_to(state / divisor["s"], shape),
     }
 
 
@@ -1177,6 +1245,10 @@ def _plan_of(
     """The :class:`HybridPlan` of a split (``idx`` into the stage model): its closed form
     is the DP's value plus the slowest stage's synchronisation and optimizer step."""
     update = [float(x) for x in model["update"][idx]]
+    held = [
+        {kind: float(model[f"held_{kind}"][idx][i]) for kind in HELD_KINDS}
+        for i in range(len(per_stage))
+    ]
     return HybridPlan(
         config,
         per_stage,
@@ -1194,6 +1266,7 @@ def _plan_of(
         sync,
         update,
         strategies,
+        stage_held_bytes=held,
     )
 
 
@@ -1279,6 +1352,7 @@ def _evaluate(
         config, [int(x) for x in split], options, value, model, idx, memory, sync, capacity,
         model_flops, chips, peak_flops, pc.strategies,
     )  # fmt: skip
+    plan.tensor_placements = pc.tensor_placements
     wrap = link_s(p - 1, 0, pc.boundary_bytes) if v > 1 else 0.0
     plan.stage_times = _stage_times(pc, plan, send, wrap, v)
     return plan
@@ -1445,6 +1519,7 @@ def hybrid_search(
             except InputError as exc:  # a model that cannot run at this batch
                 skipped[f"mb{b}"] = str(exc)
     unit_names: list[str] = []
+    container = ""
     if captured:
         first = next(iter(captured.values()))
         if units is None:
@@ -1457,8 +1532,10 @@ def hybrid_search(
                 )
             unit_names = op_units(first)[0]
             layers = len(unit_names)
-        elif layers is None:
-            layers = layer_count(first)
+        else:
+            container = layer_container(first)
+            if layers is None:
+                layers = layer_count(first)
     if captured and (layers is None or layers < 1):
         raise InputError("the hybrid search needs the model's layer count with its graphs")
     layers = layers or 0  # nothing captured: no configuration, said by HybridResult.best
@@ -1560,4 +1637,5 @@ def hybrid_search(
         skipped,
         tuple(micro_batch_sizes),
         unit_names,
+        container,
     )

@@ -38,8 +38,8 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--plan",
         help="plan JSON to execute: a placement (meshplace.plan) on local workers, or a "
-        "sharding plan (meshplace.parallel_plan, from meshplace shard --out) under torchrun, "
-        "one process per mesh device",
+        "sharding or hybrid plan (meshplace.parallel_plan, from meshplace shard --out) under "
+        "torchrun, one process per mesh device",
     )
     parser.add_argument(
         "--graph",
@@ -252,7 +252,7 @@ def run_sharding_plan(args: argparse.Namespace, plan: dict[str, Any]) -> int:
     Every check that needs no process is made first (one sentence, exit 2)."""
     from meshplace.runtime.launch import model_source, read_plan
 
-    read_plan(args.plan)  # a pipelined plan is refused here, before any process starts
+    read_plan(args.plan)  # what is wrong with the file, before any process starts
     for flag, value in (
         ("--placer", args.placer),
         ("--cluster-out", args.cluster_out),

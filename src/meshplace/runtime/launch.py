@@ -138,11 +138,6 @@ def read_plan(path: str) -> dict[str, Any]:
             f"`meshplace shard --out`) nor a placement ({PLACEMENT_FORMAT!r}, from "
             "`meshplace plan --out`)"
         )
-    if plan.get("format") == PLAN_FORMAT and plan.get("stages"):
-        raise InputError(
-            f"plan {path!r} is a pipelined sharding plan (`meshplace shard --pipeline auto`): "
-            "its stages do not run under torchrun yet; run a plan without --pipeline"
-        )
     return plan
 
 
@@ -340,6 +335,20 @@ class WeightUpdateSharding:
                     gathered = shard.redistribute(self.mesh, param.placements)
                     param.to_local().copy_(gathered.to_local())
 
+    def update(self, model: Any, optimizer: Any) -> int:
+        """The step after the backward: every gradient given its parameter's placement
+        (:func:`place_gradients_like_parameters`), moved onto its master shard, the
+        optimizer's step, the shards gathered back, gradients cleared. Returns this
+        rank's gradient bytes just before the optimizer's step (:meth:`gradient_bytes`)."""
+        place_gradients_like_parameters(model)
+        self.after_backward()
+        held = self.gradient_bytes(model)
+        optimizer.step()
+        self.after_step()
+        optimizer.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
+        return held
+
     def gradient_bytes(self, model: Any) -> int:
         """This rank's gradient bytes between backward and the step: every parameter's
         own (a stage-3 shard's included), and the master shards' of stage 2 (whose whole
@@ -372,7 +381,7 @@ def run_sharded_plan(
     import torch
 
     from meshplace.graph.capture import as_loss
-    from meshplace.graph.sources import load_build_function
+    from meshplace.graph.sources import build_from_seed
     from meshplace.runtime.activity import SYNC, RankActivity, module_places, watch_modules
     from meshplace.runtime.sharded import (
         apply_sharding_plan,
@@ -386,10 +395,7 @@ def run_sharded_plan(
     )
     from meshplace.runtime.spatial import use_spatial_convolutions
 
-    torch.manual_seed(0)  # every rank builds the same weights and inputs
-    built = load_build_function(source)()
-    model, args = built[0], tuple(built[1])
-    kwargs = dict(built[2]) if len(built) > 2 else {}
+    model, args, kwargs = build_from_seed(source)  # the same on every rank
     refuse_channel_split_convolutions(plan)
     use_spatial_convolutions(model)  # a convolution of a split image: halo exchange
     device = rank_device(device_type)
@@ -447,14 +453,8 @@ def run_sharded_plan(
         with sharded_step(device_type):
             loss, _how = as_loss(zero.forward(model, pos, kw))
             loss.backward()
-        place_gradients_like_parameters(model)
-        zero.after_backward()
-        grad_bytes = zero.gradient_bytes(model)
         activity.at(len(places) - 1)
-        optimizer.step()
-        zero.after_step()
-        optimizer.zero_grad(set_to_none=True)
-        model.zero_grad(set_to_none=True)
+        grad_bytes = zero.update(model, optimizer)
         if device_type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
@@ -557,7 +557,7 @@ def summarise(
             for kind in ("parameters", "gradients", "optimizer_state")
         },
         "peak_bytes_per_rank": [r["peak_bytes"] for r in per_rank],
-        "peak_kind": _peak_kind(device),
+        "peak_kind": peak_kind(device),
         "notes": notes,
     }
 
@@ -566,6 +566,14 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m meshplace.runtime`` on every torchrun rank."""
     args = build_parser().parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
+    from meshplace.runtime.hybrid import (
+        check_hybrid_memory_budget,
+        check_hybrid_world,
+        is_hybrid,
+        stage_splits,
+        summarise_hybrid,
+    )
+
     try:
         if args.warmup >= args.steps:
             raise InputError(f"--warmup {args.warmup} must be fewer than --steps {args.steps}")
@@ -608,13 +616,19 @@ def main(argv: list[str] | None = None) -> int:
             if args.schedule != "1F1B":
                 raise InputError(f"--schedule applies to pipelined placements, not to {args.plan}")
             source = model_source(plan, args.model)
-            if args.memory_budget is not None:
+            if args.memory_budget is not None and not is_hybrid(plan):
                 check_memory_budget(plan, args.memory_budget)
         if args.checkpoint_dir is not None and Path(args.checkpoint_dir).is_file():
             raise InputError(f"--checkpoint-dir {args.checkpoint_dir!r} is a file")
         if "WORLD_SIZE" not in os.environ:
             raise InputError("run it under torchrun (WORLD_SIZE is not set)")
-        if not placement:
+        hybrid = not placement and is_hybrid(plan)
+        if hybrid:
+            stage_splits(plan)
+            check_hybrid_world(plan, int(os.environ["WORLD_SIZE"]))
+            if args.memory_budget is not None:
+                check_hybrid_memory_budget(plan, args.memory_budget)
+        elif not placement:
             check_world(plan, int(os.environ["WORLD_SIZE"]))
     except InputError as exc:
         if rank == 0:
@@ -660,6 +674,18 @@ def main(argv: list[str] | None = None) -> int:
                     checkpoint_dir=args.checkpoint_dir,
                     fault=os.environ.get(FAULT_ENV, ""),
                 )
+            elif hybrid:
+                from meshplace.runtime.hybrid import run_hybrid_plan
+
+                mine = run_hybrid_plan(
+                    plan,
+                    source,
+                    steps=args.steps,
+                    lr=args.lr,
+                    device_type=device_type,
+                    checkpoint_dir=args.checkpoint_dir,
+                    fault_step=fault_step_of(os.environ.get(FAULT_ENV, ""), dist.get_rank()),
+                )
             else:
                 mine = run_sharded_plan(
                     plan,
@@ -697,6 +723,10 @@ def main(argv: list[str] | None = None) -> int:
                 schedule=args.schedule,
                 micro_batches=args.micro_batches or placed.micro_batches,
                 device=device_type,
+            )
+        elif hybrid:
+            report = summarise_hybrid(
+                plan, per_rank, source=source, warmup=args.warmup, device=device_type
             )
         elif placement:
             report = summarise_placement(
@@ -751,7 +781,8 @@ def _bytes_per_rank(per_rank: list[dict[str, Any]], kinds: Sequence[str]) -> dic
     }
 
 
-def _peak_kind(device: str) -> str:
+def peak_kind(device: str) -> str:
+    """What a report's peak bytes measure on ``device``."""
     return "cuda max_memory_allocated" if device == "cuda" else "process peak RSS"
 
 
@@ -787,7 +818,7 @@ def summarise_pipeline(
         "predicted": _placement_prediction(plan),
         "memory_per_rank": _bytes_per_rank(per_rank, ("parameters", "optimizer_state")),
         "peak_bytes_per_rank": [r["peak_bytes"] for r in per_rank],
-        "peak_kind": _peak_kind(device),
+        "peak_kind": peak_kind(device),
         "notes": [
             f"stage {k} begins at module {r['stage_begins']!r}, {r['ops_moved']} forward ops "
             "before the plan's cut (a stage begins at a submodule)"
@@ -825,7 +856,7 @@ def summarise_placement(
         "predicted": _placement_prediction(plan),
         "memory_per_rank": _bytes_per_rank(per_rank, ("parameters", "optimizer_state", "inputs")),
         "peak_bytes_per_rank": [r["peak_bytes"] for r in per_rank],
-        "peak_kind": _peak_kind(device),
+        "peak_kind": peak_kind(device),
         "notes": [],
     }
 
@@ -834,7 +865,15 @@ def print_report(report: dict[str, Any]) -> None:
     """The report as a few lines of text."""
     m, p = report["measured"], report["predicted"]
     ranks = f"{report['world_size']} {report['device']} ranks"
-    if report.get("plan") == "pipeline":
+    if report.get("plan") == "hybrid":
+        mesh = " x ".join(
+            f"{a} {n}" for a, n in zip(report["mesh"]["axes"], report["mesh"]["shape"], strict=True)
+        )
+        print(
+            f"{report['model']} on {ranks} ({mesh}; {report['schedule']}, "
+            f"{report['micro_batches']} micro-batches)"
+        )
+    elif report.get("plan") == "pipeline":
         pairs = zip(report["devices"], report["stage_begins"], strict=True)
         where = ", ".join(f"{d} (from {b or 'the inputs'})" for d, b in pairs)
         print(

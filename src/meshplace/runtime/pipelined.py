@@ -155,9 +155,10 @@ class StageActivity(RankActivity):
     micro-batch, then the optimizer step; the stage's forward calls in a step count the
     micro-batches."""
 
-    def __init__(self, rank: int, world: int, micro_batches: int) -> None:
+    def __init__(self, rank: int, world: int, micro_batches: int, stage: int | None = None) -> None:
+        where = rank if stage is None else stage
         places = [
-            f"the {phase} of micro-batch {i + 1} of {micro_batches} on stage {rank}"
+            f"the {phase} of micro-batch {i + 1} of {micro_batches} on stage {where}"
             for i in range(micro_batches)
             for phase in ("forward", "backward")
         ]
@@ -170,13 +171,16 @@ class StageActivity(RankActivity):
         self.forwards = 0
 
 
-def watch_stage(module: torch.nn.Module, rank: int, world: int, micro_batches: int) -> Any:
+def watch_stage(
+    module: torch.nn.Module, rank: int, world: int, micro_batches: int, stage: int | None = None
+) -> Any:
     """Publish which micro-batch's forward or backward the stage ``module`` runs: a forward
     pre-hook counts the step's forwards, a forward hook hooks the outputs, whose gradient
-    marks the micro-batch's backward as it starts. Returns the :class:`StageActivity`."""
+    marks the micro-batch's backward as it starts. ``stage``: the stage's number where it
+    is not the rank's (several ranks per stage). Returns the :class:`StageActivity`."""
     from torch.utils._pytree import tree_leaves
 
-    activity = StageActivity(rank, world, micro_batches)
+    activity = StageActivity(rank, world, micro_batches, stage)
 
     def backward_of(index: int) -> Any:
         def hook(_grad: Any) -> None:
@@ -212,6 +216,29 @@ def _chunk(value: Any, micro_batches: int) -> Any:
     return value.chunk(micro_batches)[0]
 
 
+def run_schedule(
+    runner: Any,
+    first: bool,
+    last: bool,
+    inputs: Sequence[Any],
+    keywords: dict[str, Any],
+    target: torch.Tensor,
+) -> list[Any]:
+    """One step of a pipeline schedule on this rank's stage: the first stage feeds the
+    inputs, the last the loss's target; the last stage's loss per micro-batch (empty
+    elsewhere)."""
+    micro: list[Any] = []
+    if first and last:
+        runner.step(*inputs, target=target, losses=micro, **keywords)
+    elif first:
+        runner.step(*inputs, **keywords)
+    elif last:
+        runner.step(target=target, losses=micro)
+    else:
+        runner.step()
+    return micro
+
+
 def run_pipelined_plan(
     plan: Any,
     plan_path: str,
@@ -242,17 +269,14 @@ def run_pipelined_plan(
     )
 
     from meshplace.graph.capture import capture
-    from meshplace.graph.sources import load_build_function
+    from meshplace.graph.sources import build_from_seed
     from meshplace.runtime.placed import share_bytes
     from meshplace.runtime.sharded import peak_bytes, rank_device
 
     if schedule not in SCHEDULES:
         raise InputError(f"--schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}")
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    built = load_build_function(source)()
-    model, args = built[0], tuple(built[1])
-    kwargs = dict(built[2]) if len(built) > 2 else {}
+    model, args, kwargs = build_from_seed(source)  # the same on every rank
     graph = capture(model, args, example_kwargs=kwargs, training=True)
     plan.check_graph(graph, plan_path)
     names = plan.device_names(graph, plan_path)
@@ -290,15 +314,7 @@ def run_pipelined_plan(
         if step == fault_step:
             activity.kill_at_forward = True
         start = time.perf_counter()
-        micro: list[torch.Tensor] = []
-        if first and last:
-            runner.step(*inputs, target=target, losses=micro, **keywords)
-        elif first:
-            runner.step(*inputs, **keywords)
-        elif last:
-            runner.step(target=target, losses=micro)
-        else:
-            runner.step()
+        micro = run_schedule(runner, first, last, inputs, keywords, target)
         activity.at(2 * micro_batches)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

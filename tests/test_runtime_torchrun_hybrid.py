@@ -1,0 +1,318 @@
+"""Hybrid plans (``meshplace shard --pipeline auto``) under torchrun: pipeline stages with
+data or tensor parallelism inside each stage (``meshplace.runtime.hybrid``); and a GPT
+under data x tensor parallelism on four ranks. A file of its own, so that the test runner
+can spread the torchrun tests over its workers."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from meshplace.errors import InputError
+from meshplace.graph.sources import graph_source
+from meshplace.hardware import load_cluster
+from meshplace.parallel.cli import hybrid_plan_file
+from meshplace.parallel.hybrid import hybrid_search
+from meshplace.runtime import hybrid
+from tests.test_runtime_torchrun import _meshplace_run, one_process_losses
+
+LLAMA_BATCH_8 = """
+import dataclasses, sys
+import torch
+sys.path.insert(0, {folder!r})
+import llama
+
+def build():
+    cfg = dataclasses.replace(llama.CONFIGS["tiny"], batch=8)
+    model = llama.Llama(cfg)
+    ids = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq))
+    return model, (ids,), {{"labels": torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq))}}
+"""
+
+
+def _llama8(tmp_path: Path) -> str:
+    example = Path(__file__).resolve().parents[1] / "examples" / "llama.py"
+    (tmp_path / "llama8.py").write_text(LLAMA_BATCH_8.format(folder=str(example.parent)))
+    return f"{tmp_path / 'llama8.py'}:build"
+
+
+def _hybrid_plan(source: str, *, tp: int, dp: int, micro_batch: int, zero: int) -> dict:
+    """The hybrid search's 2-stage plan of ``source`` (global batch 8) on dgx-h100 at the
+    given degrees, micro-batch size and ZeRO stage, as ``meshplace shard --out`` writes
+    it."""
+    result = hybrid_search(
+        source,
+        None,
+        load_cluster("dgx-h100"),
+        global_batch=8,
+        chips=2 * tp * dp,
+        tensor_parallel=(tp,),
+        pipeline_degrees=(2,),
+        micro_batch_sizes=(micro_batch,),
+        schedules=("1f1b",),
+        zero_stages=(zero,),
+        graphs=lambda b: graph_source(source, batch=b, training=True, autocast="bf16").graph,
+    )
+    plan = next(p for p in result.plans if p.pp == 2 and p.dp == dp and p.tp == tp)
+    return hybrid_plan_file(result, plan, "dgx-h100")
+
+
+def _check_memory(report: dict[str, Any]) -> None:
+    """Every rank's parameter, gradient and optimizer-state bytes are its stage's
+    prediction, exactly."""
+    for kind, values in report["memory_per_rank"].items():
+        assert values["measured"] == [int(v) for v in values["predicted"]], kind
+
+
+def test_stages_with_data_parallel_replicas_train_like_one_process(tmp_path: Path) -> None:
+    """pipe 2 x data 2 (ZeRO-1), 1F1B over 4 micro-batches, started by `meshplace run`:
+    three losses and every parameter after them equal one process's within 1e-5, and each
+    rank holds exactly its stage's predicted bytes."""
+    source = _llama8(tmp_path)
+    plan = _hybrid_plan(source, tp=1, dp=2, micro_batch=1, zero=1)
+    assert plan["mesh"]["shape"] == [2, 2, 1] and plan["pipeline"]["micro_batches"] == 4
+    assert plan["pipeline"]["zero"] == 1
+    (tmp_path / "hybrid.json").write_text(json.dumps(plan))
+    done = _meshplace_run(
+        tmp_path,
+        *["--plan", "hybrid.json", "--steps", "3", "--warmup", "1"],
+        *["--json", "--checkpoint-dir", "ck"],
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    assert report["plan"] == "hybrid" and report["world_size"] == 4
+    assert report["schedule"] == "1f1b" and report["micro_batches"] == 4
+    assert report["stage_begins"] == ["", "", "layers.1", "layers.1"]
+    expected, trained = one_process_losses(source, 3)
+    assert torch.allclose(
+        torch.tensor(report["measured"]["losses"]), torch.tensor(expected), rtol=0, atol=1e-5
+    )
+    _check_memory(report)
+    # the first rank of each stage wrote the stage's parameters, gathered whole
+    stages = [torch.load(tmp_path / "ck" / f"rank{r}.pt") for r in (0, 2)]
+    assert sorted(os.listdir(tmp_path / "ck")) == ["rank0.pt", "rank2.pt"]
+    assert not set(stages[0]) & set(stages[1])
+    saved = {**stages[0], **stages[1]}
+    reference = dict(trained.named_parameters())
+    assert sorted(saved) == sorted(reference)
+    for name, value in saved.items():
+        assert torch.allclose(value, reference[name].detach(), rtol=0, atol=1e-5), name
+
+
+def test_stages_split_over_tensor_parallel_devices_recompute_like_one_process(
+    tmp_path: Path,
+) -> None:
+    """pipe 2 x tensor 2 with every layer recomputed (the plan says so per stage): the
+    losses are one process's within 1e-5 and each rank holds its block of the split
+    weights, as predicted; a rank killed in the second step is named with its stage and
+    micro-batch, and no process is left."""
+    source = _llama8(tmp_path)
+    plan = _hybrid_plan(source, tp=2, dp=1, micro_batch=4, zero=0)
+    assert plan["mesh"]["shape"] == [2, 1, 2] and plan["pipeline"]["micro_batches"] == 2
+    split = [n for n, p in plan["parameters"].items() if p["placements"][1] != "Replicate()"]
+    assert split, "the plan splits no weight over the tensor axis"
+    for stage in plan["stages"]:
+        stage["recompute"] = "full"
+    (tmp_path / "hybrid.json").write_text(json.dumps(plan))
+    done = subprocess.run(
+        [
+            *[sys.executable, "-m", "torch.distributed.run", "--standalone"],
+            *["--nproc-per-node", "4", "-m", "meshplace.runtime", "--plan", "hybrid.json"],
+            *["--steps", "3", "--warmup", "1", "--json"],
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    expected, _ = one_process_losses(source, 3)
+    assert torch.allclose(
+        torch.tensor(report["measured"]["losses"]), torch.tensor(expected), rtol=0, atol=1e-5
+    )
+    _check_memory(report)
+    held = report["memory_per_rank"]["parameters"]["measured"]
+    whole = sum(p.numel() * 4 for p in one_process_losses(source, 0)[1].parameters())
+    assert held[0] + held[2] < whole  # the split weights: each rank holds a block
+    assert any("layers recomputed" in note for note in report["notes"]), report["notes"]
+
+    killed = _meshplace_run(
+        tmp_path, *["--plan", "hybrid.json", "--steps", "3", "--warmup", "1"], fault="2:1"
+    )
+    assert killed.returncode == 1, killed.stderr[-3000:]
+    assert killed.stderr.splitlines()[-1] == (
+        "meshplace: error: rank 2 was killed by SIGKILL while running the forward of "
+        "micro-batch 1 of 2 on stage 1 in step 2; torchrun stopped the other ranks "
+        "(exit status 1)"
+    ), killed.stderr[-2000:]
+
+
+def test_a_hybrid_plan_torchrun_cannot_run_is_one_sentence(tmp_path: Path, capsys) -> None:
+    """Before any process group: a world that is not pp x dp x tp, a schedule the runtime
+    lacks, a plan cut between units, a memory budget under a stage's share."""
+    from meshplace.runtime.launch import main
+
+    plan = {
+        "format": "meshplace.parallel_plan",
+        "version": 1,
+        "graph": {"source": "m.py:build", "layers": 2, "layer_container": "layers"},
+        "mesh": {"shape": [2, 1, 2], "axes": ["pipe", "data", "tensor"]},
+        "stages": [
+            {"layers": [0, 1], "held_bytes": {"parameters": 100, "optimizer_state": 200}},
+            {"layers": [1, 2], "held_bytes": {"parameters": 50, "optimizer_state": 100}},
+        ],
+        "pipeline": {"global_batch": 8, "micro_batch": 4, "micro_batches": 2},
+        "parameters": {},
+    }
+
+    def refusal(changes: dict[str, Any], world: str, *flags: str) -> str:
+        path = tmp_path / "plan.json"
+        path.write_text(json.dumps({**plan, **changes}))
+        os.environ["WORLD_SIZE"] = world
+        try:
+            assert main(["--plan", str(path), *flags]) == 2
+        finally:
+            del os.environ["WORLD_SIZE"]
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("meshplace: error: "), err
+        return err
+
+    good = {"pipeline": {**plan["pipeline"], "schedule": "1f1b"}}
+    assert "torchrun started 3 processes" in refusal(good, "3")
+    interleaved = {"pipeline": {**plan["pipeline"], "schedule": "interleaved"}}
+    assert "'interleaved' does not run under torchrun" in refusal(interleaved, "4")
+    units = {**good, "stages": [{"layers": [0, 1], "units": "embed"}, {"layers": [1, 2]}]}
+    assert "between the units" in refusal(units, "4")
+    assert "stage 0 would hold 300 bytes" in refusal(good, "4", "--memory-budget", "299")
+
+
+def test_replica_rows_are_each_replicas_block_of_every_micro_batch() -> None:
+    batch = torch.arange(12).reshape(12, 1)
+    rows = [hybrid.replica_rows(batch, 2, 3, r) for r in range(3)]
+    # micro-batch k is rows 6k..6k+5; replica r reads rows 6k+2r, 6k+2r+1 of it
+    assert rows[1].flatten().tolist() == [2, 3, 8, 9]
+    assert torch.equal(torch.cat([r.chunk(2)[0] for r in rows]), batch[:6])
+    with pytest.raises(InputError, match="does not split into 2 micro-batches of 4"):
+        hybrid.replica_rows(batch, 2, 4, 0)
+
+
+def test_recompute_layers_runs_each_layers_forward_again_in_the_backward() -> None:
+    """A checkpointed layer's forward runs twice per step (forward, then again in the
+    backward), an untouched one once; names and gradients are unchanged."""
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                x = torch.tanh(layer(x))
+            return x.sum()
+
+    class Stage(torch.nn.Module):  # as the pipelining front end nests the model
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = Net()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.model(x)
+
+    torch.manual_seed(0)
+    stage, plain = Stage(), Stage()
+    plain.load_state_dict(stage.state_dict())
+    calls = [0, 0]
+    for k, layer in enumerate(stage.model.layers):
+        inner = layer.forward
+
+        def counted(x: torch.Tensor, k: int = k, inner: Any = inner) -> torch.Tensor:
+            calls[k] += 1
+            return inner(x)
+
+        layer.forward = counted
+    names = [n for n, _ in stage.named_parameters()]
+    assert hybrid.recompute_layers(stage, "layers", [1, 7]) == 1  # layer 7 does not exist
+    assert [n for n, _ in stage.named_parameters()] == names
+    x = torch.randn(3, 4)
+    stage(x).backward()
+    plain(x).backward()
+    assert calls == [1, 2]
+    for (name, a), (_, b) in zip(stage.named_parameters(), plain.named_parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad), name
+
+
+def test_export_assertions_are_dropped_from_every_graph_of_a_stage() -> None:
+    class Cast(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x.to(torch.float32) * 2
+
+    exported = torch.export.export(Cast(), (torch.ones(2),)).module()
+    targets = lambda m: [n.target for n in m.graph.nodes]  # noqa: E731
+    assert torch.ops.aten._assert_tensor_metadata.default in targets(exported)
+    assert hybrid.drop_export_assertions(exported) == 1
+    assert torch.ops.aten._assert_tensor_metadata.default not in targets(exported)
+    assert torch.equal(exported(torch.ones(2)), torch.full((2,), 2.0))
+
+
+def test_stage_splits_name_each_later_stages_first_layer() -> None:
+    plan = {
+        "graph": {"layer_container": "blocks"},
+        "stages": [{"layers": [0, 3]}, {"layers": [3, 5]}, {"layers": [5, 8]}],
+    }
+    assert hybrid.stage_splits(plan) == ["blocks.3", "blocks.5"]
+    with pytest.raises(InputError, match="do not cover the layer stack in order"):
+        hybrid.stage_splits({**plan, "stages": plan["stages"][::-1]})
+
+
+def test_a_gpt_under_data_and_tensor_parallelism_trains_like_one_process(tmp_path: Path) -> None:
+    """The Llama example (batch 8) under the Megatron grid's data 2 x tensor 2 plan with
+    ZeRO-1 on 4 gloo ranks: the batch split over one mesh axis, weights over the other;
+    three losses and every parameter after them within 1e-5 of one process, and each
+    rank's parameter, gradient and Adam-state bytes exactly the plan's."""
+    from meshplace.graph.capture import capture
+    from meshplace.graph.sources import load_build_function
+    from meshplace.parallel.grid import megatron_grid
+
+    source = _llama8(tmp_path)
+    torch.manual_seed(0)
+    model, args, kwargs = load_build_function(source)()
+    graph = capture(model, args, example_kwargs=kwargs, training=True)
+    grid = megatron_grid(graph, load_cluster("dgx-h100"), chips=4, zero_stages=(1,))
+    point = next(p for p in grid.points if p.dp == 2 and p.tp == 2 and p.fits)
+    plan = point.plan.plan_file(source, "dgx-h100")
+    axes = plan["mesh"]["axes"]
+    data, tensor = axes.index(point.data_axis), axes.index(point.tensor_axis)
+    assert all(i["placements"][data] == "Shard(0)" for i in plan["inputs"].values())
+    split = [n for n, p in plan["parameters"].items() if p["placements"][tensor] != "Replicate()"]
+    assert "layers.0.attn.q_proj.weight" in split and "layers.1.mlp.down_proj.weight" in split
+    assert all(p["placements"][data] == "Replicate()" for p in plan["parameters"].values())
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    done = _meshplace_run(
+        tmp_path,
+        *["--plan", "plan.json", "--steps", "3", "--warmup", "1"],
+        *["--json", "--checkpoint-dir", "ck"],
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    assert report["world_size"] == 4
+    expected, trained = one_process_losses(source, 3)
+    assert torch.allclose(
+        torch.tensor(report["measured"]["losses"]), torch.tensor(expected), rtol=0, atol=1e-5
+    )
+    saved = torch.load(tmp_path / "ck" / "rank0.pt")
+    reference = dict(trained.named_parameters())
+    assert sorted(saved) == sorted(reference)
+    for name, value in saved.items():
+        assert torch.allclose(value, reference[name].detach(), rtol=0, atol=1e-5), name
+    memory = report["memory_per_rank"]
+    for kind in ("parameters", "gradients", "optimizer_state"):
+        assert memory[kind]["measured"] == [memory[kind]["predicted"]] * 4, kind
