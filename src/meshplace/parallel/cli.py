@@ -476,14 +476,21 @@ def cmd_hybrid(args: argparse.Namespace) -> int:
 
 def hybrid_plan_file(result: Any, plan: Any, cluster: str) -> dict[str, Any]:
     """The hybrid plan as a ``meshplace.parallel_plan`` document with its ``stages``."""
+    from meshplace.parallel.hybrid import INTERLEAVE_CHUNKS
+
     c = plan.config
     stages = []
     first = 0
     size = c.dp * c.tp
+    # interleaved: device i runs virtual stages i, i + pp, ..., each an equal run of layers
+    chunks = INTERLEAVE_CHUNKS if c.schedule == "interleaved" and not plan.stage_units else 1
+    per_chunk = result.layers // (c.pp * chunks) if chunks > 1 else 0
     for i, (k, r) in enumerate(zip(plan.layers_per_stage, plan.recompute, strict=True)):
+        runs = [[(j * c.pp + i) * per_chunk, (j * c.pp + i + 1) * per_chunk] for j in range(chunks)]
         stages.append(
             {
-                "layers": [first, first + k],
+                "layers": runs[0] if chunks > 1 else [first, first + k],
+                **({"chunks": runs} if chunks > 1 else {}),
                 **({"units": plan.stage_units[i]} if plan.stage_units else {}),
                 "embedding": i == 0,
                 "head": i == c.pp - 1,
@@ -525,6 +532,7 @@ def hybrid_plan_file(result: Any, plan: Any, cluster: str) -> dict[str, Any]:
             "micro_batches": c.micro_batches,
             "schedule": c.schedule,
             "zero": c.zero,
+            "virtual_stages": chunks,
         },
         "predicted": {
             "time_per_batch_s": plan.time_per_batch_s,

@@ -43,8 +43,11 @@ Example (4 ranks: 2 stages x 2 replicas)::
 
 from __future__ import annotations
 
+import itertools
+import operator
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +56,11 @@ import torch
 from meshplace.errors import InputError
 
 #: The schedules a hybrid plan names and the torch schedule classes that run them.
-HYBRID_RUNTIME_SCHEDULES = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe"}
+HYBRID_RUNTIME_SCHEDULES = {
+    "1f1b": "Schedule1F1B",
+    "gpipe": "ScheduleGPipe",
+    "interleaved": "ScheduleInterleaved1F1B",
+}
 
 
 def is_hybrid(plan: Mapping[str, Any]) -> bool:
@@ -62,13 +69,19 @@ def is_hybrid(plan: Mapping[str, Any]) -> bool:
 
 
 def stage_splits(plan: Mapping[str, Any]) -> list[str]:
-    """The module path where each stage after the first begins: the first layer of its
-    range in the plan's layer stack (``layers.4``). One sentence when the plan is cut
-    between units (a model without one stack of identical layers) or names no stack.
+    """The module path where each (virtual) stage after the first begins, in pipeline
+    order: the first layer of its range in the plan's layer stack (``layers.4``). Under
+    the interleaved schedule a device's ``chunks`` are its virtual stages ``i, i + pp,
+    ...``. One sentence when the plan is cut between units (a model without one stack of
+    identical layers), names no stack, or its ranges do not cover the stack in order.
 
     >>> stage_splits({"graph": {"layer_container": "layers"},
     ...               "stages": [{"layers": [0, 2]}, {"layers": [2, 4]}]})
     ['layers.2']
+    >>> stage_splits({"graph": {"layer_container": "h"},
+    ...               "stages": [{"layers": [0, 1], "chunks": [[0, 1], [2, 3]]},
+    ...                          {"layers": [1, 2], "chunks": [[1, 2], [3, 4]]}]})
+    ['h.1', 'h.2', 'h.3']
     """
     container = (plan.get("graph") or {}).get("layer_container")
     stages = plan["stages"]
@@ -77,10 +90,18 @@ def stage_splits(plan: Mapping[str, Any]) -> list[str]:
             "the plan is cut between the units of a model without one stack of identical "
             "layers; the torchrun runtime runs hybrid plans of a layer stack only"
         )
-    firsts = [int(s["layers"][0]) for s in stages]
-    if firsts != sorted(firsts) or firsts[0] != 0:
+    pp = len(stages)
+    owned = [
+        (int(r[0]), int(r[1]), i)
+        for i, s in enumerate(stages)
+        for r in s.get("chunks") or [s["layers"]]
+    ]
+    runs = sorted(owned)
+    chained = all(a[1] == b[0] for a, b in itertools.pairwise(runs))
+    round_robin = all(device == k % pp for k, (_, _, device) in enumerate(runs))
+    if runs[0][0] != 0 or not chained or not round_robin:
         raise InputError("the plan's stages do not cover the layer stack in order")
-    return [f"{container}.{k}" for k in firsts[1:]]
+    return [f"{container}.{first}" for first, _, _ in runs[1:]]
 
 
 def check_hybrid_memory_budget(plan: Mapping[str, Any], budget: int) -> None:
@@ -111,9 +132,14 @@ def check_hybrid_world(plan: Mapping[str, Any], world_size: int) -> None:
     schedule = plan["pipeline"]["schedule"]
     if schedule not in HYBRID_RUNTIME_SCHEDULES:
         raise InputError(
-            f"the plan's schedule {schedule!r} does not run under torchrun yet; plan with "
-            f"one of {', '.join(HYBRID_RUNTIME_SCHEDULES)} (meshplace shard --pipeline auto "
-            "chooses among its schedules)"
+            f"the plan's schedule {schedule!r} is not one the torchrun runtime runs; "
+            f"choose one of {', '.join(HYBRID_RUNTIME_SCHEDULES)}"
+        )
+    chunked = any(s.get("chunks") for s in plan["stages"])
+    if (schedule == "interleaved") != chunked:
+        raise InputError(
+            "the plan's interleaved schedule needs each stage's layer chunks (`chunks`, "
+            "written by meshplace shard --pipeline auto --out), and only it has them"
         )
 
 
@@ -154,44 +180,120 @@ def replica_rows(value: torch.Tensor, micro_batches: int, replicas: int, replica
     return blocks.reshape(micro_batches * m, *value.shape[1:]).contiguous()
 
 
+@dataclass(frozen=True)
+class StageRoute:
+    """Which values a pipeline stage reads, makes and passes on, each named by its
+    producer: ``("input", name)`` for a model input, ``(k, i)`` for output ``i`` of stage
+    ``k`` (``i`` None: the stage's one output).
+
+    Attributes:
+        reads: the stage module's arguments, in order.
+        makes: its outputs, in order.
+        sends: what the stage hands the next one: every value made so far that a later
+            stage reads, in a fixed order (the last stage: nothing, it returns the loss).
+        receives: what the stage before sends (the first stage: the model's inputs, in
+            the order the schedule passes them: positional, then keywords).
+    """
+
+    reads: tuple[tuple[Any, Any], ...]
+    makes: tuple[tuple[Any, Any], ...]
+    sends: tuple[tuple[Any, Any], ...]
+    receives: tuple[tuple[Any, Any], ...]
+
+
+def stage_routes(split_graph: torch.fx.Graph) -> list[StageRoute]:
+    """The :class:`StageRoute` of every stage of a pipelining front end's split graph
+    (``pipe.split_gm.graph``: one ``call_module`` per stage, in order).
+
+    The front end lets a stage read a value any earlier stage made (a rotary table, the
+    labels, read by every later stage); a stage built by hand (``PipelineStage``, the one
+    that takes DTensors) receives from the stage before it only. So every value a later
+    stage reads is passed on by each stage in between (:class:`StageOnMesh`), and its
+    gradient comes back the same way. O(nodes x stages).
+    """
+    calls = [n for n in split_graph.nodes if n.op == "call_module"]
+    index = {n: k for k, n in enumerate(calls)}
+
+    def producer(node: Any) -> tuple[Any, Any]:
+        if node.op == "placeholder":
+            return ("input", node.name)
+        if node.op == "call_function" and node.target is operator.getitem:
+            return (index[node.args[0]], int(node.args[1]))
+        if node in index:
+            return (index[node], None)
+        raise InputError(f"the pipeline's split graph passes {node.name!r} between stages")
+
+    reads = [tuple(producer(a) for a in call.args) for call in calls]
+    makes = []
+    for k, call in enumerate(calls):
+        items = sorted(
+            int(u.args[1])
+            for u in call.users
+            if u.op == "call_function" and u.target is operator.getitem
+        )
+        makes.append(tuple((k, i) for i in items) if items else ((k, None),))
+    inputs = tuple(("input", n.name) for n in split_graph.nodes if n.op == "placeholder")
+    routes = []
+    receives: tuple[tuple[Any, Any], ...] = inputs
+    for k in range(len(calls)):
+        later = {v for r in reads[k + 1 :] for v in r}
+        known = {*inputs, *(v for m in makes[: k + 1] for v in m)}
+        sends = tuple(sorted(known & later, key=str))
+        missing = [v for v in reads[k] if v not in receives and v not in makes[k]]
+        if missing:
+            raise InputError(f"stage {k} of the pipeline reads {missing[0]} before it exists")
+        routes.append(StageRoute(reads[k], makes[k], sends, receives))
+        receives = sends
+    return routes
+
+
 class StageOnMesh(torch.nn.Module):
-    """A pipeline stage's module run on its ``(data, tensor)`` mesh: the first stage's
-    inputs (this rank's rows of a micro-batch) become DTensors split over ``data`` and
-    replicated over ``tensor``; later stages receive what the stage before sent (DTensors
-    as DTensors, a tensor computed from buffers alone as a plain tensor). The
-    stage's forward runs with the ZeRO-3 shards gathered (``weight_update.forward``); call
-    it, as the schedule's backward, under :func:`meshplace.runtime.sharded.sharded_step`."""
+    """A pipeline stage's module run on its ``(data, tensor)`` mesh, along its
+    :class:`StageRoute`. The first stage's inputs (this rank's rows of a micro-batch)
+    become DTensors split over ``data`` and replicated over ``tensor``; a later stage
+    receives what the stage before sent (DTensors as DTensors, a tensor computed from
+    buffers alone as a plain tensor), calls its module on the values it reads, and sends
+    on what later stages read. The module runs with the ZeRO-3 shards gathered
+    (``weight_update.forward``); call it, as the schedule's backward, under
+    :func:`meshplace.runtime.sharded.sharded_step`."""
 
     def __init__(
         self,
         stage: torch.nn.Module,
         mesh: Any,
         weight_update: Any,
-        device_type: str,
+        route: StageRoute,
         first: bool,
+        last: bool,
     ) -> None:
         super().__init__()
-        self.first = first
         self.stage = stage
         self.mesh = mesh
         self.weight_update = weight_update
-        self.device_type = device_type
+        self.route = route
+        self.first = first
+        self.last = last
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         from torch.distributed.tensor import DTensor, Replicate, Shard
 
-        split = [Shard(0), Replicate()]
-
-        def rows(a: Any) -> Any:
-            if self.first and isinstance(a, torch.Tensor) and not isinstance(a, DTensor):
-                return DTensor.from_local(a, self.mesh, split, run_check=False)
-            return a
-
-        args = tuple(rows(a) for a in args)
-        kwargs = {k: rows(v) for k, v in kwargs.items()}
+        # a multi-stage schedule hands the model's keyword inputs to each of a rank's
+        # stages; only the first takes them (later ones get theirs along the route)
+        given = [*args, *kwargs.values()] if self.first else list(args)
+        values = dict(zip(self.route.receives, given, strict=True))
+        if self.first:  # this rank's rows of the model's inputs
+            split = [Shard(0), Replicate()]
+            for name, a in values.items():
+                if isinstance(a, torch.Tensor) and not isinstance(a, DTensor):
+                    values[name] = DTensor.from_local(a, self.mesh, split, run_check=False)
         # under the caller's sharded_step (run_hybrid_plan): DTensor's implicit
         # replication is one flag, which a nested context would clear on its way out
-        return self.weight_update.forward(self.stage, args, kwargs)
+        out = self.weight_update.forward(self.stage, tuple(values[v] for v in self.route.reads), {})
+        if self.last:
+            return out
+        made = out if isinstance(out, tuple) else (out,)
+        values.update(zip(self.route.makes, made, strict=True))
+        return tuple(values[v] for v in self.route.sends)
 
 
 def zero_filled_stage_class() -> type:
@@ -287,10 +389,8 @@ def run_hybrid_plan(
     from torch.distributed.pipelining import schedules as torch_schedules
 
     from meshplace.graph.sources import build_from_seed
-    from meshplace.runtime.launch import WeightUpdateSharding
     from meshplace.runtime.pipelined import InputsEnterFirst, run_schedule, watch_stage
     from meshplace.runtime.sharded import (
-        apply_sharding_plan,
         local_nbytes,
         peak_bytes,
         rank_device,
@@ -302,6 +402,7 @@ def run_hybrid_plan(
     micro_batches = int(pipeline_spec["micro_batches"])
     global_batch = int(pipeline_spec["global_batch"])
     splits = stage_splits(plan)
+    virtual = (len(splits) + 1) // pp  # stages per rank (interleaved: more than one)
     rank = dist.get_rank()
     mesh = init_device_mesh(device_type, (pp, dp, tp), mesh_dim_names=("pipe", "data", "tensor"))
     stage_mesh = mesh["data", "tensor"]
@@ -324,51 +425,63 @@ def run_hybrid_plan(
         },
         split_spec={f"model.{s}": SplitPoint.BEGINNING for s in splits},
     )
-    if pipe.num_stages != pp:
+    if pipe.num_stages != pp * virtual:
         raise InputError(
             f"torch's pipelining cut the model into {pipe.num_stages} stages at "
-            f"{', '.join(splits)}; the plan has {pp}"
+            f"{', '.join(splits)}; the plan has {pp * virtual}"
         )
-    stage_module = pipe.get_stage_module(pipe_index)
-    del pipe, model  # each rank keeps its stage only
-    drop_export_assertions(stage_module)
-
-    # the stage's parameters, by the model's own names, placed as the plan says
-    named = {n.removeprefix("model."): p for n, p in stage_module.named_parameters()}
-    unplanned = [n for n in named if n not in plan["parameters"]]
-    if unplanned:
-        raise InputError(f"the plan does not match the model: {unplanned[0]!r} is not in it")
-    stage_plan = {
-        "format": plan["format"],
-        "parameters": {f"model.{n}": plan["parameters"][n] for n in named},
-    }
-    apply_sharding_plan(stage_module, stage_plan, stage_mesh)
-    weight_update = WeightUpdateSharding(stage_module, stage_plan, stage_mesh)
+    # this rank's (virtual) stages: i, i + pp, ... in pipeline order
+    mine = [pipe_index + j * pp for j in range(virtual)]
+    modules = [pipe.get_stage_module(s) for s in mine]
+    routes = stage_routes(pipe.split_gm.graph)
+    del pipe, model  # each rank keeps its stages only
     spec = plan["stages"][pipe_index]
+    runs = spec.get("chunks") or [spec["layers"]]
+    weight_updates = []
     recomputed = 0
-    if spec.get("recompute", "none") == "full":
-        first, last = (int(x) for x in spec["layers"])
-        recomputed = recompute_layers(
-            stage_module, plan["graph"]["layer_container"], range(first, last)
-        )
-    wrapped = StageOnMesh(stage_module, stage_mesh, weight_update, device_type, pipe_index == 0)
+    stages = []
 
     def get_mesh(names: tuple[str, ...], _layout: Any) -> Any:
         return mesh[names] if len(names) > 1 else mesh[names[0]]
 
-    stage = zero_filled_stage_class()(
-        wrapped, pipe_index, pp, device, group=mesh["pipe"].get_group(), get_mesh=get_mesh
-    )
+    for s, module, (first, end) in zip(mine, modules, runs, strict=True):
+        drop_export_assertions(module)
+        weight_update = place_stage_parameters(module, plan, stage_mesh)
+        weight_updates.append(weight_update)
+        if spec.get("recompute", "none") == "full":
+            layers = range(int(first), int(end))
+            recomputed += recompute_layers(module, plan["graph"]["layer_container"], layers)
+        last = s == pp * virtual - 1
+        wrapped = StageOnMesh(module, stage_mesh, weight_update, routes[s], s == 0, last)
+        stages.append(
+            zero_filled_stage_class()(
+                wrapped,
+                s,
+                pp * virtual,
+                device,
+                group=mesh["pipe"].get_group(),
+                get_mesh=get_mesh,
+            )
+        )
     schedule_name = pipeline_spec["schedule"]
     if schedule_name == "1f1b" and micro_batches < pp:
         # torch's 1F1B wants a micro-batch per stage; with fewer, 1F1B's order on every
         # stage is GPipe's (all forwards, then all backwards)
         schedule_name = "gpipe"
-    runner = getattr(torch_schedules, HYBRID_RUNTIME_SCHEDULES[schedule_name])(
-        stage, n_microbatches=micro_batches, loss_fn=lambda out, _target: out.sum()
+    schedule_class = getattr(torch_schedules, HYBRID_RUNTIME_SCHEDULES[schedule_name])
+    runner = schedule_class(
+        stages if virtual > 1 else stages[0],
+        n_microbatches=micro_batches,
+        loss_fn=lambda out, _target: out.sum(),
     )
     optimizer = torch.optim.Adam(
-        weight_update.optimizer_parameters(stage_module), lr=lr, foreach=True
+        [
+            p
+            for module, update in zip(modules, weight_updates, strict=True)
+            for p in update.optimizer_parameters(module)
+        ],
+        lr=lr,
+        foreach=True,
     )
     first_stage, last_stage = pipe_index == 0, pipe_index == pp - 1
     inputs = [
@@ -384,7 +497,9 @@ def run_hybrid_plan(
         for k, v in kwargs.items()
     }
     target = torch.zeros(micro_batches, device=device)  # the loss is the model's own
-    activity = watch_stage(stage_module, rank, dist.get_world_size(), micro_batches, pipe_index)
+    # where this rank is, for the launcher to name if it dies: its first stage's
+    # micro-batches (an interleaved rank's later stages are not told apart)
+    activity = watch_stage(modules[0], rank, dist.get_world_size(), micro_batches, pipe_index)
     if device_type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     times: list[float] = []
@@ -405,7 +520,15 @@ def run_hybrid_plan(
         with sharded_step(device_type):
             micro = run_schedule(runner, first_stage, last_stage, inputs, keywords, target)
         activity.at(2 * micro_batches)
-        grad_bytes = weight_update.update(stage_module, optimizer)
+        grad_bytes = sum(
+            update.gradients_placed(module)
+            for module, update in zip(modules, weight_updates, strict=True)
+        )
+        optimizer.step()
+        for module, update in zip(modules, weight_updates, strict=True):
+            update.after_step()
+            module.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=True)
         if device_type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
@@ -425,7 +548,8 @@ def run_hybrid_plan(
             name.removeprefix("model."): (p.full_tensor() if hasattr(p, "full_tensor") else p)
             .detach()
             .cpu()
-            for name, p in stage_module.named_parameters()
+            for module in modules
+            for name, p in module.named_parameters()
         }
         if (
             int(stage_mesh.get_local_rank("data")) == 0
@@ -436,17 +560,39 @@ def run_hybrid_plan(
     return {
         "stage": pipe_index,
         "stage_begins": splits[pipe_index - 1] if pipe_index else "",
+        "virtual_stages": mine,
         "times_s": times,
         "losses": losses,
-        "parameters": sum(local_nbytes(p) for p in stage_module.parameters()),
+        "parameters": sum(local_nbytes(p) for m in modules for p in m.parameters()),
         "gradients": grad_bytes,
         "optimizer_state": state_bytes,
-        "buffers": sum(local_nbytes(b) for b in stage_module.buffers()),
+        "buffers": sum(local_nbytes(b) for m in modules for b in m.buffers()),
         "peak_bytes": peak_bytes(device_type),
         "recomputed_layers": recomputed,
         "schedule": schedule_name,
-        "uneven": weight_update.uneven,
+        "uneven": [n for update in weight_updates for n in update.uneven],
     }
+
+
+def place_stage_parameters(module: torch.nn.Module, plan: Mapping[str, Any], mesh: Any) -> Any:
+    """Make the parameters of a pipelining stage ``module`` (the model under ``model.``)
+    DTensors on the stage ``mesh`` with the plan's placements, by the model's own names,
+    and set up the plan's ZeRO for them; the
+    :class:`~meshplace.runtime.launch.WeightUpdateSharding`. One sentence when the plan
+    does not name a parameter of the stage."""
+    from meshplace.runtime.launch import WeightUpdateSharding
+    from meshplace.runtime.sharded import apply_sharding_plan
+
+    names = [n.removeprefix("model.") for n, _ in module.named_parameters()]
+    unplanned = [n for n in names if n not in plan["parameters"]]
+    if unplanned:
+        raise InputError(f"the plan does not match the model: {unplanned[0]!r} is not in it")
+    stage_plan = {
+        "format": plan["format"],
+        "parameters": {f"model.{n}": plan["parameters"][n] for n in names},
+    }
+    apply_sharding_plan(module, stage_plan, mesh)
+    return WeightUpdateSharding(module, stage_plan, mesh)
 
 
 def summarise_hybrid(

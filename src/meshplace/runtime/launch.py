@@ -335,14 +335,19 @@ class WeightUpdateSharding:
                     gathered = shard.redistribute(self.mesh, param.placements)
                     param.to_local().copy_(gathered.to_local())
 
-    def update(self, model: Any, optimizer: Any) -> int:
-        """The step after the backward: every gradient given its parameter's placement
-        (:func:`place_gradients_like_parameters`), moved onto its master shard, the
-        optimizer's step, the shards gathered back, gradients cleared. Returns this
-        rank's gradient bytes just before the optimizer's step (:meth:`gradient_bytes`)."""
+    def gradients_placed(self, model: Any) -> int:
+        """After the backward: every gradient given its parameter's placement
+        (:func:`place_gradients_like_parameters`) and moved onto its master shard; this
+        rank's gradient bytes then (:meth:`gradient_bytes`)."""
         place_gradients_like_parameters(model)
         self.after_backward()
-        held = self.gradient_bytes(model)
+        return self.gradient_bytes(model)
+
+    def update(self, model: Any, optimizer: Any) -> int:
+        """The step after the backward: :meth:`gradients_placed`, the optimizer's step,
+        the shards gathered back, gradients cleared. Returns this rank's gradient bytes
+        just before the optimizer's step."""
+        held = self.gradients_placed(model)
         optimizer.step()
         self.after_step()
         optimizer.zero_grad(set_to_none=True)
