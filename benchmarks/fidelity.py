@@ -38,7 +38,13 @@ under torchrun as ``torch.distributed.pipelining`` stages with 2, 4 and 8 micro-
 1F1B and GPipe, against GPipe's bubble model on the calibrated op times of one micro-batch
 (:func:`predict_pipeline`).
 
-Usage: ``python benchmarks/fidelity.py [--family placed|sharded|pipelined] [--models a,b]
+``--family hybrid`` (``run_hybrid_model``): the joint search (``meshplace shard --pipeline
+auto``) on the calibrated workers' mesh with the sharded family's cost model, at the
+model's own batch; every distinct configuration it scores (data, tensor or pipeline
+parallelism over the 2 workers, micro-batch size and count) runs under torchrun
+(``meshplace.runtime.hybrid``) against the search's prediction.
+
+Usage: ``python benchmarks/fidelity.py [--family placed|sharded|pipelined|hybrid] [--models a,b]
 [--steps N] [--passes P] [--out F.json]``
 """
 
@@ -64,6 +70,7 @@ SHARDED_MODELS = (
     f"{ROOT / 'benchmarks' / 'fidelity_models.py'}:build_mlp",
     f"{ROOT / 'examples' / 'llama.py'}:build_tiny",
 )
+HYBRID_MODELS = (f"{ROOT / 'benchmarks' / 'fidelity_models.py'}:build_llama_batch8",)
 PLACERS = (
     "single",
     "expert",
@@ -572,6 +579,85 @@ def run_pipelined_model(source: str, steps: int, warmup: int, passes: int) -> di
     }
 
 
+def run_hybrid_model(source: str, steps: int, warmup: int, passes: int) -> dict:
+    """Hybrid plans of ``source`` on the 2 calibrated workers: the joint search
+    (``meshplace shard --pipeline auto``'s ``hybrid_search``) on the workers' mesh with
+    the calibrated cost model (DTensor's dispatch in the launch overhead, as for the
+    sharded family: the hybrid runtime's parameters are DTensors), global batch = the
+    model's own; every distinct configuration it scored (data, tensor or pipeline
+    parallelism, micro-batch size and count; 1F1B, the lowest ZeRO stage of each) runs
+    under torchrun (``meshplace.runtime.hybrid``) against the search's own prediction."""
+    from meshplace.cost.calibration import calibrated_cost_model
+    from meshplace.graph.sources import build_from_seed, graph_source
+    from meshplace.parallel.cli import hybrid_plan_file
+    from meshplace.parallel.hybrid import hybrid_search
+    from meshplace.profile.calibrate import calibrate
+    from meshplace.runtime.program import ModelSpec, trace_step
+
+    step = trace_step(ModelSpec(source))
+    cal = calibrate(step)
+    cluster = mesh_of_workers(cal)
+    dispatch = dtensor_dispatch_overhead(source)
+    fitted = cal.cost_calibration()
+    engine = fitted.model_copy(
+        update={"launch_overhead_s": fitted.launch_overhead_s + dispatch["per_op_s"]}
+    )
+    cost_model = calibrated_cost_model(engine, cluster)
+    _, args, _ = build_from_seed(source)
+    batch = int(args[0].shape[0])
+    result = hybrid_search(
+        source,
+        None,
+        cluster,
+        global_batch=batch,
+        chips=2,
+        cost_model=cost_model,
+        autocast=None,  # the runtime trains in float32
+        schedules=("1f1b",),
+        simulate_top=1000,
+        graphs=lambda b: graph_source(source, batch=b, training=True).graph,
+    )
+    plans: dict[str, Any] = {}
+    for plan in sorted(result.plans, key=lambda p: p.config.zero):
+        c = plan.config
+        label = f"dp{c.dp} tp{c.tp} pp{c.pp} mb{c.micro_batch}x{c.micro_batches}"
+        if plan.fits and label not in plans:
+            plans[label] = plan
+    timed: dict[str, list[float]] = {label: [] for label in plans}
+    per_pass: dict[str, list[float]] = {label: [] for label in plans}
+    for _ in range(passes):
+        for label, plan in plans.items():
+            document = hybrid_plan_file(result, plan, cluster.name)
+            try:
+                times = _torchrun_step_times(document, source, steps, warmup)
+            except RuntimeError as exc:
+                print(f"  {label}: run failed: {exc}", file=sys.stderr)
+                continue
+            timed[label] += times
+            per_pass[label].append(statistics.median(times))
+    rows = [
+        _compare(
+            f"{label} zero{plan.config.zero}",
+            timed[label],
+            per_pass[label],
+            plan.time_per_batch_s,
+            bubble_fraction=plan.bubble_fraction,
+        )
+        for label, plan in plans.items()
+        if timed[label]
+    ]
+    return {
+        "model": _short_name(source),
+        "ops": step.graph.num_ops,
+        "global_batch": batch,
+        "link": {"bandwidth": cal.link["bandwidth"], "latency": cal.link["latency"]},
+        "calibration": engine.model_dump(mode="json"),
+        "dtensor_dispatch": dispatch,
+        "placements": rows,
+        **_summary(rows),
+    }
+
+
 def _summary(rows: list[dict]) -> dict[str, Any]:
     """Median absolute error and Kendall's tau of the predictions, and of the
     micro-benchmark-only ones (when in situ was on); the passes' spread."""
@@ -594,10 +680,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--family",
-        choices=("placed", "sharded", "pipelined"),
+        choices=("placed", "sharded", "pipelined", "hybrid"),
         default="placed",
         help="placed: op placements on local workers (default); sharded: sharding plans "
-        "under torchrun; pipelined: the pipeline placer's plans as torch pipelines",
+        "under torchrun; pipelined: the pipeline placer's plans as torch pipelines; hybrid: "
+        "the joint search's plans (shard --pipeline auto) under torchrun",
     )
     parser.add_argument("--models", default=None, help="comma-separated (default: the family's)")
     parser.add_argument("--steps", type=int, default=15, help="timed steps per run")
@@ -612,12 +699,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="default results/fidelity[_sharded].json")
     args = parser.parse_args(argv)
     sharded = args.family == "sharded"
-    family_models = {"placed": MODELS, "sharded": SHARDED_MODELS, "pipelined": PIPELINED_MODELS}
+    family_models = {
+        "placed": MODELS,
+        "sharded": SHARDED_MODELS,
+        "pipelined": PIPELINED_MODELS,
+        "hybrid": HYBRID_MODELS,
+    }
     models = args.models.split(",") if args.models else list(family_models[args.family])
     default_out = {
         "placed": "fidelity.json",
         "sharded": "fidelity_sharded.json",
         "pipelined": "fidelity_pipelined.json",
+        "hybrid": "fidelity_hybrid.json",
     }[args.family]
     out = args.out or str(Path(__file__).parent / "results" / default_out)
     t0 = time.time()
@@ -630,6 +723,9 @@ def main(argv: list[str] | None = None) -> int:
             continue
         if args.family == "pipelined":
             results.append(run_pipelined_model(name, args.steps, args.warmup, args.passes))
+            continue
+        if args.family == "hybrid":
+            results.append(run_hybrid_model(name, args.steps, args.warmup, args.passes))
             continue
         results.append(
             run_model(name, args.steps, args.warmup, args.passes, args.budget, not args.no_in_situ)
@@ -664,6 +760,7 @@ def main(argv: list[str] | None = None) -> int:
         "placed": "micro only: |err|",
         "sharded": "overlapped: |err|",
         "pipelined": "(no ablation)",
+        "hybrid": "(no ablation)",
     }[args.family]
     print(
         f"\n{'model':26} {'plans':>5} {'median |err|':>13} {'tau':>6} {'pass spread':>12} "
@@ -686,6 +783,8 @@ def main(argv: list[str] | None = None) -> int:
             "placed": "micro only: the same runs predicted with the micro-benchmarks' message "
             "costs, without calibrate_in_situ (an ablation)",
             "pipelined": "1F1B and GPipe share one prediction (the same bubble)",
+            "hybrid": "predictions are the joint search's own (its DP over stages and the "
+            "simulated schedule), on the calibrated workers",
         }[args.family]
     )
     print(

@@ -341,6 +341,8 @@ def drop_export_assertions(module: torch.nn.Module) -> int:
         erased += len(dead)
         if dead and isinstance(sub, torch.fx.GraphModule):
             sub.recompile()
+        elif dead and getattr(sub, "graph_module", None) is not None:
+            sub.graph_module.recompile()  # an InterpreterModule's generated code
     return erased
 
 
@@ -389,7 +391,12 @@ def run_hybrid_plan(
     from torch.distributed.pipelining import schedules as torch_schedules
 
     from meshplace.graph.sources import build_from_seed
-    from meshplace.runtime.pipelined import InputsEnterFirst, run_schedule, watch_stage
+    from meshplace.runtime.pipelined import (
+        InputsEnterFirst,
+        run_schedule,
+        run_stage_compiled,
+        watch_stage,
+    )
     from meshplace.runtime.sharded import (
         local_nbytes,
         peak_bytes,
@@ -446,6 +453,7 @@ def run_hybrid_plan(
 
     for s, module, (first, end) in zip(mine, modules, runs, strict=True):
         drop_export_assertions(module)
+        run_stage_compiled(module)
         weight_update = place_stage_parameters(module, plan, stage_mesh)
         weight_updates.append(weight_update)
         if spec.get("recompute", "none") == "full":

@@ -128,6 +128,27 @@ def stage_boundaries(
     return order, boundaries, moved
 
 
+def run_stage_compiled(module: torch.nn.Module) -> int:
+    """Run every ``InterpreterModule`` of a pipelining stage (``torch.export.unflatten``'s
+    submodules, which the front end's stages are made of) as its generated Python code
+    instead of node by node through ``torch.fx.Interpreter``; how many. Same ops, same
+    order (the code is generated from the same graph, as ``GraphModule`` runs any graph);
+    the interpreter cost about 0.5 ms per micro-batch on a stage of four Linear+GELU
+    layers (a 1-stage pipeline on one gloo rank vs eager on the same chunks: 0.85-0.99 ms
+    of overhead per micro-batch interpreted, 0.41-0.48 ms compiled, at 4 and 8
+    micro-batches). O(modules), plus generating their code.
+    """
+    from torch.export.unflatten import InterpreterModule
+
+    done = 0
+    for sub in module.modules():
+        if isinstance(sub, InterpreterModule) and getattr(sub, "graph_module", None) is not None:
+            sub.graph_module.recompile()  # the graph as it is now
+            sub._run_with_interpreter = False
+            done += 1
+    return done
+
+
 class InputsEnterFirst(torch.nn.Module):
     """``model`` with every tensor input passed through an identity op on entry, so that
     the pipelining front end hands all inputs to the first stage (see the module doc), and
@@ -295,6 +316,7 @@ def run_pipelined_plan(
     )
     stage = pipe.build_stage(rank, device)
     del pipe, model  # each rank keeps its stage only
+    run_stage_compiled(stage.submod)
     runner = {"1F1B": Schedule1F1B, "GPipe": ScheduleGPipe}[schedule](
         stage, n_microbatches=micro_batches, loss_fn=lambda out, _target: out.sum()
     )
