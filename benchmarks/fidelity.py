@@ -465,15 +465,17 @@ def run_sharded_model(source: str, steps: int, warmup: int, passes: int) -> dict
 
 
 def predict_pipeline(
-    source: str, plan: Any, cal: Any, micro_batches: int
+    source: str, plan: Any, cal: Any, micro_batches: int, engine_s: float = 0.0
 ) -> tuple[float, dict[str, float]]:
     """A pipelined placement's step time on the calibrated workers, GPipe's model (Huang
     et al. 2019, Sec. 2.2): ``(M + S - 1)`` beats of the slowest stage's forward and
-    backward on one micro-batch plus the messages between stages, then each stage's
-    optimizer update once. The micro-batch's op times come from the model captured at
-    ``batch / M`` under the calibrated cost model; a message costs latency, bytes over
-    the measured bandwidth and its measured CPU at both ends. 1F1B has the same bubble
-    (it saves memory, not time), so both schedules get this prediction."""
+    backward on one micro-batch plus the messages between stages plus ``engine_s`` (the
+    pipelining engine's own cost per micro-batch, :func:`pipeline_engine_overhead`), then
+    each stage's optimizer update once. The micro-batch's op times come from the model
+    captured at ``batch / M`` under the calibrated cost model; a message (one per value
+    and receiving stage) costs latency, bytes over the measured bandwidth and its
+    measured CPU at both ends. 1F1B has the same bubble (it saves memory, not time), so
+    both schedules get this prediction."""
     import numpy as np
     import torch
 
@@ -506,13 +508,91 @@ def predict_pipeline(
     per_stage = {d: float(seconds[(placement == d) & (phase != "update")].sum()) for d in stages}
     update = max(float(seconds[(placement == d) & (phase == "update")].sum()) for d in stages)
     arrays = graph.arrays()
-    crossing = placement[arrays.edge_src] != placement[arrays.edge_dst]
+    src, dst = placement[arrays.edge_src], placement[arrays.edge_dst]
+    # one message per value and receiving stage: a tensor two ops of the next stage read
+    # (an activation and, for the weight gradient, the same activation) is sent once
+    sent: dict[tuple[int, int], float] = {}
+    for j in np.flatnonzero(src != dst).tolist():
+        sent[(int(arrays.edge_src[j]), int(dst[j]))] = float(arrays.edge_bytes[j])
     bandwidth, latency = float(cal.link["bandwidth"]), float(cal.link["latency"])
     fixed = float(cal.messages.get("send_s", 0.0)) + float(cal.messages.get("recv_s", 0.0))
-    messages = float(np.sum(latency + arrays.edge_bytes[crossing] / bandwidth + fixed))
-    beat = max(per_stage.values()) + messages
+    messages = sum(latency + nbytes / bandwidth + fixed for nbytes in sent.values())
+    beat = max(per_stage.values()) + messages + engine_s
     predicted = (micro_batches + len(stages) - 1) * beat + update
-    return predicted, {"beat_s": beat, "messages_s": messages, "update_s": update}
+    return predicted, {
+        "beat_s": beat,
+        "messages_s": messages,
+        "messages": len(sent),
+        "engine_s": engine_s,
+        "update_s": update,
+    }
+
+
+def pipeline_engine_overhead(source: str, micro_batches: int, reps: int = 20) -> float:
+    """What ``torch.distributed.pipelining`` adds per micro-batch, measured in this
+    process: the whole model as one stage (split and compiled as the runtime does,
+    ``run_stage_compiled``) under ``Schedule1F1B`` on a gloo world of one, against the
+    same chunks' forward and backward in eager PyTorch (one thread), the difference per
+    micro-batch. The schedule's bookkeeping, the stage's input and output handling and the
+    generated code's calls are in it; messages are not (a world of one sends none)."""
+    import tempfile
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.pipelining import Schedule1F1B, pipeline
+
+    from meshplace.graph.capture import as_loss
+    from meshplace.graph.sources import build_from_seed
+    from meshplace.runtime.pipelined import InputsEnterFirst, run_stage_compiled
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    model, args, kwargs = build_from_seed(source)
+
+    def chunks(k: int) -> tuple[list, dict]:
+        def cut(x: Any) -> Any:
+            return x.chunk(micro_batches)[k] if isinstance(x, torch.Tensor) else x
+
+        return [cut(a) for a in args], {n: cut(v) for n, v in kwargs.items()}
+
+    def eager() -> None:
+        for k in range(micro_batches):
+            a, kw = chunks(k)
+            loss, _how = as_loss(model(*a, **kw))
+            (loss / micro_batches).backward()
+        model.zero_grad(set_to_none=True)
+
+    try:
+        with tempfile.TemporaryDirectory() as folder:
+            store = dist.FileStore(str(Path(folder) / "store"), 1)
+            dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+            try:
+                a, kw = chunks(0)
+                pipe = pipeline(InputsEnterFirst(model), mb_args=tuple(a), mb_kwargs=kw)
+                stage = pipe.build_stage(0, torch.device("cpu"))
+                run_stage_compiled(stage.submod)
+                runner = Schedule1F1B(
+                    stage, n_microbatches=micro_batches, loss_fn=lambda out, _t: out.sum()
+                )
+                target = torch.zeros(micro_batches)
+
+                def piped() -> None:
+                    runner.step(*args, target=target, losses=[], **kwargs)
+                    stage.submod.zero_grad(set_to_none=True)
+
+                differences = []
+                for i in range(reps + 2):  # interleaved, the first two untimed
+                    start = time.perf_counter()
+                    piped()
+                    middle = time.perf_counter()
+                    eager()
+                    if i >= 2:
+                        differences.append((middle - start) - (time.perf_counter() - middle))
+            finally:
+                dist.destroy_process_group()
+    finally:
+        torch.set_num_threads(threads)
+    return max(0.0, statistics.median(differences) / micro_batches)
 
 
 def run_pipelined_model(source: str, steps: int, warmup: int, passes: int) -> dict:
@@ -542,7 +622,13 @@ def run_pipelined_model(source: str, steps: int, warmup: int, passes: int) -> di
         meta={"placer": "pipeline"},
     )
     variants = [(m, sched) for m in (2, 4, 8) for sched in ("1F1B", "GPipe")]
-    predictions = {m: predict_pipeline(source, plan, cal, m) for m in (2, 4, 8)}
+    engine = {m: pipeline_engine_overhead(source, m) for m in (2, 4, 8)}
+    print(
+        "  pipelining engine per micro-batch: "
+        + ", ".join(f"{m}: {1e3 * e:.2f} ms" for m, e in engine.items()),
+        file=sys.stderr,
+    )
+    predictions = {m: predict_pipeline(source, plan, cal, m, engine[m]) for m in (2, 4, 8)}
     timed: dict[tuple, list[float]] = {v: [] for v in variants}
     per_pass: dict[tuple, list[float]] = {v: [] for v in variants}
     for _ in range(passes):
@@ -574,6 +660,7 @@ def run_pipelined_model(source: str, steps: int, warmup: int, passes: int) -> di
         "stages": sorted(set(plan.placement.values())),
         "link": {"bandwidth": cal.link["bandwidth"], "latency": cal.link["latency"]},
         "calibration": cal.cost_calibration().model_dump(mode="json"),
+        "engine_per_micro_batch_s": engine,
         "placements": rows,
         **_summary(rows),
     }

@@ -250,6 +250,7 @@ def run_sharding_plan(args: argparse.Namespace, plan: dict[str, Any]) -> int:
     """``meshplace run --plan SHARDING_PLAN``: start torchrun with one process per mesh
     device on this host, each running :mod:`meshplace.runtime.launch`; its exit status.
     Every check that needs no process is made first (one sentence, exit 2)."""
+    from meshplace.runtime.hybrid_plan import check_hybrid_plan, is_hybrid
     from meshplace.runtime.launch import model_source, read_plan
 
     read_plan(args.plan)  # what is wrong with the file, before any process starts
@@ -269,6 +270,8 @@ def run_sharding_plan(args: argparse.Namespace, plan: dict[str, Any]) -> int:
         raise InputError(f"--checkpoint-dir {checkpoint_dir!r} is a file")
     source = model_source(plan, args.graph)
     nproc = math.prod(int(s) for s in plan["mesh"]["shape"])
+    if is_hybrid(plan):  # what every rank would refuse, refused before any starts
+        check_hybrid_plan(plan, nproc, getattr(args, "memory_budget", None))
     extra = ["--model", source]
     for flag, value in (
         ("--memory-budget", getattr(args, "memory_budget", None)),

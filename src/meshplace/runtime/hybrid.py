@@ -21,7 +21,9 @@ at one global micro-batch: ``dp x micro_batch`` sequences) cuts it at the first 
 every later stage, and the rank keeps only its stage. The stage's parameters become
 DTensors with the plan's placements over the stage mesh
 (:func:`meshplace.runtime.sharded.apply_sharding_plan`'s rules, ZeRO through
-:class:`meshplace.runtime.launch.WeightUpdateSharding`). The first stage reads its rows of
+:class:`meshplace.runtime.launch.WeightUpdateSharding`); a stage on one device (no data or
+tensor parallelism) keeps plain tensors (:class:`PlainStageUpdate`), as DTensor's dispatch
+would only cost time there. The first stage reads its rows of
 each micro-batch as a DTensor split over ``data`` (:class:`StageOnMesh`); activations
 cross stages as DTensors (the pipelining stage sends each rank's local block to the rank
 of the same ``(data, tensor)`` coordinate in the next stage, torch 2.13's DTensor
@@ -43,7 +45,6 @@ Example (4 ranks: 2 stages x 2 replicas)::
 
 from __future__ import annotations
 
-import itertools
 import operator
 import time
 from collections.abc import Mapping, Sequence
@@ -54,93 +55,11 @@ from typing import Any
 import torch
 
 from meshplace.errors import InputError
-
-#: The schedules a hybrid plan names and the torch schedule classes that run them.
-HYBRID_RUNTIME_SCHEDULES = {
-    "1f1b": "Schedule1F1B",
-    "gpipe": "ScheduleGPipe",
-    "interleaved": "ScheduleInterleaved1F1B",
-}
-
-
-def is_hybrid(plan: Mapping[str, Any]) -> bool:
-    """Whether a ``meshplace.parallel_plan`` is a hybrid plan (it has pipeline stages)."""
-    return bool(plan.get("stages")) and "pipeline" in plan
-
-
-def stage_splits(plan: Mapping[str, Any]) -> list[str]:
-    """The module path where each (virtual) stage after the first begins, in pipeline
-    order: the first layer of its range in the plan's layer stack (``layers.4``). Under
-    the interleaved schedule a device's ``chunks`` are its virtual stages ``i, i + pp,
-    ...``. One sentence when the plan is cut between units (a model without one stack of
-    identical layers), names no stack, or its ranges do not cover the stack in order.
-
-    >>> stage_splits({"graph": {"layer_container": "layers"},
-    ...               "stages": [{"layers": [0, 2]}, {"layers": [2, 4]}]})
-    ['layers.2']
-    >>> stage_splits({"graph": {"layer_container": "h"},
-    ...               "stages": [{"layers": [0, 1], "chunks": [[0, 1], [2, 3]]},
-    ...                          {"layers": [1, 2], "chunks": [[1, 2], [3, 4]]}]})
-    ['h.1', 'h.2', 'h.3']
-    """
-    container = (plan.get("graph") or {}).get("layer_container")
-    stages = plan["stages"]
-    if any("units" in s for s in stages) or not container:
-        raise InputError(
-            "the plan is cut between the units of a model without one stack of identical "
-            "layers; the torchrun runtime runs hybrid plans of a layer stack only"
-        )
-    pp = len(stages)
-    owned = [
-        (int(r[0]), int(r[1]), i)
-        for i, s in enumerate(stages)
-        for r in s.get("chunks") or [s["layers"]]
-    ]
-    runs = sorted(owned)
-    chained = all(a[1] == b[0] for a, b in itertools.pairwise(runs))
-    round_robin = all(device == k % pp for k, (_, _, device) in enumerate(runs))
-    if runs[0][0] != 0 or not chained or not round_robin:
-        raise InputError("the plan's stages do not cover the layer stack in order")
-    return [f"{container}.{first}" for first, _, _ in runs[1:]]
-
-
-def check_hybrid_memory_budget(plan: Mapping[str, Any], budget: int) -> None:
-    """Refuse a hybrid plan in which a rank would hold more than ``budget`` bytes of
-    parameters and optimizer state between steps (its stage's ``held_bytes``).
-
-    >>> check_hybrid_memory_budget({"stages": [{"held_bytes": {"parameters": 4,
-    ...     "optimizer_state": 8}}]}, 12)
-    """
-    for k, stage in enumerate(plan["stages"]):
-        held = stage.get("held_bytes") or {}
-        total = int(float(held.get("parameters", 0)) + float(held.get("optimizer_state", 0)))
-        if total > budget:
-            raise InputError(
-                f"a rank of stage {k} would hold {total:,} bytes of parameters and optimizer "
-                f"state under this plan, over --memory-budget {budget:,}"
-            )
-
-
-def check_hybrid_world(plan: Mapping[str, Any], world_size: int) -> None:
-    """One sentence unless torchrun started ``pp * dp * tp`` processes."""
-    pp, dp, tp = (int(x) for x in plan["mesh"]["shape"])
-    if pp * dp * tp != world_size:
-        raise InputError(
-            f"the plan is {pp} stages x {dp} data x {tp} tensor = {pp * dp * tp} devices; "
-            f"torchrun started {world_size} processes (--nproc-per-node x --nnodes)"
-        )
-    schedule = plan["pipeline"]["schedule"]
-    if schedule not in HYBRID_RUNTIME_SCHEDULES:
-        raise InputError(
-            f"the plan's schedule {schedule!r} is not one the torchrun runtime runs; "
-            f"choose one of {', '.join(HYBRID_RUNTIME_SCHEDULES)}"
-        )
-    chunked = any(s.get("chunks") for s in plan["stages"])
-    if (schedule == "interleaved") != chunked:
-        raise InputError(
-            "the plan's interleaved schedule needs each stage's layer chunks (`chunks`, "
-            "written by meshplace shard --pipeline auto --out), and only it has them"
-        )
+from meshplace.runtime.hybrid_plan import (
+    HYBRID_RUNTIME_SCHEDULES,
+    held_bytes,
+    stage_splits,
+)
 
 
 def check_global_batch(inputs: Sequence[Any], global_batch: int, source: str) -> None:
@@ -281,8 +200,10 @@ class StageOnMesh(torch.nn.Module):
         # stages; only the first takes them (later ones get theirs along the route)
         given = [*args, *kwargs.values()] if self.first else list(args)
         values = dict(zip(self.route.receives, given, strict=True))
-        if self.first:  # this rank's rows of the model's inputs
-            split = [Shard(0), Replicate()]
+        if self.first and self.mesh.size() > 1:  # this rank's rows of the model's inputs
+            # (no data parallelism: replicated; export may have specialised a batch of
+            # one, and DTensor will not reshape a dimension it thinks is split)
+            split = [Shard(0) if self.mesh.size(0) > 1 else Replicate(), Replicate()]
             for name, a in values.items():
                 if isinstance(a, torch.Tensor) and not isinstance(a, DTensor):
                     values[name] = DTensor.from_local(a, self.mesh, split, run_check=False)
@@ -418,6 +339,17 @@ def run_hybrid_plan(
 
     model, args, kwargs = build_from_seed(source)  # the same on every rank
     check_global_batch((*args, *kwargs.values()), global_batch, source)
+    # checked on every rank, before any stage's rank could go on without the others
+    names = {n for n, _ in model.named_parameters()}
+    missing = sorted(names - set(plan["parameters"]))
+    extra = sorted(set(plan["parameters"]) - names)
+    if missing or extra:
+        which = (
+            f"the model's {missing[0]!r} is not in it"
+            if missing
+            else (f"{extra[0]!r} is not a parameter of the model")
+        )
+        raise InputError(f"the plan does not match the model: {which}")
     if any(p.is_meta for p in model.parameters()):
         raise InputError(
             f"{source} builds its model on the meta device; a hybrid plan's stages are cut "
@@ -445,7 +377,7 @@ def run_hybrid_plan(
     spec = plan["stages"][pipe_index]
     runs = spec.get("chunks") or [spec["layers"]]
     weight_updates = []
-    recomputed = 0
+    recomputed = not_recomputed = 0
     stages = []
 
     def get_mesh(names: tuple[str, ...], _layout: Any) -> Any:
@@ -458,7 +390,11 @@ def run_hybrid_plan(
         weight_updates.append(weight_update)
         if spec.get("recompute", "none") == "full":
             layers = range(int(first), int(end))
-            recomputed += recompute_layers(module, plan["graph"]["layer_container"], layers)
+            found = recompute_layers(module, plan["graph"]["layer_container"], layers)
+            # (a note, not a refusal: this stage's ranks alone would refuse, and the
+            # others would wait for them in the schedule)
+            not_recomputed += len(layers) - found
+            recomputed += found
         last = s == pp * virtual - 1
         wrapped = StageOnMesh(module, stage_mesh, weight_update, routes[s], s == 0, last)
         stages.append(
@@ -577,9 +513,33 @@ def run_hybrid_plan(
         "buffers": sum(local_nbytes(b) for m in modules for b in m.buffers()),
         "peak_bytes": peak_bytes(device_type),
         "recomputed_layers": recomputed,
+        "layers_not_recomputed": not_recomputed,
         "schedule": schedule_name,
         "uneven": [n for update in weight_updates for n in update.uneven],
     }
+
+
+class PlainStageUpdate:
+    """:class:`~meshplace.runtime.launch.WeightUpdateSharding`'s interface for a stage on
+    one device: plain tensors, the module's own forward, the optimizer on its
+    parameters."""
+
+    def __init__(self) -> None:
+        self.uneven: list[str] = []
+
+    def forward(self, model: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
+        return model(*args, **kwargs)
+
+    def optimizer_parameters(self, model: Any) -> list[Any]:
+        return list(model.parameters())
+
+    def gradients_placed(self, model: Any) -> int:
+        """This rank's gradient bytes (nothing to place)."""
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        return sum(g.numel() * g.element_size() for g in grads)
+
+    def after_step(self) -> None:
+        return None
 
 
 def place_stage_parameters(module: torch.nn.Module, plan: Mapping[str, Any], mesh: Any) -> Any:
@@ -595,6 +555,10 @@ def place_stage_parameters(module: torch.nn.Module, plan: Mapping[str, Any], mes
     unplanned = [n for n in names if n not in plan["parameters"]]
     if unplanned:
         raise InputError(f"the plan does not match the model: {unplanned[0]!r} is not in it")
+    if mesh.size() == 1:
+        # a stage on one device: nothing to place or shard, and DTensor's dispatch would
+        # only cost time (about 25 us an op here)
+        return PlainStageUpdate()
     stage_plan = {
         "format": plan["format"],
         "parameters": {f"model.{n}": plan["parameters"][n] for n in names},
@@ -635,6 +599,13 @@ def summarise_hybrid(
             "layers recomputed in the backward (torch.utils.checkpoint): "
             + ", ".join(f"stage {k}: {n}" for k, n in sorted(recomputed.items()))
         )
+    missed = {r["stage"]: r["layers_not_recomputed"] for r in per_rank}
+    if any(missed.values()):
+        notes.append(
+            "layers the plan recomputes that torch's pipelining stage does not hold as "
+            "modules, so they kept their activations (the memory prediction assumed "
+            "otherwise): " + ", ".join(f"stage {k}: {n}" for k, n in sorted(missed.items()) if n)
+        )
     uneven = per_rank[0].get("uneven", [])
     if uneven:
         notes.append(
@@ -673,14 +644,3 @@ def summarise_hybrid(
         "peak_kind": peak_kind(device),
         "notes": notes,
     }
-
-
-def held_bytes(stage: Mapping[str, Any], kind: str) -> int | None:
-    """A stage's predicted per-device bytes of ``kind`` (``parameters``, ``gradients``,
-    ``optimizer_state``) as a whole number, or None for a plan that does not say.
-
-    >>> held_bytes({"held_bytes": {"parameters": 512.0}}, "parameters")
-    512
-    """
-    value = (stage.get("held_bytes") or {}).get(kind)
-    return None if value is None else round(float(value))

@@ -571,13 +571,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m meshplace.runtime`` on every torchrun rank."""
     args = build_parser().parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
-    from meshplace.runtime.hybrid import (
-        check_hybrid_memory_budget,
-        check_hybrid_world,
-        is_hybrid,
-        stage_splits,
-        summarise_hybrid,
-    )
+    from meshplace.runtime.hybrid_plan import check_hybrid_plan, is_hybrid
 
     try:
         if args.warmup >= args.steps:
@@ -629,10 +623,7 @@ def main(argv: list[str] | None = None) -> int:
             raise InputError("run it under torchrun (WORLD_SIZE is not set)")
         hybrid = not placement and is_hybrid(plan)
         if hybrid:
-            stage_splits(plan)
-            check_hybrid_world(plan, int(os.environ["WORLD_SIZE"]))
-            if args.memory_budget is not None:
-                check_hybrid_memory_budget(plan, args.memory_budget)
+            check_hybrid_plan(plan, int(os.environ["WORLD_SIZE"]), args.memory_budget)
         elif not placement:
             check_world(plan, int(os.environ["WORLD_SIZE"]))
     except InputError as exc:
@@ -730,6 +721,8 @@ def main(argv: list[str] | None = None) -> int:
                 device=device_type,
             )
         elif hybrid:
+            from meshplace.runtime.hybrid import summarise_hybrid
+
             report = summarise_hybrid(
                 plan, per_rank, source=source, warmup=args.warmup, device=device_type
             )
