@@ -5,7 +5,8 @@ Source: Narayanan et al., "Efficient Large-Scale Language Model Training on GPU 
 Using Megatron-LM" (SC 2021; pipeline x tensor x data parallelism), as torchtitan composes
 PyTorch's own pieces: a ``DeviceMesh`` of axes ``(pipe, data, tensor)``, DTensor parameters
 on each stage's ``(data, tensor)`` sub-mesh, ``torch.distributed.pipelining`` stages and
-schedules (``PipelineStage``, ``ScheduleGPipe``, ``Schedule1F1B``), activation
+schedules (``PipelineStage``, ``ScheduleGPipe``, ``Schedule1F1B``,
+``ScheduleInterleaved1F1B`` with several virtual stages per rank), activation
 checkpointing (``torch.utils.checkpoint``, Chen et al. 2016) per layer where the plan
 recomputes.
 
