@@ -370,28 +370,37 @@ def _short_name(source: str) -> str:
     return f"{Path(path).stem}:{function}"
 
 
-def run_sharded_model(source: str, steps: int, warmup: int, passes: int) -> dict:
-    """Sharding plans of ``source`` on the 2 calibrated workers: measured under torchrun
-    vs predicted by the calibrated cost model (module doc)."""
-    import json
-
+def dtensor_workers(source: str) -> tuple[Any, Any, Any, dict[str, Any], Any, Any]:
+    """The machine calibrated on ``source`` as ``meshplace run`` does, its 2 workers as a
+    mesh (:func:`mesh_of_workers`), and the calibrated cost model of the DTensor engine:
+    the runtime dispatches every op through DTensor, so its measured per-op cost
+    (:func:`dtensor_dispatch_overhead`) joins the fitted launch overhead. Returns
+    ``(traced step, calibration, cluster, dispatch measurement, engine calibration, cost
+    model)``."""
     from meshplace.cost.calibration import calibrated_cost_model
-    from meshplace.parallel.grid import megatron_grid
-    from meshplace.parallel.search import shard_graph
     from meshplace.profile.calibrate import calibrate
     from meshplace.runtime.program import ModelSpec, trace_step
 
     step = trace_step(ModelSpec(source))
     cal = calibrate(step)
     cluster = mesh_of_workers(cal)
-    # the runtime dispatches every op through DTensor: its measured per-op cost joins the
-    # fitted launch overhead (the calibration of this engine; the ablation below drops it)
     dispatch = dtensor_dispatch_overhead(source)
     fitted = cal.cost_calibration()
     engine = fitted.model_copy(
         update={"launch_overhead_s": fitted.launch_overhead_s + dispatch["per_op_s"]}
     )
-    cost_model = calibrated_cost_model(engine, cluster)
+    return step, cal, cluster, dispatch, engine, calibrated_cost_model(engine, cluster)
+
+
+def run_sharded_model(source: str, steps: int, warmup: int, passes: int) -> dict:
+    """Sharding plans of ``source`` on the 2 calibrated workers: measured under torchrun
+    vs predicted by the calibrated cost model (module doc)."""
+    import json
+
+    from meshplace.parallel.grid import megatron_grid
+    from meshplace.parallel.search import shard_graph
+
+    step, cal, cluster, dispatch, engine, cost_model = dtensor_workers(source)
     print(
         f"  DTensor dispatch: {dispatch['per_op_s'] * 1e6:.1f} us per op (a step of "
         f"{dispatch['ops']} ops: {dispatch['plain_step_s'] * 1e3:.2f} ms plain, "
@@ -760,22 +769,11 @@ def run_hybrid_model(source: str, steps: int, warmup: int, passes: int) -> dict:
     model's own; every distinct configuration it scored (data, tensor or pipeline
     parallelism, micro-batch size and count; 1F1B, the lowest ZeRO stage of each) runs
     under torchrun (``meshplace.runtime.hybrid``) against the search's own prediction."""
-    from meshplace.cost.calibration import calibrated_cost_model
     from meshplace.graph.sources import build_from_seed, graph_source
     from meshplace.parallel.cli import hybrid_plan_file
     from meshplace.parallel.hybrid import hybrid_search
-    from meshplace.profile.calibrate import calibrate
-    from meshplace.runtime.program import ModelSpec, trace_step
 
-    step = trace_step(ModelSpec(source))
-    cal = calibrate(step)
-    cluster = mesh_of_workers(cal)
-    dispatch = dtensor_dispatch_overhead(source)
-    fitted = cal.cost_calibration()
-    engine = fitted.model_copy(
-        update={"launch_overhead_s": fitted.launch_overhead_s + dispatch["per_op_s"]}
-    )
-    cost_model = calibrated_cost_model(engine, cluster)
+    step, cal, cluster, dispatch, engine, cost_model = dtensor_workers(source)
     _, args, _ = build_from_seed(source)
     batch = int(args[0].shape[0])
     result = hybrid_search(

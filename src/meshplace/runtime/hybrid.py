@@ -321,6 +321,7 @@ def run_hybrid_plan(
     )
     from meshplace.runtime.sharded import (
         local_nbytes,
+        optimizer_state_bytes,
         peak_bytes,
         rank_device,
         sharded_step,
@@ -482,12 +483,7 @@ def run_hybrid_plan(
             losses.append(float(torch.stack([v.detach().reshape(()) for v in values]).mean()))
         else:
             losses.append(None)
-    state_bytes = sum(
-        local_nbytes(v)
-        for s in optimizer.state.values()
-        for v in s.values()
-        if isinstance(v, torch.Tensor) and v.dim() > 0  # Adam's step counter is a scalar
-    )
+    state_bytes = optimizer_state_bytes(optimizer)
     if checkpoint_dir is not None:
         whole = {
             name.removeprefix("model."): (p.full_tensor() if hasattr(p, "full_tensor") else p)

@@ -394,6 +394,7 @@ def run_sharded_plan(
         distribute_inputs,
         local_nbytes,
         materialize_meta_buffers,
+        optimizer_state_bytes,
         peak_bytes,
         rank_device,
         sharded_step,
@@ -465,12 +466,7 @@ def run_sharded_plan(
         times.append(time.perf_counter() - start)
         value = loss.detach()
         losses.append(float(value.full_tensor() if hasattr(value, "full_tensor") else value))
-    state_bytes = sum(
-        local_nbytes(v)
-        for s in optimizer.state.values()
-        for v in s.values()
-        if isinstance(v, torch.Tensor) and v.dim() > 0  # Adam's step counter is a scalar
-    )
+    state_bytes = optimizer_state_bytes(optimizer)
     peak = peak_bytes(device_type)
     if checkpoint_dir is not None:
         whole = {

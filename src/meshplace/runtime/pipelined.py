@@ -292,7 +292,7 @@ def run_pipelined_plan(
     from meshplace.graph.capture import capture
     from meshplace.graph.sources import build_from_seed
     from meshplace.runtime.placed import share_bytes
-    from meshplace.runtime.sharded import peak_bytes, rank_device
+    from meshplace.runtime.sharded import optimizer_state_bytes, peak_bytes, rank_device
 
     if schedule not in SCHEDULES:
         raise InputError(f"--schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}")
@@ -347,12 +347,7 @@ def run_pipelined_plan(
     # parameters and buffers, as the OpGraph's param_bytes counts them
     held = [*stage.submod.parameters(), *stage.submod.buffers()]
     params = sum(t.numel() * t.element_size() for t in held)
-    state = sum(
-        v.numel() * v.element_size()
-        for s in optimizer.state.values()
-        for v in s.values()
-        if isinstance(v, torch.Tensor) and v.dim() > 0  # Adam's step counter is a scalar
-    )
+    state = optimizer_state_bytes(optimizer)
     predicted = share_bytes(graph, [devices.index(d) for d in names], rank)
     peak = peak_bytes(device_type)
     if checkpoint_dir is not None:

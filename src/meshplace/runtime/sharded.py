@@ -272,6 +272,17 @@ def local_nbytes(t: torch.Tensor) -> int:
     return local.numel() * local.element_size()
 
 
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of this rank's blocks of ``optimizer``'s state tensors (Adam's moments; its
+    step counter, a scalar, is not counted, as the plans' memory models do not)."""
+    return sum(
+        local_nbytes(v)
+        for s in optimizer.state.values()
+        for v in s.values()
+        if isinstance(v, torch.Tensor) and v.dim() > 0
+    )
+
+
 def local_parameter_bytes(model: torch.nn.Module) -> dict[str, int]:
     """Bytes of this rank's block of every parameter (a DTensor's local shard)."""
     return {name: local_nbytes(p) for name, p in model.named_parameters()}
