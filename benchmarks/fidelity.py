@@ -239,13 +239,18 @@ def mesh_of_workers(cal: Any, workers: int = 2) -> Any:
     )
 
 
-def dtensor_dispatch_overhead(source: str, reps: int = 8) -> dict[str, Any]:
+def dtensor_dispatch_overhead(source: str, reps: int = 20) -> dict[str, Any]:
     """What running a step under DTensor adds per op, measured in this process: the same
     eager step (forward, backward, foreach Adam; one thread) with plain tensors and with
     every parameter and input a replicated DTensor on a 1-rank mesh (gloo,
     ``sharded_step``), the difference divided by the captured graph's compute ops. The
     sharded runtime pays this on every op; the roofline's launch overhead, fitted to the
-    traced step's aten ops, does not contain it."""
+    traced step's aten ops, does not contain it. It depends on the op (a view or an
+    attention propagates more placements than a GELU: 9 us per op on a stack of tiny
+    linear layers, 25 on the Llama example; Adam's foreach calls cover many update ops
+    each), so it is measured on the model's own step, run on the first two rows of its
+    inputs, where less arithmetic noise swamps the difference (on the fidelity MLP at
+    batch 64 it came out anywhere in 0-108 us per op over runs)."""
     import contextlib
     import tempfile
 
@@ -255,13 +260,16 @@ def dtensor_dispatch_overhead(source: str, reps: int = 8) -> dict[str, Any]:
     from torch.distributed.tensor import Replicate, distribute_tensor
 
     from meshplace.graph.capture import as_loss, capture
-    from meshplace.graph.sources import load_build_function
+    from meshplace.graph.sources import first_rows, load_build_function
     from meshplace.runtime.sharded import sharded_step
 
     def build() -> tuple[Any, tuple, dict]:
         torch.manual_seed(0)
         built = load_build_function(source)()
-        return built[0], tuple(built[1]), dict(built[2]) if len(built) > 2 else {}
+        args, kwargs = tuple(built[1]), dict(built[2]) if len(built) > 2 else {}
+        batch = int(args[0].shape[0])
+        args, kwargs = first_rows(args, kwargs, 2 if batch % 2 == 0 else 1, source)
+        return built[0], args, kwargs
 
     def median_step(model: Any, args: tuple, kwargs: dict, context: Any) -> float:
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=True)
@@ -371,25 +379,44 @@ def _short_name(source: str) -> str:
 
 
 def dtensor_workers(source: str) -> tuple[Any, Any, Any, dict[str, Any], Any, Any]:
-    """The machine calibrated on ``source`` as ``meshplace run`` does, its 2 workers as a
-    mesh (:func:`mesh_of_workers`), and the calibrated cost model of the DTensor engine:
-    the runtime dispatches every op through DTensor, so its measured per-op cost
-    (:func:`dtensor_dispatch_overhead`) joins the fitted launch overhead. Returns
-    ``(traced step, calibration, cluster, dispatch measurement, engine calibration, cost
-    model)``."""
-    from meshplace.cost.calibration import calibrated_cost_model
+    """The machine calibrated on ``source`` as ``meshplace run --calibration-out`` does
+    (the fit, and gloo's collectives among the 2 ranks, ``measure_collectives``), its 2
+    workers as a mesh (:func:`mesh_of_workers`), and the calibrated cost model of the
+    DTensor engine: the runtime dispatches every op through DTensor, so its measured
+    per-op cost (:func:`dtensor_dispatch_overhead`) is the engine's dispatch overhead,
+    added to every op's time, measured or roofline.
+    Returns ``(traced step, calibration, cluster, dispatch measurement, engine
+    calibration, cost model)``."""
+    from meshplace.cost.calibration import calibrated_cost_model, with_collectives
     from meshplace.profile.calibrate import calibrate
+    from meshplace.profile.link import measure_collectives
     from meshplace.runtime.program import ModelSpec, trace_step
 
     step = trace_step(ModelSpec(source))
     cal = calibrate(step)
     cluster = mesh_of_workers(cal)
     dispatch = dtensor_dispatch_overhead(source)
-    fitted = cal.cost_calibration()
-    engine = fitted.model_copy(
-        update={"launch_overhead_s": fitted.launch_overhead_s + dispatch["per_op_s"]}
+    collectives = measure_collectives(world_size=2, engine="dtensor")
+    print(
+        "  collectives as DTensor runs them on 2 gloo ranks (ring formula fitted): "
+        + "; ".join(
+            f"{kind} {f['latency_s'] * 1e6:.0f} us, {f['bandwidth'] / 1e9:.2f} GB/s"
+            for kind, f in collectives["fits"].items()
+        )
+        + f" (link: {cal.link['latency'] * 1e6:.0f} us, {cal.link['bandwidth'] / 1e9:.2f} GB/s)",
+        file=sys.stderr,
     )
+    fitted = with_collectives(cal.cost_calibration(), collectives)
+    engine = fitted.model_copy(update={"dispatch_overhead_s": dispatch["per_op_s"]})
     return step, cal, cluster, dispatch, engine, calibrated_cost_model(engine, cluster)
+
+
+def links_only(engine: Any, cluster: Any) -> Any:
+    """The ablation of the measured collectives: ``engine``'s cost model with collectives
+    costed by the ring formula on the calibrated link's latency and bandwidth."""
+    from meshplace.cost.calibration import calibrated_cost_model
+
+    return calibrated_cost_model(engine.model_copy(update={"collectives": {}}), cluster)
 
 
 def run_sharded_model(source: str, steps: int, warmup: int, passes: int) -> dict:
@@ -409,23 +436,24 @@ def run_sharded_model(source: str, steps: int, warmup: int, passes: int) -> dict
     )
 
     # The runtime runs every collective in the step's critical path (DTensor's
-    # redistributions and the ZeRO gathers are synchronous): the headline predictions
-    # count them in full (overlap=False); the plans' own overlapped estimate (what a
-    # runtime with communication streams would reach) is the ablation column.
-    def search(overlap: bool) -> list[tuple[str, Any]]:
-        best = shard_graph(step.graph, cluster, chips=2, cost_model=cost_model, overlap=overlap)
-        grid = megatron_grid(step.graph, cluster, chips=2, cost_model=cost_model, overlap=overlap)
+    # redistributions and the ZeRO gathers are synchronous): the predictions count them in
+    # full (overlap=False). The ablation column scores the same plans with collectives on
+    # the link's latency and bandwidth instead of gloo's measured ones.
+    def search(model: Any) -> list[tuple[str, Any]]:
+        best = shard_graph(step.graph, cluster, chips=2, cost_model=model, overlap=False)
+        grid = megatron_grid(step.graph, cluster, chips=2, cost_model=model, overlap=False)
         return [("solver", best.best)] + [(p.label, p.plan) for p in grid.points if p.fits]
 
     def key(document: dict) -> str:
         return json.dumps([document["parameters"], document["inputs"]], sort_keys=True)
 
-    overlapped = {
-        key(plan.plan_file(source, cluster.name)): plan.step_time_s for _, plan in search(True)
+    on_links = {
+        key(plan.plan_file(source, cluster.name)): plan.step_time_s
+        for _, plan in search(links_only(engine, cluster))
     }
     plans: list[tuple[str, dict, float]] = []
     seen: dict[str, str] = {}
-    for label, plan in search(False):
+    for label, plan in search(cost_model):
         document = plan.plan_file(source, cluster.name)
         if key(document) in seen:
             print(f"  {label}: same plan as {seen[key(document)]}", file=sys.stderr)
@@ -448,7 +476,7 @@ def run_sharded_model(source: str, steps: int, warmup: int, passes: int) -> dict
         if not timed[label]:
             continue
         measured = statistics.median(timed[label])
-        ablation = overlapped.get(key(document))  # the plan's overlapped estimate, if found
+        ablation = on_links.get(key(document))  # the plan scored on the links, if found
         rows.append(
             _compare(
                 label,
@@ -776,22 +804,31 @@ def run_hybrid_model(source: str, steps: int, warmup: int, passes: int) -> dict:
     step, cal, cluster, dispatch, engine, cost_model = dtensor_workers(source)
     _, args, _ = build_from_seed(source)
     batch = int(args[0].shape[0])
-    result = hybrid_search(
-        source,
-        None,
-        cluster,
-        global_batch=batch,
-        chips=2,
-        cost_model=cost_model,
-        autocast=None,  # the runtime trains in float32
-        schedules=("1f1b",),
-        simulate_top=1000,
-        graphs=lambda b: graph_source(source, batch=b, training=True).graph,
-    )
+
+    def search(model: Any) -> Any:
+        return hybrid_search(
+            source,
+            None,
+            cluster,
+            global_batch=batch,
+            chips=2,
+            cost_model=model,
+            autocast=None,  # the runtime trains in float32
+            schedules=("1f1b",),
+            simulate_top=1000,
+            graphs=lambda b: graph_source(source, batch=b, training=True).graph,
+        )
+
+    def label_of(plan: Any) -> str:
+        c = plan.config
+        return f"dp{c.dp} tp{c.tp} pp{c.pp} mb{c.micro_batch}x{c.micro_batches} zero{c.zero}"
+
+    result = search(cost_model)
+    # the ablation: the same configurations scored with collectives on the link's figures
+    on_links = {label_of(p): p.time_per_batch_s for p in search(links_only(engine, cluster)).plans}
     plans: dict[str, Any] = {}
     for plan in sorted(result.plans, key=lambda p: p.config.zero):
-        c = plan.config
-        label = f"dp{c.dp} tp{c.tp} pp{c.pp} mb{c.micro_batch}x{c.micro_batches}"
+        label = label_of(plan).rsplit(" ", 1)[0]
         if plan.fits and label not in plans:
             plans[label] = plan
     timed: dict[str, list[float]] = {label: [] for label in plans}
@@ -806,17 +843,23 @@ def run_hybrid_model(source: str, steps: int, warmup: int, passes: int) -> dict:
                 continue
             timed[label] += times
             per_pass[label].append(statistics.median(times))
-    rows = [
-        _compare(
-            f"{label} zero{plan.config.zero}",
-            timed[label],
-            per_pass[label],
-            plan.time_per_batch_s,
-            bubble_fraction=plan.bubble_fraction,
+    rows = []
+    for label, plan in plans.items():
+        if not timed[label]:
+            continue
+        measured = statistics.median(timed[label])
+        ablation = on_links.get(label_of(plan))
+        rows.append(
+            _compare(
+                label_of(plan),
+                timed[label],
+                per_pass[label],
+                plan.time_per_batch_s,
+                bubble_fraction=plan.bubble_fraction,
+                predicted_micro_s=ablation,
+                error_micro=(ablation - measured) / measured if ablation is not None else None,
+            )
         )
-        for label, plan in plans.items()
-        if timed[label]
-    ]
     return {
         "model": _short_name(source),
         "ops": step.graph.num_ops,
@@ -929,9 +972,9 @@ def main(argv: list[str] | None = None) -> int:
 
     ablation = {
         "placed": "micro only: |err|",
-        "sharded": "overlapped: |err|",
+        "sharded": "links only: |err|",
         "pipelined": "exchange: |err|",
-        "hybrid": "(no ablation)",
+        "hybrid": "links only: |err|",
     }[args.family]
     print(
         f"\n{'model':26} {'plans':>5} {'median |err|':>13} {'tau':>6} {'pass spread':>12} "
@@ -949,15 +992,18 @@ def main(argv: list[str] | None = None) -> int:
         "pass spread: (max - min) / measured of a plan's per-pass medians, median over plans "
         "(the measurement's own noise); "
         + {
-            "sharded": "overlapped: the same plans' estimates with gradient reductions and "
-            "ZeRO gathers overlapping compute, which this runtime does not do (an ablation)",
+            "sharded": "links only: the same plans' predictions with collectives costed by the "
+            "ring formula on the link's latency and bandwidth instead of gloo's measured "
+            "collectives (an ablation)",
             "placed": "micro only: the same runs predicted with the micro-benchmarks' message "
             "costs, without calibrate_in_situ (an ablation)",
             "pipelined": "1F1B and GPipe share one prediction (the same bubble); exchange: "
             "the same predictions with a beat's messages as one exchange measured between "
             "two busy ranks instead of each message at its idle costs (an ablation)",
             "hybrid": "predictions are the joint search's own (its DP over stages and the "
-            "simulated schedule), on the calibrated workers",
+            "simulated schedule), on the calibrated workers; links only: the same "
+            "configurations scored with collectives on the link's latency and bandwidth (an "
+            "ablation)",
         }[args.family]
     )
     print(

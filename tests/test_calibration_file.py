@@ -14,6 +14,7 @@ from meshplace.cost.calibration import (
     calibrated_cost_model,
     load_calibration,
     save_calibration,
+    with_collectives,
 )
 from meshplace.cost.compute import DEFAULT_EFFICIENCY, CostModel
 from meshplace.graph.io import save_graph
@@ -156,3 +157,75 @@ def test_the_default_cost_model_is_unchanged_by_an_empty_calibration_kind() -> N
     plain = CostModel().op_times(graph, kinds)
     same = CostModel(device_efficiency={"other": {"matmul": (0.01, 0.01)}}).op_times(graph, kinds)
     assert all((plain[k] == same[k]).all() for k in kinds)
+
+
+def _slow_collectives(cal: CostCalibration) -> CostCalibration:
+    """``cal`` with collectives measured at 1 ms per ring step and 1 GB/s."""
+    fits = {k: {"latency_s": 1e-3, "bandwidth": 1e9} for k in ("all_reduce", "all_gather")}
+    return with_collectives(cal, {"fits": fits, "world_size": 2})
+
+
+def test_measured_collectives_cost_the_sharding_plans(tmp_path: Path, capsys) -> None:
+    """A calibration's measured collectives replace the cluster's links in the sharding
+    solver's costs (``Mesh.calibrated``): the data-parallel plan of the same graph pays
+    its collectives at the measured latency and bandwidth, so ``shard --calibration``
+    predicts a slower step."""
+    from meshplace.mesh.layout import build_mesh
+
+    base = _slow_matmuls("h100", "dgx-h100").model_copy(
+        update={"efficiency": {}, "launch_overhead_s": 5e-6}
+    )
+    slow = _slow_collectives(base)
+    save_calibration(base, tmp_path / "links.json")
+    save_calibration(slow, tmp_path / "slow.json")
+    assert load_calibration(tmp_path / "slow.json") == slow
+    cluster = load_cluster("dgx-h100")
+    mesh = build_mesh(cluster, (2,), chips=2)
+    calibrated = mesh.calibrated(calibrated_cost_model(slow, cluster))
+    # 2 (p - 1) (1 ms + n / (p x 1 GB/s)) for an all-reduce of n = 1 MB over 2 devices
+    assert calibrated.collective_time("all_reduce", 1e6, ["x"]) == pytest.approx(3e-3)
+    assert calibrated.collective_time("all_reduce", 1e6, ["x"]) > 100 * mesh.collective_time(
+        "all_reduce", 1e6, ["x"]
+    )
+    # kinds not measured keep the links' formula; a cost model without them, the mesh
+    assert calibrated.collective_time("reduce_scatter", 1e6, ["x"]) == mesh.collective_time(
+        "reduce_scatter", 1e6, ["x"]
+    )
+    assert mesh.calibrated(calibrated_cost_model(base, cluster)) is mesh
+    shard = ["shard", "dmcca", "--cluster", "dgx-h100", "--chips", "2", "--method", "graph"]
+    shard += ["--mesh", "2", "--json"]
+    code, out, err = _run(capsys, *shard, "--calibration", tmp_path / "links.json")
+    assert code == 0, err
+    on_links = json.loads(out)
+    code, out, err = _run(capsys, *shard, "--calibration", tmp_path / "slow.json")
+    assert code == 0, err
+    measured = json.loads(out)
+    # dearer collectives: a slower step, even with the plan the solver then prefers
+    # (less splitting, more compute per device)
+    assert measured["step_time_s"] > on_links["step_time_s"]
+
+
+def test_the_engine_dispatch_is_charged_on_measured_times_too() -> None:
+    """``dispatch_overhead`` (DTensor's per-op cost) is added to every kernel, whether its
+    time is the roofline's or measured, and to the launch the sharding solver keeps whole
+    when it splits an op."""
+    graph = workload_graph("dmcca")
+    cluster = load_cluster("colocrl-4gpu")
+    kinds = {d.kind: d.spec for d in cluster.devices}
+    kernel = [o.kind not in ("parameter", "buffer", "input") for o in graph.ops]
+    plain = CostModel().op_times(graph, kinds)["k80"]
+    cal = _slow_matmuls("k80", "colocrl-4gpu").model_copy(
+        update={"efficiency": {}, "dispatch_overhead_s": 2e-5}
+    )
+    engine = calibrated_cost_model(cal, cluster)
+    launch = CostModel(launch_overhead={"k80": 50e-6}).op_times(graph, kinds)["k80"]
+    with_dispatch = engine.op_times(graph, kinds)["k80"]
+    assert with_dispatch[kernel] == pytest.approx(launch[kernel] + 2e-5)
+    assert (with_dispatch[[not k for k in kernel]] == 0).all()
+    assert engine.launch_on("k80", kinds["k80"]) == pytest.approx(70e-6)
+    first = next(i for i, k in enumerate(kernel) if k)
+    graph.ops[first].measured_time["k80"] = 1e-3
+    measured = engine.op_times(graph, kinds)["k80"]
+    assert measured[first] == pytest.approx(1e-3 + 2e-5)
+    assert CostModel().op_times(graph, kinds)["k80"][first] == pytest.approx(1e-3)
+    assert plain[first] != pytest.approx(1e-3)

@@ -26,7 +26,14 @@ from meshplace.profile import (
 )
 from meshplace.profile.calibrate import Calibration, op_times_table, time_ops_in_worker
 from meshplace.profile.cli import add_profile_arguments, cmd_profile
-from meshplace.profile.link import fit_affine, fit_link, measure_link, measure_message_cost
+from meshplace.profile.link import (
+    fit_affine,
+    fit_collective,
+    fit_link,
+    measure_collectives,
+    measure_link,
+    measure_message_cost,
+)
 from meshplace.profile.profiler import parse_levels, trimmed_mean
 from meshplace.runtime.program import MLP, ModelSpec, trace_step
 
@@ -189,6 +196,30 @@ def test_link_fit_and_measure() -> None:
     # loopback TCP: more than 1 MB/s, less than 50 ms (the fit clips at 0, so a broken
     # measurement shows as NaN, a huge latency or a tiny bandwidth)
     assert link["bandwidth"] > 1e6 and 0 <= link["latency"] < 0.05 and len(link["samples"]) == 3
+
+
+def test_collectives_are_measured_and_fitted_to_the_ring_formula() -> None:
+    """``measure_collectives`` times each collective among 3 gloo processes, as DTensor
+    runs it and as the process group does, and fits the ring formula's latency and
+    bandwidth; the fit recovers a formula's own constants."""
+    # 2 (p - 1) steps of (alpha + n / (p B)) for an all-reduce: alpha 50 us, B 2 GB/s, p 3
+    ring = [(n, 4 * (5e-5 + n / 3 / 2e9)) for n in (4096, 1 << 20, 4 << 20)]
+    latency, bandwidth = fit_collective("all_reduce", 3, ring)
+    assert latency == pytest.approx(5e-5) and bandwidth == pytest.approx(2e9)
+    for engine in ("dtensor", "c10d"):
+        got = measure_collectives(world_size=3, sizes=(4096, 1 << 18), reps=2, engine=engine)
+        assert got["world_size"] == 3 and got["engine"] == engine
+        assert set(got["fits"]) == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all"}
+        for kind, fit in got["fits"].items():
+            assert 0 <= fit["latency_s"] < 0.5 and fit["bandwidth"] > 1e5, (engine, kind, fit)
+            # the bytes asked for, rounded down to float32 elements the group divides
+            sizes = [n for n, _ in got["samples"][kind]]
+            assert all(0 <= a - n < 4 * 3 for n, a in zip(sizes, (4096, 1 << 18), strict=True))
+            assert all(t > 0 for _, t in got["samples"][kind])
+    with pytest.raises(InputError, match="at least 2"):
+        measure_collectives(world_size=1)
+    with pytest.raises(InputError, match="choose one of"):
+        measure_collectives(engine="nccl-ish")
 
 
 def test_profile_cli(tmp_path, capsys) -> None:

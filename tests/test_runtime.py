@@ -272,6 +272,10 @@ def test_run_cli_prints_measured_and_predicted(tmp_path, capsys) -> None:
     applied = calibrated_cost_model(saved, local)
     for kind, (e, _) in saved.efficiency.items():
         assert applied.efficiency_on(saved.device_kind, kind) == pytest.approx((e, e))
+    # and the transport's collectives, measured as DTensor runs them among the workers
+    assert set(saved.collectives) == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all"}
+    assert saved.collectives_measured_on == 2
+    assert applied.collectives[saved.device_kind] == saved.collectives
     assert out["measured_step_s"] > 0 and out["predicted_step_s"] > 0
     in_situ = out["calibration"]["in_situ"]  # probe runs measured the costs
     assert {"start_s", "send_s", "wake_s", "compute_slowdown", "r2"} <= set(in_situ)

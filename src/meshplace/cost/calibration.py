@@ -3,8 +3,9 @@
 A calibration (format ``meshplace.calibration``, version 1, ``docs/formats.md``) records
 what measuring a device kind taught the roofline of :class:`~meshplace.cost.compute.
 CostModel`: per op kind the fitted (compute, memory) efficiency, the fixed cost per kernel,
-the peak FLOP/s and memory bandwidth those efficiencies are relative to, and, for devices
-without copy engines, the compute a message costs its two ends. ``meshplace run
+the peak FLOP/s and memory bandwidth those efficiencies are relative to, for devices
+without copy engines the compute a message costs its two ends, and, where measured, the
+transport's collectives (latency and bandwidth of the ring formula fitted to each). ``meshplace run
 --calibration-out FILE`` writes one from the calibration it performs on the local workers
 (:func:`calibration_from_fit`). ``meshplace plan``, ``simulate`` and ``shard`` take
 ``--calibration FILE`` and apply it the one way :func:`calibrated_cost_model` does, to the
@@ -60,6 +61,15 @@ class CostCalibration(BaseModel):
             keep the cost model's defaults.
         message_cpu: (send s, send s/byte, receive s, receive s/byte) of compute a message
             costs its ends, for devices without copy engines; ``None``: none.
+        collectives: collective kind (``all_reduce``, ``all_gather``, ``reduce_scatter``,
+            ``all_to_all``) → (latency s, bandwidth bytes/s) with which the ring formula
+            fits the measured collective (:func:`meshplace.profile.link.
+            measure_collectives`); kinds not listed use the cluster's links.
+        collectives_measured_on: how many processes the collectives were measured among
+            (the formula carries them to other group sizes).
+        dispatch_overhead_s: seconds the execution engine adds to every kernel, measured
+            op times included (DTensor's per-op dispatch for sharded plans; 0 for eager
+            PyTorch).
         source: how and where it was measured.
     """
 
@@ -73,6 +83,12 @@ class CostCalibration(BaseModel):
     launch_overhead_s: _NonNegative
     efficiency: dict[str, tuple[_Positive, _Positive]] = Field(default_factory=dict)
     message_cpu: tuple[_NonNegative, _NonNegative, _NonNegative, _NonNegative] | None = None
+    collectives: dict[
+        Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all"],
+        tuple[_NonNegative, _Positive],
+    ] = Field(default_factory=dict)
+    collectives_measured_on: Annotated[int, Field(ge=2)] | None = None
+    dispatch_overhead_s: _NonNegative = 0.0
     source: str = ""
 
 
@@ -107,7 +123,8 @@ def calibrated_cost_model(
 ) -> CostModel:
     """``base`` (default: the default :class:`CostModel`) with ``calibration`` applied to
     the devices of its kind in ``cluster``: their efficiencies (rescaled to the cluster's
-    spec of that kind, the module doc), launch overhead and message CPU. Other device
+    spec of that kind, the module doc), launch overhead, engine dispatch overhead, message
+    CPU and measured collectives. Other device
     kinds keep ``base``'s. Raises :class:`CalibrationError` when the cluster has no device
     of the calibration's kind. O(op kinds).
     """
@@ -138,6 +155,17 @@ def calibrated_cost_model(
         device_efficiency={
             **base.device_efficiency,
             kind: {**base.device_efficiency.get(kind, {}), **fitted},
+        },
+        dispatch_overhead={
+            **base.dispatch_overhead,
+            **({kind: calibration.dispatch_overhead_s} if calibration.dispatch_overhead_s else {}),
+        },
+        collectives={
+            **base.collectives,
+            kind: {
+                **base.collectives.get(kind, {}),
+                **{k: (float(a), float(b)) for k, (a, b) in calibration.collectives.items()},
+            },
         },
     )
 
@@ -170,4 +198,25 @@ def calibration_from_fit(
         },
         message_cpu=message_cpu,
         source=source,
+    )
+
+
+def with_collectives(calibration: CostCalibration, measured: dict[str, Any]) -> CostCalibration:
+    """``calibration`` with the collectives :func:`meshplace.profile.link.
+    measure_collectives` measured (its ``fits`` and ``world_size``).
+
+    >>> cal = CostCalibration(device_kind="local-cpu", peak_flops=1e11,
+    ...                       memory_bandwidth=1e10, launch_overhead_s=4e-6)
+    >>> fits = {"all_reduce": {"latency_s": 1e-4, "bandwidth": 1e9}}
+    >>> with_collectives(cal, {"fits": fits, "world_size": 2}).collectives
+    {'all_reduce': (0.0001, 1000000000.0)}
+    """
+    return calibration.model_copy(
+        update={
+            "collectives": {
+                kind: (float(f["latency_s"]), float(f["bandwidth"]))
+                for kind, f in sorted(measured["fits"].items())
+            },
+            "collectives_measured_on": int(measured["world_size"]),
+        }
     )

@@ -21,6 +21,16 @@ cores: ``(send_s, send_s_per_byte, recv_s, recv_s_per_byte)``, measured by
 :func:`meshplace.profile.link.measure_message_cost`. The simulator adds it to the ops at
 the two ends of each transfer; GPUs with copy engines leave it empty.
 
+``collectives`` (per device kind; empty by default) holds measured collectives: per
+collective kind the latency and bandwidth with which the ring formula
+(:func:`meshplace.cost.collectives.collective_time`) fits the transport's own all-reduce,
+all-gather, reduce-scatter and all-to-all, as :func:`meshplace.profile.link.
+measure_collectives` times them. A mesh of devices of that kind
+(:meth:`meshplace.mesh.layout.Mesh.calibrated`) costs those collectives with them instead
+of with the cluster's link latency and bandwidth: over loopback TCP a rank's send and
+receive share its core, and gloo's all-reduce takes about three times the ring formula
+on the link's figures.
+
 Example
 -------
 >>> from meshplace.graph.ir import Op, OpGraph
@@ -88,6 +98,12 @@ class CostModel:
         use_measured: prefer ``Op.measured_time`` when the graph has one for the kind.
         message_cpu: device kind → (send s, send s/byte, receive s, receive s/byte) of
             compute a message costs its ends (host-staged transfers); absent: none.
+        collectives: device kind → collective kind → (latency s, bandwidth bytes/s) of
+            the ring formula fitted to the measured collective (module doc); absent: the
+            cluster's links.
+        dispatch_overhead: device kind → seconds the execution engine adds to every
+            kernel, whether its time is measured or the roofline's (DTensor's per-op
+            dispatch: sharding propagation and placement checks on the host); absent: 0.
     """
 
     efficiency: dict[str, tuple[float, float]] = field(
@@ -98,6 +114,8 @@ class CostModel:
     use_measured: bool = True
     message_cpu: dict[str, tuple[float, float, float, float]] = field(default_factory=dict)
     device_efficiency: dict[str, dict[str, tuple[float, float]]] = field(default_factory=dict)
+    collectives: dict[str, dict[str, tuple[float, float]]] = field(default_factory=dict)
+    dispatch_overhead: dict[str, float] = field(default_factory=dict)
 
     def efficiency_on(self, device_kind: str | None, op_kind: str) -> tuple[float, float]:
         """(compute, memory) efficiency of ``op_kind`` ops on ``device_kind`` devices: the
@@ -111,9 +129,16 @@ class CostModel:
         return own.get(op_kind) or self.efficiency.get(op_kind, self.fallback)
 
     def launch_on(self, device_kind: str, spec: DeviceLike) -> float:
-        """Seconds of fixed cost per kernel on ``device_kind``: the calibrated value, else
-        the device spec's."""
-        return self.launch_overhead.get(device_kind, spec.launch_overhead_s)
+        """Seconds of fixed cost per kernel on ``device_kind``: the calibrated launch
+        overhead (else the device spec's) plus the engine's dispatch overhead.
+
+        >>> from meshplace.hardware import device_spec
+        >>> cm = CostModel(launch_overhead={"cpu": 5e-6}, dispatch_overhead={"cpu": 2e-5})
+        >>> round(cm.launch_on("cpu", device_spec("cpu")) * 1e6, 6)
+        25.0
+        """
+        launch = self.launch_overhead.get(device_kind, spec.launch_overhead_s)
+        return launch + self.dispatch_overhead.get(device_kind, 0.0)
 
     def roofline_terms(self, graph: OpGraph, spec: DeviceLike) -> tuple[np.ndarray, np.ndarray]:
         """Per op, the two sides of the roofline on one device kind: seconds of arithmetic
@@ -165,7 +190,9 @@ class CostModel:
                     if m is None and category is not None:
                         m = o.measured_time.get(category)
                     if m is not None:
-                        t[i] = m
+                        # measured with eager PyTorch: the engine's own cost comes on top
+                        # (the roofline's ``launch`` above already holds it)
+                        t[i] = m + self.dispatch_overhead.get(kind, 0.0)
             category = getattr(spec, "category", None)
             for i, o in enumerate(ops):
                 if o.unsupported and (kind in o.unsupported or category in o.unsupported):

@@ -206,7 +206,8 @@ class Evaluator:
         cost_model: CostModel | None = None,
     ) -> None:
         self.program = program
-        self.mesh = mesh
+        # the collectives measured on the mesh's device kind, where the cost model has them
+        self.mesh = mesh = mesh.calibrated(cost_model)
         dev = mesh.cluster.devices[int(mesh.devices.reshape(-1)[0])]
         spec = dev.spec
         self.peak = spec.peak("bfloat16")

@@ -54,11 +54,12 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from meshplace.cost.collectives import collective_time
+from meshplace.cost.compute import CostModel
 from meshplace.errors import InputError
 from meshplace.hardware.cluster import Cluster
 
@@ -170,6 +171,9 @@ class Mesh:
     axes: tuple[MeshAxis, ...]
     mapping: str = ""
     _index: dict[str, int] = field(default_factory=dict, repr=False)
+    # collective kind -> (latency s, bandwidth bytes/s) measured on this mesh's device kind
+    # (:meth:`calibrated`); kinds not here are costed on the cluster's links
+    measured: Mapping[str, tuple[float, float]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self._index = {a: i for i, a in enumerate(self.axis_names)}
@@ -204,10 +208,41 @@ class Mesh:
         >>> m.collective_time("all_reduce", 0, ["x"])
         0.0
         """
+        axes = list(axes)
+        fit = self.measured.get(kind)
+        if fit is not None:
+            p = math.prod(self.axis(a).size for a in axes)
+            if nbytes <= 0 or p <= 1:
+                return 0.0
+            latency, bandwidth = fit
+            return collective_time(kind, "ring", nbytes, p, bandwidth=bandwidth, latency=latency)
         stages: list[CommStage] = []
         for a in axes:
             stages.extend(self.axis(a).stages)
         return _stage_time(kind, nbytes, stages)
+
+    @property
+    def device_kind(self) -> str:
+        """The kind of the mesh's devices (a mesh's devices are identical)."""
+        return self.cluster.devices[int(self.devices.reshape(-1)[0])].kind
+
+    def calibrated(self, cost_model: CostModel | None) -> Mesh:
+        """This mesh with the collectives ``cost_model`` measured on its device kind
+        (``CostModel.collectives``): :meth:`collective_time` then costs those kinds with
+        the ring formula at the measured latency and bandwidth over the axes' devices;
+        the mesh itself when there are none.
+
+        >>> from meshplace.cost.compute import CostModel
+        >>> from meshplace.hardware import load_cluster
+        >>> m = build_mesh(load_cluster("dgx-h100"), (2,), chips=2)
+        >>> cm = CostModel(collectives={"h100": {"all_reduce": (1e-4, 1e9)}})
+        >>> round(m.calibrated(cm).collective_time("all_reduce", 1e6, ["x"]) * 1e3, 3)
+        1.2
+        """
+        fits = (cost_model.collectives if cost_model is not None else {}).get(self.device_kind)
+        if not fits:
+            return self
+        return replace(self, measured=dict(fits))
 
     def describe(self) -> dict[str, object]:
         """Plain-data description (for JSON)."""

@@ -1593,7 +1593,9 @@ def hybrid_search(
                 # tensor parallelism on consecutive devices (inside a host, as the sharding
                 # solve assumed), data parallelism across them: stage 0's devices
                 devices = np.array(order[: dp * tp]).reshape(dp, tp)
-                meshes[(dp, tp)] = mesh_over(cluster, devices, ("data", "tensor"), "tp inner")
+                meshes[(dp, tp)] = mesh_over(
+                    cluster, devices, ("data", "tensor"), "tp inner"
+                ).calibrated(cost_model)
             mesh = meshes[(dp, tp)]
             dp_axis = "data" if dp > 1 else None
             stage_size = dp * tp

@@ -193,7 +193,8 @@ class ShardingProblem:
         self.overlap = overlap
         self._timeline: Timeline | None = None
         self.graph = graph
-        self.mesh = mesh
+        # the collectives measured on the mesh's device kind, where the cost model has them
+        self.mesh = mesh = mesh.calibrated(cost_model)
         self.axes = tuple(mesh.axis_names)
         self.sizes = tuple(int(s) for s in mesh.shape)
         self.zero_stages = tuple(zero_stages)

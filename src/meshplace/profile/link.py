@@ -53,9 +53,10 @@ def fit_link(samples: Sequence[tuple[float, float]]) -> tuple[float, float]:
     return 1.0 / inv_bw, max(float(lat), 0.0)
 
 
-def _join_pair(rank: int, store_path: str) -> None:
-    """Join the two-process gloo group of a link micro-benchmark, one thread per process
-    (as the runtime's workers run)."""
+def _join_pair(rank: int, store_path: str, world_size: int = 2, yield_threads: bool = True) -> None:
+    """Join the gloo group of a link micro-benchmark (two processes unless told), one
+    thread per process (as the runtime's workers run); ``yield_threads``: the transport
+    threads get the runtime workers' scheduling policy (torchrun's ranks leave them)."""
     import datetime
 
     import torch.distributed as dist
@@ -63,10 +64,14 @@ def _join_pair(rank: int, store_path: str) -> None:
     from meshplace.runtime.executor import thread_ids, yield_transport_threads
 
     torch.set_num_threads(1)
-    store = dist.FileStore(store_path, 2)
+    store = dist.FileStore(store_path, world_size)
     before = thread_ids()
     dist.init_process_group(
-        "gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60)
+        "gloo",
+        store=store,
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=60),
     )
     transport = thread_ids() - before  # the group's threads
 
@@ -77,7 +82,8 @@ def _join_pair(rank: int, store_path: str) -> None:
         shutil.rmtree(os.path.dirname(store_path), ignore_errors=True)
     # The same transport-thread priority as the runtime's workers: what is measured here
     # is their regime.
-    yield_transport_threads(threads=transport)
+    if yield_threads:
+        yield_transport_threads(threads=transport)
 
 
 def _pingpong(rank: int, store_path: str, sizes: Sequence[int], reps: int, out: Any) -> None:
@@ -127,12 +133,17 @@ def _pair_main(parent_pid: int, target: Any, rank: int, *args: Any) -> None:
 
 
 def _run_pair(
-    target: Any, args: tuple, results: int, timeout: float, start_method: str
+    target: Any,
+    args: tuple,
+    results: int,
+    timeout: float,
+    start_method: str,
+    world_size: int = 2,
 ) -> list[Any]:
-    """Run ``target(rank, store_path, *args, out)`` in two processes (ranks 0 and 1, a
-    fresh FileStore in a private temporary folder) and return the first ``results`` items
-    they put on ``out``. Both processes die with this one, are killed on the way out, and
-    the folder is removed, whatever happens. Raises
+    """Run ``target(rank, store_path, *args, out)`` in ``world_size`` processes (ranks 0
+    and 1 unless told, a fresh FileStore in a private temporary folder) and return the
+    first ``results`` items they put on ``out``. The processes die with this one, are
+    killed on the way out, and the folder is removed, whatever happens. Raises
     :class:`~meshplace.runtime.processes.WorkerFailure` (one sentence) if a process exits
     early or the results take longer than ``timeout`` seconds."""
     from meshplace.runtime.executor import transport_policy
@@ -152,7 +163,7 @@ def _run_pair(
             ctx.Process(
                 target=_pair_main, args=(os.getpid(), target, r, path, *args, out), daemon=True
             )
-            for r in range(2)
+            for r in range(world_size)
         ]
         try:
             for p in procs:
@@ -507,3 +518,182 @@ def measure_message_spacing(
         rows.append((float(m["spacing_s"]), float(send), float(recv)))
     rows.sort()
     return {"rows": rows, "kernels": [int(k) for k in kernels], "size": int(size)}
+
+
+# ------------------------------------------------------------------ collectives
+COLLECTIVE_SIZES = (4096, 65536, 1 << 20, 4 << 20)
+MEASURED_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+
+
+def ring_terms(kind: str, p: int) -> tuple[float, float]:
+    """``(steps, byte factor)`` of the ring formula for ``kind`` over ``p`` devices
+    (:func:`meshplace.cost.collectives.collective_time`): its time is
+    ``steps · α + factor · n / B`` for ``n`` bytes per device.
+
+    >>> ring_terms("all_reduce", 4)
+    (6.0, 1.5)
+    """
+    steps = float(p - 1)
+    factor = (p - 1) / p
+    if kind == "all_reduce":
+        return 2 * steps, 2 * factor
+    return steps, factor
+
+
+def fit_collective(
+    kind: str, p: int, samples: Sequence[tuple[float, float]]
+) -> tuple[float, float]:
+    """``(latency α s, bandwidth B bytes/s)`` of the ring formula for ``kind`` over ``p``
+    devices that best fits ``(bytes per device, seconds)`` samples (relative least squares,
+    :func:`fit_link` on the samples divided by the formula's step count).
+
+    >>> lat, bw = fit_collective("all_reduce", 2, [(0, 2e-5), (1e6, 2e-5 + 1e-3)])
+    >>> round(lat * 1e6, 6), round(bw / 1e9, 6)
+    (10.0, 1.0)
+    """
+    steps, factor = ring_terms(kind, p)
+    bw, lat = fit_link([(n * factor / steps, t / steps) for n, t in samples])
+    return lat, bw
+
+
+COLLECTIVE_ENGINES = ("dtensor", "c10d")
+
+
+def _redistribution(
+    kind: str, full: torch.Tensor, block: torch.Tensor, mesh: Any
+) -> tuple[Any, list[Any]]:
+    """A DTensor and the placements whose redistribution runs one ``kind`` collective at
+    ``full``'s bytes per device on a 1-D mesh."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    if kind == "all_reduce":  # a partial sum made whole
+        have, local, want = Partial(), full, Replicate()
+    elif kind == "all_gather":  # blocks made whole
+        have, local, want = Shard(0), block, Replicate()
+    elif kind == "reduce_scatter":  # a partial sum made blocks
+        have, local, want = Partial(), full, Shard(0)
+    else:  # blocks of rows re-split into blocks of columns
+        p = mesh.size()
+        have, local, want = Shard(0), full.view(p, -1), Shard(1)
+    return DTensor.from_local(local, mesh, [have], run_check=False), [want]
+
+
+def _one_collective(
+    kind: str, full: torch.Tensor, block: torch.Tensor, gathered: torch.Tensor
+) -> None:
+    """One ``kind`` collective at ``full``'s bytes per device (``block``: its share of
+    the group; ``gathered``: the whole group's ``full``) as c10d runs it."""
+    import torch.distributed as dist
+
+    if kind == "all_reduce":  # n bytes in, n bytes out
+        dist.all_reduce(full)
+    elif kind == "all_gather":  # n bytes out: the blocks of n / p
+        dist.all_gather_single(full, block)
+    elif kind == "reduce_scatter":  # n bytes in
+        dist.reduce_scatter_single(block, full)
+    else:
+        # n bytes per device re-split over the group. gloo has no all-to-all: DTensor runs
+        # it as an all-gather of the whole local block and keeps its slice ("falling back
+        # with allgather + chunk"), so that is what is timed.
+        dist.all_gather_single(gathered, full)
+
+
+def _collective_worker(
+    rank: int,
+    store_path: str,
+    world_size: int,
+    sizes: Sequence[int],
+    reps: int,
+    engine: str,
+    out: Any,
+) -> None:
+    import torch.distributed as dist
+
+    # torchrun's ranks leave gloo's threads at their priority: measure that regime
+    _join_pair(rank, store_path, world_size, yield_threads=False)
+    p = world_size
+    mesh = None
+    if engine == "dtensor":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (p,))
+    res: dict[str, list[tuple[float, list[float]]]] = {k: [] for k in MEASURED_COLLECTIVES}
+    for n in sizes:
+        elems = max(p, (n // 4) // p * p)  # float32, divisible by the group
+        full = torch.ones(elems)
+        block = torch.ones(elems // p)
+        gathered = torch.empty(elems * p)
+
+        for kind in MEASURED_COLLECTIVES:
+            times = []
+            for r in range(reps + 2):  # two warm-up calls
+                if mesh is not None:
+                    placed, want = _redistribution(kind, full, block, mesh)
+                dist.barrier()
+                t0 = time.perf_counter()
+                if mesh is not None:
+                    result = placed.redistribute(mesh, want).to_local()
+                    float(result.reshape(-1)[0])  # a functional collective's result: waited on use
+                else:
+                    _one_collective(kind, full, block, gathered)
+                if r >= 2:
+                    times.append(time.perf_counter() - t0)
+            res[kind].append((float(elems * 4), times))
+    out.put((rank, res))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def measure_collectives(
+    world_size: int = 2,
+    sizes: Sequence[int] = COLLECTIVE_SIZES,
+    reps: int = 10,
+    engine: str = "dtensor",
+    timeout: float = 120.0,
+    start_method: str | None = None,
+) -> dict[str, Any]:
+    """Time the all-reduce, all-gather, reduce-scatter and all-to-all of gloo among
+    ``world_size`` one-thread CPU processes, at ``n`` bytes per device for each ``n`` in
+    ``sizes``, and fit each to the ring formula (:func:`fit_collective`): the effective
+    latency and bandwidth per collective that the cost model then uses on that device
+    kind (``CostModel.collectives``). ``engine``: ``"dtensor"`` times each as the
+    sharded runtime runs it, a DTensor redistribution on a 1-D mesh (Partial to
+    Replicate, Shard to Replicate, Partial to Shard, Shard(0) to Shard(1): gloo has no
+    all-to-all, DTensor all-gathers and slices); ``"c10d"`` the process group's own call.
+    Each call's time is the slowest rank's (a collective ends when its last rank does),
+    the median over ``reps`` calls after two warm-ups, each call after a barrier.
+
+    Why not the link's ping-pong: over loopback TCP a rank's send and receive share its
+    core, so a gloo all-reduce costs about three times the ring formula with the link's
+    latency and bandwidth (docs/runtime.md), and a DTensor redistribution about twice
+    the gloo call again on small tensors (0.57 against 0.30 ms at 1 KiB); measuring the
+    collectives themselves is NCCL-tests' approach (``all_reduce_perf``'s ``busbw``).
+    Cost: ``world_size`` processes, ``4 · len(sizes) · (reps + 2)`` collectives (~2-5 s
+    for the defaults on 2 ranks). Returns ``{"world_size", "engine", "fits": {kind:
+    {"latency_s", "bandwidth"}}, "samples": {kind: [(bytes, seconds)]}}``."""
+    if world_size < 2:
+        raise InputError(f"collectives need at least 2 processes, got {world_size}")
+    if not sizes or any(int(n) <= 0 for n in sizes) or reps < 1:
+        raise InputError("sizes must be positive byte counts and reps at least 1")
+    if engine not in COLLECTIVE_ENGINES:
+        raise InputError(f"engine {engine!r}: choose one of {', '.join(COLLECTIVE_ENGINES)}")
+    got = _run_pair(
+        _collective_worker,
+        (world_size, [int(n) for n in sizes], int(reps), engine),
+        world_size,
+        timeout,
+        start_method or safe_start_method(),
+        world_size=world_size,
+    )
+    per_rank = [res for _, res in sorted(got, key=lambda item: item[0])]
+    samples: dict[str, list[tuple[float, float]]] = {}
+    fits: dict[str, dict[str, float]] = {}
+    for kind in MEASURED_COLLECTIVES:
+        rows = []
+        for k, (n, _) in enumerate(per_rank[0][kind]):
+            slowest = np.max([res[kind][k][1] for res in per_rank], axis=0)
+            rows.append((n, float(np.median(slowest))))
+        samples[kind] = rows
+        latency, bandwidth = fit_collective(kind, world_size, rows)
+        fits[kind] = {"latency_s": latency, "bandwidth": bandwidth}
+    return {"world_size": world_size, "engine": engine, "fits": fits, "samples": samples}

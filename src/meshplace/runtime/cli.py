@@ -135,7 +135,8 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--calibration-out",
         help="write the calibration (fitted efficiencies, launch and message costs of the "
-        "workers' device kind) for plan, simulate and shard --calibration",
+        "workers' device kind, and its gloo collectives, measured after the run) for plan, "
+        "simulate and shard --calibration",
     )
     parser.add_argument("--json", action="store_true", help="print JSON")
 
@@ -471,9 +472,15 @@ def _run(args: argparse.Namespace, plan: Any) -> int:
 
         save_cluster(cal.cluster, args.cluster_out)
     if getattr(args, "calibration_out", None) and cal is not None:
-        from meshplace.cost.calibration import save_calibration
+        from meshplace.cost.calibration import save_calibration, with_collectives
+        from meshplace.profile.link import measure_collectives
 
-        save_calibration(cal.cost_calibration(), args.calibration_out)
+        # the transport's own collectives, among as many processes as there are workers
+        # (two at least), for the sharding plans that plan, simulate and shard cost
+        collectives = measure_collectives(world_size=max(2, len(local)))
+        save_calibration(
+            with_collectives(cal.cost_calibration(), collectives), args.calibration_out
+        )
     error = None if predicted is None else (predicted - res.step_time_s) / res.step_time_s
     out = {
         "graph": step.graph.name,
