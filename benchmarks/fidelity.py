@@ -346,11 +346,42 @@ def _torchrun_step_times(
     return report["measured"]["step_times_s"][warmup:]
 
 
+def _torchrun_passes(
+    runs: dict[Any, tuple[dict, tuple[str, ...]]],
+    source: str,
+    steps: int,
+    warmup: int,
+    passes: int,
+) -> tuple[dict[Any, list[float]], dict[Any, list[float]]]:
+    """Each run of ``runs`` (label -> plan file and extra ``python -m meshplace.runtime``
+    options) on 2 torchrun ranks once per pass, the runs interleaved within a pass (host
+    drift then touches them alike). Returns every timed step and each pass's median, per
+    label; a failed run is printed and left out."""
+    timed: dict[Any, list[float]] = {label: [] for label in runs}
+    per_pass: dict[Any, list[float]] = {label: [] for label in runs}
+    for _ in range(passes):
+        for label, (document, extra) in runs.items():
+            try:
+                times = _torchrun_step_times(document, source, steps, warmup, extra)
+            except RuntimeError as exc:
+                print(f"  {label}: run failed: {exc}", file=sys.stderr)
+                continue
+            timed[label] += times
+            per_pass[label].append(statistics.median(times))
+    return timed, per_pass
+
+
 def _compare(
-    label: str, timed: list[float], per_pass: list[float], predicted: float, **extra: Any
+    label: str,
+    timed: list[float],
+    per_pass: list[float],
+    predicted: float,
+    ablation: float | None = None,
+    **extra: Any,
 ) -> dict[str, Any]:
     """One row of a torchrun family: the median of the timed steps of all passes against
-    the prediction, the passes' spread, printed as it is made."""
+    the prediction (and the ablation's prediction, when given), the passes' spread,
+    printed as it is made."""
     measured = statistics.median(timed)
     err = (predicted - measured) / measured
     spread = (max(per_pass) - min(per_pass)) / measured
@@ -366,8 +397,8 @@ def _compare(
         "pass_spread": spread,
         "predicted_s": predicted,
         "error": err,
-        "predicted_micro_s": None,
-        "error_micro": None,
+        "predicted_micro_s": ablation,
+        "error_micro": (ablation - measured) / measured if ablation is not None else None,
         **extra,
     }
 
@@ -460,36 +491,23 @@ def run_sharded_model(source: str, steps: int, warmup: int, passes: int) -> dict
             continue
         seen[key(document)] = label
         plans.append((label, document, plan.step_time_s))
-    timed: dict[str, list[float]] = {label: [] for label, _, _ in plans}
-    per_pass: dict[str, list[float]] = {label: [] for label, _, _ in plans}
-    for _ in range(passes):
-        for label, document, _ in plans:
-            try:
-                times = _torchrun_step_times(document, source, steps, warmup)
-            except RuntimeError as exc:
-                print(f"  {label}: run failed: {exc}", file=sys.stderr)
-                continue
-            timed[label] += times
-            per_pass[label].append(statistics.median(times))
-    rows = []
-    for label, document, predicted in plans:
-        if not timed[label]:
-            continue
-        measured = statistics.median(timed[label])
-        ablation = on_links.get(key(document))  # the plan scored on the links, if found
-        rows.append(
-            _compare(
-                label,
-                timed[label],
-                per_pass[label],
-                predicted,
-                zero_stages=sorted({p["zero"] for p in document["parameters"].values()}),
-                predicted_compute_s=document["predicted"]["compute_s"],
-                predicted_communication_s=document["predicted"]["communication_s"],
-                predicted_micro_s=ablation,
-                error_micro=(ablation - measured) / measured if ablation is not None else None,
-            )
+    timed, per_pass = _torchrun_passes(
+        {label: (document, ()) for label, document, _ in plans}, source, steps, warmup, passes
+    )
+    rows = [
+        _compare(
+            label,
+            timed[label],
+            per_pass[label],
+            predicted,
+            on_links.get(key(document)),  # the plan scored on the links, if found
+            zero_stages=sorted({p["zero"] for p in document["parameters"].values()}),
+            predicted_compute_s=document["predicted"]["compute_s"],
+            predicted_communication_s=document["predicted"]["communication_s"],
         )
+        for label, document, predicted in plans
+        if timed[label]
+    ]
     return {
         "model": _short_name(source),
         "ops": step.graph.num_ops,
@@ -750,32 +768,24 @@ def run_pipelined_model(source: str, steps: int, warmup: int, passes: int) -> di
     # the ablation: a beat's messages as one measured exchange between the busy ranks
     # (tried in session 30 to capture the late wake-ups; it did no better, see the docs)
     swapped = {m: predict_pipeline(source, plan, cal, m, engine[m], exchange)[0] for m in (2, 4, 8)}
-    timed: dict[tuple, list[float]] = {v: [] for v in variants}
-    per_pass: dict[tuple, list[float]] = {v: [] for v in variants}
-    for _ in range(passes):
-        for m, sched in variants:
-            extra = ("--micro-batches", str(m), "--schedule", sched)
-            try:
-                times = _torchrun_step_times(plan.to_dict(), source, steps, warmup, extra)
-            except RuntimeError as exc:
-                print(f"  {sched} x{m}: run failed: {exc}", file=sys.stderr)
-                continue
-            timed[(m, sched)] += times
-            per_pass[(m, sched)].append(statistics.median(times))
-    rows = []
-    for m, sched in variants:
-        if timed[(m, sched)]:
-            predicted, parts = predictions[m]
-            row = _compare(
-                f"{sched} x{m}",
-                timed[(m, sched)],
-                per_pass[(m, sched)],
-                predicted,
-                **{f"predicted_{k}": v for k, v in parts.items()},
-            )
-            measured = row["measured_s"]
-            row.update(predicted_micro_s=swapped[m], error_micro=(swapped[m] - measured) / measured)
-            rows.append(row)
+    document = plan.to_dict()
+    runs = {
+        (m, sched): (document, ("--micro-batches", str(m), "--schedule", sched))
+        for m, sched in variants
+    }
+    timed, per_pass = _torchrun_passes(runs, source, steps, warmup, passes)
+    rows = [
+        _compare(
+            f"{sched} x{m}",
+            timed[(m, sched)],
+            per_pass[(m, sched)],
+            predictions[m][0],
+            swapped[m],
+            **{f"predicted_{k}": v for k, v in predictions[m][1].items()},
+        )
+        for m, sched in variants
+        if timed[(m, sched)]
+    ]
     return {
         "model": _short_name(source),
         "ops": step.graph.num_ops,
@@ -831,35 +841,22 @@ def run_hybrid_model(source: str, steps: int, warmup: int, passes: int) -> dict:
         label = label_of(plan).rsplit(" ", 1)[0]
         if plan.fits and label not in plans:
             plans[label] = plan
-    timed: dict[str, list[float]] = {label: [] for label in plans}
-    per_pass: dict[str, list[float]] = {label: [] for label in plans}
-    for _ in range(passes):
-        for label, plan in plans.items():
-            document = hybrid_plan_file(result, plan, cluster.name)
-            try:
-                times = _torchrun_step_times(document, source, steps, warmup)
-            except RuntimeError as exc:
-                print(f"  {label}: run failed: {exc}", file=sys.stderr)
-                continue
-            timed[label] += times
-            per_pass[label].append(statistics.median(times))
-    rows = []
-    for label, plan in plans.items():
-        if not timed[label]:
-            continue
-        measured = statistics.median(timed[label])
-        ablation = on_links.get(label_of(plan))
-        rows.append(
-            _compare(
-                label_of(plan),
-                timed[label],
-                per_pass[label],
-                plan.time_per_batch_s,
-                bubble_fraction=plan.bubble_fraction,
-                predicted_micro_s=ablation,
-                error_micro=(ablation - measured) / measured if ablation is not None else None,
-            )
+    runs = {
+        label: (hybrid_plan_file(result, plan, cluster.name), ()) for label, plan in plans.items()
+    }
+    timed, per_pass = _torchrun_passes(runs, source, steps, warmup, passes)
+    rows = [
+        _compare(
+            label_of(plan),
+            timed[label],
+            per_pass[label],
+            plan.time_per_batch_s,
+            on_links.get(label_of(plan)),
+            bubble_fraction=plan.bubble_fraction,
         )
+        for label, plan in plans.items()
+        if timed[label]
+    ]
     return {
         "model": _short_name(source),
         "ops": step.graph.num_ops,
