@@ -24,10 +24,13 @@ predicts that way only).
 ``FILE.py:build`` in :data:`SHARDED_MODELS`, the machine is calibrated as above, the two
 local CPU workers become a 2-device mesh of the calibrated device kind joined by the
 measured loopback link (:func:`mesh_of_workers`), and the plans are the sharding solver's
-best and every Megatron grid point that fits (dp2 with ZeRO 0-3, tp2), all scored by the
-calibrated cost model (``calibrated_cost_model``, as ``meshplace shard --calibration``
-does), whose launch overhead also holds what DTensor's dispatch adds per op
-(:func:`dtensor_dispatch_overhead`, measured on a 1-rank mesh in this process). Each plan
+best and every Megatron grid point that fits (dp2 with ZeRO 0-3, tp2), each predicted as
+DTensor runs it: a dry run of the runtime's step on a fake process group
+(:func:`meshplace.runtime.dryrun.dry_run`) records rank 0's kernels and collectives, which
+the calibrated cost model (``calibrated_cost_model``, as ``meshplace shard --calibration``
+does) costs, with DTensor's dispatch per op (:func:`dtensor_dispatch_overhead`, measured on
+a 1-rank mesh in this process); the solver's own estimate of each plan is reported beside
+it (``predicted_solver_s``). Each plan
 runs under torchrun on 2 gloo ranks (``python -m meshplace.runtime``: DTensor, PyTorch's
 own forward, backward and Adam); the measured step is the median of the timed steps (per
 step, the slowest rank) over the passes.
@@ -243,7 +246,9 @@ def dtensor_dispatch_overhead(source: str, reps: int = 20) -> dict[str, Any]:
     """What running a step under DTensor adds per op, measured in this process: the same
     eager step (forward, backward, foreach Adam; one thread) with plain tensors and with
     every parameter and input a replicated DTensor on a 1-rank mesh (gloo,
-    ``sharded_step``), the difference divided by the captured graph's compute ops. The
+    ``sharded_step``), the difference divided by the ops DTensor dispatches in that step
+    (counted by :func:`meshplace.runtime.dryrun.recorder`, as the engine prediction
+    charges them: a foreach call of Adam is one, views are none). The
     sharded runtime pays this on every op; the roofline's launch overhead, fitted to the
     traced step's aten ops, does not contain it. It depends on the op (a view or an
     attention propagates more placements than a GELU: 9 us per op on a stack of tiny
@@ -259,8 +264,9 @@ def dtensor_dispatch_overhead(source: str, reps: int = 20) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, distribute_tensor
 
-    from meshplace.graph.capture import as_loss, capture
+    from meshplace.graph.capture import as_loss
     from meshplace.graph.sources import first_rows, load_build_function
+    from meshplace.runtime.dryrun import EngineProgram, recorder
     from meshplace.runtime.sharded import sharded_step
 
     def build() -> tuple[Any, tuple, dict]:
@@ -288,8 +294,6 @@ def dtensor_dispatch_overhead(source: str, reps: int = 20) -> dict[str, Any]:
     torch.set_num_threads(1)
     try:
         model, args, kwargs = build()
-        graph = capture(model, args, example_kwargs=kwargs, training=True)
-        ops = sum(1 for o in graph.ops if o.kind not in ("parameter", "buffer", "input"))
         plain = median_step(model, args, kwargs, contextlib.nullcontext)
         with tempfile.TemporaryDirectory() as folder:
             store = dist.FileStore(str(Path(folder) / "store"), 1)
@@ -310,6 +314,16 @@ def dtensor_dispatch_overhead(source: str, reps: int = 20) -> dict[str, Any]:
                 args = tuple(replicate(a) for a in args)
                 kwargs = {k: replicate(v) for k, v in kwargs.items()}
                 on_dtensor = median_step(model, args, kwargs, sharded_step)
+                optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=True)
+                program = EngineProgram(1)
+                for recorded in (False, True):  # the second step: Adam's state exists
+                    with recorder(program) if recorded else contextlib.nullcontext():
+                        with sharded_step():
+                            loss, _how = as_loss(model(*args, **kwargs))
+                            loss.backward()
+                        optimizer.step()
+                        optimizer.zero_grad(set_to_none=True)
+                ops = program.dispatched
             finally:
                 dist.destroy_process_group()
     finally:
@@ -454,9 +468,14 @@ def run_sharded_model(source: str, steps: int, warmup: int, passes: int) -> dict
     """Sharding plans of ``source`` on the 2 calibrated workers: measured under torchrun
     vs predicted by the calibrated cost model (module doc)."""
     import json
+    import math
 
+    import numpy as np
+
+    from meshplace.mesh.layout import mesh_over
     from meshplace.parallel.grid import megatron_grid
     from meshplace.parallel.search import shard_graph
+    from meshplace.runtime.dryrun import dry_run
 
     step, cal, cluster, dispatch, engine, cost_model = dtensor_workers(source)
     print(
@@ -467,9 +486,8 @@ def run_sharded_model(source: str, steps: int, warmup: int, passes: int) -> dict
     )
 
     # The runtime runs every collective in the step's critical path (DTensor's
-    # redistributions and the ZeRO gathers are synchronous): the predictions count them in
-    # full (overlap=False). The ablation column scores the same plans with collectives on
-    # the link's latency and bandwidth instead of gloo's measured ones.
+    # redistributions and the ZeRO gathers are synchronous): the solver's estimates count
+    # them in full (overlap=False), as the dry run's prediction does.
     def search(model: Any) -> list[tuple[str, Any]]:
         best = shard_graph(step.graph, cluster, chips=2, cost_model=model, overlap=False)
         grid = megatron_grid(step.graph, cluster, chips=2, cost_model=model, overlap=False)
@@ -478,10 +496,6 @@ def run_sharded_model(source: str, steps: int, warmup: int, passes: int) -> dict
     def key(document: dict) -> str:
         return json.dumps([document["parameters"], document["inputs"]], sort_keys=True)
 
-    on_links = {
-        key(plan.plan_file(source, cluster.name)): plan.step_time_s
-        for _, plan in search(links_only(engine, cluster))
-    }
     plans: list[tuple[str, dict, float]] = []
     seen: dict[str, str] = {}
     for label, plan in search(cost_model):
@@ -491,23 +505,47 @@ def run_sharded_model(source: str, steps: int, warmup: int, passes: int) -> dict
             continue
         seen[key(document)] = label
         plans.append((label, document, plan.step_time_s))
+    # what DTensor runs for each plan (a dry run on a fake process group), costed by the
+    # cost model and by its links-only ablation
+    on_links = links_only(engine, cluster)
+    engine_predictions: dict[str, tuple[dict[str, float], dict[str, float], dict]] = {}
+    for label, document, _ in plans:
+        program = dry_run(document, source)
+        devices = np.arange(math.prod(document["mesh"]["shape"])).reshape(document["mesh"]["shape"])
+        mesh = mesh_over(cluster, devices, tuple(document["mesh"]["axes"]), "workers")
+        spec = cluster.devices[0].spec
+        engine_predictions[label] = (
+            program.predict(cost_model, mesh.calibrated(cost_model), spec),
+            program.predict(on_links, mesh.calibrated(on_links), spec),
+            {"collectives": program.collective_counts(), "kernels": len(program.kernels),
+             "dispatched": program.dispatched},
+        )  # fmt: skip
     timed, per_pass = _torchrun_passes(
         {label: (document, ()) for label, document, _ in plans}, source, steps, warmup, passes
     )
-    rows = [
-        _compare(
-            label,
-            timed[label],
-            per_pass[label],
-            predicted,
-            on_links.get(key(document)),  # the plan scored on the links, if found
-            zero_stages=sorted({p["zero"] for p in document["parameters"].values()}),
-            predicted_compute_s=document["predicted"]["compute_s"],
-            predicted_communication_s=document["predicted"]["communication_s"],
+    rows = []
+    for label, document, solver_s in plans:
+        if not timed[label]:
+            continue
+        engine_s, links_s, program = engine_predictions[label]
+        measured = statistics.median(timed[label])
+        rows.append(
+            _compare(
+                label,
+                timed[label],
+                per_pass[label],
+                engine_s["step_s"],
+                links_s["step_s"],
+                predicted_breakdown=engine_s,
+                program=program,
+                zero_stages=sorted({p["zero"] for p in document["parameters"].values()}),
+                predicted_solver_s=solver_s,
+                error_solver=(solver_s - measured) / measured,
+                predicted_solver_compute_s=document["predicted"]["compute_s"],
+                predicted_solver_communication_s=document["predicted"]["communication_s"],
+            )
         )
-        for label, document, predicted in plans
-        if timed[label]
-    ]
+    meas = [r["measured_s"] for r in rows]
     return {
         "model": _short_name(source),
         "ops": step.graph.num_ops,
@@ -516,6 +554,10 @@ def run_sharded_model(source: str, steps: int, warmup: int, passes: int) -> dict
         "dtensor_dispatch": dispatch,
         "placements": rows,
         **_summary(rows),
+        "median_abs_error_solver": _median_abs(r["error_solver"] for r in rows),
+        "kendall_tau_solver": kendall_tau(meas, [r["predicted_solver_s"] for r in rows])
+        if len(rows) > 1
+        else None,
     }
 
 

@@ -111,7 +111,9 @@ def _packet_name(target: Any) -> str:
     return getattr(target, "__name__", str(target))
 
 
-def _is_alias(target: Any) -> bool:
+def is_alias(target: Any) -> bool:
+    """Whether aten op ``target`` makes no kernel: a view (every output aliases an input,
+    nothing written in place) or one of the alias-like ops capture leaves out."""
     if target is operator.getitem:
         return True
     name = _packet_name(target)
@@ -1034,7 +1036,7 @@ class _Converter:
     # -------------------------------------------------------------- op nodes
     def _call(self, node: torch.fx.Node) -> None:
         val = node.meta.get("val")
-        if _is_alias(node.target):
+        if is_alias(node.target):
             src_node = node.args[0] if node.args else None
             if isinstance(src_node, torch.fx.Node) and src_node in self.source:
                 src, src_bytes = self.source[src_node]

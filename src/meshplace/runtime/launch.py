@@ -368,6 +368,75 @@ class WeightUpdateSharding:
         )
 
 
+class ShardedTraining:
+    """One rank's share of a sharding plan, ready to train: the ``FILE.py:build`` model
+    built from seed 0, its parameters DTensors with the plan's placements on the plan's
+    ``DeviceMesh`` (``torch.distributed`` already initialised), weight-update sharding
+    (:class:`WeightUpdateSharding`), the inputs placed, and Adam. :meth:`step` is one
+    training step exactly as :func:`run_sharded_plan` times it, so what a dry run records
+    (:mod:`meshplace.runtime.dryrun`) is what a run executes."""
+
+    def __init__(self, plan: dict[str, Any], source: str, *, lr: float, device_type: str) -> None:
+        import torch
+
+        from meshplace.graph.sources import build_from_seed
+        from meshplace.runtime.sharded import (
+            apply_sharding_plan,
+            device_mesh,
+            distribute_inputs,
+            materialize_meta_buffers,
+            rank_device,
+        )
+        from meshplace.runtime.spatial import use_spatial_convolutions
+
+        model, args, kwargs = build_from_seed(source)  # the same on every rank
+        refuse_channel_split_convolutions(plan)
+        use_spatial_convolutions(model)  # a convolution of a split image: halo exchange
+        device = rank_device(device_type)
+        mesh = device_mesh(plan, device_type)
+        # a model built on the meta device: each parameter's block only, never the whole
+        built_on_meta = any(p.is_meta for p in model.parameters())
+        self.meta_buffers = materialize_meta_buffers(model, device)
+        if not built_on_meta:
+            model.to(device)
+        apply_sharding_plan(model, plan, mesh)
+        if built_on_meta:
+            for name, buffer in list(model.named_buffers()):
+                if buffer.device != device:
+                    owner, _, attr = name.rpartition(".")
+                    setattr(model.get_submodule(owner), attr, buffer.to(device))
+        self.zero = WeightUpdateSharding(model, plan, mesh)
+        names = list(plan["inputs"])  # positional inputs first, then keywords, as captured
+        values = [a.to(device) for a in [*args, *kwargs.values()]]
+        if len(values) != len(names):
+            raise InputError(
+                f"{source} gives {len(values)} inputs and the plan has {len(names)}: "
+                "it was made for another model"
+            )
+        placed = distribute_inputs(plan, dict(zip(names, values, strict=True)), mesh)
+        self.args = tuple(placed[n] for n in names[: len(args)])
+        self.kwargs = {k: placed[k] for k in kwargs}
+        # foreach, as torchtitan does: on CPU torch's default is the per-tensor loop, whose
+        # ~10 element-wise ops per parameter each pay DTensor's dispatch (2-4 ms of a 40 ms
+        # step of the fidelity benchmark's MLP); the update rule is the same
+        self.optimizer = torch.optim.Adam(
+            self.zero.optimizer_parameters(model), lr=lr, foreach=True
+        )
+        self.model, self.mesh, self.device_type = model, mesh, device_type
+
+    def step(self) -> tuple[Any, int]:
+        """One training step: forward and backward under DTensor
+        (:func:`meshplace.runtime.sharded.sharded_step`), then the weight update. Returns
+        the loss and this rank's gradient bytes just before the optimizer's step."""
+        from meshplace.graph.capture import as_loss
+        from meshplace.runtime.sharded import sharded_step
+
+        with sharded_step(self.device_type):
+            loss, _how = as_loss(self.zero.forward(self.model, self.args, self.kwargs))
+            loss.backward()
+        return loss, self.zero.update(self.model, self.optimizer)
+
+
 def run_sharded_plan(
     plan: dict[str, Any],
     source: str,
@@ -385,53 +454,11 @@ def run_sharded_plan(
     name → tensor)."""
     import torch
 
-    from meshplace.graph.capture import as_loss
-    from meshplace.graph.sources import build_from_seed
     from meshplace.runtime.activity import SYNC, RankActivity, module_places, watch_modules
-    from meshplace.runtime.sharded import (
-        apply_sharding_plan,
-        device_mesh,
-        distribute_inputs,
-        local_nbytes,
-        materialize_meta_buffers,
-        optimizer_state_bytes,
-        peak_bytes,
-        rank_device,
-        sharded_step,
-    )
-    from meshplace.runtime.spatial import use_spatial_convolutions
+    from meshplace.runtime.sharded import local_nbytes, optimizer_state_bytes, peak_bytes
 
-    model, args, kwargs = build_from_seed(source)  # the same on every rank
-    refuse_channel_split_convolutions(plan)
-    use_spatial_convolutions(model)  # a convolution of a split image: halo exchange
-    device = rank_device(device_type)
-    mesh = device_mesh(plan, device_type)
-    # a model built on the meta device: each parameter's block only, never the whole
-    built_on_meta = any(p.is_meta for p in model.parameters())
-    meta_buffers = materialize_meta_buffers(model, device)
-    if not built_on_meta:
-        model.to(device)
-    apply_sharding_plan(model, plan, mesh)
-    if built_on_meta:
-        for name, buffer in list(model.named_buffers()):
-            if buffer.device != device:
-                owner, _, attr = name.rpartition(".")
-                setattr(model.get_submodule(owner), attr, buffer.to(device))
-    zero = WeightUpdateSharding(model, plan, mesh)
-    names = list(plan["inputs"])  # positional inputs first, then keywords, as captured
-    values = [a.to(device) for a in [*args, *kwargs.values()]]
-    if len(values) != len(names):
-        raise InputError(
-            f"{source} gives {len(values)} inputs and the plan has {len(names)}: "
-            "it was made for another model"
-        )
-    placed = distribute_inputs(plan, dict(zip(names, values, strict=True)), mesh)
-    pos = tuple(placed[n] for n in names[: len(args)])
-    kw = {k: placed[k] for k in kwargs}
-    # foreach, as torchtitan does: on CPU torch's default is the per-tensor loop, whose ~10
-    # element-wise ops per parameter each pay DTensor's dispatch (2-4 ms of a 40 ms step
-    # of the fidelity benchmark's MLP); the update rule is the same
-    optimizer = torch.optim.Adam(zero.optimizer_parameters(model), lr=lr, foreach=True)
+    training = ShardedTraining(plan, source, lr=lr, device_type=device_type)
+    model = training.model
     if device_type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     times: list[float] = []
@@ -456,17 +483,13 @@ def run_sharded_plan(
         torch.distributed.barrier()
         activity.at(0)
         start = time.perf_counter()
-        with sharded_step(device_type):
-            loss, _how = as_loss(zero.forward(model, pos, kw))
-            loss.backward()
-        activity.at(len(places) - 1)
-        grad_bytes = zero.update(model, optimizer)
+        loss, grad_bytes = training.step()
         if device_type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
         value = loss.detach()
         losses.append(float(value.full_tensor() if hasattr(value, "full_tensor") else value))
-    state_bytes = optimizer_state_bytes(optimizer)
+    state_bytes = optimizer_state_bytes(training.optimizer)
     peak = peak_bytes(device_type)
     if checkpoint_dir is not None:
         whole = {
@@ -483,8 +506,8 @@ def run_sharded_plan(
         "gradients": grad_bytes,
         "optimizer_state": state_bytes,
         "peak_bytes": peak,
-        "uneven": zero.uneven,
-        "meta_buffers": meta_buffers,
+        "uneven": training.zero.uneven,
+        "meta_buffers": training.meta_buffers,
     }
 
 

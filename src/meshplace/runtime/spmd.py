@@ -46,22 +46,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshplace.errors import InputError
 from meshplace.parallel.sharding import FLAT, P, R
+from meshplace.runtime.dryrun import COLLECTIVE_KINDS as _KINDS
+from meshplace.runtime.dryrun import COLLECTIVE_NAMESPACES
 from meshplace.runtime.sharded import local_nbytes
-
-# the functional collectives DTensor issues, by the kind names the cost model uses
-_KINDS = {
-    "all_reduce": "all_reduce",
-    "all_reduce_": "all_reduce",
-    "all_gather_into_tensor": "all_gather",
-    "all_gather_into_tensor_out": "all_gather",
-    "reduce_scatter_tensor": "reduce_scatter",
-    "all_to_all_single": "all_to_all",
-    "broadcast": "broadcast",
-    "broadcast_": "broadcast",
-    # DTensor's own op for Shard(i) -> Shard(j) on one mesh axis: an all-to-all (which
-    # backends without one, like gloo, carry out as an all-gather and a local slice)
-    "shard_dim_alltoall": "all_to_all",
-}
 
 
 def dtensor_placements(spec: Sequence[int]) -> list[Any]:
@@ -107,7 +94,7 @@ class CollectiveLog(TorchDispatchMode):
         kwargs = kwargs or {}
         ns = getattr(func, "namespace", "")
         name = func.overloadpacket.__name__
-        if ns in ("_c10d_functional", "c10d_functional", "_dtensor") and name in _KINDS:
+        if ns in COLLECTIVE_NAMESPACES and name in _KINDS:
             group = kwargs.get("group_name", args[-1] if args else None)
             self.calls.append((_KINDS[name], self.axis_of.get(group, "?")))
         return func(*args, **kwargs)

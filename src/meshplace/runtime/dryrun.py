@@ -1,0 +1,326 @@
+"""What DTensor runs for a sharding plan, and what that costs: a dry run of the torchrun
+runtime's training step on a fake process group.
+
+Why: a sharding plan fixes the placements of parameters and inputs; the solver also
+chooses a strategy for every op in between (it may, say, gather a batch-split input once
+and compute replicated rather than all-reduce every gradient), but under torchrun the
+model's forward and backward run in PyTorch, and DTensor's own sharding propagation
+decides each op's placement from its operands' (Wanchoo et al., "PyTorch DTensor",
+the ``torch.distributed.tensor`` design; per op the strategy with the cheapest
+redistribution of its inputs). Predicting the runtime's step from the solver's op
+strategies predicts another program. This module records the program DTensor actually
+runs, then costs it with the same cost model (calibrated op efficiencies, launch and
+dispatch overheads, the measured collectives).
+
+How: :func:`record_step` runs :class:`meshplace.runtime.launch.ShardedTraining` — the
+runtime's own setup and step — under a ``TorchDispatchMode`` that returns
+``NotImplemented`` for DTensor operands (so DTensor handles them and its local kernels
+come back through the mode) and records every local kernel (aten name, flops from
+:func:`meshplace.graph.flops.flop_count`, bytes read and written) and every functional
+collective (kind, bytes, the mesh axes of its process group), plus how many DTensor-level
+ops were dispatched. The second step is recorded (the first also creates Adam's state).
+:func:`dry_run` does this for rank 0 of a ``world_size``-rank plan in a fresh process
+(``python -m meshplace.runtime.dryrun``) joined to PyTorch's fake process group
+(``torch.testing._internal.distributed.fake_pg``: collectives return at once, so one
+process stands in for every rank); rank 0 holds the largest block of any uneven split.
+:meth:`EngineProgram.predict` sums the kernels' roofline times, DTensor's dispatch per
+op and the collectives (synchronous on this engine: nothing overlaps).
+
+Complexity: one training step of one rank's share on the host (real tensors: the rank's
+share must fit the host's memory), plus O(kernels) to cost it.
+
+Example::
+
+    program = dry_run(plan, "examples/llama.py:build_tiny")
+    program.predict(cost_model, mesh.calibrated(cost_model), device_spec)["step_s"]
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from meshplace.errors import InputError
+
+#: the functional collectives DTensor issues, by the kind names the cost model uses
+COLLECTIVE_KINDS = {
+    "all_reduce": "all_reduce",
+    "all_reduce_": "all_reduce",
+    "all_gather_into_tensor": "all_gather",
+    "all_gather_into_tensor_out": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "all_to_all_single": "all_to_all",
+    "broadcast": "broadcast",
+    "broadcast_": "broadcast",
+    # DTensor's own op for Shard(i) -> Shard(j) on one mesh axis: an all-to-all (which
+    # backends without one, like gloo, carry out as an all-gather and a local slice)
+    "shard_dim_alltoall": "all_to_all",
+}
+#: the namespaces those ops live in
+COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "c10d_functional", "_dtensor"})
+#: ops that only wait on, or wrap, a collective's result: no kernel
+_NOT_KERNELS = frozenset({"wait_tensor", "_wrap_tensor_autograd", "detach", "lift_fresh"})
+
+
+@dataclass
+class LocalKernel:
+    """One kernel a rank runs: aten name, coarse kind, flops, bytes read and written, the
+    dtype of its first output."""
+
+    name: str
+    kind: str
+    flops: float
+    bytes: float
+    dtype: str
+
+
+@dataclass
+class EngineCollective:
+    """One collective a rank runs: kind (cost-model name), bytes of its local input, the
+    mesh axes its process group spans."""
+
+    kind: str
+    nbytes: float
+    axes: list[str]
+
+
+@dataclass
+class EngineProgram:
+    """The step one rank runs under DTensor (module docstring)."""
+
+    world_size: int
+    kernels: list[LocalKernel] = field(default_factory=list)
+    collectives: list[EngineCollective] = field(default_factory=list)
+    dispatched: int = 0  # DTensor-level ops (each pays DTensor's dispatch)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> EngineProgram:
+        return cls(
+            int(d["world_size"]),
+            [LocalKernel(**k) for k in d["kernels"]],
+            [EngineCollective(**c) for c in d["collectives"]],
+            int(d["dispatched"]),
+        )
+
+    def collective_counts(self) -> dict[str, int]:
+        """How many collectives of each kind the step runs."""
+        return dict(Counter(c.kind for c in self.collectives))
+
+    def predict(self, cost_model: Any, mesh: Any, spec: Any) -> dict[str, float]:
+        """Seconds of the step on devices of ``spec`` (a device spec: peak, bandwidth,
+        launch overhead) by ``cost_model`` (its efficiencies, launch and dispatch
+        overheads for ``spec.kind``), collectives by ``mesh`` (a
+        :class:`meshplace.mesh.layout.Mesh`, calibrated for measured collectives).
+        Kernels cost the roofline, ``max(flops / (peak e_c), bytes / (bandwidth e_m))``
+        plus one launch; every DTensor-level op the dispatch overhead; the collectives the
+        mesh's formula. Returns ``step_s``, ``compute_s``, ``dispatch_s`` and
+        ``communication_s``. O(kernels + collectives)."""
+        kind = spec.kind
+        launch = cost_model.launch_overhead.get(kind, spec.launch_overhead_s)
+        compute = 0.0
+        for k in self.kernels:
+            ec, em = cost_model.efficiency_on(kind, k.kind)
+            compute += (
+                max(k.flops / (spec.peak(k.dtype) * ec), k.bytes / (spec.memory_bandwidth * em))
+                + launch
+            )
+        dispatch = self.dispatched * cost_model.dispatch_overhead.get(kind, 0.0)
+        communication = sum(
+            mesh.collective_time(c.kind, c.nbytes, c.axes) for c in self.collectives
+        )
+        return {
+            "step_s": compute + dispatch + communication,
+            "compute_s": compute,
+            "dispatch_s": dispatch,
+            "communication_s": communication,
+        }
+
+
+def _tensor_bytes(values: Any) -> float:
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    return float(
+        sum(
+            t.numel() * t.element_size() for t in tree_leaves(values) if isinstance(t, torch.Tensor)
+        )
+    )
+
+
+def _first_dtype(out: Any) -> str:
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    for t in tree_leaves(out):
+        if isinstance(t, torch.Tensor):
+            return str(t.dtype).removeprefix("torch.")
+    return "float32"
+
+
+def _shapes(values: Any) -> list[list[int] | None]:
+    import torch
+
+    items = values if isinstance(values, list | tuple) else [values]
+    return [list(v.shape) if isinstance(v, torch.Tensor) else None for v in items]
+
+
+def recorder(program: EngineProgram, axis_of: dict[str, list[str]] | None = None) -> Any:
+    """The dispatch mode that fills ``program`` (module docstring) while active;
+    ``axis_of`` maps a process group's name to the mesh axes it spans (a collective on
+    any other group is recorded over every axis)."""
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from meshplace.graph.capture import is_alias
+    from meshplace.graph.flops import flop_count, op_kind
+
+    axis_of = axis_of or {}
+    every_axis = sorted({a for axes in axis_of.values() for a in axes})
+
+    class Recorder(TorchDispatchMode):
+        def __torch_dispatch__(
+            self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+        ) -> Any:
+            kwargs = kwargs or {}
+            if any(issubclass(t, DTensor) for t in types):
+                if not is_alias(func):
+                    program.dispatched += 1
+                return NotImplemented  # DTensor runs it; its local kernels come back here
+            out = func(*args, **kwargs)
+            name = func.overloadpacket.__name__
+            namespace = getattr(func, "namespace", "")
+            if namespace in COLLECTIVE_NAMESPACES and name in COLLECTIVE_KINDS:
+                group = kwargs.get("group_name", args[-1] if args else None)
+                program.collectives.append(
+                    EngineCollective(
+                        COLLECTIVE_KINDS[name],
+                        _tensor_bytes(args[0]),
+                        axis_of.get(str(group), every_axis),
+                    )
+                )
+                return out
+            if name in _NOT_KERNELS or is_alias(func):
+                return out
+            if name.startswith("_foreach_"):  # one kernel per tensor of the list
+                flops = float(sum(t.numel() for t in out)) if isinstance(out, list) else 0.0
+                flops = flops or float(sum(s.numel() for s in args[0]))
+                program.kernels.append(
+                    LocalKernel(
+                        name,
+                        "elementwise",
+                        flops,
+                        _tensor_bytes(args) + _tensor_bytes(out),
+                        _first_dtype(args[0]),
+                    )
+                )
+                return out
+            outs = out if isinstance(out, list | tuple) else [out]
+            program.kernels.append(
+                LocalKernel(
+                    name,
+                    op_kind(name),
+                    flop_count(
+                        name,
+                        _shapes(list(args)),
+                        [s for s in _shapes(list(outs)) if s is not None],
+                        args,
+                        kwargs,
+                    ),
+                    _tensor_bytes((args, kwargs)) + _tensor_bytes(out),
+                    _first_dtype(out),
+                )
+            )
+            return out
+
+    return Recorder()
+
+
+def record_step(plan: dict[str, Any], source: str, *, device_type: str = "cpu") -> EngineProgram:
+    """The step this rank runs for ``plan`` (``torch.distributed`` initialised, a real or
+    a fake process group): one untimed step, then the second recorded (module
+    docstring). O(one training step)."""
+    import torch.distributed as dist
+
+    from meshplace.runtime.launch import ShardedTraining
+
+    training = ShardedTraining(plan, source, lr=1e-3, device_type=device_type)
+    mesh = training.mesh
+    names = list(mesh.mesh_dim_names or [f"axis{i}" for i in range(mesh.ndim)])
+    axis_of = {mesh.get_group(i).group_name: [names[i]] for i in range(mesh.ndim)}
+    training.step()
+    program = EngineProgram(dist.get_world_size())
+    with recorder(program, axis_of):
+        training.step()
+    return program
+
+
+def dry_run(
+    plan: dict[str, Any] | str | Path, source: str | None = None, *, timeout_s: float = 600.0
+) -> EngineProgram:
+    """Rank 0's step of ``plan`` (a plan file's dict or path) as DTensor runs it, recorded
+    in a fresh process on a fake process group of the plan's world size (module
+    docstring); ``source`` overrides the plan's model. Raises :class:`InputError` with the
+    child's last line when the model cannot run under the plan."""
+    import os
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="meshplace-dryrun-") as folder:
+        if isinstance(plan, dict):
+            path = Path(folder) / "plan.json"
+            path.write_text(json.dumps(plan))
+        else:
+            path = Path(plan)
+        command = [sys.executable, "-m", "meshplace.runtime.dryrun", str(path)]
+        if source is not None:
+            command += ["--model", source]
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        done = subprocess.run(
+            command, capture_output=True, text=True, timeout=timeout_s, env=env, check=False
+        )
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no message"])[-1]
+        raise InputError(f"the dry run of the plan failed: {last}")
+    return EngineProgram.from_dict(json.loads(done.stdout))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m meshplace.runtime.dryrun PLAN [--model FILE.py:build]``: print rank 0's
+    recorded step (:class:`EngineProgram` as JSON)."""
+    import argparse
+
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from meshplace.runtime.launch import model_source, read_plan
+
+    parser = argparse.ArgumentParser(prog="python -m meshplace.runtime.dryrun")
+    parser.add_argument("plan")
+    parser.add_argument("--model", default=None)
+    args = parser.parse_args(argv)
+    try:
+        plan = read_plan(args.plan)
+        source = model_source(plan, args.model)
+        world = math.prod(int(s) for s in plan["mesh"]["shape"])
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+        try:
+            program = record_step(plan, source)
+        finally:
+            dist.destroy_process_group()
+    except InputError as exc:
+        print(f"meshplace: error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(program.to_dict()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

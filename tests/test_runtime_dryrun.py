@@ -1,0 +1,155 @@
+"""The dry run of a sharding plan (``meshplace.runtime.dryrun``): the step DTensor runs for
+it, recorded on a fake process group in a child process, and its cost."""
+
+from __future__ import annotations
+
+import collections
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from meshplace.cost.collectives import collective_time
+from meshplace.cost.compute import CostModel
+from meshplace.errors import InputError
+from meshplace.graph.capture import capture
+from meshplace.graph.sources import load_build_function
+from meshplace.hardware import load_cluster
+from meshplace.mesh.layout import mesh_over
+from meshplace.parallel.grid import megatron_grid
+from meshplace.runtime.dryrun import EngineProgram, dry_run
+
+MODEL = """\
+import torch
+
+
+def build():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)
+    )
+    return model, (torch.randn(32, 64),)
+"""
+
+
+@pytest.fixture(scope="module")
+def grid_plans(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, dict]]:
+    """The MLP's Megatron grid points on 2 H100s, as plan files, by label."""
+    folder = tmp_path_factory.mktemp("dryrun")
+    (folder / "mlp.py").write_text(MODEL)
+    source = f"{folder / 'mlp.py'}:build"
+    model, (x,) = load_build_function(source)()
+    graph = capture(model, (x,), training=True)
+    grid = megatron_grid(graph, load_cluster("dgx-h100"), chips=2, zero_stages=(0,))
+    return source, {p.label: p.plan.plan_file(source, "dgx-h100") for p in grid.points if p.fits}
+
+
+@pytest.fixture(scope="module")
+def dp_program(grid_plans: tuple[str, dict[str, dict]]) -> tuple[dict, EngineProgram]:
+    """The data-parallel grid point's plan and its dry run."""
+    source, plans = grid_plans
+    dp = next(p for label, p in plans.items() if label.startswith("dp2 x tp1"))
+    return dp, dry_run(dp, source)
+
+
+def test_data_parallelism_runs_one_gradient_all_reduce_per_parameter(
+    dp_program: tuple[dict, EngineProgram],
+) -> None:
+    """Under DTensor a replicated weight fed a batch-split input gets a partial gradient,
+    which the runtime all-reduces parameter by parameter: the dry run sees exactly those,
+    and kernels on half the batch. (The last bias is not among them: the stand-in loss's
+    gradient comes back replicated, so DTensor sums it over the whole batch on each rank.)"""
+    _, program = dp_program
+    assert program.world_size == 2
+    reduced = collections.Counter(c.nbytes for c in program.collectives if c.kind == "all_reduce")
+    assert reduced[64 * 256 * 4] == 2 and reduced[256 * 4] == 1, reduced  # weights, 1st bias
+    assert {c.kind for c in program.collectives} == {"all_reduce"}
+    # the first linear layer's forward matmul runs on this rank's 16 rows of 32
+    matmuls = [k for k in program.kernels if k.kind == "matmul"]
+    assert min(k.flops for k in matmuls) <= 2 * 16 * 64 * 256
+    assert program.dispatched > 0
+
+
+def test_tensor_parallelism_records_its_collectives_on_the_plans_mesh_axis(
+    grid_plans: tuple[str, dict[str, dict]],
+) -> None:
+    source, plans = grid_plans
+    tp = next(p for label, p in plans.items() if label.startswith("dp1 x tp2"))
+    program = dry_run(tp, source)
+    assert program.collectives
+    axes = set(tp["mesh"]["axes"])
+    assert all(set(c.axes) <= axes and c.axes for c in program.collectives)
+    # no weight is replicated whole, so no all-reduce moves a whole weight's gradient
+    assert all(c.nbytes < 64 * 256 * 4 for c in program.collectives if c.kind == "all_reduce")
+
+
+def test_the_prediction_costs_kernels_dispatch_and_collectives_by_the_cost_model(
+    dp_program: tuple[dict, EngineProgram],
+) -> None:
+    dp, recorded = dp_program
+    program = EngineProgram.from_dict(json.loads(json.dumps(recorded.to_dict())))
+    assert program == recorded
+    cluster = load_cluster("dgx-h100")
+    device = cluster.devices[0]
+    devices = np.arange(2).reshape(dp["mesh"]["shape"])
+    latency, bandwidth = 1e-4, 1e9
+    measured = CostModel(
+        collectives={device.kind: {"all_reduce": (latency, bandwidth)}},
+        dispatch_overhead={device.kind: 2e-5},
+    )
+    mesh = mesh_over(cluster, devices, tuple(dp["mesh"]["axes"]), "dp").calibrated(measured)
+    base = program.predict(replace(measured, dispatch_overhead={}), mesh, device.spec)
+    with_dispatch = program.predict(measured, mesh, device.spec)
+    # the engine's dispatch: exactly its per-op cost on every DTensor-level op
+    assert with_dispatch["dispatch_s"] == pytest.approx(program.dispatched * 2e-5)
+    assert with_dispatch["step_s"] - base["step_s"] == pytest.approx(program.dispatched * 2e-5)
+    # every recorded collective at the measured ring formula, one after another
+    expected = sum(
+        collective_time(c.kind, "ring", c.nbytes, 2, bandwidth=bandwidth, latency=latency)
+        for c in program.collectives
+    )
+    assert base["communication_s"] == pytest.approx(expected)
+    assert base["compute_s"] > 0
+    assert base["step_s"] == pytest.approx(base["compute_s"] + base["communication_s"])
+
+
+def test_a_plan_whose_model_cannot_be_built_is_one_sentence(tmp_path: Path) -> None:
+    plan = {
+        "format": "meshplace.parallel_plan",
+        "version": 1,
+        "graph": {"source": f"{tmp_path / 'missing.py'}:build"},
+        "mesh": {"axes": ["x"], "shape": [2]},
+        "parameters": {},
+        "inputs": {},
+    }
+    with pytest.raises(InputError, match=r"dry run of the plan failed: .*missing\.py"):
+        dry_run(plan)
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    done = subprocess.run(
+        [sys.executable, "-m", "meshplace.runtime.dryrun", str(tmp_path / "plan.json")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.strip().startswith("meshplace: error:")
+    assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_a_tensor_count_is_recorded_per_kernel_not_per_view() -> None:
+    """Views are metadata (no kernel); a matmul of local tensors is one kernel."""
+    from meshplace.runtime.dryrun import recorder
+
+    program = EngineProgram(1)
+    a, b = torch.randn(4, 8), torch.randn(8, 3)
+    with recorder(program):
+        c = (a.t().t() @ b).view(12)
+    assert c.shape == (12,)
+    assert [k.name for k in program.kernels] == ["mm"]
+    assert program.kernels[0].flops == 2 * 4 * 8 * 3
+    assert program.kernels[0].bytes == (4 * 8 + 8 * 3 + 4 * 3) * 4
