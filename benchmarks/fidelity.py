@@ -28,9 +28,9 @@ best and every Megatron grid point that fits (dp2 with ZeRO 0-3, tp2), each pred
 DTensor runs it: a dry run of the runtime's step on a fake process group
 (:func:`meshplace.runtime.dryrun.dry_run`) records rank 0's kernels and collectives, which
 the calibrated cost model (``calibrated_cost_model``, as ``meshplace shard --calibration``
-does) costs, with DTensor's dispatch per op (:func:`dtensor_dispatch_overhead`, measured on
-a 1-rank mesh in this process); the solver's own estimate of each plan is reported beside
-it (``predicted_solver_s``). Each plan
+does) costs, with DTensor's dispatch per op (measured on a 1-rank mesh in this process,
+:func:`meshplace.runtime.dryrun.measure_dispatch_overhead`); the solver's own estimate
+of each plan is reported beside it (``predicted_solver_s``). Each plan
 runs under torchrun on 2 gloo ranks (``python -m meshplace.runtime``: DTensor, PyTorch's
 own forward, backward and Adam); the measured step is the median of the timed steps (per
 step, the slowest rank) over the passes.
@@ -242,100 +242,6 @@ def mesh_of_workers(cal: Any, workers: int = 2) -> Any:
     )
 
 
-def dtensor_dispatch_overhead(source: str, reps: int = 20) -> dict[str, Any]:
-    """What running a step under DTensor adds per op, measured in this process: the same
-    eager step (forward, backward, foreach Adam; one thread) with plain tensors and with
-    every parameter and input a replicated DTensor on a 1-rank mesh (gloo,
-    ``sharded_step``), the difference divided by the ops DTensor dispatches in that step
-    (counted by :func:`meshplace.runtime.dryrun.recorder`, as the engine prediction
-    charges them: a foreach call of Adam is one, views are none). The
-    sharded runtime pays this on every op; the roofline's launch overhead, fitted to the
-    traced step's aten ops, does not contain it. It depends on the op (a view or an
-    attention propagates more placements than a GELU: 9 us per op on a stack of tiny
-    linear layers, 25 on the Llama example; Adam's foreach calls cover many update ops
-    each), so it is measured on the model's own step, run on the first two rows of its
-    inputs, where less arithmetic noise swamps the difference (on the fidelity MLP at
-    batch 64 it came out anywhere in 0-108 us per op over runs)."""
-    import contextlib
-    import tempfile
-
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, distribute_tensor
-
-    from meshplace.graph.capture import as_loss
-    from meshplace.graph.sources import first_rows, load_build_function
-    from meshplace.runtime.dryrun import EngineProgram, recorder
-    from meshplace.runtime.sharded import sharded_step
-
-    def build() -> tuple[Any, tuple, dict]:
-        torch.manual_seed(0)
-        built = load_build_function(source)()
-        args, kwargs = tuple(built[1]), dict(built[2]) if len(built) > 2 else {}
-        batch = int(args[0].shape[0])
-        args, kwargs = first_rows(args, kwargs, 2 if batch % 2 == 0 else 1, source)
-        return built[0], args, kwargs
-
-    def median_step(model: Any, args: tuple, kwargs: dict, context: Any) -> float:
-        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=True)
-        times = []
-        for _ in range(reps + 2):
-            start = time.perf_counter()
-            with context():
-                loss, _how = as_loss(model(*args, **kwargs))
-                loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            times.append(time.perf_counter() - start)
-        return statistics.median(times[2:])
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        model, args, kwargs = build()
-        plain = median_step(model, args, kwargs, contextlib.nullcontext)
-        with tempfile.TemporaryDirectory() as folder:
-            store = dist.FileStore(str(Path(folder) / "store"), 1)
-            dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-            try:
-                mesh = init_device_mesh("cpu", (1,))
-                model, args, kwargs = build()
-                for name, param in list(model.named_parameters()):
-                    owner, _, leaf = name.rpartition(".")
-                    placed = distribute_tensor(param.detach(), mesh, [Replicate()])
-                    setattr(model.get_submodule(owner), leaf, torch.nn.Parameter(placed))
-
-                def replicate(x: Any) -> Any:
-                    if isinstance(x, torch.Tensor):
-                        return distribute_tensor(x, mesh, [Replicate()])
-                    return x
-
-                args = tuple(replicate(a) for a in args)
-                kwargs = {k: replicate(v) for k, v in kwargs.items()}
-                on_dtensor = median_step(model, args, kwargs, sharded_step)
-                optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=True)
-                program = EngineProgram(1)
-                for recorded in (False, True):  # the second step: Adam's state exists
-                    with recorder(program) if recorded else contextlib.nullcontext():
-                        with sharded_step():
-                            loss, _how = as_loss(model(*args, **kwargs))
-                            loss.backward()
-                        optimizer.step()
-                        optimizer.zero_grad(set_to_none=True)
-                ops = program.dispatched
-            finally:
-                dist.destroy_process_group()
-    finally:
-        torch.set_num_threads(threads)
-    return {
-        "plain_step_s": plain,
-        "dtensor_step_s": on_dtensor,
-        "ops": ops,
-        "per_op_s": max(0.0, (on_dtensor - plain) / ops),
-    }
-
-
 def _torchrun_step_times(
     plan: dict, source: str, steps: int, warmup: int, extra: tuple[str, ...] = ()
 ) -> list[float]:
@@ -428,19 +334,20 @@ def dtensor_workers(source: str) -> tuple[Any, Any, Any, dict[str, Any], Any, An
     (the fit, and gloo's collectives among the 2 ranks, ``measure_collectives``), its 2
     workers as a mesh (:func:`mesh_of_workers`), and the calibrated cost model of the
     DTensor engine: the runtime dispatches every op through DTensor, so its measured
-    per-op cost (:func:`dtensor_dispatch_overhead`) is the engine's dispatch overhead,
-    added to every op's time, measured or roofline.
+    per-op cost (:func:`meshplace.runtime.dryrun.measure_dispatch_overhead`) is the
+    engine's dispatch overhead, added to every op's time, measured or roofline.
     Returns ``(traced step, calibration, cluster, dispatch measurement, engine
     calibration, cost model)``."""
     from meshplace.cost.calibration import calibrated_cost_model, with_collectives
     from meshplace.profile.calibrate import calibrate
     from meshplace.profile.link import measure_collectives
+    from meshplace.runtime.dryrun import measure_dispatch_overhead
     from meshplace.runtime.program import ModelSpec, trace_step
 
     step = trace_step(ModelSpec(source))
     cal = calibrate(step)
     cluster = mesh_of_workers(cal)
-    dispatch = dtensor_dispatch_overhead(source)
+    dispatch = measure_dispatch_overhead(source)
     collectives = measure_collectives(world_size=2, engine="dtensor")
     print(
         "  collectives as DTensor runs them on 2 gloo ranks (ring formula fitted): "

@@ -103,8 +103,8 @@ def test_the_prediction_costs_kernels_dispatch_and_collectives_by_the_cost_model
         dispatch_overhead={device.kind: 2e-5},
     )
     mesh = mesh_over(cluster, devices, tuple(dp["mesh"]["axes"]), "dp").calibrated(measured)
-    base = program.predict(replace(measured, dispatch_overhead={}), mesh, device.spec)
-    with_dispatch = program.predict(measured, mesh, device.spec)
+    base = program.predict(replace(measured, dispatch_overhead={}), mesh, device.spec, device.kind)
+    with_dispatch = program.predict(measured, mesh, device.spec, device.kind)
     # the engine's dispatch: exactly its per-op cost on every DTensor-level op
     assert with_dispatch["dispatch_s"] == pytest.approx(program.dispatched * 2e-5)
     assert with_dispatch["step_s"] - base["step_s"] == pytest.approx(program.dispatched * 2e-5)
@@ -153,3 +153,55 @@ def test_a_tensor_count_is_recorded_per_kernel_not_per_view() -> None:
     assert [k.name for k in program.kernels] == ["mm"]
     assert program.kernels[0].flops == 2 * 4 * 8 * 3
     assert program.kernels[0].bytes == (4 * 8 + 8 * 3 + 4 * 3) * 4
+
+
+def test_a_runs_report_costs_the_recorded_step_by_the_calibration_it_is_given(
+    tmp_path: Path, dp_program: tuple[dict, EngineProgram]
+) -> None:
+    """``meshplace run --calibration FILE`` on a sharding plan: rank 0's recorded step is
+    costed by that file's cost model (its dispatch and collectives) on the plan's
+    cluster; without one, by the catalogue's; an unreadable cluster is a note."""
+    from meshplace.cost.calibration import CostCalibration, save_calibration
+    from meshplace.runtime.launch import summarise
+
+    plan, program = dp_program
+    kind = load_cluster("dgx-h100").devices[plan["mesh"]["devices"][0]].kind
+    calibration = CostCalibration(
+        device_kind=kind,
+        peak_flops=1e12,
+        memory_bandwidth=1e11,
+        launch_overhead_s=1e-5,
+        collectives={"all_reduce": (2e-4, 1e9)},
+        collectives_measured_on=2,
+        dispatch_overhead_s=3e-5,
+    )
+    save_calibration(calibration, tmp_path / "cal.json")
+    rank = {"times_s": [1.0, 0.5], "losses": [1.0, 0.9], "peak_bytes": 0}
+    rank.update(parameters=0, gradients=0, optimizer_state=0, program=program.to_dict())
+
+    def engine(**options: str) -> dict:
+        report = summarise(
+            plan, [rank, rank], source="m.py:build", warmup=1, device="cpu", **options
+        )
+        return report["predicted"].get("engine") or {"notes": report["notes"]}
+
+    calibrated = engine(calibration=str(tmp_path / "cal.json"))
+    catalogue = engine()
+    assert calibrated["dispatch_s"] == pytest.approx(program.dispatched * 3e-5)
+    assert catalogue["dispatch_s"] == 0.0
+    reduces = sum(1 for c in program.collectives if c.kind == "all_reduce")
+    assert calibrated["communication_s"] >= reduces * 2e-4 * 2  # the ring: 2 (p - 1) steps
+    assert calibrated["communication_s"] > 10 * catalogue["communication_s"]  # NVLink's
+    assert calibrated["collectives"] == {"all_reduce": reduces}
+    missing = engine(cluster=str(tmp_path / "none.yaml"))
+    assert any("no prediction as DTensor runs it" in n for n in missing["notes"])
+
+
+def test_dtensors_dispatch_is_measured_per_op_it_dispatches(tmp_path: Path) -> None:
+    from meshplace.runtime.dryrun import measure_dispatch_overhead
+
+    (tmp_path / "mlp.py").write_text(MODEL)
+    measured = measure_dispatch_overhead(f"{tmp_path / 'mlp.py'}:build", reps=2)
+    # forward, backward and foreach Adam of a 2-layer MLP: a few tens of DTensor ops
+    assert 10 <= measured["ops"] <= 60, measured
+    assert measured["per_op_s"] >= 0 and measured["dtensor_step_s"] > 0

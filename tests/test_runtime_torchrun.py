@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from meshplace.graph.capture import as_loss, capture
@@ -116,6 +117,14 @@ def test_a_plan_trains_under_torchrun_like_one_process_and_each_rank_holds_its_s
     for kind in ("parameters", "gradients", "optimizer_state"):
         assert memory[kind]["measured"] == [memory[kind]["predicted"]] * 2, kind
     assert report["notes"] == []
+    # and the step as DTensor ran it (rank 0's warm-up step recorded), costed on the
+    # plan's cluster: ZeRO-3 gathers its parameter shards, so there are collectives
+    engine = report["predicted"]["engine"]
+    assert engine["cluster"] == "dgx-h100" and engine["kernels"] > 0
+    assert engine["collectives"].get("all_gather", 0) >= 1, engine["collectives"]
+    assert engine["step_s"] == pytest.approx(
+        engine["compute_s"] + engine["dispatch_s"] + engine["communication_s"]
+    )
 
 
 def test_bad_runs_are_one_sentence_and_exit_2(tmp_path: Path, monkeypatch, capsys) -> None:
@@ -162,6 +171,7 @@ def test_bad_runs_are_one_sentence_and_exit_2(tmp_path: Path, monkeypatch, capsy
         (["--plan", "plan.json", "--model", "m.py:build"], "needs 4 processes, torchrun started 2"),
         (["--plan", "plan.json", "--steps", "2", "--warmup", "2"], "fewer than --steps"),
         (["--plan", "plan.json", "--model", "m.py:build", "--checkpoint-dir", "f"], "is a file"),
+        (["--plan", "placed.json", "--calibration", "c.json"], "applies to sharding plans"),
     ]
     for args, message in cases:
         assert runtime_main(args) == 2, args
@@ -173,6 +183,9 @@ def test_bad_runs_are_one_sentence_and_exit_2(tmp_path: Path, monkeypatch, capsy
         (["--plan", "plan.json", "--graph", "m.py:build", "--cluster-out", "c.yaml"], "does not"),
         (["--plan", "plan.json", "--graph", "m.py:build", "--worker-devices", "cuda:0"], "cpu or"),
         (["--plan", "plan.json", "--graph", "m.py:build", "--checkpoint-dir", "f"], "is a file"),
+        (["--plan", "plan.json", "--graph", "m.py:build", "--calibration", "no.json"], "no.json"),
+        (["--plan", "plan.json", "--graph", "m.py:build", "--cluster", "nowhere"], "nowhere"),
+        (["--graph", "mlp", "--placer", "single", "--calibration", "c.json"], "sharding plans"),
     ):
         assert meshplace_main(["run", *args]) == 2, args
         err = capsys.readouterr().err

@@ -131,6 +131,20 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         help="give up on a FILE.py:FUNCTION model whose import or build function does not "
         f"return within this long (default {DEFAULT_BUILD_TIMEOUT_S:g})",
     )
+    parser.add_argument(
+        "--cluster",
+        default=None,
+        help="a sharding plan: predict the step as DTensor runs it on this cluster's devices "
+        "(preset or YAML; default: the plan's cluster)",
+    )
+    parser.add_argument(
+        "--calibration",
+        default=None,
+        metavar="FILE",
+        help="a sharding plan: predict the step as DTensor runs it with this calibration's "
+        "cost model (meshplace profile --out, run --calibration-out; default: the "
+        "catalogue's figures)",
+    )
     parser.add_argument("--cluster-out", help="write the calibrated local cluster (YAML)")
     parser.add_argument(
         "--calibration-out",
@@ -180,6 +194,9 @@ def check_run_arguments(args: argparse.Namespace) -> Any:
         if getattr(args, flag, None) is not None:
             name = "--" + flag.replace("_", "-")
             raise InputError(f"{name} applies to --launcher torchrun")
+    for flag in ("cluster", "calibration"):
+        if getattr(args, flag, None) is not None:
+            raise InputError(f"--{flag} applies to sharding plans (meshplace shard --out)")
     if getattr(args, "no_predict", False):
         if not args.plan:
             raise InputError("--no-predict needs --plan: placers search the calibrated model")
@@ -252,7 +269,7 @@ def run_sharding_plan(args: argparse.Namespace, plan: dict[str, Any]) -> int:
     device on this host, each running :mod:`meshplace.runtime.launch`; its exit status.
     Every check that needs no process is made first (one sentence, exit 2)."""
     from meshplace.runtime.hybrid_plan import check_hybrid_plan, is_hybrid
-    from meshplace.runtime.launch import model_source, read_plan
+    from meshplace.runtime.launch import check_prediction_options, model_source, read_plan
 
     read_plan(args.plan)  # what is wrong with the file, before any process starts
     for flag, value in (
@@ -273,10 +290,13 @@ def run_sharding_plan(args: argparse.Namespace, plan: dict[str, Any]) -> int:
     nproc = math.prod(int(s) for s in plan["mesh"]["shape"])
     if is_hybrid(plan):  # what every rank would refuse, refused before any starts
         check_hybrid_plan(plan, nproc, getattr(args, "memory_budget", None))
+    check_prediction_options(args, plan, sharding=not is_hybrid(plan))
     extra = ["--model", source]
     for flag, value in (
         ("--memory-budget", getattr(args, "memory_budget", None)),
         ("--checkpoint-dir", getattr(args, "checkpoint_dir", None)),
+        ("--cluster", getattr(args, "cluster", None)),
+        ("--calibration", getattr(args, "calibration", None)),
     ):
         if value is not None:
             extra += [flag, str(value)]
@@ -291,6 +311,8 @@ def run_placement_with_torchrun(args: argparse.Namespace, plan: Any) -> int:
         ("--placer", args.placer),
         ("--cluster-out", args.cluster_out),
         ("--calibration-out", getattr(args, "calibration_out", None)),
+        ("--cluster", getattr(args, "cluster", None)),
+        ("--calibration", getattr(args, "calibration", None)),
     ):
         if value is not None:
             raise InputError(f"{flag} does not apply to --launcher torchrun")
@@ -478,9 +500,16 @@ def _run(args: argparse.Namespace, plan: Any) -> int:
         # the transport's own collectives, among as many processes as there are workers
         # (two at least), for the sharding plans that plan, simulate and shard cost
         collectives = measure_collectives(world_size=max(2, len(local)))
-        save_calibration(
-            with_collectives(cal.cost_calibration(), collectives), args.calibration_out
-        )
+        measured = with_collectives(cal.cost_calibration(), collectives)
+        path, _, function = str(args.graph).rpartition(":")
+        if path.endswith(".py") and function and not gpus:
+            from meshplace.runtime.dryrun import measure_dispatch_overhead
+
+            # what DTensor's dispatch adds per op on this model's own step, which the
+            # sharding runtime pays (a FILE.py:FUNCTION model: it is built again here)
+            dispatch = measure_dispatch_overhead(str(args.graph))
+            measured = measured.model_copy(update={"dispatch_overhead_s": dispatch["per_op_s"]})
+        save_calibration(measured, args.calibration_out)
     error = None if predicted is None else (predicted - res.step_time_s) / res.step_time_s
     out = {
         "graph": step.graph.name,

@@ -116,6 +116,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="pipelined placement (objective throughput, several micro-batches): 1F1B "
         "(default) or GPipe",
     )
+    parser.add_argument(
+        "--cluster",
+        default=None,
+        help="sharding plan: the cluster (preset or YAML) whose devices the step is "
+        "predicted on as DTensor runs it (default: the plan's cluster)",
+    )
+    parser.add_argument(
+        "--calibration",
+        default=None,
+        metavar="FILE",
+        help="sharding plan: the calibration file (meshplace profile --out, meshplace run "
+        "--calibration-out) whose cost model predicts the step as DTensor runs it "
+        "(default: the catalogue's figures)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object (rank 0)")
     return parser
 
@@ -451,10 +465,13 @@ def run_sharded_plan(
     (``torch.distributed`` already initialised); what this rank measured.
     ``checkpoint_dir``: after the last step every parameter is gathered whole (DTensor's
     ``full_tensor``, on every rank) and rank 0 writes them there (``rank0.pt``, a dict
-    name → tensor)."""
+    name → tensor). Rank 0 records its last warm-up step's kernels and collectives
+    (:func:`meshplace.runtime.dryrun.recorder`; untimed, so the recording costs no
+    measured time) as ``program``, for the prediction of the step as DTensor runs it."""
     import torch
 
     from meshplace.runtime.activity import SYNC, RankActivity, module_places, watch_modules
+    from meshplace.runtime.dryrun import EngineProgram, recorder
     from meshplace.runtime.sharded import local_nbytes, optimizer_state_bytes, peak_bytes
 
     training = ShardedTraining(plan, source, lr=lr, device_type=device_type)
@@ -476,6 +493,10 @@ def run_sharded_plan(
             os.kill(os.getpid(), signal.SIGKILL)
 
     watch_modules(model, activity, on_leaf=kill_if_faulted)
+    program: EngineProgram | None = None
+    mesh = training.mesh
+    names = list(mesh.mesh_dim_names or [])
+    axis_of = {mesh.get_group(i).group_name: [names[i]] for i in range(len(names))}
     for step in range(steps):
         current[0] = step
         activity.start_step(step)
@@ -483,7 +504,12 @@ def run_sharded_plan(
         torch.distributed.barrier()
         activity.at(0)
         start = time.perf_counter()
-        loss, grad_bytes = training.step()
+        if rank == 0 and step == warmup - 1:
+            program = EngineProgram(torch.distributed.get_world_size())
+            with recorder(program, axis_of):
+                loss, grad_bytes = training.step()
+        else:
+            loss, grad_bytes = training.step()
         if device_type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
@@ -508,6 +534,7 @@ def run_sharded_plan(
         "peak_bytes": peak,
         "uneven": training.zero.uneven,
         "meta_buffers": training.meta_buffers,
+        "program": program.to_dict() if program is not None else None,
     }
 
 
@@ -542,11 +569,23 @@ def step_timing(per_rank: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
 
 
 def summarise(
-    plan: dict[str, Any], per_rank: list[dict[str, Any]], *, source: str, warmup: int, device: str
+    plan: dict[str, Any],
+    per_rank: list[dict[str, Any]],
+    *,
+    source: str,
+    warmup: int,
+    device: str,
+    cluster: str | None = None,
+    calibration: str | None = None,
 ) -> dict[str, Any]:
-    """Rank 0's report: every rank's measurements beside the plan's predictions."""
+    """Rank 0's report: every rank's measurements beside the plan's predictions — the
+    solver's, and (``predicted.engine``) the step as DTensor ran it on rank 0 (its
+    recorded warm-up step) costed by the cost model of ``calibration`` on ``cluster``'s
+    devices (:func:`meshplace.runtime.dryrun.engine_prediction`)."""
+    from meshplace.runtime.dryrun import EngineProgram, engine_prediction
+
     timing = step_timing(per_rank, warmup)
-    predicted = plan.get("predicted") or {}
+    predicted = dict(plan.get("predicted") or {})
     memory = predicted.get("memory_bytes") or {}
     notes = []
     meta_buffers = per_rank[0].get("meta_buffers", [])
@@ -556,6 +595,16 @@ def summarise(
             f"({', '.join(meta_buffers[:3])}) start as zeros (running_var ones), not as the "
             "model computes them"
         )
+    recorded = per_rank[0].get("program")
+    if recorded is None:
+        notes.append("no warm-up step was recorded (--warmup 0): no prediction as DTensor runs it")
+    else:
+        try:
+            predicted["engine"] = engine_prediction(
+                plan, EngineProgram.from_dict(recorded), cluster=cluster, calibration=calibration
+            )
+        except InputError as exc:
+            notes.append(f"no prediction as DTensor runs it: {exc}")
     uneven = per_rank[0].get("uneven", [])
     if uneven:
         notes.append(
@@ -586,6 +635,25 @@ def summarise(
     }
 
 
+def check_prediction_options(
+    args: argparse.Namespace, plan: dict[str, Any], *, sharding: bool
+) -> None:
+    """``--cluster`` and ``--calibration`` apply to sharding plans (not hybrid ones) and
+    must be readable: one :class:`InputError` sentence otherwise, before any rank
+    starts."""
+    from meshplace.cost.calibration import load_calibration
+    from meshplace.hardware import load_cluster
+
+    cluster, calibration = getattr(args, "cluster", None), getattr(args, "calibration", None)
+    for flag, value in (("--cluster", cluster), ("--calibration", calibration)):
+        if value is not None and not sharding:
+            raise InputError(f"{flag} applies to sharding plans, not to {args.plan}")
+    if cluster is not None:
+        load_cluster(cluster)
+    if calibration is not None:
+        load_calibration(calibration)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m meshplace.runtime`` on every torchrun rank."""
     args = build_parser().parse_args(argv)
@@ -597,6 +665,7 @@ def main(argv: list[str] | None = None) -> int:
             raise InputError(f"--warmup {args.warmup} must be fewer than --steps {args.steps}")
         plan = read_plan(args.plan)
         placement = plan["format"] == "meshplace.plan"
+        check_prediction_options(args, plan, sharding=not placement and not is_hybrid(plan))
         pipelined = False
         if placement:
             from meshplace.plan.placement import plan_from_dict
@@ -751,7 +820,13 @@ def main(argv: list[str] | None = None) -> int:
             )
         else:
             report = summarise(
-                plan, per_rank, source=source, warmup=args.warmup, device=device_type
+                plan,
+                per_rank,
+                source=source,
+                warmup=args.warmup,
+                device=device_type,
+                cluster=args.cluster,
+                calibration=args.calibration,
             )
         if args.json:
             print(json.dumps(report))
@@ -909,6 +984,15 @@ def print_report(report: dict[str, Any]) -> None:
         f"{report['steps'] - report['warmup']}); the plan predicted "
         f"{(p.get('step_time_s') or 0) * 1e3:.2f} ms on {p.get('cluster')}"
     )
+    engine = p.get("engine")
+    if engine:
+        counts = ", ".join(f"{n} {k}" for k, n in sorted(engine["collectives"].items()))
+        print(
+            f"as DTensor ran it ({engine['kernels']} kernels, {counts or 'no collectives'}): "
+            f"{engine['step_s'] * 1e3:.2f} ms predicted on {engine['cluster']} (compute "
+            f"{engine['compute_s'] * 1e3:.2f}, dispatch {engine['dispatch_s'] * 1e3:.2f}, "
+            f"collectives {engine['communication_s'] * 1e3:.2f} ms)"
+        )
     print(f"loss: {' '.join(f'{v:.5g}' for v in m['losses'])}")
     for kind, v in report["memory_per_rank"].items():
         print(f"{kind} bytes: predicted {v['predicted']}, measured per rank {v['measured']}")
