@@ -371,3 +371,27 @@ def test_the_stack_must_be_a_chain_of_identical_layers(flops, chained, words) ->
     bad = _stack(flops, chained)
     with pytest.raises(InputError, match=words):
         hybrid.check_layer_stack(bad, *hybrid.op_parts(bad, "layers"))
+
+
+def test_one_device_stages_pay_no_engine_dispatch() -> None:
+    """A stage with neither data nor tensor parallelism runs plain tensors under torchrun,
+    so the engine's per-op dispatch (a calibration's ``dispatch_overhead_s``) is charged to
+    stages of several devices only: a pipeline of one-device stages costs what it costs
+    without dispatch; data parallelism over the same chips costs more."""
+    from meshplace.cost.compute import CostModel
+
+    cluster = load_cluster("h2-8xh100")
+    kind = cluster.devices[hybrid.accelerators(cluster)[0]].kind
+
+    def search(cost_model: CostModel) -> dict[tuple[int, int, int], float]:
+        r = hybrid.hybrid_search(
+            "tiny", None, cluster, chips=2, global_batch=4, tensor_parallel=(1,),
+            micro_batch_sizes=(2,), graphs=_tiny_graphs, layers=2, simulate_top=1000,
+            schedules=("gpipe",), zero_stages=(0,), cost_model=cost_model,
+        )  # fmt: skip
+        return {(p.pp, p.dp, p.tp): p.time_per_batch_s for p in r.plans}
+
+    plain = search(CostModel())
+    engine = search(CostModel(dispatch_overhead={kind: 1e-4}))
+    assert engine[(2, 1, 1)] == pytest.approx(plain[(2, 1, 1)], rel=1e-12)
+    assert engine[(1, 2, 1)] > plain[(1, 2, 1)] + 1e-4 * 100  # hundreds of ops, each 0.1 ms

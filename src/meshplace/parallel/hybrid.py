@@ -83,7 +83,7 @@ import itertools
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -1540,25 +1540,39 @@ def hybrid_search(
         raise InputError("the hybrid search needs the model's layer count with its graphs")
     layers = layers or 0  # nothing captured: no configuration, said by HybridResult.best
     solves = 0
+    # A stage on one device (no data or tensor parallelism) runs plain tensors, not
+    # DTensors (meshplace.runtime.hybrid), so it pays no engine dispatch: its parts are
+    # costed again without it (keyed by tp 0), when the cost model has one and a
+    # pipeline of one-device stages is possible.
+    plain_model = replace(cost_model, dispatch_overhead={}) if cost_model is not None else None
+    plain_stages = (
+        plain_model is not None
+        and any(cost_model.dispatch_overhead.values())
+        and 1 in tps
+        and n in (pipeline_degrees if pipeline_degrees is not None else [n])
+    )
     for b, graph in captured.items():
-        for tp in tps:
+        for tp in [*tps, *([0] if plain_stages else [])]:
             if solved is not None and (tp, b) in solved:
                 parts[(tp, b)] = solved[(tp, b)]
                 continue
             if progress is not None:
-                progress(f"tp {tp}, micro-batch {b}")
+                progress(
+                    f"tp {max(tp, 1)}, micro-batch {b}" + (" (plain tensors)" if not tp else "")
+                )
+            model = plain_model if tp == 0 else cost_model
             try:
                 if units:
                     parts[(tp, b)] = unit_costs(
-                        graph, cluster, tp, b, cost_model=cost_model, compute=compute
+                        graph, cluster, max(tp, 1), b, cost_model=model, compute=compute
                     )
                 else:
                     parts[(tp, b)] = part_costs(
                         graph,
                         cluster,
-                        tp,
+                        max(tp, 1),
                         b,
-                        cost_model=cost_model,
+                        cost_model=model,
                         restrict=restrict_to_grid if style == "megatron" else None,
                         compute=compute,
                     )
@@ -1566,7 +1580,7 @@ def hybrid_search(
                 if solved is not None:
                     solved[(tp, b)] = parts[(tp, b)]
             except (ShardingError, LayoutError) as exc:
-                skipped[f"tp{tp} mb{b}"] = str(exc)
+                skipped[f"tp{max(tp, 1)} mb{b}"] = str(exc)
     degrees = [d for d in _divisors(n) if d <= layers]
     if pipeline_degrees is not None:
         degrees = [d for d in degrees if d in set(pipeline_degrees)]
@@ -1582,10 +1596,14 @@ def hybrid_search(
     configurations = 0
     meshes: dict[tuple[int, int], Mesh] = {}
     for (tp, b), pc in sorted(parts.items()):
+        if tp == 0:  # one-device stages' plain-tensor costs: used for tp 1 below
+            continue
         for pp in degrees:
             if n % (pp * tp):
                 continue
             dp = n // (pp * tp)
+            # a one-device stage: the same parts without the engine's dispatch
+            costs = parts[(0, b)] if dp * tp == 1 and (0, b) in parts else pc
             if global_batch % (dp * b):
                 continue
             m = global_batch // (dp * b)
@@ -1611,13 +1629,13 @@ def hybrid_search(
                 for schedule in schedules if pp > 1 else tuple(schedules)[:1]:
                     config = HybridConfig(pp, dp, tp, b, m, z, schedule)
                     configurations += 1
-                    if isinstance(pc, UnitCosts):
+                    if isinstance(costs, UnitCosts):
                         plan = _evaluate_units(
-                            pc, config, capacity, mesh, dp_axis, link_s, peak, global_batch, n
+                            costs, config, capacity, mesh, dp_axis, link_s, peak, global_batch, n
                         )
                     else:
                         plan = _evaluate(
-                            pc, config, layers, capacity, mesh, dp_axis, link_s, peak,
+                            costs, config, layers, capacity, mesh, dp_axis, link_s, peak,
                             global_batch, n, uniform=style == "megatron",
                         )  # fmt: skip
                     if plan is not None:
