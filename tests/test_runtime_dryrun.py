@@ -29,6 +29,7 @@ import torch
 
 
 def build():
+    print("building the MLP")  # on stdout: the dry run's JSON document must survive it
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)
@@ -139,6 +140,11 @@ def test_a_plan_whose_model_cannot_be_built_is_one_sentence(tmp_path: Path) -> N
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.strip().startswith("meshplace: error:")
     assert len(done.stderr.strip().splitlines()) == 1
+    # an op placement is not a sharding plan
+    placed = {"format": "meshplace.plan", "version": 1, "graph": "g", "graph_ops": 1}
+    (tmp_path / "placed.json").write_text(json.dumps({**placed, "placement": {"a": "gpu0"}}))
+    with pytest.raises(InputError, match="is not a sharding plan"):
+        dry_run(tmp_path / "placed.json")
 
 
 def test_a_tensor_count_is_recorded_per_kernel_not_per_view() -> None:

@@ -5,9 +5,10 @@ Why: a sharding plan fixes the placements of parameters and inputs; the solver a
 chooses a strategy for every op in between (it may, say, gather a batch-split input once
 and compute replicated rather than all-reduce every gradient), but under torchrun the
 model's forward and backward run in PyTorch, and DTensor's own sharding propagation
-decides each op's placement from its operands' (Wanchoo et al., "PyTorch DTensor",
-the ``torch.distributed.tensor`` design; per op the strategy with the cheapest
-redistribution of its inputs). Predicting the runtime's step from the solver's op
+decides each op's placement from its operands' (PyTorch's ``torch.distributed.tensor``:
+per op, the registered strategy whose inputs cost least to redistribute to). Source of
+the recording technique: a dispatch mode that defers to tensor subclasses, as PyTorch's
+``make_fx`` traces through them. Predicting the runtime's step from the solver's op
 strategies predicts another program. This module records the program DTensor actually
 runs, then costs it with the same cost model (calibrated op efficiencies, launch and
 dispatch overheads, the measured collectives).
@@ -299,10 +300,12 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m meshplace.runtime.dryrun PLAN [--model FILE.py:build]``: print rank 0's
     recorded step (:class:`EngineProgram` as JSON)."""
     import argparse
+    import contextlib
 
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from meshplace.runtime.hybrid_plan import is_hybrid
     from meshplace.runtime.launch import model_source, read_plan
 
     parser = argparse.ArgumentParser(prog="python -m meshplace.runtime.dryrun")
@@ -311,11 +314,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         plan = read_plan(args.plan)
+        if plan.get("format") != "meshplace.parallel_plan" or is_hybrid(plan):
+            raise InputError(
+                f"{args.plan} is not a sharding plan (meshplace shard --out without "
+                "--pipeline): the dry run records DTensor's step of one"
+            )
         source = model_source(plan, args.model)
         world = math.prod(int(s) for s in plan["mesh"]["shape"])
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
         try:
-            program = record_step(plan, source)
+            # whatever the model prints goes to stderr: stdout is the one JSON document
+            with contextlib.redirect_stdout(sys.stderr):
+                program = record_step(plan, source)
         finally:
             dist.destroy_process_group()
     except InputError as exc:
