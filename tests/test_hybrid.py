@@ -395,3 +395,31 @@ def test_one_device_stages_pay_no_engine_dispatch() -> None:
     engine = search(CostModel(dispatch_overhead={kind: 1e-4}))
     assert engine[(2, 1, 1)] == pytest.approx(plain[(2, 1, 1)], rel=1e-12)
     assert engine[(1, 2, 1)] > plain[(1, 2, 1)] + 1e-4 * 100  # hundreds of ops, each 0.1 ms
+
+
+def test_synchronous_gradients_cost_one_exposed_collective_per_parameter_tensor() -> None:
+    """``synchronous_gradients`` scores data parallelism as meshplace's runtime runs it:
+    one all-reduce per parameter tensor after the schedule, none hidden behind the
+    backward. With a measured all-reduce of latency a, that adds at least a per tensor."""
+    from meshplace.cost.compute import CostModel
+
+    cluster = load_cluster("h2-8xh100")
+    kind = cluster.devices[hybrid.accelerators(cluster)[0]].kind
+    latency = 1e-3
+    cost_model = CostModel(collectives={kind: {"all_reduce": (latency, 1e10)}})
+
+    def search(synchronous: bool) -> hybrid.HybridResult:
+        return hybrid.hybrid_search(
+            "tiny", None, cluster, chips=2, global_batch=4, tensor_parallel=(1,),
+            micro_batch_sizes=(2,), graphs=_tiny_graphs, layers=2, simulate_top=1000,
+            schedules=("gpipe",), zero_stages=(0,), pipeline_degrees=(1,),
+            cost_model=cost_model, synchronous_gradients=synchronous,
+        )  # fmt: skip
+
+    overlapped, synchronous = search(False), search(True)
+    pc = synchronous.part_costs[(1, 2)]
+    tensors = pc.pre.parameter_tensors + 2 * pc.layer.parameter_tensors + pc.post.parameter_tensors
+    assert pc.layer.parameter_tensors >= 4  # a GPT layer: attention, MLP, norms
+    dp2 = {p.dp: p.time_per_batch_s for p in overlapped.plans}[2]
+    dp2_sync = {p.dp: p.time_per_batch_s for p in synchronous.plans}[2]
+    assert dp2_sync - dp2 >= tensors * latency * 0.99

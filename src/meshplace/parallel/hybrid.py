@@ -128,6 +128,8 @@ class Part:
         input_bytes: the part's input per micro-batch (what full recomputation keeps).
         transient_bytes: the largest working set of one op.
         flops: model FLOPs of one micro-batch (forward + backward, over all tp devices).
+        parameter_tensors: how many parameter tensors the part holds (an engine that
+            reduces each gradient on its own runs one collective per tensor).
     """
 
     forward_s: float = 0.0
@@ -140,6 +142,7 @@ class Part:
     input_bytes: float = 0.0
     transient_bytes: float = 0.0
     flops: float = 0.0
+    parameter_tensors: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -580,6 +583,7 @@ def _attributed_costs(
             if g.anchor in tied:
                 tied_bytes += st.parts.get("parameters", 0.0)
             add(b, "update_s", st.compute_s)
+            add(b, "parameter_tensors", 1.0)
             add(b, "backward_s", st.comm_s)
             add(b, "forward_s", st.gather_s if st.gathers >= 1 else 0.0)
             add(b, "backward_s", st.gather_s if st.gathers >= 2 else 0.0)
@@ -966,7 +970,7 @@ def _unit_stage_model(
     n = len(uc.units) + 1
     # a parameter several units read: a stage with a reader but not the first keeps a
     # copy, with its gradient and optimizer state (sharded by ZeRO like its own)
-    copies = np.zeros((3, n, n))
+    copies = np.zeros((4, n, n))  # bytes of parameters, gradients, state; tensors
     s_idx, e_idx = np.arange(n)[:, None], np.arange(n)[None, :]
     for p_bytes, g_bytes, s_bytes, readers in uc.shared:
         owner = readers[0]
@@ -975,7 +979,7 @@ def _unit_stage_model(
         for r in readers[1:]:
             holds_reader |= (s_idx <= r) & (r < e_idx)
         copy = holds_reader & ~holds_owner
-        copies += np.array([p_bytes, g_bytes, s_bytes])[:, None, None] * copy
+        copies += np.array([p_bytes, g_bytes, s_bytes, 1.0])[:, None, None] * copy
     params = summed("parameter_bytes") + copies[0][None, :, :, None]
     grads = summed("gradient_bytes") + copies[1][None, :, :, None]
     state = summed("state_bytes") + copies[2][None, :, :, None]
@@ -1014,6 +1018,9 @@ def _unit_stage_model(
         "transient": np.broadcast_to(transient, shape),
         "params": np.broadcast_to(params, shape),
         "grads": np.broadcast_to(grads, shape),
+        "tensors": np.broadcast_to(
+            summed("parameter_tensors") + copies[3][None, :, :, None], shape
+        ),
         "update": np.broadcast_to(summed("update_s") / divisor["s"], shape),
         **_held(params, grads, state, divisor, shape),
     }
@@ -1029,6 +1036,7 @@ def _evaluate_units(
     peak_flops: float,
     global_batch: int,
     chips: int,
+    synchronous: bool = False,
 ) -> HybridPlan | None:
     """:func:`_evaluate` for a model cut between heterogeneous units: the DP over (first
     unit, end unit) ranges (:func:`meshplace.parallel.units.best_unit_split`), each
@@ -1058,7 +1066,7 @@ def _evaluate_units(
         if not bounds:
             return None
     idx = (np.arange(p), np.array(bounds[:-1]), np.array(bounds[1:]), np.array(options))
-    sync = _stage_syncs(config, model, idx, stage_mesh, dp_axis)
+    sync = _stage_syncs(config, model, idx, stage_mesh, dp_axis, synchronous)
     stage_of = np.searchsorted(np.array(bounds[1:]), np.arange(n_units), side="right")
     for _, g_bytes, _, readers in uc.shared:  # a shared parameter's gradient, both ways
         owner = int(stage_of[readers[0]])
@@ -1118,6 +1126,7 @@ def _stage_model(
     tied_share = min(pc.tied_bytes / pre_params, 1.0) if p > 1 else 0.0
     params = total("parameter_bytes") + last * tied_share * pre.parameter_bytes
     grads = total("gradient_bytes") + last * tied_share * pre.gradient_bytes
+    tensors = total("parameter_tensors") + last * float(tied_share > 0)  # the tied copy
     state = total("state_bytes") + last * tied_share * pre.state_bytes
 
     def collective(kind: str, nbytes: np.ndarray | float) -> np.ndarray:
@@ -1160,6 +1169,7 @@ def _stage_model(
         "transient": np.broadcast_to(transient, (p, layers + 1, 2)),
         "params": np.broadcast_to(params, (p, layers + 1, 2)),
         "grads": np.broadcast_to(grads, (p, layers + 1, 2)),
+        "tensors": np.broadcast_to(tensors, (p, layers + 1, 2)),
         "update": np.broadcast_to(total("update_s") / divisor["s"], (p, layers + 1, 2)),
         **_held(params, grads, state, divisor, (p, layers + 1, 2)),
     }
@@ -1190,21 +1200,33 @@ def _sync_seconds(
     backward: float,
     mesh: Mesh,
     axis: str | None,
+    tensors: float = 1.0,
+    synchronous: bool = False,
 ) -> float:
     """Exposed once-per-batch data-parallel synchronisation of one stage (module
     docstring, step 2): the gradient reduction after the last backward, overlapping that
     backward (ZeRO-0 all-reduce, ZeRO-1 reduce-scatter; ZeRO-2/3 reduce-scatter after every
     micro-batch instead), and ZeRO-1/2's all-gather of the updated parameters, which the
-    next step's first forward can overlap."""
+    next step's first forward can overlap. ``synchronous``: an engine that reduces (and
+    gathers) each of the stage's ``tensors`` parameter tensors on its own after the
+    schedule, overlapping nothing (meshplace's torchrun runtime): one collective per
+    tensor, each its share of the bytes, all exposed."""
     if axis is None or config.dp == 1:
         return 0.0
     z = config.zero
+    calls = max(1.0, tensors) if synchronous else 1.0
+
+    def collective(kind: str, nbytes: float) -> float:
+        return calls * mesh.collective_time(kind, nbytes / calls, [axis])
+
     reduce = 0.0
     if z == 0:
-        reduce = mesh.collective_time("all_reduce", grads, [axis])
+        reduce = collective("all_reduce", grads)
     elif z == 1:
-        reduce = mesh.collective_time("reduce_scatter", grads, [axis])
-    gather = mesh.collective_time("all_gather", params, [axis]) if z in (1, 2) else 0.0
+        reduce = collective("reduce_scatter", grads)
+    gather = collective("all_gather", params) if z in (1, 2) else 0.0
+    if synchronous:
+        return reduce + gather
     return max(0.0, reduce - backward) + max(0.0, gather - forward)
 
 
@@ -1214,14 +1236,15 @@ def _stage_syncs(
     idx: tuple[np.ndarray, ...],
     mesh: Mesh,
     axis: str | None,
+    synchronous: bool = False,
 ) -> list[float]:
     """:func:`_sync_seconds` of each stage of a split (``idx`` into the stage model)."""
     forward, backward = model["forward"][idx], model["backward"][idx]
-    grads, params = model["grads"][idx], model["params"][idx]
+    grads, params, tensors = model["grads"][idx], model["params"][idx], model["tensors"][idx]
     return [
         _sync_seconds(
             config, float(grads[i]), float(params[i]), float(forward[i]), float(backward[i]),
-            mesh, axis,
+            mesh, axis, float(tensors[i]), synchronous,
         )
         for i in range(config.pp)
     ]  # fmt: skip
@@ -1294,6 +1317,7 @@ def _evaluate(
     global_batch: int,
     chips: int,
     uniform: bool = False,
+    synchronous: bool = False,
 ) -> HybridPlan | None:
     """The best split of one configuration by the DP (``uniform``: equal stages and one
     recomputation for all, as a Megatron-style grid sets them), ranked by its closed form;
@@ -1340,7 +1364,7 @@ def _evaluate(
             if not split:
                 return None
     idx = (np.arange(p), np.array(split), np.array(options))
-    sync = _stage_syncs(config, model, idx, stage_mesh, dp_axis)
+    sync = _stage_syncs(config, model, idx, stage_mesh, dp_axis, synchronous)
     if p > 1 and pc.tied_bytes:  # the tied embedding's gradient, first <-> last stage
         tie = link_s(0, p - 1, pc.tied_bytes)
         sync[0] += tie
@@ -1452,6 +1476,7 @@ def hybrid_search(
     layers: int | None = None,
     units: bool | None = None,
     solved: dict[tuple[int, int], PartCosts | UnitCosts] | None = None,
+    synchronous_gradients: bool = False,
 ) -> HybridResult:
     """The fastest hybrid plan of ``workload`` (module docstring) that fits.
 
@@ -1470,7 +1495,10 @@ def hybrid_search(
     micro-batch) costs of earlier searches of the same model on the same cluster, reused
     and extended: the sharding solves do not depend on the chip count or the batch.
     The ``simulate_top`` plans best by the DP's closed form are simulated; the fastest
-    simulated plan that fits is :attr:`HybridResult.best`.
+    simulated plan that fits is :attr:`HybridResult.best`. ``synchronous_gradients``:
+    score the data-parallel synchronisation as meshplace's torchrun runtime runs it, one
+    collective per parameter tensor after the schedule, none overlapped (default: bucketed
+    and overlapped with the backward, as DDP and Megatron-LM run it).
     """
     from meshplace.models import get
 
@@ -1631,12 +1659,14 @@ def hybrid_search(
                     configurations += 1
                     if isinstance(costs, UnitCosts):
                         plan = _evaluate_units(
-                            costs, config, capacity, mesh, dp_axis, link_s, peak, global_batch, n
-                        )
+                            costs, config, capacity, mesh, dp_axis, link_s, peak, global_batch,
+                            n, synchronous=synchronous_gradients,
+                        )  # fmt: skip
                     else:
                         plan = _evaluate(
                             costs, config, layers, capacity, mesh, dp_axis, link_s, peak,
                             global_batch, n, uniform=style == "megatron",
+                            synchronous=synchronous_gradients,
                         )  # fmt: skip
                     if plan is not None:
                         candidates.append(plan)
