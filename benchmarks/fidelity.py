@@ -375,14 +375,10 @@ def run_sharded_model(source: str, steps: int, warmup: int, passes: int) -> dict
     """Sharding plans of ``source`` on the 2 calibrated workers: measured under torchrun
     vs predicted by the calibrated cost model (module doc)."""
     import json
-    import math
 
-    import numpy as np
-
-    from meshplace.mesh.layout import mesh_over
     from meshplace.parallel.grid import megatron_grid
     from meshplace.parallel.search import shard_graph
-    from meshplace.runtime.dryrun import dry_run
+    from meshplace.runtime.dryrun import dry_run, program_cost
 
     step, cal, cluster, dispatch, engine, cost_model = dtensor_workers(source)
     print(
@@ -395,17 +391,16 @@ def run_sharded_model(source: str, steps: int, warmup: int, passes: int) -> dict
     # The runtime runs every collective in the step's critical path (DTensor's
     # redistributions and the ZeRO gathers are synchronous): the solver's estimates count
     # them in full (overlap=False), as the dry run's prediction does.
-    def search(model: Any) -> list[tuple[str, Any]]:
-        best = shard_graph(step.graph, cluster, chips=2, cost_model=model, overlap=False)
-        grid = megatron_grid(step.graph, cluster, chips=2, cost_model=model, overlap=False)
-        return [("solver", best.best)] + [(p.label, p.plan) for p in grid.points if p.fits]
+    best = shard_graph(step.graph, cluster, chips=2, cost_model=cost_model, overlap=False)
+    grid = megatron_grid(step.graph, cluster, chips=2, cost_model=cost_model, overlap=False)
+    candidates = [("solver", best.best)] + [(p.label, p.plan) for p in grid.points if p.fits]
 
     def key(document: dict) -> str:
         return json.dumps([document["parameters"], document["inputs"]], sort_keys=True)
 
     plans: list[tuple[str, dict, float]] = []
     seen: dict[str, str] = {}
-    for label, plan in search(cost_model):
+    for label, plan in candidates:
         document = plan.plan_file(source, cluster.name)
         if key(document) in seen:
             print(f"  {label}: same plan as {seen[key(document)]}", file=sys.stderr)
@@ -415,18 +410,13 @@ def run_sharded_model(source: str, steps: int, warmup: int, passes: int) -> dict
     # what DTensor runs for each plan (a dry run on a fake process group), costed by the
     # cost model and by its links-only ablation
     on_links = links_only(engine, cluster)
-    engine_predictions: dict[str, tuple[dict[str, float], dict[str, float], dict]] = {}
+    engine_predictions: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {}
     for label, document, _ in plans:
         program = dry_run(document, source)
-        devices = np.arange(math.prod(document["mesh"]["shape"])).reshape(document["mesh"]["shape"])
-        mesh = mesh_over(cluster, devices, tuple(document["mesh"]["axes"]), "workers")
-        spec = cluster.devices[0].spec
         engine_predictions[label] = (
-            program.predict(cost_model, mesh.calibrated(cost_model), spec),
-            program.predict(on_links, mesh.calibrated(on_links), spec),
-            {"collectives": program.collective_counts(), "kernels": len(program.kernels),
-             "dispatched": program.dispatched},
-        )  # fmt: skip
+            program_cost(program, document, cluster, cost_model),
+            program_cost(program, document, cluster, on_links),
+        )
     timed, per_pass = _torchrun_passes(
         {label: (document, ()) for label, document, _ in plans}, source, steps, warmup, passes
     )
@@ -434,7 +424,10 @@ def run_sharded_model(source: str, steps: int, warmup: int, passes: int) -> dict
     for label, document, solver_s in plans:
         if not timed[label]:
             continue
-        engine_s, links_s, program = engine_predictions[label]
+        engine_s, links_s = engine_predictions[label]
+        parts = ("step_s", "compute_s", "dispatch_s", "communication_s")
+        breakdown = {k: engine_s[k] for k in parts}
+        program = {k: engine_s[k] for k in ("collectives", "kernels", "dispatched")}
         measured = statistics.median(timed[label])
         rows.append(
             _compare(
@@ -443,7 +436,7 @@ def run_sharded_model(source: str, steps: int, warmup: int, passes: int) -> dict
                 per_pass[label],
                 engine_s["step_s"],
                 links_s["step_s"],
-                predicted_breakdown=engine_s,
+                predicted_breakdown=breakdown,
                 program=program,
                 zero_stages=sorted({p["zero"] for p in document["parameters"].values()}),
                 predicted_solver_s=solver_s,

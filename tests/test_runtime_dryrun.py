@@ -147,7 +147,7 @@ def test_a_plan_whose_model_cannot_be_built_is_one_sentence(tmp_path: Path) -> N
         dry_run(tmp_path / "placed.json")
 
 
-def test_a_tensor_count_is_recorded_per_kernel_not_per_view() -> None:
+def test_each_kernel_is_recorded_and_a_view_is_none() -> None:
     """Views are metadata (no kernel); a matmul of local tensors is one kernel."""
     from meshplace.runtime.dryrun import recorder
 

@@ -248,23 +248,30 @@ def recorder(program: EngineProgram, axis_of: dict[str, list[str]] | None = None
     return Recorder()
 
 
+def recorded_step(training: Any) -> tuple[Any, int, EngineProgram]:
+    """One step of ``training`` (a :class:`meshplace.runtime.launch.ShardedTraining`)
+    recorded: its loss, gradient bytes and :class:`EngineProgram`, each collective named
+    by the mesh axis of its process group."""
+    import torch.distributed as dist
+
+    mesh = training.mesh
+    names = list(mesh.mesh_dim_names or [f"axis{i}" for i in range(mesh.ndim)])
+    axis_of = {mesh.get_group(i).group_name: [names[i]] for i in range(mesh.ndim)}
+    program = EngineProgram(dist.get_world_size())
+    with recorder(program, axis_of):
+        loss, grad_bytes = training.step()
+    return loss, grad_bytes, program
+
+
 def record_step(plan: dict[str, Any], source: str, *, device_type: str = "cpu") -> EngineProgram:
     """The step this rank runs for ``plan`` (``torch.distributed`` initialised, a real or
     a fake process group): one untimed step, then the second recorded (module
     docstring). O(one training step)."""
-    import torch.distributed as dist
-
     from meshplace.runtime.launch import ShardedTraining
 
     training = ShardedTraining(plan, source, lr=1e-3, device_type=device_type)
-    mesh = training.mesh
-    names = list(mesh.mesh_dim_names or [f"axis{i}" for i in range(mesh.ndim)])
-    axis_of = {mesh.get_group(i).group_name: [names[i]] for i in range(mesh.ndim)}
     training.step()
-    program = EngineProgram(dist.get_world_size())
-    with recorder(program, axis_of):
-        training.step()
-    return program
+    return recorded_step(training)[2]
 
 
 def dry_run(
@@ -358,7 +365,6 @@ def engine_prediction(
     from meshplace.cost.calibration import calibrated_cost_model, load_calibration
     from meshplace.cost.compute import CostModel
     from meshplace.hardware import load_cluster
-    from meshplace.mesh.layout import mesh_over
 
     name = cluster or str(plan.get("cluster") or "")
     loaded = load_cluster(name)
@@ -378,11 +384,36 @@ def engine_prediction(
         cost_model = calibrated_cost_model(load_calibration(calibration), loaded)
     else:
         cost_model = CostModel()
-    mesh = mesh_over(loaded, devices.reshape(shape), tuple(mesh_doc["axes"]), "given")
-    device = loaded.devices[int(devices.reshape(-1)[0])]
     return {
-        "cluster": loaded.name,
         "calibration": calibration,
+        **program_cost(program, plan, loaded, cost_model, devices),
+    }
+
+
+def program_cost(
+    program: EngineProgram,
+    plan: dict[str, Any],
+    cluster: Any,
+    cost_model: Any,
+    devices: Any = None,
+) -> dict[str, Any]:
+    """:meth:`EngineProgram.predict` of ``program`` on ``plan``'s mesh laid over
+    ``devices`` of ``cluster`` (cluster device indices; default the plan's ``devices``),
+    the mesh calibrated by ``cost_model``; with the cluster's name and the program's
+    collective, kernel and dispatch counts. O(kernels + collectives)."""
+    import numpy as np
+
+    from meshplace.mesh.layout import mesh_over
+
+    mesh_doc = plan["mesh"]
+    shape = [int(s) for s in mesh_doc["shape"]]
+    if devices is None:
+        devices = mesh_doc.get("devices") or range(math.prod(shape))
+    devices = np.asarray(devices, dtype=np.int64).reshape(shape)
+    mesh = mesh_over(cluster, devices, tuple(mesh_doc["axes"]), "given")
+    device = cluster.devices[int(devices.reshape(-1)[0])]
+    return {
+        "cluster": cluster.name,
         **program.predict(cost_model, mesh.calibrated(cost_model), device.spec, device.kind),
         "collectives": program.collective_counts(),
         "kernels": len(program.kernels),

@@ -466,12 +466,12 @@ def run_sharded_plan(
     ``checkpoint_dir``: after the last step every parameter is gathered whole (DTensor's
     ``full_tensor``, on every rank) and rank 0 writes them there (``rank0.pt``, a dict
     name → tensor). Rank 0 records its last warm-up step's kernels and collectives
-    (:func:`meshplace.runtime.dryrun.recorder`; untimed, so the recording costs no
+    (:func:`meshplace.runtime.dryrun.recorded_step`; untimed, so the recording costs no
     measured time) as ``program``, for the prediction of the step as DTensor runs it."""
     import torch
 
     from meshplace.runtime.activity import SYNC, RankActivity, module_places, watch_modules
-    from meshplace.runtime.dryrun import EngineProgram, recorder
+    from meshplace.runtime.dryrun import EngineProgram, recorded_step
     from meshplace.runtime.sharded import local_nbytes, optimizer_state_bytes, peak_bytes
 
     training = ShardedTraining(plan, source, lr=lr, device_type=device_type)
@@ -494,9 +494,6 @@ def run_sharded_plan(
 
     watch_modules(model, activity, on_leaf=kill_if_faulted)
     program: EngineProgram | None = None
-    mesh = training.mesh
-    names = list(mesh.mesh_dim_names or [])
-    axis_of = {mesh.get_group(i).group_name: [names[i]] for i in range(len(names))}
     for step in range(steps):
         current[0] = step
         activity.start_step(step)
@@ -505,9 +502,7 @@ def run_sharded_plan(
         activity.at(0)
         start = time.perf_counter()
         if rank == 0 and step == warmup - 1:
-            program = EngineProgram(torch.distributed.get_world_size())
-            with recorder(program, axis_of):
-                loss, grad_bytes = training.step()
+            loss, grad_bytes, program = recorded_step(training)
         else:
             loss, grad_bytes = training.step()
         if device_type == "cuda":
