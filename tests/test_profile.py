@@ -487,3 +487,52 @@ def test_link_measurements_leave_no_temporary_folder(tmp_path, monkeypatch) -> N
     measure_message_spacing(kernels=(0,), iters=5, rounds=1)
     # (torch may put its own caches there: torchinductor_<user>)
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("meshplace-")] == []
+
+
+def test_mixed_cpu_and_gpu_calibration_costs_each_kind_by_its_own_times() -> None:
+    """combine_calibrations on this machine: the "GPU" calibration is the CPU one with its
+    op times halved under the local-cuda kind, so a plan's prediction must follow the kind
+    of the device each op is placed on."""
+    import dataclasses
+
+    from meshplace.profile.calibrate import (
+        LOCAL_GPU_KIND,
+        LOCAL_KIND,
+        OpTimes,
+        combine_calibrations,
+    )
+
+    step = trace_step(ModelSpec("mlp", batch=4))
+    cpu = calibrate(step, reps=2, link=FAKE_LINK, device=FAKE_DEVICE, messages=FAKE_MESSAGES)
+    gspec = local_device_spec(1e12, 1e11, 1e-6, gpu=True)
+    halved = OpTimes(LOCAL_GPU_KIND, {s: t / 2 for s, t in cpu.op_times.times.items()})
+    assert halved.attach(step.graph) > 0
+    gpu = dataclasses.replace(
+        cpu,
+        cluster=local_cluster(gspec, FAKE_LINK["bandwidth"], FAKE_LINK["latency"]),
+        cost_model=CostModel(
+            launch_overhead={LOCAL_GPU_KIND: 1e-6},
+            message_cpu={LOCAL_GPU_KIND: cpu.cost_model.message_cpu[LOCAL_KIND]},
+        ),
+        op_times=halved,
+        device={**FAKE_DEVICE, "peak_flops": 1e12},
+        fit={"launch_overhead_s": 1e-6},
+    )
+    both = combine_calibrations(cpu, gpu, ["cuda:0", "cpu"])
+    assert both.cluster.device_names == ["gpu0", "cpu0"]
+    assert [d.kind for d in both.cluster.devices] == [LOCAL_GPU_KIND, LOCAL_KIND]
+    n = step.graph.num_ops
+    on_cpu = both.predict(step.graph, ["cpu0"] * n)
+    on_gpu = both.predict(step.graph, ["gpu0"] * n)
+    assert on_cpu == pytest.approx(cpu.predict(step.graph, ["cpu0"] * n))
+    assert on_gpu == pytest.approx(on_cpu / 2, rel=0.05)
+    split = ["gpu0" if i < n // 2 else "cpu0" for i in range(n)]
+    assert both.predict(step.graph, split) > on_gpu  # messages and the CPU's half
+    # the calibration file of a mixed run describes its first worker's kind, with that
+    # kind's own measurements
+    written = both.cost_calibration()
+    assert written.device_kind == LOCAL_GPU_KIND and written.peak_flops == 1e12
+    with pytest.raises(InputError, match="CPU and GPU workers"):
+        from meshplace.profile.calibrate import calibrate_mixed
+
+        calibrate_mixed(step, ["cpu", "cpu"], spec=None)

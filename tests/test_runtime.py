@@ -435,6 +435,40 @@ def test_gpu_workers_match_unplaced() -> None:  # pragma: no cover - no GPU in C
         run_placement(spec, ["cpu0"] * step.graph.num_ops, 1, step=step, worker_devices="cuda")
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_a_gpu_and_a_cpu_worker_match_unplaced() -> None:  # pragma: no cover - no GPU in CI
+    # the ColocRL setting on one GPU: half the ops on cuda:0, half on the host
+    for name, rtol, atol in (("mlp", 1e-4, 1e-5), ("nmt-small", 1e-3, 2e-3)):
+        spec = ModelSpec(name, batch=4)
+        step = trace_step(spec)
+        ref_losses, ref_params = run_reference(step, STEPS)
+        n = step.graph.num_ops
+        devices = ["cpu0" if i < n // 2 else "cpu1" for i in range(n)]
+        res = run_placement(spec, devices, STEPS, want_params=True, worker_devices="cuda:0,cpu")
+        assert res.losses == pytest.approx(ref_losses, rel=rtol, abs=atol), name
+        for pname, value in ref_params.items():
+            torch.testing.assert_close(res.params[pname], value, rtol=rtol, atol=atol)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_run_predicts_a_cpu_and_gpu_placement(tmp_path) -> None:  # pragma: no cover
+    import json
+    import subprocess
+    import sys
+
+    cluster = tmp_path / "local.yaml"
+    out = subprocess.run(
+        [sys.executable, "-m", "meshplace.cli", "run", "--graph", "nmt-small", "--placer",
+         "m_etf", "--worker-devices", "cuda:0,cpu", "--steps", "4", "--cluster-out",
+         str(cluster), "--json"],
+        capture_output=True, text=True, timeout=600, check=True,
+    )  # fmt: skip
+    report = json.loads(out.stdout)
+    assert report["predicted_step_s"] > 0 and report["measured_step_s"] > 0
+    text = cluster.read_text()
+    assert "local-cuda" in text and "local-cpu" in text  # each worker its own kind
+
+
 def _comm(tid: int) -> str:
     with open(f"/proc/self/task/{tid}/comm") as f:
         return f.read().strip()
@@ -604,3 +638,33 @@ def test_runs_leave_no_temporary_folder(tmp_path, monkeypatch) -> None:
         run_placement(None, devices, 2, step=step, start_method="fork", fault=Fault(target))
     # (torch may put its own caches there: torchinductor_<user>)
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("meshplace-")] == []
+
+
+def test_host_only_attention_runs_as_its_portable_definition() -> None:
+    # a GPU worker runs the host's flash attention as PORTABLE_DEFINITIONS says; forcing
+    # that path on the host must train like the traced operator, views and all
+    from meshplace.runtime.executor import ops_without_kernel
+    from meshplace.runtime.program import PORTABLE_DEFINITIONS
+
+    spec = ModelSpec("transformer-small", batch=4)
+    step = trace_step(spec)
+    flash = [n for n in step.gm.graph.nodes if n.target in PORTABLE_DEFINITIONS]
+    assert len(flash) >= 2  # forward and backward
+    assert not {n.name for n in flash} & set(ops_without_kernel(step, "CUDA"))
+    params, bufs, states, inputs = step.initial_state()
+    ref = StepInterpreter(step.gm).walk([*params, *bufs, *states, *inputs])
+    portable = StepInterpreter(step.gm, portable=True)
+    assert all(entry[2] is not n.target for entry in portable._program for n in flash[:1])
+    env = portable.walk([*params, *bufs, *states, *inputs])
+    loss_ref, new_ref = StepInterpreter(step.gm).output(ref)
+    loss, new = portable.output(env)
+    torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=1e-6)
+    for node in flash:  # the attention's outputs and gradients, before Adam amplifies
+        pos = portable.position[node]  # rounding-level differences of tiny gradients
+        for a, b in zip(env[pos], ref[pos]):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    for a, b in zip(new, new_ref):  # Adam moves a weight by at most ~lr per step
+        torch.testing.assert_close(a, b, rtol=0, atol=2e-3)
+    for node in flash:  # the traced layout, which the graph's later views rely on
+        got = env[portable.position[node]]
+        assert [t.stride() for t in got] == [t.stride() for t in node.meta["val"]]

@@ -42,6 +42,7 @@ Example
 
 from __future__ import annotations
 
+import dataclasses
 import platform
 import statistics
 import time
@@ -264,7 +265,10 @@ def time_ops_in_worker(
     With ``device="cuda:i"`` the worker runs on that GPU: it is spawned (a forked process
     cannot use CUDA), so ``spec`` (the step's :class:`~meshplace.runtime.program.ModelSpec`)
     is needed, and each node's span ends after ``torch.cuda.synchronize`` (its kernels'
-    execution, plus one synchronisation per node)."""
+    execution, plus one synchronisation per node). Those synchronisations are the
+    measurement's, not the step's (unsynchronised, the host queues kernels while earlier
+    ones run), so on a GPU the ops are rescaled to the median step of a second run without
+    the timeline."""
     from meshplace.runtime.executor import run_placement
 
     gpu = torch.device(device).type == "cuda"
@@ -290,6 +294,17 @@ def time_ops_in_worker(
                 samples[r, owner[node]] += end - start
     out = np.median(samples, axis=0)
     total = float(np.median(run.step_times[warmup:]))
+    if gpu:
+        plain = run_placement(
+            spec,
+            ["w0"] * step.graph.num_ops,
+            warmup + reps,
+            warmup=warmup,
+            step=step,
+            start_method="spawn",
+            worker_devices=[device],
+        )
+        total = float(np.median(plain.step_times[warmup:]))
     if out.sum() > 0:
         out *= total / float(out.sum())
     kinds = [o.kind for o in step.graph.ops]
@@ -385,12 +400,8 @@ class Calibration:
             return predict_step(graph, self.cluster, self.cost_model, devices, in_order=True)
         from meshplace.sim.simulator import Simulator
 
-        free = CostModel(
-            self.cost_model.efficiency,
-            self.cost_model.fallback,
-            self.cost_model.launch_overhead,
-            self.cost_model.use_measured,
-        )
+        # messages are charged below, each at its runtime cost, not per transfer
+        free = dataclasses.replace(self.cost_model, message_cpu={})
         order = runtime_order(self.step)
         sim = Simulator(graph, self.cluster, free, in_order=True, order=order)
         placement = sim.placement_of(devices)
@@ -496,8 +507,9 @@ class Calibration:
         message_cpu = self.cost_model.message_cpu.get(kind)
         return calibration_from_fit(
             kind,
-            self.device,
-            self.fit,
+            # a mixed calibration (combine_calibrations) keeps each kind's own
+            self.device.get("by_kind", {}).get(kind, self.device),
+            self.fit.get("by_kind", {}).get(kind, self.fit),
             tuple(message_cpu) if message_cpu is not None else None,
             f"meshplace run on {platform.node() or 'this machine'}, fitted to the op times "
             f"of {self.step.graph.name if self.step is not None else 'a model'}",
@@ -589,6 +601,111 @@ def calibrate(
     fit["ops_timed"] = int(np.count_nonzero(seconds))
     fit["step_sum_s"] = float(seconds.sum())
     return Calibration(cluster, cost_model, table, device, link, fit, messages, step)
+
+
+def mixed_cluster(
+    specs: Sequence[DeviceSpec], bandwidth: float, latency: float, meta: Mapping[str, Any]
+) -> Cluster:
+    """The ``local`` cluster of workers on different device kinds, one per entry of
+    ``specs`` in worker order: ``local-cuda`` workers named ``gpu0``…, ``local-cpu`` ones
+    ``cpu0``…, every pair joined by the measured host link (the runtime stages a GPU's
+    values through host memory and sends them by gloo).
+
+    >>> cpu = local_device_spec(peak=2e10, bandwidth=1e10, launch=3e-6)
+    >>> gpu = local_device_spec(peak=5e13, bandwidth=3e12, launch=8e-6, gpu=True)
+    >>> mixed_cluster([gpu, cpu], 1e9, 1e-4, {}).device_names
+    ['gpu0', 'cpu0']
+    """
+    counts = {"gpu": 0, "cpu": 0}
+    devs = []
+    for spec in specs:
+        prefix = "gpu" if spec.kind == LOCAL_GPU_KIND else "cpu"
+        devs.append(Device(f"{prefix}{counts[prefix]}", spec.kind, spec, host="localhost"))
+        counts[prefix] += 1
+    links = [
+        Link(f"lo-{a.name}-{b.name}", a.name, b.name, float(bandwidth), float(latency), "loopback")
+        for a in devs
+        for b in devs
+        if a is not b
+    ]
+    return Cluster(
+        "local",
+        devs,
+        links,
+        topology="custom",
+        source="measured on this machine by meshplace.profile.calibrate",
+        meta=dict(meta),
+    )
+
+
+def combine_calibrations(
+    cpu: Calibration, gpu: Calibration, worker_devices: Sequence[str]
+) -> Calibration:
+    """One calibration for workers on CPUs and GPUs at once (the ColocRL paper's setting:
+    one CPU and the host's GPUs), from a calibration of each kind on the same step, link
+    and message costs (:func:`calibrate_mixed`). Each device kind keeps its own fitted
+    efficiencies (``CostModel.device_efficiency``), launch overhead and op times (both
+    are attached to the step's graph, keyed by kind); ``worker_devices`` (``cpu`` or
+    ``cuda:i`` per worker) orders the cluster's devices. O(ops + workers²).
+
+    >>> from types import SimpleNamespace
+    >>> cpu = SimpleNamespace(
+    ...     cluster=local_cluster(local_device_spec(2e10, 1e10, 3e-6), 1e9, 1e-4),
+    ...     cost_model=CostModel(launch_overhead={LOCAL_KIND: 3e-6}), op_times=None,
+    ...     device={"peak_flops": 2e10}, link={"bandwidth": 1e9, "latency": 1e-4},
+    ...     fit={"launch_overhead_s": 3e-6}, messages={}, step=None)
+    >>> gspec = local_device_spec(5e13, 3e12, 8e-6, gpu=True)
+    >>> gpu = SimpleNamespace(
+    ...     cluster=local_cluster(gspec, 1e9, 1e-4),
+    ...     cost_model=CostModel(launch_overhead={LOCAL_GPU_KIND: 8e-6}), op_times=None,
+    ...     device={"peak_flops": 5e13}, fit={"launch_overhead_s": 8e-6})
+    >>> both = combine_calibrations(cpu, gpu, ["cuda:0", "cpu"])
+    >>> both.cluster.device_names, both.cost_model.launch_overhead[LOCAL_GPU_KIND]
+    (['gpu0', 'cpu0'], 8e-06)
+    """
+    cpu_spec = cpu.cluster.devices[0].spec
+    gpu_spec = gpu.cluster.devices[0].spec
+    specs = [gpu_spec if torch.device(w).type == "cuda" else cpu_spec for w in worker_devices]
+    kinds = {cpu_spec.kind: cpu, gpu_spec.kind: gpu}
+    cost_model = CostModel(
+        efficiency=dict(cpu.cost_model.efficiency),
+        launch_overhead={k: c.cost_model.launch_overhead[k] for k, c in kinds.items()},
+        message_cpu={**cpu.cost_model.message_cpu, **gpu.cost_model.message_cpu},
+        device_efficiency={k: dict(c.cost_model.efficiency) for k, c in kinds.items()},
+    )
+    meta = {
+        "calibrated": True,
+        "worker_devices": list(worker_devices),
+        "efficiency": {
+            k: {op: v[0] for op, v in c.cost_model.efficiency.items()} for k, c in kinds.items()
+        },
+    }
+    cluster = mixed_cluster(specs, cpu.link["bandwidth"], cpu.link["latency"], meta)
+    fit = {**cpu.fit, "by_kind": {k: c.fit for k, c in kinds.items()}}
+    device = {**cpu.device, "by_kind": {k: c.device for k, c in kinds.items()}}
+    return Calibration(
+        cluster, cost_model, cpu.op_times, device, cpu.link, fit, cpu.messages, cpu.step
+    )
+
+
+def calibrate_mixed(
+    step: Any, worker_devices: Sequence[str], *, spec: Any, reps: int = 10
+) -> Calibration:
+    """Calibrate workers on CPUs and GPUs together: the step's ops are timed on a CPU
+    worker and on the first GPU worker (both kinds' times attached to ``step.graph``),
+    the link and message costs measured once (the host's gloo: GPU values are staged
+    through host memory; the copies between GPU and host are not in them), then
+    :func:`combine_calibrations`. ``spec``: the step's ModelSpec (the GPU worker is
+    spawned and rebuilds it). Costs two calibrations less one link and message
+    measurement."""
+    gpus = [w for w in worker_devices if torch.device(w).type == "cuda"]
+    if not gpus or len(gpus) == len(worker_devices):
+        raise InputError("a mixed calibration needs CPU and GPU workers")
+    cpu = calibrate(step, reps=reps)
+    gpu = calibrate(
+        step, reps=reps, link=cpu.link, messages=cpu.messages, worker_device=gpus[0], spec=spec
+    )
+    return combine_calibrations(cpu, gpu, worker_devices)
 
 
 # a receive span longer than this waited for its data (blocked); shorter ones only

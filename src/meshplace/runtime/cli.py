@@ -529,13 +529,13 @@ def _run(args: argparse.Namespace, plan: Any) -> int:
         + ", ".join(f"{d} on {w}" for d, w in zip(res.devices, where))
     )
     if cal is not None:
-        if gpus and len(gpus) < len(worker_list):
-            print("note: the prediction simulates every worker as the first GPU (mixed CPU/GPU)")
-        print(
-            f"calibrated local cluster: {cal.device['peak_flops'] / 1e9:.1f} GFLOP/s, "
-            f"{cal.device['memory_bandwidth'] / 1e9:.1f} GB/s per worker; link "
-            f"{cal.link['bandwidth'] / 1e9:.2f} GB/s, {cal.link['latency'] * 1e6:.0f} us"
-        )
+        for kind, device in (cal.device.get("by_kind") or {"": cal.device}).items():
+            print(
+                f"calibrated local cluster{' ' + kind if kind else ''}: "
+                f"{device['peak_flops'] / 1e9:.1f} GFLOP/s, "
+                f"{device['memory_bandwidth'] / 1e9:.1f} GB/s per worker"
+            )
+        print(f"link {cal.link['bandwidth'] / 1e9:.2f} GB/s, {cal.link['latency'] * 1e6:.0f} us")
     print(
         f"measured step  {res.step_time_s * 1e3:9.2f} ms  (median of "
         f"{args.steps - res.warmup} after {res.warmup} warm-up; {res.messages} messages, "
@@ -552,8 +552,18 @@ def _run(args: argparse.Namespace, plan: Any) -> int:
 def _calibrate(args: argparse.Namespace, step: Any, spec: Any, gpus: list[str]) -> Any:
     """The calibration of this machine for ``step`` (see the module doc), its cluster
     resized to ``--workers``."""
-    from meshplace.profile.calibrate import calibrate, calibrate_in_situ, local_cluster
+    from meshplace.profile.calibrate import (
+        calibrate,
+        calibrate_in_situ,
+        calibrate_mixed,
+        local_cluster,
+    )
+    from meshplace.runtime.executor import resolve_worker_devices
 
+    workers = resolve_worker_devices(args.worker_devices, args.workers)
+    if gpus and len(gpus) < len(workers):
+        # CPU and GPU workers (the ColocRL setting): each kind timed on its own worker
+        return calibrate_mixed(step, workers, spec=spec)
     # the simulator's local devices are all calibrated like the first GPU worker, if any
     cal = calibrate(step, worker_device=gpus[0] if gpus else "cpu", spec=spec)
     if not gpus and not args.no_in_situ:

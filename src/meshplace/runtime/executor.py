@@ -72,6 +72,7 @@ from meshplace.runtime.processes import (
     stop_processes,
 )
 from meshplace.runtime.program import (
+    PORTABLE_DEFINITIONS,
     ModelSpec,
     NodeSchedule,
     StepInterpreter,
@@ -861,8 +862,9 @@ _COMPOSITE_KEYS = (
 def ops_without_kernel(step: TracedStep, dispatch_key: str) -> list[str]:
     """Names of the traced step's nodes whose aten operator has no kernel for
     ``dispatch_key`` (e.g. ``"CUDA"``) nor a composite one: a step traced on the host can
-    hold host-only operators (``_scaled_dot_product_flash_attention_for_cpu``), which a
-    GPU worker cannot run. O(nodes).
+    hold host-only operators, which a GPU worker cannot run unless it has their
+    :data:`~meshplace.runtime.program.PORTABLE_DEFINITIONS` (the CPU flash attention
+    ``_scaled_dot_product_flash_attention_for_cpu`` does). O(nodes).
 
     >>> from meshplace.runtime.program import ModelSpec, trace_step
     >>> ops_without_kernel(trace_step(ModelSpec("mlp", batch=2)), "CPU")
@@ -872,6 +874,8 @@ def ops_without_kernel(step: TracedStep, dispatch_key: str) -> list[str]:
     for node in step.gm.graph.nodes:
         target = node.target
         if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+            continue
+        if target in PORTABLE_DEFINITIONS:  # the workers run its portable definition
             continue
         name = target.name()
         if not any(

@@ -627,6 +627,137 @@ def schedule_nodes(step: TracedStep, op_device: Sequence[int]) -> NodeSchedule:
 #: the list of values (``env[i]`` is node *i*'s value once it has run).
 NodeHook = Callable[[int, list], Any]
 
+
+def _attention_scores(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    is_causal: bool,
+    attn_mask: torch.Tensor | None,
+    scale: float | None,
+) -> tuple[torch.Tensor, float]:
+    """Scaled, masked attention scores in float32 and the scale used."""
+    scale = scale if scale is not None else query.shape[-1] ** -0.5
+    scores = torch.matmul(query.float(), key.float().transpose(-2, -1)) * scale
+    if is_causal:
+        length, source = scores.shape[-2], scores.shape[-1]
+        keep = torch.ones(length, source, dtype=torch.bool, device=scores.device).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attn_mask, float("-inf"))
+        else:
+            scores = scores + attn_mask.float()
+    return scores, scale
+
+
+def _no_dropout(dropout_p: float) -> None:
+    if dropout_p:
+        raise NotImplementedError(
+            "the portable definition of the host's flash attention has no dropout "
+            f"(dropout_p={dropout_p}); trace the step with attention dropout off"
+        )
+
+
+def flash_attention_for_cpu(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    *,
+    attn_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``aten._scaled_dot_product_flash_attention_for_cpu`` in device-generic operators:
+    ``(softmax(q kᵀ · scale + mask) v, logsumexp of the scores)`` (Dao et al.,
+    FlashAttention, NeurIPS 2022, Algorithm 1's outputs, computed unblocked). A step traced
+    on the host holds this host-only operator; a GPU worker runs this instead. O(B·H·L·S·E)
+    time, O(B·H·L·S) memory (the full score matrix).
+
+    >>> q, k, v = (torch.randn(1, 2, 4, 8) for _ in range(3))
+    >>> out, lse = flash_attention_for_cpu(q, k, v, is_causal=True)
+    >>> ref = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)
+    >>> torch.allclose(out, ref[0], atol=1e-5), torch.allclose(lse, ref[1], atol=1e-5)
+    (True, True)
+    """
+    _no_dropout(dropout_p)
+    scores, _ = _attention_scores(query, key, is_causal, attn_mask, scale)
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse.unsqueeze(-1))
+    return torch.matmul(probs, value.float()).to(query.dtype), lse
+
+
+def flash_attention_for_cpu_backward(
+    grad_out: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    logsumexp: torch.Tensor,
+    dropout_p: float,
+    is_causal: bool,
+    *,
+    attn_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``aten._scaled_dot_product_flash_attention_for_cpu_backward`` in device-generic
+    operators: the probabilities recomputed from the saved logsumexp, then ``dV = Pᵀ dO``,
+    ``dS = P ∘ (dO Vᵀ − rowsum(dO ∘ O))``, ``dQ = dS K · scale``, ``dK = dSᵀ Q · scale``
+    (FlashAttention's backward, Dao et al. 2022, Algorithm 2, unblocked). Same cost as
+    :func:`flash_attention_for_cpu`.
+
+    >>> q, k, v = (torch.randn(1, 2, 4, 8) for _ in range(3))
+    >>> out, lse = flash_attention_for_cpu(q, k, v, is_causal=True)
+    >>> g = torch.randn_like(out)
+    >>> mine = flash_attention_for_cpu_backward(g, q, k, v, out, lse, 0.0, True)
+    >>> ref = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+    ...     g, q, k, v, out, lse, 0.0, True)
+    >>> all(torch.allclose(a, b, atol=1e-5) for a, b in zip(mine, ref))
+    True
+    """
+    _no_dropout(dropout_p)
+    scores, scale = _attention_scores(query, key, is_causal, attn_mask, scale)
+    probs = torch.exp(scores - logsumexp.float().unsqueeze(-1))
+    d_out = grad_out.float()
+    grad_value = torch.matmul(probs.transpose(-2, -1), d_out)
+    d_probs = torch.matmul(d_out, value.float().transpose(-2, -1))
+    row = (d_out * out.float()).sum(dim=-1, keepdim=True)
+    d_scores = probs * (d_probs - row)
+    grad_query = torch.matmul(d_scores, key.float()) * scale
+    grad_key = torch.matmul(d_scores.transpose(-2, -1), query.float()) * scale
+    return grad_query.to(query.dtype), grad_key.to(key.dtype), grad_value.to(value.dtype)
+
+
+# Host-only operators a step traced on the host may hold, each with a definition in
+# operators every device has, which workers on other devices run instead.
+PORTABLE_DEFINITIONS: dict[Any, Callable[..., Any]] = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default: flash_attention_for_cpu,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default: (
+        flash_attention_for_cpu_backward
+    ),
+}
+
+
+def _strided_like_traced(fn: Callable[..., Any], node: torch.fx.Node) -> Callable[..., Any]:
+    """``fn`` with its tensors laid out with the strides the traced operator had (the
+    graph's later views rely on them)."""
+    traced = node.meta.get("val")
+    if not isinstance(traced, tuple | list):
+        return fn
+    strides = [t.stride() if isinstance(t, torch.Tensor) else None for t in traced]
+
+    def call(*args: Any, **kwargs: Any) -> tuple:
+        outs = fn(*args, **kwargs)
+        return tuple(
+            torch.empty_strided(o.shape, st, dtype=o.dtype, device=o.device).copy_(o)
+            if st is not None and o.stride() != st
+            else o
+            for o, st in zip(outs, strides)
+        )
+
+    return call
+
+
 _CALL, _PLACEHOLDER, _GENERIC = 0, 1, 2
 _NO_HOOKS: Mapping[int, NodeHook] = {}
 
@@ -665,7 +796,9 @@ class StepInterpreter(torch.fx.Interpreter):
 
     ``positions`` restricts the walk to those nodes (a worker's own; by default every node
     but the output), and ``device`` replaces the ``device`` argument of factory ops traced
-    on the host (:func:`on_device_kwargs`), for a worker computing on a GPU.
+    on the host (:func:`on_device_kwargs`), for a worker computing on a GPU, whose walk
+    runs host-only operators as their :data:`PORTABLE_DEFINITIONS` (``portable``: by
+    default when ``device`` is not the CPU).
 
     >>> step = trace_step(ModelSpec("mlp", batch=2))
     >>> params, bufs, states, inputs = step.initial_state()
@@ -682,9 +815,14 @@ class StepInterpreter(torch.fx.Interpreter):
         positions: Iterable[int] | None = None,
         *,
         device: torch.device | None = None,
+        portable: bool | None = None,
     ) -> None:
         super().__init__(gm, garbage_collect_values=False)
         self.nodes: list[torch.fx.Node] = list(self.graph.nodes)
+        # host-only operators run as their PORTABLE_DEFINITIONS away from the host
+        self.portable = (
+            portable if portable is not None else device is not None and device.type != "cpu"
+        )
         self.position = {n: i for i, n in enumerate(self.nodes)}
         self.device = device
         placeholder = {n: k for k, n in enumerate(n for n in self.nodes if n.op == "placeholder")}
@@ -709,7 +847,10 @@ class StepInterpreter(torch.fx.Interpreter):
         fills = tuple(
             (k, self.position[a]) for k, a in enumerate(template) if isinstance(a, torch.fx.Node)
         )
-        return (i, _CALL, node.target, template, fills, dict(kwargs))
+        target = node.target
+        if self.portable and target in PORTABLE_DEFINITIONS:
+            target = _strided_like_traced(PORTABLE_DEFINITIONS[target], node)
+        return (i, _CALL, target, template, fills, dict(kwargs))
 
     def new_env(self) -> list[Any]:
         """An empty list of values, one slot per node."""
