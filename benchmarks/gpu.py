@@ -200,8 +200,10 @@ def placed_part(
             print(f"  {placer}: skipped ({type(exc).__name__}: {exc})", flush=True)
             continue
         candidates.append((placer, [names[i] for i in res.op_devices.tolist()]))
+    same: dict[tuple, list[str]] = {}
     for label, devices in candidates:
         plans.setdefault(tuple(devices), (label, devices))
+        same.setdefault(tuple(devices), []).append(label)
     rows = []
     for label, devices in plans.values():
         predicted = cal.predict(step.graph, devices)
@@ -220,6 +222,7 @@ def placed_part(
         rows.append(
             {
                 "placement": label,
+                "same_placement_from": same[tuple(devices)][1:],
                 "ops_per_device": on,
                 "messages": run.messages,
                 "measured_s": measured,

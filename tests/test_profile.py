@@ -226,7 +226,9 @@ def test_profile_cli(tmp_path, capsys) -> None:
     parser = argparse.ArgumentParser()
     add_profile_arguments(parser)
     out = tmp_path / "prof.json"
-    args = parser.parse_args(["mlp", "--runs", "1", "--out", str(out)])
+    # one device, named: by default every local device is profiled (a GPU too, where
+    # there is one), into a combined file and one trace per device
+    args = parser.parse_args(["mlp", "--devices", "cpu", "--runs", "1", "--out", str(out)])
     assert cmd_profile(args) == 0
     text = capsys.readouterr().out
     assert "top" in text and out.exists() and (tmp_path / "prof.trace.json").exists()
