@@ -472,7 +472,8 @@ def predict_pipeline(
     """A pipelined placement's step time on the calibrated workers, GPipe's model (Huang
     et al. 2019, Sec. 2.2): ``(M + S - 1)`` beats of the slowest stage's forward and
     backward on one micro-batch plus the messages between stages plus ``engine_s`` (the
-    pipelining engine's own cost per micro-batch, :func:`pipeline_engine_overhead`), then
+    pipelining engine's own cost per micro-batch,
+    :func:`meshplace.runtime.pipelined.measure_engine_overhead`), then
     each stage's optimizer update once. The micro-batch's op times come from the model
     captured at ``batch / M`` under the calibrated cost model; a message (one per value
     and receiving stage) costs latency, bytes over the measured bandwidth and its
@@ -605,73 +606,6 @@ def exchange_overhead(rounds: int = 150) -> float:
     return max(0.0, statistics.fmean(values))
 
 
-def pipeline_engine_overhead(source: str, micro_batches: int, reps: int = 20) -> float:
-    """What ``torch.distributed.pipelining`` adds per micro-batch, measured in this
-    process: the whole model as one stage (split and compiled as the runtime does,
-    ``run_stage_compiled``) under ``Schedule1F1B`` on a gloo world of one, against the
-    same chunks' forward and backward in eager PyTorch (one thread), the difference per
-    micro-batch. The schedule's bookkeeping, the stage's input and output handling and the
-    generated code's calls are in it; messages are not (a world of one sends none)."""
-    import tempfile
-
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.pipelining import Schedule1F1B, pipeline
-
-    from meshplace.graph.capture import as_loss
-    from meshplace.graph.sources import build_from_seed
-    from meshplace.runtime.pipelined import InputsEnterFirst, run_stage_compiled
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    model, args, kwargs = build_from_seed(source)
-
-    def chunks(k: int) -> tuple[list, dict]:
-        def cut(x: Any) -> Any:
-            return x.chunk(micro_batches)[k] if isinstance(x, torch.Tensor) else x
-
-        return [cut(a) for a in args], {n: cut(v) for n, v in kwargs.items()}
-
-    def eager() -> None:
-        for k in range(micro_batches):
-            a, kw = chunks(k)
-            loss, _how = as_loss(model(*a, **kw))
-            (loss / micro_batches).backward()
-        model.zero_grad(set_to_none=True)
-
-    try:
-        with tempfile.TemporaryDirectory() as folder:
-            store = dist.FileStore(str(Path(folder) / "store"), 1)
-            dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-            try:
-                a, kw = chunks(0)
-                pipe = pipeline(InputsEnterFirst(model), mb_args=tuple(a), mb_kwargs=kw)
-                stage = pipe.build_stage(0, torch.device("cpu"))
-                run_stage_compiled(stage.submod)
-                runner = Schedule1F1B(
-                    stage, n_microbatches=micro_batches, loss_fn=lambda out, _t: out.sum()
-                )
-                target = torch.zeros(micro_batches)
-
-                def piped() -> None:
-                    runner.step(*args, target=target, losses=[], **kwargs)
-                    stage.submod.zero_grad(set_to_none=True)
-
-                differences = []
-                for i in range(reps + 2):  # interleaved, the first two untimed
-                    start = time.perf_counter()
-                    piped()
-                    middle = time.perf_counter()
-                    eager()
-                    if i >= 2:
-                        differences.append((middle - start) - (time.perf_counter() - middle))
-            finally:
-                dist.destroy_process_group()
-    finally:
-        torch.set_num_threads(threads)
-    return max(0.0, statistics.median(differences) / micro_batches)
-
-
 def run_pipelined_model(source: str, steps: int, warmup: int, passes: int) -> dict:
     """Pipelined placements of ``source`` on the 2 calibrated workers: the pipeline
     DP's split of execution order (PipeDream's, which torch's pipelining runs stage by
@@ -684,6 +618,7 @@ def run_pipelined_model(source: str, steps: int, warmup: int, passes: int) -> di
     from meshplace.placers.pipeline import pipeline_split
     from meshplace.plan import Plan
     from meshplace.profile.calibrate import calibrate
+    from meshplace.runtime.pipelined import measure_engine_overhead
     from meshplace.runtime.program import ModelSpec, trace_step
 
     step = trace_step(ModelSpec(source))
@@ -701,7 +636,7 @@ def run_pipelined_model(source: str, steps: int, warmup: int, passes: int) -> di
     variants = [(m, sched) for m in (2, 4, 8) for sched in ("1F1B", "GPipe")]
     # the engine's cost per micro-batch is the engine's and the model's, not the count's:
     # measured once, at the most micro-batches (the largest signal over the noise)
-    per_micro_batch = pipeline_engine_overhead(source, 8, reps=30)
+    per_micro_batch = measure_engine_overhead(source, 8, reps=30)
     engine = {m: per_micro_batch for m in (2, 4, 8)}
     print(f"  pipelining engine per micro-batch: {1e3 * per_micro_batch:.2f} ms", file=sys.stderr)
     exchange = exchange_overhead()
@@ -749,13 +684,21 @@ def run_hybrid_model(source: str, steps: int, warmup: int, passes: int) -> dict:
     model's own; every distinct configuration it scored (data, tensor or pipeline
     parallelism, micro-batch size and count; 1F1B, the lowest ZeRO stage of each) runs
     under torchrun (``meshplace.runtime.hybrid``) against the search's own prediction."""
+    from meshplace.cost.calibration import calibrated_cost_model
     from meshplace.graph.sources import build_from_seed, graph_source
     from meshplace.parallel.cli import hybrid_plan_file
     from meshplace.parallel.hybrid import hybrid_search
+    from meshplace.runtime.pipelined import measure_engine_overhead
 
     step, cal, cluster, dispatch, engine, cost_model = dtensor_workers(source)
     _, args, _ = build_from_seed(source)
     batch = int(args[0].shape[0])
+    # every hybrid plan runs as a torch.distributed.pipelining schedule: its cost per
+    # micro-batch and stage, as meshplace run --calibration-out records it
+    per_micro_batch = measure_engine_overhead(source, reps=30)
+    print(f"  pipelining engine per micro-batch: {1e3 * per_micro_batch:.2f} ms", file=sys.stderr)
+    engine = engine.model_copy(update={"pipeline_overhead_s": per_micro_batch})
+    cost_model = calibrated_cost_model(engine, cluster)
 
     def search(model: Any) -> Any:
         return hybrid_search(

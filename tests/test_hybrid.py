@@ -423,3 +423,40 @@ def test_synchronous_gradients_cost_one_exposed_collective_per_parameter_tensor(
     dp2 = {p.dp: p.time_per_batch_s for p in overlapped.plans}[2]
     dp2_sync = {p.dp: p.time_per_batch_s for p in synchronous.plans}[2]
     assert dp2_sync - dp2 >= tensors * latency * 0.99
+
+
+def test_the_pipelining_engine_and_message_cpu_are_charged_per_micro_batch() -> None:
+    """A cost model's ``pipeline_overhead`` (what torch's pipelining adds per micro-batch
+    and stage, which meshplace's hybrid runtime pays on every plan) lengthens each
+    micro-batch on every stage: ``m`` micro-batches on one stage pay it ``m`` times, a
+    GPipe pipeline's ``m + p - 1`` beats once each; ``message_cpu`` makes every message
+    between stages cost its two ends' compute."""
+    from meshplace.cost.compute import CostModel
+
+    cluster = load_cluster("h2-8xh100")
+    kind = cluster.devices[hybrid.accelerators(cluster)[0]].kind
+    engine = 1e-3
+
+    def seconds(cost_model: CostModel, pp: int) -> float:
+        result = hybrid.hybrid_search(
+            "tiny", None, cluster, chips=2, global_batch=8, tensor_parallel=(1,),
+            micro_batch_sizes=(2,), graphs=_tiny_graphs, layers=2, simulate_top=1000,
+            schedules=("gpipe",), zero_stages=(0,), pipeline_degrees=(pp,),
+            cost_model=cost_model,
+        )  # fmt: skip
+        (plan,) = [p for p in result.plans if p.pp == pp and p.tp == 1]
+        return plan.time_per_batch_s
+
+    plain, with_engine = CostModel(), CostModel(pipeline_overhead={kind: engine})
+    micro_batches = 8 // (2 * 2)  # one stage, two replicas, micro-batches of 2
+    assert seconds(with_engine, 1) - seconds(plain, 1) == pytest.approx(
+        micro_batches * engine, rel=1e-6
+    )
+    beats = 8 // 2 + 2 - 1  # two stages, one replica: 4 micro-batches
+    assert seconds(with_engine, 2) - seconds(plain, 2) == pytest.approx(beats * engine, rel=1e-6)
+    # host-staged messages: a stage's compute pays its messages' ends, 1 ms each here, so
+    # every micro-batch on the first stage (send out, receive the gradient) takes 2 ms
+    # more, and GPipe's beats, each as long as the slowest stage, as much
+    host_staged = CostModel(message_cpu={kind: (1e-3, 0.0, 1e-3, 0.0)})
+    assert seconds(host_staged, 2) - seconds(plain, 2) == pytest.approx(beats * 2e-3, rel=1e-6)
+    assert seconds(host_staged, 1) == pytest.approx(seconds(plain, 1))  # no stage messages

@@ -70,6 +70,9 @@ class CostCalibration(BaseModel):
         dispatch_overhead_s: seconds the execution engine adds to every kernel, measured
             op times included (DTensor's per-op dispatch for sharded plans; 0 for eager
             PyTorch).
+        pipeline_overhead_s: seconds the pipelining engine adds per micro-batch on each
+            stage (:func:`meshplace.runtime.pipelined.measure_engine_overhead`), which the
+            hybrid search charges every micro-batch of a plan meshplace's runtime pipelines.
         source: how and where it was measured.
     """
 
@@ -89,6 +92,7 @@ class CostCalibration(BaseModel):
     ] = Field(default_factory=dict)
     collectives_measured_on: Annotated[int, Field(ge=2)] | None = None
     dispatch_overhead_s: _NonNegative = 0.0
+    pipeline_overhead_s: _NonNegative = 0.0
     source: str = ""
 
 
@@ -124,7 +128,7 @@ def calibrated_cost_model(
     """``base`` (default: the default :class:`CostModel`) with ``calibration`` applied to
     the devices of its kind in ``cluster``: their efficiencies (rescaled to the cluster's
     spec of that kind, the module doc), launch overhead, engine dispatch overhead, message
-    CPU and measured collectives. Other device
+    CPU, measured collectives and pipelining engine overhead. Other device
     kinds keep ``base``'s. Raises :class:`CalibrationError` when the cluster has no device
     of the calibration's kind. O(op kinds).
     """
@@ -159,6 +163,10 @@ def calibrated_cost_model(
         dispatch_overhead={
             **base.dispatch_overhead,
             **({kind: calibration.dispatch_overhead_s} if calibration.dispatch_overhead_s else {}),
+        },
+        pipeline_overhead={
+            **base.pipeline_overhead,
+            **({kind: calibration.pipeline_overhead_s} if calibration.pipeline_overhead_s else {}),
         },
         collectives={
             **base.collectives,

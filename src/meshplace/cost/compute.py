@@ -104,6 +104,10 @@ class CostModel:
         dispatch_overhead: device kind → seconds the execution engine adds to every
             kernel, whether its time is measured or the roofline's (DTensor's per-op
             dispatch: sharding propagation and placement checks on the host); absent: 0.
+        pipeline_overhead: device kind → seconds a pipelining engine adds per micro-batch
+            on each stage (``torch.distributed.pipelining``'s schedule bookkeeping and
+            stage input/output handling, measured by
+            :func:`meshplace.runtime.pipelined.measure_engine_overhead`); absent: 0.
     """
 
     efficiency: dict[str, tuple[float, float]] = field(
@@ -116,6 +120,7 @@ class CostModel:
     device_efficiency: dict[str, dict[str, tuple[float, float]]] = field(default_factory=dict)
     collectives: dict[str, dict[str, tuple[float, float]]] = field(default_factory=dict)
     dispatch_overhead: dict[str, float] = field(default_factory=dict)
+    pipeline_overhead: dict[str, float] = field(default_factory=dict)
 
     def efficiency_on(self, device_kind: str | None, op_kind: str) -> tuple[float, float]:
         """(compute, memory) efficiency of ``op_kind`` ops on ``device_kind`` devices: the

@@ -1037,6 +1037,7 @@ def _evaluate_units(
     global_batch: int,
     chips: int,
     synchronous: bool = False,
+    host: HostCosts | None = None,
 ) -> HybridPlan | None:
     """:func:`_evaluate` for a model cut between heterogeneous units: the DP over (first
     unit, end unit) ranges (:func:`meshplace.parallel.units.best_unit_split`), each
@@ -1050,6 +1051,12 @@ def _evaluate_units(
     model = _unit_stage_model(uc, config, stage_mesh, dp_axis)
     n = n_units + 1
     crossing = uc.boundary_bytes
+    # a stage's messages are those of its first cut (activation in, gradient out) and of
+    # its end cut (activation out, gradient in)
+    cut_bytes = np.asarray(crossing, dtype=np.float64)
+    model = (host or HostCosts()).charge(
+        model, cut_bytes[None, :, None, None], cut_bytes[None, None, :, None]
+    )
     arrive = np.zeros((p, n, 1, 1))  # stage i's input at its first cut (and its gradient back)
     leave = np.zeros((p, 1, n, 1))  # stage i's output at its end cut (and the gradient in)
     for i in range(p):
@@ -1095,6 +1102,60 @@ def _evaluate_units(
         np.array(sync), np.array(update),
     )  # fmt: skip
     return plan
+
+
+@dataclass(frozen=True)
+class HostCosts:
+    """What running a stage costs its host beyond the kernels, per micro-batch: the
+    pipelining engine's ``engine_s`` (meshplace's hybrid runtime runs every plan, one
+    stage included, as a ``torch.distributed.pipelining`` schedule; the cost model's
+    ``pipeline_overhead``), half on the forward and half on the backward, and, for devices
+    whose messages are staged through the host (the cost model's ``message_cpu``: send s,
+    send s/byte, receive s, receive s/byte), each message between stages on its ends'
+    compute: a stage's forward receives its activation and sends its output, its backward
+    receives the output's gradient and sends its input's. The link's own time stays the
+    schedule's wire time.
+
+    >>> host = HostCosts(2e-3, (1e-4, 0.0, 2e-4, 0.0))
+    >>> into, out = host.stage_messages(1e6, True, True)  # (forward, backward) seconds
+    >>> [float(x) for x in (*into, *out)]  # input cut: receive, send; output: send, receive
+    [0.0002, 0.0001, 0.0001, 0.0002]
+    """
+
+    engine_s: float = 0.0
+    message_cpu: tuple[float, float, float, float] | None = None
+
+    def stage_messages(
+        self, nbytes: Any, receives: Any, sends: Any
+    ) -> tuple[tuple[Any, Any], tuple[Any, Any]]:
+        """``((forward, backward) at the stage's input cut, (forward, backward) at its
+        output cut)``: at the input, the activation received and the gradient sent; at the
+        output, the activation sent and the gradient received."""
+        if self.message_cpu is None:
+            return (0.0, 0.0), (0.0, 0.0)
+        send_s, send_per_byte, recv_s, recv_per_byte = self.message_cpu
+        send = send_s + send_per_byte * np.asarray(nbytes, dtype=np.float64)
+        recv = recv_s + recv_per_byte * np.asarray(nbytes, dtype=np.float64)
+        into, out = np.asarray(receives, dtype=np.float64), np.asarray(sends, dtype=np.float64)
+        return (into * recv, into * send), (out * send, out * recv)
+
+    def charge(
+        self, model: dict[str, np.ndarray], in_bytes: np.ndarray, out_bytes: np.ndarray
+    ) -> dict[str, np.ndarray]:
+        """``model`` (stage arrays ``[p, ...]``) with these costs on every stage; the
+        bytes crossing each stage's input and output cut broadcast against it."""
+        if not self.engine_s and self.message_cpu is None:
+            return model
+        p = model["forward"].shape[0]
+        shape = (p,) + (1,) * (model["forward"].ndim - 1)
+        stage = np.arange(p).reshape(shape)
+        into, _ = self.stage_messages(in_bytes, stage > 0, stage > 0)
+        _, out = self.stage_messages(out_bytes, stage < p - 1, stage < p - 1)
+        return {
+            **model,
+            "forward": model["forward"] + self.engine_s / 2 + into[0] + out[0],
+            "backward": model["backward"] + self.engine_s / 2 + into[1] + out[1],
+        }
 
 
 # ------------------------------------------------------------------ the search
@@ -1318,16 +1379,21 @@ def _evaluate(
     chips: int,
     uniform: bool = False,
     synchronous: bool = False,
+    host: HostCosts | None = None,
 ) -> HybridPlan | None:
     """The best split of one configuration by the DP (``uniform``: equal stages and one
     recomputation for all, as a Megatron-style grid sets them), ranked by its closed form;
-    :func:`simulate_plan` then runs its schedule. ``None`` where the configuration has no
-    split (more stages than layers, an interleaving the layers or micro-batches do not
-    divide)."""
+    :func:`simulate_plan` then runs its schedule. ``host``: the pipelining engine's and
+    the stage messages' cost to the stages' compute (:class:`HostCosts`). ``None`` where
+    the configuration has no split (more stages than layers, an interleaving the layers or
+    micro-batches do not divide)."""
     p, m = config.pp, config.micro_batches
     if p > layers:
         return None
+    host = host or HostCosts()
     model = _stage_model(pc, config, layers, stage_mesh, dp_axis)
+    nbytes = np.full((p, 1, 1), float(pc.boundary_bytes))
+    model = host.charge(model, nbytes, nbytes)
     send = np.array([link_s(i, i + 1, pc.boundary_bytes) for i in range(max(p - 1, 0))])
     per_stage_send = np.zeros(p)
     if p > 1:
@@ -1378,16 +1444,23 @@ def _evaluate(
     )  # fmt: skip
     plan.tensor_placements = pc.tensor_placements
     wrap = link_s(p - 1, 0, pc.boundary_bytes) if v > 1 else 0.0
-    plan.stage_times = _stage_times(pc, plan, send, wrap, v)
+    plan.stage_times = _stage_times(pc, plan, send, wrap, v, host)
     return plan
 
 
 def _stage_times(
-    pc: PartCosts, plan: HybridPlan, send: np.ndarray, wrap: float, v: int
+    pc: PartCosts,
+    plan: HybridPlan,
+    send: np.ndarray,
+    wrap: float,
+    v: int,
+    host: HostCosts | None = None,
 ) -> StageTimes:
     """The (virtual) stages' times for the schedule simulator: virtual stage ``s`` runs on
     device ``s mod p``, so its send crosses the link ``s mod p -> (s + 1) mod p``
-    (``wrap`` from the last device back to the first)."""
+    (``wrap`` from the last device back to the first); each virtual stage pays ``host``'s
+    costs as :meth:`HostCosts.charge` charges a stage."""
+    host = host or HostCosts()
     p = plan.pp
     sync, update = np.array(plan.sync_s), np.array(plan.update_s)
     if v == 1:
@@ -1402,13 +1475,23 @@ def _stage_times(
             full = 1.0 if plan.recompute[i] == "full" else 0.0
             pre = 1.0 if (chunk == 0 and i == 0) else 0.0
             post = 1.0 if (chunk == v - 1 and i == p - 1) else 0.0
+            s_index, last_s = chunk * p + i, p * v - 1
+            into, out = host.stage_messages(pc.boundary_bytes, s_index > 0, s_index < last_s)
             forward.append(
-                k * pc.layer.forward_s + pre * pc.pre.forward_s + post * pc.post.forward_s
+                k * pc.layer.forward_s
+                + pre * pc.pre.forward_s
+                + post * pc.post.forward_s
+                + host.engine_s / 2
+                + into[0]
+                + out[0]
             )
             backward.append(
                 k * (pc.layer.backward_s + full * pc.layer.forward_s)
                 + pre * pc.pre.backward_s
                 + post * pc.post.backward_s
+                + host.engine_s / 2
+                + into[1]
+                + out[1]
             )
     per_device = [*(float(x) for x in send), float(wrap)]  # device d -> d + 1 (mod p)
     wire = np.array([per_device[s % p] for s in range(p * v - 1)])
@@ -1623,6 +1706,14 @@ def hybrid_search(
     candidates: list[HybridPlan] = []
     configurations = 0
     meshes: dict[tuple[int, int], Mesh] = {}
+    kind = device.kind
+    # what the cost model says a message between stages costs its two ends' compute
+    # (host-staged devices) and what the pipelining engine adds per micro-batch and stage
+    host = HostCosts(
+        cost_model.pipeline_overhead.get(kind, 0.0) if cost_model is not None else 0.0,
+        cost_model.message_cpu.get(kind) if cost_model is not None else None,
+    )
+
     for (tp, b), pc in sorted(parts.items()):
         if tp == 0:  # one-device stages' plain-tensor costs: used for tp 1 below
             continue
@@ -1660,13 +1751,13 @@ def hybrid_search(
                     if isinstance(costs, UnitCosts):
                         plan = _evaluate_units(
                             costs, config, capacity, mesh, dp_axis, link_s, peak, global_batch,
-                            n, synchronous=synchronous_gradients,
+                            n, synchronous=synchronous_gradients, host=host,
                         )  # fmt: skip
                     else:
                         plan = _evaluate(
                             costs, config, layers, capacity, mesh, dp_axis, link_s, peak,
                             global_batch, n, uniform=style == "megatron",
-                            synchronous=synchronous_gradients,
+                            synchronous=synchronous_gradients, host=host,
                         )  # fmt: skip
                     if plan is not None:
                         candidates.append(plan)

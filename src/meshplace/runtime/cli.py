@@ -504,11 +504,18 @@ def _run(args: argparse.Namespace, plan: Any) -> int:
         path, _, function = str(args.graph).rpartition(":")
         if path.endswith(".py") and function and not gpus:
             from meshplace.runtime.dryrun import measure_dispatch_overhead
+            from meshplace.runtime.pipelined import measure_engine_overhead
 
             # what DTensor's dispatch adds per op on this model's own step, which the
-            # sharding runtime pays (a FILE.py:FUNCTION model: it is built again here)
+            # sharding runtime pays, and what torch's pipelining adds per micro-batch,
+            # which the hybrid runtime pays (a FILE.py:FUNCTION model: built again here)
             dispatch = measure_dispatch_overhead(str(args.graph))
-            measured = measured.model_copy(update={"dispatch_overhead_s": dispatch["per_op_s"]})
+            measured = measured.model_copy(
+                update={
+                    "dispatch_overhead_s": dispatch["per_op_s"],
+                    "pipeline_overhead_s": measure_engine_overhead(str(args.graph)),
+                }
+            )
         save_calibration(measured, args.calibration_out)
     error = None if predicted is None else (predicted - res.step_time_s) / res.step_time_s
     out = {

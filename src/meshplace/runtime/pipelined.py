@@ -260,6 +260,80 @@ def run_schedule(
     return micro
 
 
+def measure_engine_overhead(source: str, micro_batches: int | None = None, reps: int = 20) -> float:
+    """What ``torch.distributed.pipelining`` adds per micro-batch, measured in this
+    process: the whole model as one stage (split and compiled as the runtime does,
+    ``run_stage_compiled``) under ``Schedule1F1B`` on a gloo world of one, against the
+    same chunks' forward and backward in eager PyTorch (one thread), the difference per
+    micro-batch. The schedule's bookkeeping, the stage's input and output handling and the
+    generated code's calls are in it; messages are not (a world of one sends none). The
+    calibration file's ``pipeline_overhead_s``. ``micro_batches``: by default the most of
+    8, 4, 2 and 1 that divide the model's batch (the first input's first dimension; the
+    largest signal over the noise). Cost: ``2 (reps + 2)`` steps of the model.
+    """
+    import statistics
+    import tempfile
+
+    import torch.distributed as dist
+    from torch.distributed.pipelining import Schedule1F1B, pipeline
+
+    from meshplace.graph.capture import as_loss
+    from meshplace.graph.sources import build_from_seed
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    model, args, kwargs = build_from_seed(source)
+    if micro_batches is None:
+        first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        batch = int(first.shape[0]) if first is not None and first.dim() else 1
+        micro_batches = next(m for m in (8, 4, 2, 1) if batch % m == 0)
+
+    def chunks(k: int) -> tuple[list, dict]:
+        def cut(x: Any) -> Any:
+            return x.chunk(micro_batches)[k] if isinstance(x, torch.Tensor) else x
+
+        return [cut(a) for a in args], {n: cut(v) for n, v in kwargs.items()}
+
+    def eager() -> None:
+        for k in range(micro_batches):
+            a, kw = chunks(k)
+            loss, _how = as_loss(model(*a, **kw))
+            (loss / micro_batches).backward()
+        model.zero_grad(set_to_none=True)
+
+    try:
+        with tempfile.TemporaryDirectory() as folder:
+            store = dist.FileStore(str(Path(folder) / "store"), 1)
+            dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+            try:
+                a, kw = chunks(0)
+                pipe = pipeline(InputsEnterFirst(model), mb_args=tuple(a), mb_kwargs=kw)
+                stage = pipe.build_stage(0, torch.device("cpu"))
+                run_stage_compiled(stage.submod)
+                runner = Schedule1F1B(
+                    stage, n_microbatches=micro_batches, loss_fn=lambda out, _t: out.sum()
+                )
+                target = torch.zeros(micro_batches)
+
+                def piped() -> None:
+                    runner.step(*args, target=target, losses=[], **kwargs)
+                    stage.submod.zero_grad(set_to_none=True)
+
+                differences = []
+                for i in range(reps + 2):  # interleaved, the first two untimed
+                    start = time.perf_counter()
+                    piped()
+                    middle = time.perf_counter()
+                    eager()
+                    if i >= 2:
+                        differences.append((middle - start) - (time.perf_counter() - middle))
+            finally:
+                dist.destroy_process_group()
+    finally:
+        torch.set_num_threads(threads)
+    return max(0.0, statistics.median(differences) / micro_batches)
+
+
 def run_pipelined_plan(
     plan: Any,
     plan_path: str,
