@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import json
+import math
 import subprocess
 import sys
 from dataclasses import replace
@@ -211,3 +212,14 @@ def test_dtensors_dispatch_is_measured_per_op_it_dispatches(tmp_path: Path) -> N
     # forward, backward and foreach Adam of a 2-layer MLP: a few tens of DTensor ops
     assert 10 <= measured["ops"] <= 60, measured
     assert measured["per_op_s"] >= 0 and measured["dtensor_step_s"] > 0
+
+
+def test_the_pipelining_engines_cost_per_micro_batch_is_measured(tmp_path: Path) -> None:
+    from meshplace.runtime.pipelined import measure_engine_overhead
+
+    # a batch of 6: the micro-batch count is the most of 8, 4, 2, 1 that divides it (2)
+    (tmp_path / "mlp6.py").write_text(MODEL.replace("torch.randn(32, 64)", "torch.randn(6, 64)"))
+    seconds = measure_engine_overhead(f"{tmp_path / 'mlp6.py'}:build", reps=2)
+    assert math.isfinite(seconds) and 0 <= seconds < 0.1
+    with pytest.raises(InputError, match="a batch of 6 does not split into 4 micro-batches"):
+        measure_engine_overhead(f"{tmp_path / 'mlp6.py'}:build", micro_batches=4, reps=1)

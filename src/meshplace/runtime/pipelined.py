@@ -283,10 +283,15 @@ def measure_engine_overhead(source: str, micro_batches: int | None = None, reps:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     model, args, kwargs = build_from_seed(source)
+    first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+    batch = int(first.shape[0]) if first is not None and first.dim() else 1
     if micro_batches is None:
-        first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
-        batch = int(first.shape[0]) if first is not None and first.dim() else 1
         micro_batches = next(m for m in (8, 4, 2, 1) if batch % m == 0)
+    elif micro_batches < 1 or batch % micro_batches:
+        torch.set_num_threads(threads)
+        raise InputError(
+            f"{source}: a batch of {batch} does not split into {micro_batches} micro-batches"
+        )
 
     def chunks(k: int) -> tuple[list, dict]:
         def cut(x: Any) -> Any:
