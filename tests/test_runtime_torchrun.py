@@ -280,3 +280,37 @@ def test_two_nodes_on_this_host_run_the_llama_plan(tmp_path: Path) -> None:
     assert torch.allclose(
         torch.tensor(report["measured"]["losses"]), torch.tensor(expected), rtol=1e-5, atol=1e-5
     )
+
+
+def test_partial_gradients_are_all_reduced_in_buckets(tmp_path: Path) -> None:
+    """Data-parallel gradients (partial sums the parameters replicate) are reduced
+    together, a bucket per collective: on a world of one every sum is the value itself,
+    so each gradient must come back as its own values, shape and the parameter's
+    placements, whatever the bucket size; the collectives are one per bucket."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_module
+
+    from meshplace.runtime.dryrun import EngineProgram, recorder
+    from meshplace.runtime.launch import place_gradients_like_parameters
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+        model = distribute_module(model, mesh)  # every parameter a replicated DTensor
+        grads = {n: torch.randn(p.shape) for n, p in model.named_parameters()}
+        for bucket_bytes, collectives in ((1, 4), (1 << 20, 1)):
+            for n, p in model.named_parameters():
+                p.grad = DTensor.from_local(grads[n].clone(), mesh, [Partial()], run_check=False)
+            program = EngineProgram(world_size=1)
+            with recorder(program, {}):
+                place_gradients_like_parameters(model, bucket_bytes=bucket_bytes)
+            assert sum(c.kind == "all_reduce" for c in program.collectives) == collectives
+            for n, p in model.named_parameters():
+                assert tuple(p.grad.placements) == (Replicate(),)
+                assert torch.equal(p.grad.to_local(), grads[n])
+    finally:
+        dist.destroy_process_group()

@@ -40,6 +40,9 @@ from meshplace.errors import InputError
 from meshplace.graph.ir import Op, OpGraph
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
+#: bytes of gradients one data-parallel all-reduce carries (DDP's default bucket; the
+#: torchrun runtime buckets its gradient reductions the same way)
+GRADIENT_BUCKET_BYTES = 25 * 2**20
 ALGORITHMS = ("ring", "tree", "torus")
 
 

@@ -88,6 +88,7 @@ from typing import Any
 
 import numpy as np
 
+from meshplace.cost.collectives import GRADIENT_BUCKET_BYTES
 from meshplace.cost.compute import CostModel
 from meshplace.errors import InputError
 from meshplace.graph.ir import OpGraph
@@ -1268,10 +1269,11 @@ def _sync_seconds(
     docstring, step 2): the gradient reduction after the last backward, overlapping that
     backward (ZeRO-0 all-reduce, ZeRO-1 reduce-scatter; ZeRO-2/3 reduce-scatter after every
     micro-batch instead), and ZeRO-1/2's all-gather of the updated parameters, which the
-    next step's first forward can overlap. ``synchronous``: an engine that reduces (and
-    gathers) each of the stage's ``tensors`` parameter tensors on its own after the
-    schedule, overlapping nothing (meshplace's torchrun runtime): one collective per
-    tensor, each its share of the bytes, all exposed."""
+    next step's first forward can overlap. ``synchronous``: the engine of meshplace's
+    torchrun runtime, which after the schedule all-reduces the gradients in buckets of
+    :data:`~meshplace.cost.collectives.GRADIENT_BUCKET_BYTES` (ZeRO 0 and 1; a ZeRO-1
+    shard is then a local slice) and gathers each of the stage's ``tensors`` updated
+    parameter tensors on its own (ZeRO 1 and 2), overlapping nothing."""
     if axis is None or config.dp == 1:
         return 0.0
     z = config.zero
@@ -1280,14 +1282,18 @@ def _sync_seconds(
     def collective(kind: str, nbytes: float) -> float:
         return calls * mesh.collective_time(kind, nbytes / calls, [axis])
 
+    if synchronous:
+        buckets = max(1.0, float(math.ceil(grads / GRADIENT_BUCKET_BYTES)))
+        reduce = 0.0
+        if z < 2:
+            reduce = buckets * mesh.collective_time("all_reduce", grads / buckets, [axis])
+        return reduce + (collective("all_gather", params) if z in (1, 2) else 0.0)
     reduce = 0.0
     if z == 0:
         reduce = collective("all_reduce", grads)
     elif z == 1:
         reduce = collective("reduce_scatter", grads)
     gather = collective("all_gather", params) if z in (1, 2) else 0.0
-    if synchronous:
-        return reduce + gather
     return max(0.0, reduce - backward) + max(0.0, gather - forward)
 
 
