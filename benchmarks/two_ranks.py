@@ -1,0 +1,39 @@
+"""What the by-hand-versus-meshplace benchmarks (``pipeline_overhead.py``,
+``sharded_overhead.py``) share: launching a command on 2 torchrun ranks and reporting a
+rank program's step time the same way meshplace's runtime does (per step the slowest
+rank's, the median after warm-up)."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+
+def torchrun_json(args: list[str]) -> dict:
+    """Run ``args`` under ``torchrun --standalone --nproc-per-node 2`` (one thread per
+    rank) and return the JSON document its last stdout line holds."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc-per-node", "2", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    if done.returncode != 0:
+        raise RuntimeError(done.stderr[-3000:] if done.stderr else "failed")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def report_slowest_median(times: list[float], warmup: int) -> None:
+    """On every rank of a torchrun program: gather each rank's step times; rank 0 prints
+    ``{"step_time_s": ...}`` (per step the slowest rank, median after ``warmup``); then
+    leave the process group."""
+    import torch.distributed as dist
+
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, times)
+    if dist.get_rank() == 0:
+        slowest = [max(r[k] for r in every) for k in range(len(times))]
+        print(json.dumps({"step_time_s": statistics.median(slowest[warmup:])}))
+    dist.barrier()
+    dist.destroy_process_group()
