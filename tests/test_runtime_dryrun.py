@@ -52,10 +52,11 @@ def grid_plans(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str,
 
 @pytest.fixture(scope="module")
 def dp_program(grid_plans: tuple[str, dict[str, dict]]) -> tuple[dict, EngineProgram]:
-    """The data-parallel grid point's plan and its dry run."""
+    """The data-parallel grid point's plan and its dry run on DTensor (``--engine
+    dtensor``; by default the runtime runs such a plan on DDP: tests/test_data_parallel.py)."""
     source, plans = grid_plans
     dp = next(p for label, p in plans.items() if label.startswith("dp2 x tp1"))
-    return dp, dry_run(dp, source)
+    return dp, dry_run(dp, source, engine="dtensor")
 
 
 def test_data_parallelism_runs_one_bucketed_gradient_all_reduce(

@@ -68,7 +68,14 @@ AXIS_NAMES = ("x", "y", "z", "w")
 _SCORE_BYTES = 64 * 2**20
 # All-to-all loads are computed from real routes for rings up to this many devices.
 _ALL_TO_ALL_EXACT = 64
-KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "collective_permute")
+KINDS = (
+    "all_reduce",
+    "reduce_scatter",
+    "all_gather",
+    "all_to_all",
+    "collective_permute",
+    "broadcast",
+)
 
 
 class LayoutError(InputError):
@@ -153,6 +160,17 @@ def _stage_time(kind: str, nbytes: float, stages: Sequence[CommStage]) -> float:
                     bandwidth=st.link_bandwidth,
                     latency=st.latency,
                 ),
+            )
+        elif kind == "broadcast":
+            # the whole message to every ring member along a binomial tree (DDP's buffer
+            # broadcast before each forward): log2(size) rounds, one link each
+            total += collective_time(
+                "broadcast",
+                "tree",
+                nbytes,
+                st.size,
+                bandwidth=st.link_bandwidth,
+                latency=st.latency,
             )
         else:
             raise LayoutError(f"unknown collective {kind!r}; allowed: {', '.join(KINDS)}")

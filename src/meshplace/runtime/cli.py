@@ -145,6 +145,13 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         "cost model (meshplace profile --out, run --calibration-out; default: the "
         "catalogue's figures)",
     )
+    parser.add_argument(
+        "--engine",
+        choices=("auto", "dtensor"),
+        default=None,
+        help="a sharding plan: auto (default) runs pure data parallelism on DDP (ZeRO 0) or "
+        "FSDP2 (ZeRO 3) and every other plan on DTensor; dtensor runs every plan on DTensor",
+    )
     parser.add_argument("--cluster-out", help="write the calibrated local cluster (YAML)")
     parser.add_argument(
         "--calibration-out",
@@ -194,7 +201,7 @@ def check_run_arguments(args: argparse.Namespace) -> Any:
         if getattr(args, flag, None) is not None:
             name = "--" + flag.replace("_", "-")
             raise InputError(f"{name} applies to --launcher torchrun")
-    for flag in ("cluster", "calibration"):
+    for flag in ("cluster", "calibration", "engine"):
         if getattr(args, flag, None) is not None:
             raise InputError(f"--{flag} applies to sharding plans (meshplace shard --out)")
     if getattr(args, "no_predict", False):
@@ -297,6 +304,7 @@ def run_sharding_plan(args: argparse.Namespace, plan: dict[str, Any]) -> int:
         ("--checkpoint-dir", getattr(args, "checkpoint_dir", None)),
         ("--cluster", getattr(args, "cluster", None)),
         ("--calibration", getattr(args, "calibration", None)),
+        ("--engine", getattr(args, "engine", None)),
     ):
         if value is not None:
             extra += [flag, str(value)]
@@ -313,6 +321,7 @@ def run_placement_with_torchrun(args: argparse.Namespace, plan: Any) -> int:
         ("--calibration-out", getattr(args, "calibration_out", None)),
         ("--cluster", getattr(args, "cluster", None)),
         ("--calibration", getattr(args, "calibration", None)),
+        ("--engine", getattr(args, "engine", None)),
     ):
         if value is not None:
             raise InputError(f"{flag} does not apply to --launcher torchrun")

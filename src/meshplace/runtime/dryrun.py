@@ -65,6 +65,19 @@ COLLECTIVE_KINDS = {
 }
 #: the namespaces those ops live in
 COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "c10d_functional", "_dtensor"})
+#: the process group's own collectives (``torch.distributed``'s, which DDP's reducer and
+#: FSDP2 call), by the cost model's kind names, and the argument holding the rank's input
+C10D_COLLECTIVES = {
+    "allreduce_": ("all_reduce", 0),
+    "broadcast_": ("broadcast", 0),
+    "_allgather_base_": ("all_gather", 1),
+    "allgather_into_tensor_coalesced_": ("all_gather", 1),
+    "_reduce_scatter_base_": ("reduce_scatter", 1),
+    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1),
+    "alltoall_base_": ("all_to_all", 1),
+}
+#: namespaces of ops that are bookkeeping, not kernels
+_NOT_KERNEL_NAMESPACES = frozenset({"profiler"})
 #: ops that only wait on, or wrap, a collective's result: no kernel
 _NOT_KERNELS = frozenset({"wait_tensor", "_wrap_tensor_autograd", "detach", "lift_fresh"})
 
@@ -212,7 +225,13 @@ def recorder(program: EngineProgram, axis_of: dict[str, list[str]] | None = None
                     )
                 )
                 return out
-            if name in _NOT_KERNELS or is_alias(func):
+            if namespace == "c10d" and name in C10D_COLLECTIVES:
+                kind, position = C10D_COLLECTIVES[name]
+                program.collectives.append(
+                    EngineCollective(kind, _tensor_bytes(args[position]), every_axis)
+                )
+                return out
+            if name in _NOT_KERNELS or namespace in _NOT_KERNEL_NAMESPACES or is_alias(func):
                 return out
             if name.startswith("_foreach_"):  # one kernel per tensor of the list
                 flops = float(sum(t.numel() for t in out)) if isinstance(out, list) else 0.0
@@ -263,19 +282,28 @@ def recorded_step(training: Any) -> tuple[Any, int, EngineProgram]:
     return loss, grad_bytes, program
 
 
-def record_step(plan: dict[str, Any], source: str, *, device_type: str = "cpu") -> EngineProgram:
+def record_step(
+    plan: dict[str, Any], source: str, *, device_type: str = "cpu", engine: str = "auto"
+) -> EngineProgram:
     """The step this rank runs for ``plan`` (``torch.distributed`` initialised, a real or
-    a fake process group): one untimed step, then the second recorded (module
-    docstring). O(one training step)."""
-    from meshplace.runtime.launch import ShardedTraining
+    a fake process group) on the engine the runtime chooses
+    (:func:`meshplace.runtime.launch.sharding_training`): one untimed step, then the
+    second recorded (module docstring). O(one training step)."""
+    from meshplace.runtime.launch import sharding_training
 
-    training = ShardedTraining(plan, source, lr=1e-3, device_type=device_type)
+    training, _note = sharding_training(
+        plan, source, lr=1e-3, device_type=device_type, engine=engine
+    )
     training.step()
     return recorded_step(training)[2]
 
 
 def dry_run(
-    plan: dict[str, Any] | str | Path, source: str | None = None, *, timeout_s: float = 600.0
+    plan: dict[str, Any] | str | Path,
+    source: str | None = None,
+    *,
+    timeout_s: float = 600.0,
+    engine: str = "auto",
 ) -> EngineProgram:
     """Rank 0's step of ``plan`` (a plan file's dict or path) as DTensor runs it, recorded
     in a fresh process on a fake process group of the plan's world size (module
@@ -293,6 +321,7 @@ def dry_run(
         command = [sys.executable, "-m", "meshplace.runtime.dryrun", str(path)]
         if source is not None:
             command += ["--model", source]
+        command += ["--engine", engine]
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         done = subprocess.run(
             command, capture_output=True, text=True, timeout=timeout_s, env=env, check=False
@@ -318,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m meshplace.runtime.dryrun")
     parser.add_argument("plan")
     parser.add_argument("--model", default=None)
+    parser.add_argument("--engine", choices=("auto", "dtensor"), default="auto")
     args = parser.parse_args(argv)
     try:
         plan = read_plan(args.plan)
@@ -332,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             # whatever the model prints goes to stderr: stdout is the one JSON document
             with contextlib.redirect_stdout(sys.stderr):
-                program = record_step(plan, source)
+                program = record_step(plan, source, engine=args.engine)
         finally:
             dist.destroy_process_group()
     except InputError as exc:

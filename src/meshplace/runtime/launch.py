@@ -60,6 +60,9 @@ from meshplace.errors import InputError
 #: plan) or its first micro-batch's forward (pipeline) — as a crashed or OOM-killed process
 #: would end.
 FAULT_ENV = "MESHPLACE_TORCHRUN_FAULT"
+#: ``--engine`` choices: ``auto`` runs a pure data-parallel plan on DDP or FSDP2
+#: (:mod:`meshplace.runtime.data_parallel`) and every other plan on DTensor
+ENGINES = ("auto", "dtensor")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -131,6 +134,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--calibration-out) whose cost model predicts the step as DTensor runs it "
         "(default: the catalogue's figures)",
     )
+    parser.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default="auto",
+        help="sharding plan: auto (default) runs pure data parallelism on DDP (ZeRO 0) or "
+        "FSDP2 (ZeRO 3) and every other plan on DTensor; dtensor runs every plan on DTensor",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object (rank 0)")
     return parser
 
@@ -194,30 +204,6 @@ def model_source(plan: dict[str, Any], override: str | None) -> str:
             f"{source!r} (reference workloads are built on the meta device); pass --model"
         )
     return str(source)
-
-
-def zero_placements(placements: list[Any], shape: Sequence[int], mesh_shape: Sequence[int]) -> list:
-    """The plan's placements of a parameter with every replica axis (``Replicate``) turned
-    into ``Shard(d)``, ``d`` the first dimension whose block that axis's size divides (the
-    plan's ZeRO shard is a flat ``1/N``: the same bytes where it divides evenly).
-
-    >>> from torch.distributed.tensor import Replicate, Shard
-    >>> zero_placements([Shard(0), Replicate()], [8, 6], [4, 3])
-    [Shard(dim=0), Shard(dim=1)]
-    """
-    from torch.distributed.tensor import Shard
-
-    local = list(shape)
-    for p, size in zip(placements, mesh_shape, strict=True):
-        if p.is_shard():
-            local[p.dim] //= size
-    out = list(placements)
-    for axis, (p, size) in enumerate(zip(placements, mesh_shape, strict=True)):
-        if p.is_replicate() and size > 1:
-            d = next((d for d, n in enumerate(local) if n % size == 0), 0)
-            out[axis] = Shard(d)
-            local[d] //= size
-    return out
 
 
 def refuse_channel_split_convolutions(plan: dict[str, Any]) -> None:
@@ -324,9 +310,10 @@ class WeightUpdateSharding:
     parameter's replica axes are the mesh axes its plan placement replicates it over.
 
     Stages 1 and 2: the optimizer updates a master copy of the parameter sharded over its
-    replica axes (:func:`zero_placements`). After backward (:meth:`after_backward`) the
-    gradient is redistributed onto it — a reduce-scatter where it is a partial sum, a
-    local slice where already reduced — and from stage 2 the whole gradient is dropped;
+    replica axes (:func:`~meshplace.runtime.sharded.zero_placements`). After backward
+    (:meth:`after_backward`) the gradient is redistributed onto it — a reduce-scatter
+    where it is a partial sum, a local slice where already reduced — and from stage 2 the
+    whole gradient is dropped;
     after the step (:meth:`after_step`) the updated shard is all-gathered into the
     parameter.
 
@@ -345,7 +332,7 @@ class WeightUpdateSharding:
     def __init__(self, model: Any, plan: dict[str, Any], mesh: Any) -> None:
         import torch
 
-        from meshplace.runtime.sharded import local_nbytes
+        from meshplace.runtime.sharded import local_nbytes, zero_placements
 
         self.mesh = mesh
         self.masters: dict[str, tuple[Any, Any, int]] = {}
@@ -447,7 +434,17 @@ class ShardedTraining:
     training step exactly as :func:`run_sharded_plan` times it, so what a dry run records
     (:mod:`meshplace.runtime.dryrun`) is what a run executes."""
 
-    def __init__(self, plan: dict[str, Any], source: str, *, lr: float, device_type: str) -> None:
+    engine = "dtensor"
+
+    def __init__(
+        self,
+        plan: dict[str, Any],
+        source: str,
+        *,
+        lr: float,
+        device_type: str,
+        built: tuple | None = None,
+    ) -> None:
         import torch
 
         from meshplace.graph.sources import build_from_seed
@@ -460,7 +457,8 @@ class ShardedTraining:
         )
         from meshplace.runtime.spatial import use_spatial_convolutions
 
-        model, args, kwargs = build_from_seed(source)  # the same on every rank
+        # the same on every rank
+        model, args, kwargs = built if built is not None else build_from_seed(source)
         refuse_channel_split_convolutions(plan)
         use_spatial_convolutions(model)  # a convolution of a split image: halo exchange
         device = rank_device(device_type)
@@ -477,6 +475,7 @@ class ShardedTraining:
                     owner, _, attr = name.rpartition(".")
                     setattr(model.get_submodule(owner), attr, buffer.to(device))
         self.zero = WeightUpdateSharding(model, plan, mesh)
+        self.uneven = self.zero.uneven
         names = list(plan["inputs"])  # positional inputs first, then keywords, as captured
         values = [a.to(device) for a in [*args, *kwargs.values()]]
         if len(values) != len(names):
@@ -507,6 +506,42 @@ class ShardedTraining:
             loss.backward()
         return loss, self.zero.update(self.model, self.optimizer)
 
+    def loss_value(self, loss: Any) -> float:
+        """The loss of the whole batch (DTensor computed it whole: gathered, if split)."""
+        value = loss.detach()
+        return float(value.full_tensor() if hasattr(value, "full_tensor") else value)
+
+
+def sharding_training(
+    plan: dict[str, Any], source: str, *, lr: float, device_type: str, engine: str = "auto"
+) -> tuple[Any, str | None]:
+    """One rank's training of a sharding plan on the engine that runs it — DDP (ZeRO 0)
+    or FSDP2 (ZeRO 3) for pure data parallelism whose loss is a mean or sum over the
+    batch, DTensor (:class:`ShardedTraining`) for everything else or with ``engine``
+    ``"dtensor"`` — and, for a pure data-parallel plan kept on DTensor, why (a note for
+    the report). Both have ``step``, ``loss_value``, ``model``, ``mesh``, ``optimizer``,
+    ``engine``, ``uneven`` and ``meta_buffers``."""
+    from meshplace.graph.sources import build_from_seed
+    from meshplace.runtime.data_parallel import DataParallelTraining, data_parallel_stage
+
+    if engine not in ENGINES:
+        raise InputError(f"--engine {engine!r}: choose one of {', '.join(ENGINES)}")
+    built = build_from_seed(source)  # the same on every rank
+    stage = data_parallel_stage(plan) if engine == "auto" else None
+    note = None
+    if stage is not None:
+        training = DataParallelTraining.create(
+            plan, built, stage=stage, lr=lr, device_type=device_type
+        )
+        if training is not None:
+            return training, None
+        note = (
+            "the plan is pure data parallelism, but it runs on DTensor: the model is built "
+            "on the meta device, or its loss is not a mean or sum over equal shards of the "
+            "batch (DDP and FSDP2 average the ranks' gradients)"
+        )
+    return ShardedTraining(plan, source, lr=lr, device_type=device_type, built=built), note
+
 
 def run_sharded_plan(
     plan: dict[str, Any],
@@ -517,9 +552,11 @@ def run_sharded_plan(
     lr: float,
     device_type: str,
     checkpoint_dir: str | None = None,
+    engine: str = "auto",
 ) -> dict[str, Any]:
     """Train the model of ``source`` under ``plan`` for ``steps`` Adam steps on this rank
-    (``torch.distributed`` already initialised); what this rank measured.
+    (``torch.distributed`` already initialised), on the engine :func:`sharding_training`
+    chooses (``engine``: ``auto`` or ``dtensor``); what this rank measured.
     ``checkpoint_dir``: after the last step every parameter is gathered whole (DTensor's
     ``full_tensor``, on every rank) and rank 0 writes them there (``rank0.pt``, a dict
     name → tensor). Rank 0 records its last warm-up step's kernels and collectives
@@ -531,7 +568,9 @@ def run_sharded_plan(
     from meshplace.runtime.dryrun import EngineProgram, recorded_step
     from meshplace.runtime.sharded import local_nbytes, optimizer_state_bytes, peak_bytes
 
-    training = ShardedTraining(plan, source, lr=lr, device_type=device_type)
+    training, engine_note = sharding_training(
+        plan, source, lr=lr, device_type=device_type, engine=engine
+    )
     model = training.model
     if device_type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -565,8 +604,7 @@ def run_sharded_plan(
         if device_type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-        value = loss.detach()
-        losses.append(float(value.full_tensor() if hasattr(value, "full_tensor") else value))
+        losses.append(training.loss_value(loss))
     state_bytes = optimizer_state_bytes(training.optimizer)
     peak = peak_bytes(device_type)
     if checkpoint_dir is not None:
@@ -584,8 +622,10 @@ def run_sharded_plan(
         "gradients": grad_bytes,
         "optimizer_state": state_bytes,
         "peak_bytes": peak,
-        "uneven": training.zero.uneven,
+        "uneven": training.uneven,
         "meta_buffers": training.meta_buffers,
+        "engine": training.engine,
+        "engine_note": engine_note,
         "program": program.to_dict() if program is not None else None,
     }
 
@@ -657,6 +697,8 @@ def summarise(
             )
         except InputError as exc:
             notes.append(f"no prediction as DTensor runs it: {exc}")
+    if per_rank[0].get("engine_note"):
+        notes.append(per_rank[0]["engine_note"])
     uneven = per_rank[0].get("uneven", [])
     if uneven:
         notes.append(
@@ -669,6 +711,7 @@ def summarise(
         "world_size": len(per_rank),
         "mesh": plan["mesh"],
         "device": device,
+        "engine": per_rank[0].get("engine", "dtensor"),
         "steps": timing["steps"],
         "warmup": timing["warmup"],
         "measured": {
@@ -700,6 +743,8 @@ def check_prediction_options(
     for flag, value in (("--cluster", cluster), ("--calibration", calibration)):
         if value is not None and not sharding:
             raise InputError(f"{flag} applies to sharding plans, not to {args.plan}")
+    if getattr(args, "engine", None) not in (None, "auto") and not sharding:
+        raise InputError(f"--engine applies to sharding plans, not to {args.plan}")
     if cluster is not None:
         load_cluster(cluster)
     if calibration is not None:
@@ -831,6 +876,7 @@ def main(argv: list[str] | None = None) -> int:
                     lr=args.lr,
                     device_type=device_type,
                     checkpoint_dir=args.checkpoint_dir,
+                    engine=args.engine,
                 )
             error = None
         except InputError as exc:  # every rank refuses (the same sentence), or one does

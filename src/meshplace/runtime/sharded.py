@@ -39,7 +39,7 @@ Example (one process, a 1-device mesh; a real run has one process per device)::
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -286,3 +286,27 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
 def local_parameter_bytes(model: torch.nn.Module) -> dict[str, int]:
     """Bytes of this rank's block of every parameter (a DTensor's local shard)."""
     return {name: local_nbytes(p) for name, p in model.named_parameters()}
+
+
+def zero_placements(placements: list[Any], shape: Sequence[int], mesh_shape: Sequence[int]) -> list:
+    """The plan's placements of a parameter with every replica axis (``Replicate``) turned
+    into ``Shard(d)``, ``d`` the first dimension whose block that axis's size divides (the
+    plan's ZeRO shard is a flat ``1/N``: the same bytes where it divides evenly).
+
+    >>> from torch.distributed.tensor import Replicate, Shard
+    >>> zero_placements([Shard(0), Replicate()], [8, 6], [4, 3])
+    [Shard(dim=0), Shard(dim=1)]
+    """
+    from torch.distributed.tensor import Shard
+
+    local = list(shape)
+    for p, size in zip(placements, mesh_shape, strict=True):
+        if p.is_shard():
+            local[p.dim] //= size
+    out = list(placements)
+    for axis, (p, size) in enumerate(zip(placements, mesh_shape, strict=True)):
+        if p.is_replicate() and size > 1:
+            d = next((d for d, n in enumerate(local) if n % size == 0), 0)
+            out[axis] = Shard(d)
+            local[d] //= size
+    return out

@@ -1,0 +1,375 @@
+"""Pure data-parallel sharding plans on PyTorch's own data-parallel engines: DDP for
+replicated weight updates (ZeRO 0), FSDP2 (``fully_shard``) for sharded parameters
+(ZeRO 3), as torchtitan composes them; DTensor stays the engine of every other plan.
+
+Why: a plan that replicates every parameter and splits only the batch needs no DTensor —
+under DTensor every op of the forward, backward and optimizer pays its dispatch and every
+gradient its own reduction, which measured 4x DDP's step on the Llama example
+(``benchmarks/sharded_overhead.py``). DDP (Li et al., "PyTorch Distributed: Experiences on
+Accelerating Data Parallel Training", VLDB 2020) all-reduces gradients in buckets while the
+backward runs; FSDP2 (Zhao et al., "PyTorch FSDP", VLDB 2023; per-parameter DTensor
+sharding) gathers each block's parameters before its forward and backward and
+reduce-scatters its gradients — ZeRO-3 (Rajbhandari et al., SC 2020, Sec. 5).
+
+Both engines average the ranks' gradients, which is the gradient of the plan's loss only
+if that loss is the mean of the ranks' losses (a sum: the sum). The plan does not say,
+so :func:`loss_over_batch` finds out on the model itself before anything is wrapped:
+the loss of two shards' worth of rows against the mean and the sum of the two shards'
+losses (three small forwards without gradients; buffers and random state restored). A
+loss that is neither (batch normalisation's batch statistics, a contrastive loss, a
+model that cannot run on part of the batch) keeps the plan on DTensor, which computes the
+loss of the whole batch exactly.
+
+Not here: ZeRO stages 1 and 2 (PyTorch has no per-parameter engine for them;
+:class:`meshplace.runtime.launch.WeightUpdateSharding` runs them on DTensor), and uneven
+batch splits (DDP's mean of means is not the batch's mean).
+
+Complexity: O(parameters) to set up, plus three forwards of two shards' rows; each step is
+the engine's.
+
+Example (under torchrun, ``torch.distributed`` initialised)::
+
+    stage = data_parallel_stage(plan)           # 0, 3 or None
+    training = DataParallelTraining.create(plan, "examples/llama.py:build_tiny",
+                                           stage=stage, lr=1e-3, device_type="cpu")
+    loss, gradient_bytes = training.step()      # None above: the plan needs DTensor
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+#: relative agreement that :func:`loss_over_batch` asks of a loss and the mean (or sum) of
+#: its halves: rounding of a float32 reduction is ~1e-7; a mean taken for a sum is off 2x
+LOSS_TOLERANCE = 1e-4
+
+
+def data_parallel_stage(plan: Mapping[str, Any]) -> int | None:
+    """The ZeRO stage, 0 or 3, of a plan that is pure data parallelism — every parameter
+    replicated on every mesh axis with the same ``zero``, every input replicated or split
+    along one dimension over every axis — else ``None`` (tensor or spatial parallelism,
+    mixed or ZeRO-1/2 weight updates: DTensor's). O(parameters + inputs).
+
+    >>> p = {"mesh": {"shape": [2]}, "parameters": {"w": {"placements": ["Replicate()"]}},
+    ...      "inputs": {"x": {"placements": ["Shard(0)"]}}}
+    >>> data_parallel_stage(p)
+    0
+    >>> p["parameters"]["w"]["placements"] = ["Shard(0)"]
+    >>> print(data_parallel_stage(p))
+    None
+    """
+    if math.prod(int(s) for s in plan["mesh"]["shape"]) < 2:
+        return None
+    stages = set()
+    for spec in plan["parameters"].values():
+        if any(p != "Replicate()" for p in spec["placements"]):
+            return None
+        stages.add(int(spec.get("zero", 0)))
+    if len(stages) != 1 or not stages <= {0, 3}:
+        return None
+    if not batch_dims(plan):
+        return None
+    return stages.pop()
+
+
+def batch_dims(plan: Mapping[str, Any]) -> dict[str, int | None]:
+    """Per input, the dimension the plan splits over every mesh axis (``None``:
+    replicated); empty when an input is split otherwise or no input is split.
+
+    >>> batch_dims({"inputs": {"x": {"placements": ["Shard(1)", "Shard(1)"]},
+    ...                        "n": {"placements": ["Replicate()", "Replicate()"]}}})
+    {'x': 1, 'n': None}
+    """
+    out: dict[str, int | None] = {}
+    for name, spec in plan["inputs"].items():
+        kinds = set(spec["placements"])
+        if kinds == {"Replicate()"}:
+            out[name] = None
+        elif len(kinds) == 1 and next(iter(kinds)).startswith("Shard("):
+            out[name] = int(next(iter(kinds))[6:-1])
+        else:
+            return {}
+    return out if any(d is not None for d in out.values()) else {}
+
+
+def loss_over_batch(
+    loss_of: Callable[[Sequence[torch.Tensor]], torch.Tensor],
+    inputs: Sequence[torch.Tensor],
+    dims: Sequence[int | None],
+    shards: int,
+) -> str | None:
+    """How ``loss_of(inputs)`` combines over the batch when it is split into ``shards``
+    equal shards along ``dims`` (per input; ``None``: the input is not split): ``"mean"``
+    when the loss of two shards' rows is the mean of the two shards' losses, ``"sum"``
+    when it is their sum, else ``None`` (not decomposable, shards of unequal size, fewer
+    than two shards, or the model fails on part of the batch). Within
+    :data:`LOSS_TOLERANCE`, relative. Three calls of ``loss_of``.
+
+    >>> x = torch.arange(8.0).reshape(8, 1)
+    >>> loss_over_batch(lambda t: t[0].mean(), [x], [0], 4), loss_over_batch(
+    ...     lambda t: t[0].sum(), [x], [0], 4), loss_over_batch(lambda t: t[0].max(), [x], [0], 4)
+    ('mean', 'sum', None)
+    """
+    split = [(t, d) for t, d in zip(inputs, dims, strict=True) if d is not None]
+    if shards < 2 or not split:
+        return None
+    sizes = {t.shape[d] for t, d in split}
+    if len(sizes) != 1 or next(iter(sizes)) % shards:
+        return None
+    rows = next(iter(sizes)) // shards
+
+    def part(start: int, count: int) -> list[torch.Tensor]:
+        return [t if d is None else t.narrow(d, start, count) for t, d in zip(inputs, dims)]
+
+    try:
+        first, second, both = (
+            float(loss_of(part(*r))) for r in ((0, rows), (rows, rows), (0, 2 * rows))
+        )
+    except Exception:  # a model that cannot run on part of its batch
+        return None
+    if not all(math.isfinite(v) for v in (first, second, both)):
+        return None
+    scale = max(abs(both), abs(first), abs(second), 1e-30)
+    mean_fits = abs(both - (first + second) / 2) <= LOSS_TOLERANCE * scale
+    sum_fits = abs(both - (first + second)) <= LOSS_TOLERANCE * scale
+    if mean_fits == sum_fits:  # neither, or both (a loss of 0: undecidable)
+        return None
+    return "mean" if mean_fits else "sum"
+
+
+def fsdp_units(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules FSDP2 gathers one at a time, innermost first, then ``model``: every
+    element of a ``ModuleList`` or ``Sequential`` that has parameters (a transformer's
+    blocks, as torchtitan wraps them), unless one of them shares a parameter with any
+    other part of the model (tied weights stay in one unit: the root). O(modules).
+    """
+    containers = (torch.nn.ModuleList, torch.nn.Sequential)
+    units = [
+        child
+        for module in model.modules()
+        if isinstance(module, containers) and module is not model
+        for child in module.children()
+        if any(True for _ in child.parameters())
+    ]
+    # a unit inside another unit: FSDP2 would wrap both; keep the outer ones only
+    inner = {id(m) for u in units for m in u.modules() if m is not u}
+    units = [u for u in units if id(u) not in inner]
+    seen: dict[int, set[int]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        unit = next((i for i, u in enumerate(units) if _owns(u, model, name)), -1)
+        seen.setdefault(id(p), set()).add(unit)
+    if any(len(where) > 1 for where in seen.values()):
+        return [model]
+    return [*units, model]
+
+
+def _owns(unit: torch.nn.Module, model: torch.nn.Module, name: str) -> bool:
+    owner_name = name.rpartition(".")[0]
+    owner = model.get_submodule(owner_name) if owner_name else model
+    return any(m is owner for m in unit.modules())
+
+
+def _reduce_bucket(state, bucket):
+    """DDP's communication hook: the bucket all-reduced (summed) in place, then divided by
+    the world size when ``state`` (``(world, mean)``) says the loss is a mean of the ranks'
+    losses — DDP's own arithmetic, in Python so that a fake process group (the dry run)
+    can stand in for the ranks. No annotations: DDP compares them with the classes
+    themselves, which this module's postponed (string) annotations are not."""
+    import torch.distributed as dist
+
+    world, mean = state
+    buffer = bucket.buffer()
+    future = dist.all_reduce(buffer, async_op=True).get_future()
+    return future.then(lambda _: buffer.div_(world) if mean else buffer)
+
+
+class DataParallelTraining:
+    """One rank's share of a pure data-parallel plan (module docstring), with the
+    interface of :class:`meshplace.runtime.launch.ShardedTraining`: ``model`` (the
+    model's own module, parameter names as in the plan), ``mesh``, ``optimizer``,
+    :meth:`step`, :meth:`loss_value`, ``engine`` (``"ddp"`` or ``"fsdp2"``), ``uneven``
+    and ``meta_buffers``. Build it with :meth:`create`."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        args: tuple,
+        kwargs: dict[str, Any],
+        *,
+        stage: int,
+        reduction: str,
+        mesh: Any,
+        data_mesh: Any,
+        lr: float,
+        device_type: str,
+    ) -> None:
+        import torch.distributed as dist
+
+        from meshplace.runtime.sharded import rank_device, zero_placements
+
+        device = rank_device(device_type)
+        world = dist.get_world_size()
+        self.mesh, self.device_type, self.reduction = mesh, device_type, reduction
+        self.uneven: list[str] = []
+        self.meta_buffers: list[str] = []  # a model built on the meta device runs on DTensor
+        self.model, self.args, self.kwargs = model, args, kwargs
+        if stage == 0:
+            from torch.nn.parallel import DistributedDataParallel
+
+            model.to(device)
+            unused = self._unused_parameters()
+            self.runner: Any = DistributedDataParallel(
+                model,
+                device_ids=[device.index] if device.type == "cuda" else None,
+                bucket_cap_mb=_bucket_megabytes(),
+                find_unused_parameters=bool(unused),
+            )
+            self.runner.register_comm_hook((world, reduction == "mean"), _reduce_bucket)
+            self.engine = "ddp"
+        else:
+            from torch.distributed.fsdp import fully_shard
+            from torch.distributed.tensor import Replicate
+
+            model.to(device)
+
+            def placement(param: torch.nn.Parameter) -> Any:
+                return zero_placements([Replicate()], param.shape, [world])[0]
+
+            units = fsdp_units(model)
+            for unit in units:
+                fully_shard(unit, mesh=data_mesh, shard_placement_fn=placement)
+                if reduction == "sum":
+                    unit.set_gradient_divide_factor(1.0)
+            for name, param in model.named_parameters():
+                whole = param.numel() * param.element_size()
+                local = param.to_local()
+                if local.numel() * local.element_size() * world != whole:
+                    self.uneven.append(name)
+            self.runner = model
+            self.engine = "fsdp2"
+        self.optimizer = torch.optim.Adam(model.parameters(), lr=lr, foreach=True)
+
+    @classmethod
+    def create(
+        cls, plan: Mapping[str, Any], built: tuple, *, stage: int, lr: float, device_type: str
+    ) -> DataParallelTraining | None:
+        """The training of ``built`` (``(model, args, kwargs)`` as every rank builds it
+        from seed) under ``plan`` (pure data parallelism of ZeRO ``stage``), each rank
+        keeping its shard of the batch; ``None`` when the loss is not a mean or sum over
+        the batch (:func:`loss_over_batch`: the plan then runs on DTensor). Every rank
+        decides alike: the probe runs on the first shards of the batch every rank
+        builds."""
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from meshplace.errors import InputError
+        from meshplace.graph.capture import as_loss
+        from meshplace.runtime.sharded import device_mesh, distribute_inputs, rank_device
+
+        model, args, kwargs = built
+        names = list(plan["inputs"])
+        values = [*args, *kwargs.values()]
+        if len(values) != len(names):
+            raise InputError(
+                f"the model gives {len(values)} inputs and the plan has {len(names)}: "
+                "it was made for another model"
+            )
+        dims = batch_dims(plan)
+        split = [dims.get(n) for n in names]
+        world = dist.get_world_size()
+        if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+            return None  # no forward to probe the loss with; DTensor creates it by blocks
+        device = rank_device(device_type)
+        positional = len(args)
+
+        def loss_of(inputs: Sequence[torch.Tensor]) -> torch.Tensor:
+            given = [t.to(device) if isinstance(t, torch.Tensor) else t for t in inputs]
+            keywords = dict(zip(kwargs, given[positional:], strict=True))
+            return as_loss(model(*given[:positional], **keywords))[0]
+
+        model.to(device)
+        reduction = _probe_without_side_effects(
+            model, lambda: loss_over_batch(loss_of, values, split, world)
+        )
+        if reduction is None:
+            return None
+        mesh = device_mesh(plan, device_type)  # the plan's axes: what collectives span
+        # FSDP2 shards over one data-parallel axis: every rank, in rank order
+        data_mesh = mesh if mesh.ndim == 1 else init_device_mesh(device_type, (world,))
+        placed = distribute_inputs(
+            plan, {n: v.to(device) for n, v in zip(names, values, strict=True)}, mesh
+        )
+        local = [placed[n].to_local() for n in names]
+        return cls(
+            model,
+            tuple(local[:positional]),
+            dict(zip(kwargs, local[positional:], strict=True)),
+            stage=stage,
+            reduction=reduction,
+            mesh=mesh,
+            data_mesh=data_mesh,
+            lr=lr,
+            device_type=device_type,
+        )
+
+    def _unused_parameters(self) -> list[str]:
+        """Parameters the loss does not reach (DDP must be told of them), from one
+        backward on this rank's shard; gradients cleared, buffers and random state kept."""
+        from meshplace.graph.capture import as_loss
+
+        def backward() -> list[str]:
+            as_loss(self.model(*self.args, **self.kwargs))[0].backward()
+            return [
+                n for n, p in self.model.named_parameters() if p.requires_grad and p.grad is None
+            ]
+
+        unused = _probe_without_side_effects(self.model, backward, grad=True)
+        self.model.zero_grad(set_to_none=True)
+        return unused
+
+    def step(self) -> tuple[Any, int]:
+        """One training step on this rank's shard of the batch, the engine reducing the
+        gradients; the rank's loss and its gradient bytes before the optimizer's step."""
+        from meshplace.graph.capture import as_loss
+        from meshplace.runtime.sharded import local_nbytes
+
+        loss, _how = as_loss(self.runner(*self.args, **self.kwargs))
+        loss.backward()
+        held = sum(local_nbytes(p.grad) for p in self.model.parameters() if p.grad is not None)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss, held
+
+    def loss_value(self, loss: torch.Tensor) -> float:
+        """The loss of the whole batch: the mean (or sum) of the ranks' losses."""
+        import torch.distributed as dist
+
+        total = loss.detach().clone().reshape(1)
+        dist.all_reduce(total)  # gloo has no average: sum, then divide
+        return float(total) / (dist.get_world_size() if self.reduction == "mean" else 1)
+
+
+def _bucket_megabytes() -> float:
+    from meshplace.cost.collectives import GRADIENT_BUCKET_BYTES
+
+    return GRADIENT_BUCKET_BYTES / 2**20
+
+
+def _probe_without_side_effects(
+    model: torch.nn.Module, probe: Callable[[], Any], *, grad: bool = False
+) -> Any:
+    """``probe()`` with the model's buffers (batch-norm statistics) and the random state
+    (dropout) as they were before it, so the run starts as if it had not happened."""
+    saved = {name: b.detach().clone() for name, b in model.named_buffers()}
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices), torch.set_grad_enabled(grad):
+        try:
+            return probe()
+        finally:
+            with torch.no_grad():
+                for name, b in model.named_buffers():
+                    b.copy_(saved[name])

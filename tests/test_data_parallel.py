@@ -1,0 +1,166 @@
+"""Pure data-parallel sharding plans run on DDP and FSDP2 (``meshplace.runtime.data_parallel``):
+which plans qualify, the probe of the loss over the batch, the units FSDP2 gathers, and
+what the dry run records for each engine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from meshplace.runtime.data_parallel import (
+    batch_dims,
+    data_parallel_stage,
+    fsdp_units,
+    loss_over_batch,
+)
+from meshplace.runtime.dryrun import dry_run
+
+MLP = """\
+import torch
+
+
+def build():
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)
+    )
+    return model, (torch.randn(32, 64),)
+"""
+
+BATCH_NORM = """\
+import torch
+
+
+def build():
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+        torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, 4),
+    )
+    return model, (torch.randn(8, 3, 12, 12),)
+"""
+
+MLP_PARAMETERS = {"0.weight": 64 * 256, "0.bias": 256, "2.weight": 256 * 64, "2.bias": 64}
+
+
+def pure_data_parallel_plan(source: str, parameters: list[str], zero: int) -> dict:
+    return {
+        "format": "meshplace.parallel_plan",
+        "graph": {"source": source},
+        "cluster": "dgx-h100",
+        "mesh": {"shape": [2], "axes": ["x"], "devices": [0, 1]},
+        "parameters": {n: {"placements": ["Replicate()"], "zero": zero} for n in parameters},
+        "inputs": {"input": {"placements": ["Shard(0)"]}},
+    }
+
+
+def test_only_pure_data_parallelism_of_zero_0_or_3_leaves_dtensor() -> None:
+    plan = pure_data_parallel_plan("m.py:build", list(MLP_PARAMETERS), 0)
+    assert data_parallel_stage(plan) == 0
+    plan["parameters"] = {n: {**p, "zero": 3} for n, p in plan["parameters"].items()}
+    assert data_parallel_stage(plan) == 3
+    for zero in (1, 2):  # no per-parameter ZeRO-1/2 engine in PyTorch: DTensor's
+        mixed = {n: {**p, "zero": zero} for n, p in plan["parameters"].items()}
+        assert data_parallel_stage({**plan, "parameters": mixed}) is None
+    mixed = dict(plan["parameters"], **{"0.bias": {"placements": ["Replicate()"], "zero": 0}})
+    assert data_parallel_stage({**plan, "parameters": mixed}) is None
+    split = dict(plan["parameters"], **{"0.weight": {"placements": ["Shard(0)"], "zero": 3}})
+    assert data_parallel_stage({**plan, "parameters": split}) is None  # tensor parallelism
+    one = {**plan, "mesh": {"shape": [1], "axes": ["x"]}}
+    assert data_parallel_stage(one) is None
+    replicated = {"input": {"placements": ["Replicate()"]}}
+    assert data_parallel_stage({**plan, "inputs": replicated}) is None  # nothing split
+    # a 2-d mesh whose both axes split the batch is data parallelism over all 4 ranks
+    square = {
+        "x": {"placements": ["Shard(0)", "Shard(0)"]},
+        "n": {"placements": ["Replicate()"] * 2},
+    }
+    assert batch_dims({"inputs": square}) == {"x": 0, "n": None}
+    crossed = {"x": {"placements": ["Shard(0)", "Shard(1)"]}}
+    assert batch_dims({"inputs": crossed}) == {}
+
+
+def test_the_probe_tells_a_mean_from_a_sum_and_refuses_batch_statistics() -> None:
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(6, 3)
+    x, labels = torch.randn(8, 6), torch.randint(0, 3, (8,))
+
+    def loss(reduction: str):
+        return lambda t: torch.nn.functional.cross_entropy(linear(t[0]), t[1], reduction=reduction)
+
+    with torch.no_grad():
+        assert loss_over_batch(loss("mean"), [x, labels], [0, 0], 2) == "mean"
+        assert loss_over_batch(loss("sum"), [x, labels], [0, 0], 4) == "sum"
+        # batch normalisation in training: each shard's statistics are not the batch's
+        norm = torch.nn.Sequential(torch.nn.BatchNorm1d(6), torch.nn.Linear(6, 1))
+        assert loss_over_batch(lambda t: norm(t[0]).pow(2).mean(), [x], [0], 2) is None
+        # a model that cannot run on part of its batch, uneven shards, one shard
+        fixed = lambda t: t[0].reshape(8, 6).mean()  # noqa: E731
+        assert loss_over_batch(fixed, [x], [0], 2) is None
+        assert loss_over_batch(loss("mean"), [x, labels], [0, 0], 3) is None
+        assert loss_over_batch(loss("mean"), [x, labels], [0, 0], 1) is None
+        # a replicated input is passed whole to every part
+        seen = []
+        loss_over_batch(lambda t: seen.append(t[1].shape) or t[0].mean(), [x, x], [0, None], 2)
+        assert seen == [x.shape] * 3
+
+
+def test_fsdp_gathers_each_block_then_the_rest_and_keeps_tied_weights_together() -> None:
+    from meshplace.graph.sources import load_build_function
+
+    llama = f"{Path(__file__).resolve().parents[1] / 'examples' / 'llama.py'}:build_tiny"
+    model = load_build_function(llama)()[0]
+    units = fsdp_units(model)
+    assert units[:-1] == list(model.layers) and units[-1] is model
+
+    class Tied(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)])
+            self.blocks[1].weight = self.blocks[0].weight
+
+    tied = Tied()
+    assert fsdp_units(tied) == [tied]
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    folder = tmp_path_factory.mktemp("data_parallel")
+    (folder / "mlp.py").write_text(MLP)
+    (folder / "bn.py").write_text(BATCH_NORM)
+    return {"mlp": f"{folder / 'mlp.py'}:build", "bn": f"{folder / 'bn.py'}:build"}
+
+
+def test_ddp_runs_a_replicated_plan_with_one_bucketed_all_reduce(sources: dict[str, str]) -> None:
+    """What the dry run records is DDP's step: no DTensor op, one all-reduce of every
+    gradient together (one 25 MB bucket), kernels on this rank's 16 rows of 32."""
+    plan = pure_data_parallel_plan(sources["mlp"], list(MLP_PARAMETERS), 0)
+    program = dry_run(plan)
+    assert program.dispatched == 0
+    reduced = [c.nbytes for c in program.collectives if c.kind == "all_reduce"]
+    assert reduced == [4 * sum(MLP_PARAMETERS.values())]
+    matmuls = [k for k in program.kernels if k.kind == "matmul"]
+    assert 2 * 16 * 64 * 256 <= max(k.flops for k in matmuls) < 2 * 32 * 64 * 256
+    # --engine dtensor: the same plan under DTensor, which dispatches every op
+    assert dry_run(plan, engine="dtensor").dispatched > 0
+
+
+def test_fsdp2_runs_a_zero_3_plan_gathering_and_reduce_scattering(sources: dict[str, str]) -> None:
+    plan = pure_data_parallel_plan(sources["mlp"], list(MLP_PARAMETERS), 3)
+    program = dry_run(plan)
+    kinds = {c.kind for c in program.collectives}
+    assert kinds == {"all_gather", "reduce_scatter"}, kinds
+    whole = 4 * sum(MLP_PARAMETERS.values())
+    # every gradient is reduce-scattered once: the input of each is the whole gradient
+    assert sum(c.nbytes for c in program.collectives if c.kind == "reduce_scatter") == whole
+    # and the parameters are gathered from this rank's halves
+    gathered = [c.nbytes for c in program.collectives if c.kind == "all_gather"]
+    assert gathered and all(n == whole // 2 for n in gathered)
+
+
+def test_a_loss_of_batch_statistics_keeps_a_data_parallel_plan_on_dtensor(
+    sources: dict[str, str],
+) -> None:
+    parameters = ["0.weight", "0.bias", "1.weight", "1.bias", "5.weight", "5.bias"]
+    program = dry_run(pure_data_parallel_plan(sources["bn"], parameters, 0))
+    assert program.dispatched > 0  # DTensor: the batch's statistics over both ranks
