@@ -160,6 +160,9 @@ def gpt_part(device: str, batch: int, steps: int, warmup: int, out_dir: Path) ->
         "error_catalogue_roofline": err(roofline),
         "error_calibration_file": err(fitted),
         "error_op_times": err(op_times),
+        # the calibration times the runtime's own ops: against the runtime's step too
+        "error_calibration_file_vs_runtime": (fitted - run.step_time_s) / run.step_time_s,
+        "error_op_times_vs_runtime": (op_times - run.step_time_s) / run.step_time_s,
         "calibration": {
             "device": cal.device,
             "launch_overhead_s": cal.fit["launch_overhead_s"],

@@ -668,3 +668,34 @@ def test_host_only_attention_runs_as_its_portable_definition() -> None:
     for node in flash:  # the traced layout, which the graph's later views rely on
         got = env[portable.position[node]]
         assert [t.stride() for t in got] == [t.stride() for t in node.meta["val"]]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_host_only_attention_runs_the_fused_kernel_on_a_gpu() -> None:
+    """On CUDA the portable attention runs the memory-efficient fused kernel (forward) and
+    its autograd (backward): the host operator's outputs and gradients, to rounding."""
+    from meshplace.runtime.program import (
+        flash_attention_for_cpu,
+        flash_attention_for_cpu_backward,
+    )
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 100, 64) for _ in range(3))  # 100: lse padded to 128
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)
+    g = torch.randn_like(out)
+    grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        g, q, k, v, out, lse, 0.0, True
+    )
+    on = [t.cuda() for t in (q, k, v)]
+    out_gpu, lse_gpu = flash_attention_for_cpu(*on, is_causal=True)
+    assert lse_gpu.shape == lse.shape
+    torch.testing.assert_close(out_gpu.cpu(), out, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(lse_gpu.cpu(), lse, rtol=1e-4, atol=1e-5)
+    mine = flash_attention_for_cpu_backward(g.cuda(), *on, out_gpu, lse_gpu, 0.0, True)
+    for a, b in zip(mine, grads, strict=True):
+        torch.testing.assert_close(a.cpu(), b, rtol=1e-4, atol=1e-4)
+    # without the score matrix: the fused kernel's memory, not B*H*L*S floats
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    flash_attention_for_cpu(*on, is_causal=True)
+    assert torch.cuda.max_memory_allocated() - base < 2 * 4 * 100 * 100 * 4

@@ -243,11 +243,11 @@ def time_ops_in_worker(
 
     With ``device="cuda:i"`` the worker runs on that GPU: it is spawned (a forked process
     cannot use CUDA), so ``spec`` (the step's :class:`~meshplace.runtime.program.ModelSpec`)
-    is needed, and each node's span ends after ``torch.cuda.synchronize`` (its kernels'
-    execution, plus one synchronisation per node). Those synchronisations are the
-    measurement's, not the step's (unsynchronised, the host queues kernels while earlier
-    ones run), so on a GPU the ops are rescaled to the median step of a second run without
-    the timeline."""
+    is needed, and each node's span ends when the GPU's stream reaches the node's end (a
+    CUDA event, resolved after the step: no synchronisation inside it, which moved kernels'
+    time onto later nodes — on an H200, GPT-124M's layer norms took 26 ms of synchronised
+    spans and 0.9 ms of events, its attention 4 ms and 33 ms). The ops are rescaled to the
+    median step of a second run without the timeline."""
     from meshplace.runtime.executor import run_placement
 
     gpu = torch.device(device).type == "cuda"

@@ -75,6 +75,7 @@ from meshplace.runtime.program import (
     PORTABLE_DEFINITIONS,
     ModelSpec,
     NodeSchedule,
+    RuntimeInputError,
     StepInterpreter,
     TracedStep,
     on_device_kwargs,
@@ -241,6 +242,31 @@ def finish_receive(
     return tree_unflatten(out, spec_) if not isinstance(example, torch.Tensor) else out[0]
 
 
+def check_same_trace(mine: list[str], driver: list[str]) -> None:
+    """Raise :class:`RuntimeInputError` when a spawned worker's trace of the step (its fx
+    node names, in order) is not the driver's: the placement and every node index the
+    worker reports (timelines) refer to the driver's graph.
+
+    >>> check_same_trace(["a", "b"], ["a", "b"])
+    >>> try:  # doctest: +ELLIPSIS
+    ...     check_same_trace(["a", "c"], ["a", "b"])
+    ... except RuntimeInputError as e:
+    ...     print(e)
+    the worker traced another step than the driver (node 1: 'c', the driver's 'b'; 2 ...
+    """
+    if mine == driver:
+        return
+    k = next(
+        (i for i, (a, b) in enumerate(zip(mine, driver)) if a != b), min(len(mine), len(driver))
+    )
+    here = mine[k] if k < len(mine) else "none"
+    there = driver[k] if k < len(driver) else "none"
+    raise RuntimeInputError(
+        f"the worker traced another step than the driver (node {k}: {here!r}, the "
+        f"driver's {there!r}; {len(mine)} nodes against {len(driver)})"
+    )
+
+
 def _worker(
     rank: int,
     world: int,
@@ -258,6 +284,7 @@ def _worker(
     timeline: bool = False,
     device_name: str = "cpu",
     parent_pid: int | None = None,
+    driver_nodes: list[str] | None = None,
 ) -> None:
     import datetime
 
@@ -275,6 +302,8 @@ def _worker(
             torch.backends.cuda.matmul.allow_tf32 = False
             torch.backends.cudnn.allow_tf32 = False
         step = traced if traced is not None else trace_step(spec, weights=False)
+        if driver_nodes is not None:  # the driver's placement is of its own trace
+            check_same_trace([n.name for n in step.gm.graph.nodes], driver_nodes)
         sched = schedule_nodes(step, op_device)
         store = dist.FileStore(store_path, world)
         before = thread_ids()
@@ -540,13 +569,13 @@ def run_worker_steps(
         for j in first_reader[i]:
             status[base + AWAITED] = j
             status[base + STATE] = RECV
-            start = time.perf_counter()
+            start, first = time.perf_counter(), gpu_mark()
             env[j] = finish_receive(examples[j], st.posted.pop(j), device)
             end = time.perf_counter()
             st.wait += end - start
             status[base + STATE] = COMPUTE
             if st.events is not None:
-                st.events.append((-1 - j, start, end))
+                st.events.append((-1 - j, first or start, gpu_mark() or end))
 
     def inject(i: int, env: list) -> None:
         assert fault is not None
@@ -565,11 +594,21 @@ def run_worker_steps(
                 st.messages += m
                 st.bytes_sent += b
 
+    def gpu_mark() -> Any:
+        """On a GPU with a timeline, a CUDA event recorded on the stream (resolved to
+        seconds after the step); else None."""
+        if not on_gpu or st.events is None:
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
     def stamp(i: int, env: list) -> None:
-        if on_gpu:  # a node's span on a GPU: until its kernels have finished
-            torch.cuda.synchronize(device)
+        # a node's span on a GPU ends when the stream reaches its end (an event, not a
+        # synchronisation: one per node moved kernels' time onto later nodes, measured on
+        # an H200 — layer norms 26 ms where their kernels take 0.9 ms, docs/runtime.md)
         assert st.events is not None
-        st.events.append((i, 0.0, time.perf_counter()))
+        st.events.append((i, 0.0, gpu_mark() or time.perf_counter()))
 
     before: dict[int, Any] = {i: receive for i in first_reader}
     fault_pos = sched.names.index(fault.op) if fault is not None and fault.op in sched.names else -1
@@ -587,6 +626,7 @@ def run_worker_steps(
         if on_gpu:
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
+        origin = gpu_mark()  # the GPU's clock of this step starts at t0
         status[base + STATE] = COMPUTE
         st.posted, upd = post_receives()
         env = interp.walk(
@@ -622,6 +662,12 @@ def run_worker_steps(
         if on_gpu:
             torch.cuda.synchronize(device)
         t1 = time.perf_counter()
+        if origin is not None and st.events is not None:  # GPU stamps: seconds after t0
+
+            def seconds(mark: Any, origin: Any = origin, t0: float = t0) -> float:
+                return t0 + origin.elapsed_time(mark) / 1e3
+
+            st.events = [(n, seconds(a) if a else a, seconds(b)) for n, a, b in st.events]
         loss = float(env[loss_pos]) if sched.device[loss_pos] == rank else None
         records.append((t0, t1, loss, t1 - t0 - st.wait, st.wait, st.events))
     status[base + STATE] = DONE
@@ -685,7 +731,8 @@ def run_placement(
     ``start_method="spawn"`` (default) starts clean interpreters that re-trace the model;
     ``"fork"`` (POSIX only) shares the traced step with the workers and starts in
     milliseconds — fine on CPU with one thread per worker, unsafe once CUDA is initialised.
-    ``timeline=True`` records every node's span in every worker (``RunResult.timelines``).
+    ``timeline=True`` records every node's span in every worker (``RunResult.timelines``;
+    on a GPU worker the stream's time between CUDA events recorded after each node).
     ``spec`` may be ``None`` when ``step`` is given and the workers are forked.
 
     Raises :class:`WorkerFailure` (one sentence naming the worker and op; its attributes
@@ -764,6 +811,7 @@ def run_placement(
                     timeline,
                     where[r],
                     os.getpid(),
+                    None if start_method == "fork" else sched.names,
                 ),
                 daemon=True,
                 name=f"meshplace-worker-{r}",

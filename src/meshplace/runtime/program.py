@@ -389,10 +389,28 @@ def initial_value(
 
 def materialize(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
     """Give ``model`` real CPU parameters and buffers, each :func:`initial_value` of its
-    name. Meta-device models are first moved with ``to_empty``. O(parameters).
+    name. Meta-device models are first moved with ``to_empty``, their tied parameters
+    tied again. O(parameters).
+
+    >>> with torch.device("meta"):
+    ...     m = torch.nn.Sequential(torch.nn.Embedding(5, 3), torch.nn.Linear(3, 5))
+    >>> m[1].weight = m[0].weight
+    >>> m = materialize(m)
+    >>> m[1].weight is m[0].weight, len(list(m.parameters()))
+    (True, 2)
     """
     if any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers()):
+        # to_empty gives each module its own tensor: tied weights (a language model's
+        # embedding and head) would train as two, and the step would not be the one a
+        # model built on the meta device elsewhere traces (a spawned worker's)
+        tied: dict[int, list[str]] = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            tied.setdefault(id(p), []).append(name)
         model = model.to_empty(device="cpu")
+        for first, *aliases in tied.values():
+            for alias in aliases:
+                owner, _, leaf = alias.rpartition(".")
+                setattr(model.get_submodule(owner), leaf, model.get_parameter(first))
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(initial_value(name, p.shape, p.dtype, parameter=True, seed=seed))
@@ -650,6 +668,13 @@ def _attention_scores(
     return scores, scale
 
 
+def _fused_on_device(query: torch.Tensor, attn_mask: torch.Tensor | None) -> bool:
+    """Whether the portable attention runs the device's fused kernel: on a CUDA device,
+    without a mask (a mask's bias layout is the kernel's own constraint; the generic
+    definition takes any)."""
+    return query.device.type == "cuda" and attn_mask is None
+
+
 def _no_dropout(dropout_p: float) -> None:
     if dropout_p:
         raise NotImplementedError(
@@ -671,8 +696,12 @@ def flash_attention_for_cpu(
     """``aten._scaled_dot_product_flash_attention_for_cpu`` in device-generic operators:
     ``(softmax(q kᵀ · scale + mask) v, logsumexp of the scores)`` (Dao et al.,
     FlashAttention, NeurIPS 2022, Algorithm 1's outputs, computed unblocked). A step traced
-    on the host holds this host-only operator; a GPU worker runs this instead. O(B·H·L·S·E)
-    time, O(B·H·L·S) memory (the full score matrix).
+    on the host holds this host-only operator; a GPU worker runs this instead — on CUDA
+    without a mask, the memory-efficient fused kernel (aten's efficient attention, Rabe &
+    Staats 2021; what eager's ``scaled_dot_product_attention`` picks for float32), its
+    padded logsumexp cut to the traced length. O(B·H·L·S·E) time; the
+    unblocked definition O(B·H·L·S) memory (the full score matrix), the fused one
+    O(B·H·L).
 
     >>> q, k, v = (torch.randn(1, 2, 4, 8) for _ in range(3))
     >>> out, lse = flash_attention_for_cpu(q, k, v, is_causal=True)
@@ -681,6 +710,14 @@ def flash_attention_for_cpu(
     (True, True)
     """
     _no_dropout(dropout_p)
+    if _fused_on_device(query, attn_mask):
+        try:  # the device's fused kernel, as eager's scaled_dot_product_attention runs it
+            out, padded, _seed, _offset = torch.ops.aten._scaled_dot_product_efficient_attention(
+                query, key, value, None, True, 0.0, is_causal, scale=scale
+            )
+            return out, padded[..., : query.shape[-2]]
+        except RuntimeError:  # a shape or dtype the kernel does not take
+            pass
     scores, _ = _attention_scores(query, key, is_causal, attn_mask, scale)
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - lse.unsqueeze(-1))
@@ -703,7 +740,9 @@ def flash_attention_for_cpu_backward(
     """``aten._scaled_dot_product_flash_attention_for_cpu_backward`` in device-generic
     operators: the probabilities recomputed from the saved logsumexp, then ``dV = Pᵀ dO``,
     ``dS = P ∘ (dO Vᵀ − rowsum(dO ∘ O))``, ``dQ = dS K · scale``, ``dK = dSᵀ Q · scale``
-    (FlashAttention's backward, Dao et al. 2022, Algorithm 2, unblocked). Same cost as
+    (FlashAttention's backward, Dao et al. 2022, Algorithm 2, unblocked). On CUDA without a
+    mask: the fused forward recomputed under autograd and its gradients taken (one more
+    fused forward, against the unblocked score matrices). Same cost as
     :func:`flash_attention_for_cpu`.
 
     >>> q, k, v = (torch.randn(1, 2, 4, 8) for _ in range(3))
@@ -716,6 +755,16 @@ def flash_attention_for_cpu_backward(
     True
     """
     _no_dropout(dropout_p)
+    if _fused_on_device(query, attn_mask):
+        try:  # recompute with the fused kernel and take its gradients (autograd's own)
+            with torch.enable_grad():
+                q, k, v = (t.detach().requires_grad_() for t in (query, key, value))
+                again = torch.nn.functional.scaled_dot_product_attention(
+                    q, k, v, is_causal=is_causal, scale=scale
+                )
+                return torch.autograd.grad(again, (q, k, v), grad_out)
+        except RuntimeError:
+            pass
     scores, scale = _attention_scores(query, key, is_causal, attn_mask, scale)
     probs = torch.exp(scores - logsumexp.float().unsqueeze(-1))
     d_out = grad_out.float()
