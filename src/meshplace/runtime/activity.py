@@ -8,8 +8,9 @@ sharding plan) each rank writes it to a small memory-mapped file in the folder n
 ``MESHPLACE_ACTIVITY_DIR``, beside the names of its places (written once, at setup), and
 the launcher reads the dead rank's file after torchrun has stopped the job
 (:func:`last_activity`). A write is a store into shared memory, no system call, so ranks
-publish every op (placements) or every module's forward and backward (sharded and
-pipelined plans, :func:`watch_modules`) at no measurable cost. A rank killed outright
+publish every op (placements) or every module's forward and the backward of the model's
+top levels (sharded and pipelined plans, :func:`watch_modules`: the Python hooks, not the
+writes, cost about 0.1-0.2 ms of a 3 ms step). A rank killed outright
 (``SIGKILL``, the kernel's OOM killer) can still be named: the words are in the page
 cache, not in the process.
 
@@ -30,6 +31,7 @@ import json
 import mmap
 import os
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -155,29 +157,30 @@ def module_places(model: Any) -> list[str]:
 
 
 def watch_modules(
-    model: Any, activity: RankActivity, on_leaf: Callable[[], None] | None = None
+    model: Any,
+    activity: RankActivity,
+    on_leaf: Callable[[], None] | None = None,
+    backward_depth: int = 2,
 ) -> list[Any]:
     """Publish the module whose forward or backward this rank runs (the places of
     :func:`module_places`): a forward pre-hook marks a module's forward and a forward
-    hook marks its parent's again and hooks the module's outputs, whose gradient marks its
+    hook marks its parent's again; for the modules at most ``backward_depth`` levels below
+    the model (its children and theirs: a transformer's blocks), the forward hook also
+    hooks the autograd node that made the module's output, which marks the module's
     backward as it starts. ``on_leaf`` is called at every leaf module's forward (fault
-    injection in tests). Returns the hook handles. Cost per step: three Python calls per
-    module.
-    """
-    import torch
-    from torch.utils._pytree import tree_leaves
+    injection in tests). Returns the hook handles.
 
+    Cost per step: two Python calls per module and one per hooked backward. Why not every
+    module's backward: a tensor hook on every output cost 0.46 ms of the Llama example's
+    3.1 ms local step (15 %), node pre-hooks on every module 0.28 ms; the forward marks
+    alone 0.1 ms.
+    """
     stack: list[int] = []
     handles = []
 
-    def mark_backward(index: int) -> Callable[[Any], None]:
-        def hook(_grad: Any) -> None:
-            activity.at(index)
-
-        return hook
-
-    for k, (_name, module) in enumerate(model.named_modules()):
+    for k, (name, module) in enumerate(model.named_modules()):
         leaf = next(module.children(), None) is None
+        depth = name.count(".") + 1 if name else 0
 
         def pre(_module: Any, _args: Any, forward: int = 2 * k, leaf: bool = leaf) -> None:
             stack.append(forward)
@@ -185,14 +188,24 @@ def watch_modules(
             if leaf and on_leaf is not None:
                 on_leaf()
 
-        def post(_module: Any, _args: Any, output: Any, backward: int = 2 * k + 1) -> None:
+        def mark(_grads: Any, backward: int = 2 * k + 1) -> None:
+            activity.at(backward)
+
+        def post(_module: Any, _args: Any, output: Any, mark: Any = mark) -> None:
             stack.pop()
             if stack:
                 activity.at(stack[-1])
-            for t in tree_leaves(output):
-                if isinstance(t, torch.Tensor) and t.requires_grad:
-                    t.register_hook(mark_backward(backward))
+            if mark is not None:
+                node = getattr(output, "grad_fn", None)  # a tensor output (the usual case)
+                if node is None and isinstance(output, tuple | list) and output:
+                    node = getattr(output[0], "grad_fn", None)
+                if node is not None:
+                    node.register_prehook(mark)
 
         handles.append(module.register_forward_pre_hook(pre))
-        handles.append(module.register_forward_hook(post))
+        handles.append(
+            module.register_forward_hook(
+                post if depth <= backward_depth else partial(post, mark=None)
+            )
+        )
     return handles
