@@ -145,6 +145,28 @@ def test_ddp_runs_a_replicated_plan_with_one_bucketed_all_reduce(sources: dict[s
     assert dry_run(plan, engine="dtensor").dispatched > 0
 
 
+def test_a_batch_split_over_a_2d_mesh_is_data_parallelism_over_every_rank(
+    sources: dict[str, str],
+) -> None:
+    """Both axes of a 2 x 2 mesh split the batch: DDP over the 4 ranks (each 8 rows of
+    32), its all-reduce over both axes; FSDP2 shards over the 4 ranks."""
+    plan = pure_data_parallel_plan(sources["mlp"], list(MLP_PARAMETERS), 0)
+    plan["mesh"] = {"shape": [2, 2], "axes": ["x", "y"], "devices": [[0, 1], [2, 3]]}
+    plan["parameters"] = {n: {"placements": ["Replicate()"] * 2, "zero": 0} for n in MLP_PARAMETERS}
+    plan["inputs"] = {"input": {"placements": ["Shard(0)", "Shard(0)"]}}
+    program = dry_run(plan)
+    assert program.world_size == 4 and program.dispatched == 0
+    reduced = [c for c in program.collectives if c.kind == "all_reduce"]
+    assert [(c.nbytes, sorted(c.axes)) for c in reduced] == [
+        (4 * sum(MLP_PARAMETERS.values()), ["x", "y"])
+    ]
+    matmuls = [k for k in program.kernels if k.kind == "matmul"]
+    assert 2 * 8 * 64 * 256 <= max(k.flops for k in matmuls) < 2 * 16 * 64 * 256
+    plan["parameters"] = {n: {**p, "zero": 3} for n, p in plan["parameters"].items()}
+    gathered = [c.nbytes for c in dry_run(plan).collectives if c.kind == "all_gather"]
+    assert gathered and all(n == 4 * sum(MLP_PARAMETERS.values()) // 4 for n in gathered)
+
+
 def test_fsdp2_runs_a_zero_3_plan_gathering_and_reduce_scattering(sources: dict[str, str]) -> None:
     plan = pure_data_parallel_plan(sources["mlp"], list(MLP_PARAMETERS), 3)
     program = dry_run(plan)
