@@ -86,7 +86,7 @@ def test_plan_killed_with_sigkill_resumes_from_its_checkpoint(tmp_path: Path) ->
     """The CLI run is killed after its first checkpoint; ``--resume`` finishes the training
     and ends with the plan an uninterrupted run of the same length ends with."""
     ckpt_dir = tmp_path / "ckpt"
-    budget = "5"
+    budget = "4"  # 27 updates: a checkpoint at 20 (every 20), then 7 more to resume
     argv = [*PLAN, "--budget", budget, "--json", "--checkpoint-dir", str(ckpt_dir)]
     news, child_end = os.pipe()
     proc = subprocess.Popen(

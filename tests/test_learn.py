@@ -221,7 +221,7 @@ _TRAIN_SCRIPT = textwrap.dedent(
             threading.Event().wait()
 
     p = PlacementProblem.build(workload_graph("dmcca"), load_cluster("colocrl-2gpu"))
-    train_rl(p, 600.0, 7, updates=24, config=RLConfig(checkpoint_every=2),
+    train_rl(p, 600.0, 7, updates=12, config=RLConfig(checkpoint_every=2),
              checkpoint=sys.argv[1], progress=hold)
     """
 )
@@ -250,9 +250,9 @@ def test_training_killed_with_sigkill_resumes_to_the_same_plan(tmp_path: Path) -
     assert torch.load(ckpt, weights_only=True)["done"] == 6
     problem = _problem("dmcca", "colocrl-2gpu")
     config = RLConfig(checkpoint_every=2)
-    resumed = train_rl(problem, 600.0, 7, updates=24, config=config, checkpoint=ckpt, resume=True)
+    resumed = train_rl(problem, 600.0, 7, updates=12, config=config, checkpoint=ckpt, resume=True)
     assert resumed.stats["resumed_from_update"] == 6
-    full = train_rl(problem, 600.0, 7, updates=24, config=config)
+    full = train_rl(problem, 600.0, 7, updates=12, config=config)
     assert np.array_equal(resumed.group_devices, full.group_devices)
     assert resumed.best_score_s == full.best_score_s
     _curves_equal(resumed.stats["learning_curve"], full.stats["learning_curve"])

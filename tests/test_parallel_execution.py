@@ -62,9 +62,10 @@ def loss_of(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> Any:
     return out["loss"] if isinstance(out, dict) else out.loss
 
 
-def tight_plan(graph: Any, mesh_shape: tuple[int, ...] = (2, 2)) -> Any:
+def tight_plan(graph: Any, mesh_shape: tuple[int, ...] = (2, 2), slack: float = 1.02) -> Any:
     """The solver's plan on a mesh of H100s (2x2 unless told) under a memory limit just
-    above the leanest plan's, so that weights and activations are split (no ZeRO)."""
+    above the leanest plan's (``slack`` times it), so that weights and activations are
+    split (no ZeRO)."""
     cluster = load_cluster("dgx-h100")
     mesh = build_mesh(cluster, mesh_shape)
     problem = ShardingProblem(graph, mesh, zero_stages=(0,))
@@ -75,7 +76,7 @@ def tight_plan(graph: Any, mesh_shape: tuple[int, ...] = (2, 2)) -> Any:
         cluster,
         mesh_shape=mesh_shape,
         zero_stages=(0,),
-        memory_fraction=1.02 * lean / capacity,
+        memory_fraction=slack * lean / capacity,
     ).best
 
 

@@ -81,7 +81,16 @@ def test_the_plan_runs_op_by_op_with_the_collectives_and_memory_it_charged(
     tmp_path: Path,
 ) -> None:
     cases = {which: traced(which) for which in MODELS}
-    plans = {which: tight_plan(case[0].graph) for which, case in cases.items()}
+    # The Llama's limit is 1.3x the leanest plan's, not 1.02x: HiGHS proves that program
+    # optimal in ~2 s where the 1.02x one takes ~11 s (and runs into shard_graph's 20 s
+    # limit on a busy machine, so the plan then depended on the machine's speed). The
+    # limit still binds (the plan needs 1.296x the leanest), every parameter is split and
+    # the plan charges all-gathers, reduce-scatters and all-to-alls on both mesh axes.
+    slack = {"llama": 1.3}
+    plans = {
+        which: tight_plan(case[0].graph, slack=slack.get(which, 1.02))
+        for which, case in cases.items()
+    }
     on_four_ranks(_spmd_worker, MODELS, plans, tmp_path)
     for which, (step, *state) in cases.items():
         check_run(which, step, state, plans[which], tmp_path)

@@ -42,7 +42,11 @@ from meshplace.plan.placement import load_plan
 
 WORKLOADS = list(models.available())
 CLUSTERS = ["colocrl-4gpu", "dgx-h100", "h2-8xv100"]  # the last: 16 GPUs on 2 hosts
-BUDGET_S = 0.5  # fixed work: a quarter of the default keeps the grid affordable
+BUDGET_S = 0.5  # fixed work: a quarter of the default
+# The grid of every placer on every workload and cluster checks validity and the budget
+# as fixed work, which hold at any budget: an eighth of the default keeps it affordable
+# (determinism and anneal's seeding keep BUDGET_S in their own tests below).
+GRID_BUDGET_S = 0.25
 
 
 @pytest.fixture(autouse=True)
@@ -72,7 +76,7 @@ def _cluster(name: str):
 def test_every_placer_returns_a_valid_plan_within_budget(workload: str, cluster: str) -> None:
     problem = PlacementProblem.build(_graph(workload), _cluster(cluster))
     for name in _not_learned():
-        result = run_placer(name, problem, BUDGET_S, seed=0)
+        result = run_placer(name, problem, GRID_BUDGET_S, seed=0)
         devices = result.op_devices
         assert devices.shape == (problem.graph.num_ops,), name
         # The reported simulation is the simulation of the returned plan.
@@ -81,7 +85,7 @@ def test_every_placer_returns_a_valid_plan_within_budget(workload: str, cluster:
         # its simulations fit the budget's share at the simulator speed assumed.
         assert result.stats.get("stopped_by", "budget") == "budget", name
         simulated_s = result.evaluations * problem.graph.num_ops / SIMULATED_OPS_PER_SECOND
-        assert simulated_s <= BUDGET_SHARE * BUDGET_S, (name, result.evaluations)
+        assert simulated_s <= BUDGET_SHARE * GRID_BUDGET_S, (name, result.evaluations)
         assert result.step_time_s >= problem.simulator.lower_bound() * (1 - 1e-9), name
     # (determinism, the same plan and evaluations for a seed, has its own test below)
 
