@@ -79,7 +79,23 @@ C10D_COLLECTIVES = {
 #: namespaces of ops that are bookkeeping, not kernels
 _NOT_KERNEL_NAMESPACES = frozenset({"profiler"})
 #: ops that only wait on, or wrap, a collective's result: no kernel
-_NOT_KERNELS = frozenset({"wait_tensor", "_wrap_tensor_autograd", "detach", "lift_fresh"})
+_NOT_KERNELS = frozenset(
+    {
+        "wait_tensor",
+        "_wrap_tensor_autograd",
+        "detach",
+        "lift_fresh",
+        # allocations: no kernel touches the memory (DDP's 25 MB bucket and FSDP2's gather
+        # buffers, costed as fills' writes, put an 8 MB ``empty`` at seconds under a fill
+        # efficiency fitted to launch-bound fills)
+        "empty",
+        "empty_like",
+        "empty_strided",
+        "empty_permuted",
+        "new_empty",
+        "new_empty_strided",
+    }
+)
 
 
 @dataclass
