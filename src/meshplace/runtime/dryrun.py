@@ -19,7 +19,8 @@ runtime's own setup and step — under a ``TorchDispatchMode`` that returns
 come back through the mode) and records every local kernel (aten name, flops from
 :func:`meshplace.graph.flops.flop_count`, bytes read and written) and every functional
 collective (kind, bytes, the mesh axes of its process group), plus how many DTensor-level
-ops were dispatched. The second step is recorded (the first also creates Adam's state).
+ops were dispatched. The third step is recorded (the first also creates Adam's state and
+DDP's buckets, the second rebuilds DDP's buckets).
 :func:`dry_run` does this for rank 0 of a ``world_size``-rank plan in a fresh process
 (``python -m meshplace.runtime.dryrun``) joined to PyTorch's fake process group
 (``torch.testing._internal.distributed.fake_pg``: collectives return at once, so one
@@ -303,13 +304,16 @@ def record_step(
 ) -> EngineProgram:
     """The step this rank runs for ``plan`` (``torch.distributed`` initialised, a real or
     a fake process group) on the engine the runtime chooses
-    (:func:`meshplace.runtime.launch.sharding_training`): one untimed step, then the
-    second recorded (module docstring). O(one training step)."""
+    (:func:`meshplace.runtime.launch.sharding_training`): two untimed steps, then the
+    third recorded — the first creates Adam's state and DDP's buckets, the second
+    rebuilds the buckets in gradient order and broadcasts that order (once per run, not
+    per step). O(three training steps)."""
     from meshplace.runtime.launch import sharding_training
 
     training, _note = sharding_training(
         plan, source, lr=1e-3, device_type=device_type, engine=engine
     )
+    training.step()
     training.step()
     return recorded_step(training)[2]
 

@@ -699,6 +699,12 @@ def summarise(
             notes.append(f"no prediction as DTensor runs it: {exc}")
     if per_rank[0].get("engine_note"):
         notes.append(per_rank[0]["engine_note"])
+    if per_rank[0].get("engine") == "ddp" and recorded is not None and warmup < 3:
+        notes.append(
+            f"the step predicted as DDP ran it is warm-up step {warmup} of {warmup}, in "
+            "which DDP rebuilds its buckets once (broadcasts later steps do not run): "
+            "--warmup 3 records a steady step"
+        )
     uneven = per_rank[0].get("uneven", [])
     if uneven:
         notes.append(
