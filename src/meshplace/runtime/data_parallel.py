@@ -21,18 +21,21 @@ model that cannot run on part of the batch) keeps the plan on DTensor, which com
 loss of the whole batch exactly.
 
 Not here: ZeRO stages 1 and 2 (PyTorch has no per-parameter engine for them;
-:class:`meshplace.runtime.launch.WeightUpdateSharding` runs them on DTensor), and uneven
-batch splits (DDP's mean of means is not the batch's mean).
+:class:`meshplace.runtime.launch.WeightUpdateSharding` runs them on DTensor), uneven
+batch splits (DDP's mean of means is not the batch's mean), images split along their
+height or width (a convolution's halo: :mod:`meshplace.runtime.spatial`), and models
+built on the meta device (no forward to probe; DTensor creates them block by block).
 
 Complexity: O(parameters) to set up, plus three forwards of two shards' rows; each step is
 the engine's.
 
 Example (under torchrun, ``torch.distributed`` initialised)::
 
-    stage = data_parallel_stage(plan)           # 0, 3 or None
-    training = DataParallelTraining.create(plan, "examples/llama.py:build_tiny",
-                                           stage=stage, lr=1e-3, device_type="cpu")
-    loss, gradient_bytes = training.step()      # None above: the plan needs DTensor
+    stage = data_parallel_stage(plan)           # 0, 3 or None (DTensor's plan)
+    built = build_from_seed("examples/llama.py:build_tiny")  # the same on every rank
+    training = DataParallelTraining.create(plan, built, stage=stage, lr=1e-3,
+                                           device_type="cpu")
+    loss, gradient_bytes = training.step()      # training None: the loss needs DTensor
 """
 
 from __future__ import annotations
@@ -52,12 +55,15 @@ def data_parallel_stage(plan: Mapping[str, Any]) -> int | None:
     """The ZeRO stage, 0 or 3, of a plan that is pure data parallelism — every parameter
     replicated on every mesh axis with the same ``zero``, every input replicated or split
     along one dimension over every axis — else ``None`` (tensor or spatial parallelism,
-    mixed or ZeRO-1/2 weight updates: DTensor's). O(parameters + inputs).
+    mixed or ZeRO-1/2 weight updates, a convolution split along anything but its batch:
+    DTensor's). O(parameters + inputs + ops).
 
     >>> p = {"mesh": {"shape": [2]}, "parameters": {"w": {"placements": ["Replicate()"]}},
     ...      "inputs": {"x": {"placements": ["Shard(0)"]}}}
     >>> data_parallel_stage(p)
     0
+    >>> print(data_parallel_stage({**p, "ops": {"convolution": "h@x"}}))  # spatial
+    None
     >>> p["parameters"]["w"]["placements"] = ["Shard(0)"]
     >>> print(data_parallel_stage(p))
     None
@@ -71,6 +77,10 @@ def data_parallel_stage(plan: Mapping[str, Any]) -> int | None:
         stages.add(int(spec.get("zero", 0)))
     if len(stages) != 1 or not stages <= {0, 3}:
         return None
+    for op, strategy in plan.get("ops", {}).items():  # spatial splits: halo exchanges
+        labels = {word.partition("@")[0] for word in strategy.split() if "@" in word}
+        if op.startswith("convolution") and labels - {"n"}:
+            return None
     if not batch_dims(plan):
         return None
     return stages.pop()
