@@ -134,6 +134,29 @@ def test_op_times_in_the_worker_regime() -> None:
     assert ((seconds > 0) == (time_step_ops(step, reps=1) > 0)).all()
 
 
+def test_a_kind_whose_ops_are_all_launch_bound_keeps_the_default_efficiency() -> None:
+    """An 8-byte fill taking 60 us beyond the launch says nothing about the fill rate: a
+    scale fitted to it would cost an 8 MB fill for seconds. The fitted kinds keep their
+    totals."""
+    from meshplace.graph.ir import Op, OpGraph
+    from meshplace.profile.calibrate import fit_cost_model, local_device_spec
+
+    g = OpGraph("g")
+    for i in range(4):
+        g.add_op(Op(f"m{i}", "matmul", flops=1e6 * (i + 1), output_dtypes=["float32"]))
+    for i in range(3):  # tiny ops taking just the launch: what the launch is fitted to
+        g.add_op(Op(f"e{i}", "elementwise", bytes_written=8.0, output_dtypes=["float32"]))
+    g.add_op(Op("seed", "fill", bytes_written=8.0, output_dtypes=["float32"]))
+    spec = local_device_spec(peak=1e10, bandwidth=1e10, launch=1e-6)
+    launch = 1e-6
+    times = [launch + 2e-4 * (i + 1) for i in range(4)] + [launch] * 3 + [launch + 6e-5]
+    cost, report = fit_cost_model(g, np.array(times), spec)
+    assert report["kinds"]["fill"]["launch_bound"] is True
+    assert cost.efficiency_on(None, "fill") == CostModel().efficiency_on(None, "fill")
+    assert report["kinds"]["fill"]["efficiency"] == CostModel().efficiency_on(None, "fill")[1]
+    assert report["kinds"]["matmul"]["efficiency"] == pytest.approx(0.5)
+
+
 def test_message_cost_fit_and_measure() -> None:
     assert fit_affine([(0, 1e-5), (1e6, 1e-5 + 1e-4)]) == pytest.approx((1e-5, 1e-10))
     assert fit_affine([(4, 2e-5), (1e6, 1e-5)])[1] == 0.0  # never a negative slope

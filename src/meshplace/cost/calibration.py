@@ -200,9 +200,10 @@ def calibration_from_fit(
         peak_flops=float(device["peak_flops"]),
         memory_bandwidth=float(device["memory_bandwidth"]),
         launch_overhead_s=float(fit["launch_overhead_s"]),
-        efficiency={
+        efficiency={  # kinds the fit left at the default (launch-bound) stay default
             k: (float(v["efficiency"]), float(v["efficiency"]))
             for k, v in sorted(fit.get("kinds", {}).items())
+            if not v.get("launch_bound")
         },
         message_cpu=message_cpu,
         source=source,

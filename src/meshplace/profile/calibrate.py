@@ -313,6 +313,10 @@ def fit_cost_model(
     and on the CPU models of ``meshplace.runtime.program`` 2-600 % high, where the totals'
     ratio is within 15 %; docs/runtime.md.)
 
+    A kind whose every op is launch-bound (roofline time under 5 % of the time beyond the
+    launch) is not fitted: it keeps the default efficiency (``launch_bound`` in the
+    report), since its scale would say nothing about a large op of the kind.
+
     Returns the :class:`CostModel` (``use_measured`` left on) and a report: per kind the
     number of ops, the fitted efficiency and the median absolute percentage error of the
     fitted roofline on those ops.
@@ -341,6 +345,19 @@ def fit_cost_model(
     for kind in sorted({o.kind for o in ops if o.kind not in NON_KERNEL_KINDS}):
         sel = kernel & np.array([o.kind == kind for o in ops]) & (x > 0)
         if not (sel & (t > launch)).any():
+            continue
+        # a kind whose every op is launch-bound (roofline under 5 % of its time beyond the
+        # launch) shows no rate: a scale fitted to it (an 8-byte ones_like taking 60 us
+        # put fills at the 1e-4 floor) would cost any large op of the kind absurdly (an
+        # 8 MB fill at 4.6 s); it keeps the default efficiency
+        if not (sel & (x >= 0.05 * np.maximum(t - launch, 0.0))).any():
+            default = float(CostModel().efficiency_on(None, kind)[1])
+            report["kinds"][kind] = {
+                "ops": int(sel.sum()),
+                "efficiency": default,
+                "median_error": None,
+                "launch_bound": True,
+            }
             continue
         r = float(np.maximum(t[sel] - launch, 0.0).sum() / x[sel].sum())
         e = float(np.clip(1.0 / max(r, 1e-9), 1e-4, 1.0))
