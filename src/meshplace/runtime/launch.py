@@ -9,16 +9,19 @@ hosts, as for any torchrun job)::
         --plan plan.json [--model FILE.py:build] [--steps 10] [--warmup 2] [--json]
 
 Each process reads its rank and the world from torchrun's environment (``env://``
-rendezvous), joins a gloo (CPU) or NCCL (GPU) process group, builds the model from the plan's
-``graph.source`` (or ``--model``) with a fixed seed, turns every parameter and input into a
-DTensor with the plan's placements (:func:`meshplace.runtime.sharded.apply_sharding_plan`),
-and trains for ``--steps`` Adam steps with PyTorch's own forward, backward and optimizer —
-no meshplace interpreter on this path. Rank 0 prints what every rank measured beside the
-plan's predictions: the median step time after ``--warmup`` steps (the slowest rank's, each
-step), the loss of every step, and per rank the bytes of its parameter, gradient and
-optimizer-state blocks (the plan predicts these exactly) and its peak memory (CUDA:
-``max_memory_allocated``; CPU: the process's peak resident set, which includes the Python
-runtime and is not comparable to the plan's tensor bytes).
+rendezvous), joins a gloo (CPU) or NCCL (GPU) process group, builds the model from the
+plan's ``graph.source`` (or ``--model``) with a fixed seed, and trains for ``--steps`` Adam
+steps with PyTorch's own forward, backward and optimizer — no meshplace interpreter on this
+path — on the engine that runs the plan (:func:`sharding_training`): a pure data-parallel
+plan on DDP (ZeRO 0) or FSDP2 (ZeRO 3) when its loss is a mean or sum over the batch
+(:mod:`meshplace.runtime.data_parallel`), every other plan (or ``--engine dtensor``) with
+every parameter and input a DTensor of the plan's placements
+(:func:`meshplace.runtime.sharded.apply_sharding_plan`). Rank 0 prints what every rank
+measured beside the plan's predictions: the median step time after ``--warmup`` steps (the
+slowest rank's, each step), the loss of every step, and per rank the bytes of its parameter,
+gradient and optimizer-state blocks (the plan predicts these exactly) and its peak memory
+(CUDA: ``max_memory_allocated``; CPU: the process's peak resident set, which includes the
+Python runtime and is not comparable to the plan's tensor bytes).
 
 The plan's predicted step time is for the cluster it was made for (``plan["cluster"]``);
 on other hardware it is printed for reference, not as a prediction of this run (issue 15's
