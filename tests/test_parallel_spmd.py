@@ -8,13 +8,17 @@ Llama-style decoder of ``examples/llama.py`` and a small conv net."""
 from __future__ import annotations
 
 import collections
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from meshplace.runtime.spmd import CollectiveLog, planned_collectives, run_plan
-from tests.test_parallel_execution import build, on_four_ranks, tight_plan
+from tests.test_parallel_execution import build, tight_plan
 
 
 class ConvNet(torch.nn.Module):
@@ -53,15 +57,14 @@ def traced(which: str) -> tuple[Any, list, list, list, list]:
 MODELS = ("mlp", "llama", "conv")
 
 
-def _spmd_worker(rank: int, models: tuple[str, ...], plans: dict, out_dir: str) -> None:
+def _spmd_worker(rank: int, cases: dict, plans: dict, out_dir: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
-    first = plans[models[0]]  # every plan here is on the same 2x2 mesh: one DeviceMesh
+    first = next(iter(plans.values()))  # every plan here is on the same 2x2 mesh: one mesh
     mesh = init_device_mesh("cpu", tuple(first.mesh.shape), mesh_dim_names=first.problem.axes)
-    for which in models:  # one set of processes for every model: start-up is the cost
+    for which, (step, *state) in cases.items():  # one set of processes for every model
         plan = plans[which]
         assert tuple(plan.mesh.shape) == tuple(mesh.shape)
-        step, *state = traced(which)  # a traced step does not pickle: trace it again
         with CollectiveLog(mesh) as log:
             out, interp = run_plan(step, plan, mesh, *state, log=log)
         leaves = [
@@ -75,6 +78,39 @@ def _spmd_worker(rank: int, models: tuple[str, ...], plans: dict, out_dir: str) 
             "resident": interp.resident_bytes,
         }
         torch.save(result, Path(out_dir) / f"{which}{rank}.pt")
+
+
+def _forked_rank(rank: int, cases: dict, plans: dict, store_path: str, out_dir: str) -> None:
+    """One forked rank: join the gloo group, run the plans of the parent's traced steps
+    (``cases``: a traced step does not pickle, and a forked rank needs none, nor a fresh
+    interpreter importing torch and tracing every model again: start-up was most of this
+    test's time), leave the group. One thread: the host's cores are shared by 4 ranks, and
+    the OpenMP pool of the parent does not survive the fork (as the executor's forked
+    workers, ``meshplace.runtime.executor``)."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 4), rank=rank, world_size=4)
+    _spmd_worker(rank, cases, plans, out_dir)
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # no interpreter finalisation with gloo threads alive (pytorch#179291)
+
+
+def on_four_forked_ranks(cases: dict, plans: dict, tmp_path: Path) -> None:
+    """Run every plan on its traced step on 4 forked gloo ranks; each must end cleanly
+    (an exception exits non-zero)."""
+    ctx = mp.get_context("fork")
+    store = str(tmp_path / "store")
+    procs = [
+        ctx.Process(target=_forked_rank, args=(r, cases, plans, store, str(tmp_path)))
+        for r in range(4)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=240)
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
 
 
 def test_the_plan_runs_op_by_op_with_the_collectives_and_memory_it_charged(
@@ -91,7 +127,7 @@ def test_the_plan_runs_op_by_op_with_the_collectives_and_memory_it_charged(
         which: tight_plan(case[0].graph, slack=slack.get(which, 1.02))
         for which, case in cases.items()
     }
-    on_four_ranks(_spmd_worker, MODELS, plans, tmp_path)
+    on_four_forked_ranks(cases, plans, tmp_path)
     for which, (step, *state) in cases.items():
         check_run(which, step, state, plans[which], tmp_path)
 

@@ -69,6 +69,9 @@ def _check_cases(rank: int) -> None:
 
 
 def _rank(rank: int, store: str) -> None:
+    # forked: one thread, as the parent's OpenMP pool does not survive the fork (and the
+    # host's cores are shared by 4 ranks anyway)
+    torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store, 4), rank=rank, world_size=4)
     _check_cases(rank)
     dist.barrier()
@@ -79,7 +82,9 @@ def _rank(rank: int, store: str) -> None:
 
 
 def test_split_images_convolve_as_the_whole_image_forward_and_backward(tmp_path: Path) -> None:
-    ctx = mp.get_context("spawn")
+    # forked, not spawned: a spawned rank's fresh interpreter importing torch was most of
+    # this test's time; the convolutions and their checks are the same in either
+    ctx = mp.get_context("fork")
     procs = [ctx.Process(target=_rank, args=(r, str(tmp_path / "store"))) for r in range(4)]
     for p in procs:
         p.start()
