@@ -202,7 +202,7 @@ def test_a_runs_report_costs_the_recorded_step_by_the_calibration_it_is_given(
     assert calibrated["communication_s"] > 10 * catalogue["communication_s"]  # NVLink's
     assert calibrated["collectives"] == {"all_reduce": reduces}
     missing = engine(cluster=str(tmp_path / "none.yaml"))
-    assert any("no prediction as DTensor runs it" in n for n in missing["notes"])
+    assert any("no prediction as its engine runs it" in n for n in missing["notes"])
 
 
 def test_dtensors_dispatch_is_measured_per_op_it_dispatches(tmp_path: Path) -> None:

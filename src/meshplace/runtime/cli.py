@@ -134,14 +134,14 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--cluster",
         default=None,
-        help="a sharding plan: predict the step as DTensor runs it on this cluster's devices "
+        help="a sharding plan: predict the step as its engine runs it on this cluster's devices "
         "(preset or YAML; default: the plan's cluster)",
     )
     parser.add_argument(
         "--calibration",
         default=None,
         metavar="FILE",
-        help="a sharding plan: predict the step as DTensor runs it with this calibration's "
+        help="a sharding plan: predict the step as its engine runs it with this calibration's "
         "cost model (meshplace profile --out, run --calibration-out; default: the "
         "catalogue's figures)",
     )

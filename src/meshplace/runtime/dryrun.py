@@ -325,7 +325,7 @@ def dry_run(
     timeout_s: float = 600.0,
     engine: str = "auto",
 ) -> EngineProgram:
-    """Rank 0's step of ``plan`` (a plan file's dict or path) as DTensor runs it, recorded
+    """Rank 0's step of ``plan`` (a plan file's dict or path) as its engine runs it, recorded
     in a fresh process on a fake process group of the plan's world size (module
     docstring); ``source`` overrides the plan's model. Raises :class:`InputError` with the
     child's last line when the model cannot run under the plan."""

@@ -127,14 +127,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--cluster",
         default=None,
         help="sharding plan: the cluster (preset or YAML) whose devices the step is "
-        "predicted on as DTensor runs it (default: the plan's cluster)",
+        "predicted on as its engine runs it (default: the plan's cluster)",
     )
     parser.add_argument(
         "--calibration",
         default=None,
         metavar="FILE",
         help="sharding plan: the calibration file (meshplace profile --out, meshplace run "
-        "--calibration-out) whose cost model predicts the step as DTensor runs it "
+        "--calibration-out) whose cost model predicts the step as its engine runs it "
         "(default: the catalogue's figures)",
     )
     parser.add_argument(
@@ -564,7 +564,7 @@ def run_sharded_plan(
     ``full_tensor``, on every rank) and rank 0 writes them there (``rank0.pt``, a dict
     name → tensor). Rank 0 records its last warm-up step's kernels and collectives
     (:func:`meshplace.runtime.dryrun.recorded_step`; untimed, so the recording costs no
-    measured time) as ``program``, for the prediction of the step as DTensor runs it."""
+    measured time) as ``program``, for the prediction of the step as its engine runs it."""
     import torch
 
     from meshplace.runtime.activity import SYNC, RankActivity, module_places, watch_modules
@@ -674,7 +674,7 @@ def summarise(
     calibration: str | None = None,
 ) -> dict[str, Any]:
     """Rank 0's report: every rank's measurements beside the plan's predictions — the
-    solver's, and (``predicted.engine``) the step as DTensor ran it on rank 0 (its
+    solver's, and (``predicted.engine``) the step as its engine ran it on rank 0 (its
     recorded warm-up step) costed by the cost model of ``calibration`` on ``cluster``'s
     devices (:func:`meshplace.runtime.dryrun.engine_prediction`)."""
     from meshplace.runtime.dryrun import EngineProgram, engine_prediction
@@ -692,14 +692,16 @@ def summarise(
         )
     recorded = per_rank[0].get("program")
     if recorded is None:
-        notes.append("no warm-up step was recorded (--warmup 0): no prediction as DTensor runs it")
+        notes.append(
+            "no warm-up step was recorded (--warmup 0): no prediction as its engine runs it"
+        )
     else:
         try:
             predicted["engine"] = engine_prediction(
                 plan, EngineProgram.from_dict(recorded), cluster=cluster, calibration=calibration
             )
         except InputError as exc:
-            notes.append(f"no prediction as DTensor runs it: {exc}")
+            notes.append(f"no prediction as its engine runs it: {exc}")
     if per_rank[0].get("engine_note"):
         notes.append(per_rank[0]["engine_note"])
     if per_rank[0].get("engine") == "ddp" and recorded is not None and warmup < 3:
@@ -1095,7 +1097,7 @@ def print_report(report: dict[str, Any]) -> None:
     if engine:
         counts = ", ".join(f"{n} {k}" for k, n in sorted(engine["collectives"].items()))
         print(
-            f"as DTensor ran it ({engine['kernels']} kernels, {counts or 'no collectives'}): "
+            f"as its engine ran it ({engine['kernels']} kernels, {counts or 'no collectives'}): "
             f"{engine['step_s'] * 1e3:.2f} ms predicted on {engine['cluster']} (compute "
             f"{engine['compute_s'] * 1e3:.2f}, dispatch {engine['dispatch_s'] * 1e3:.2f}, "
             f"collectives {engine['communication_s'] * 1e3:.2f} ms)"
