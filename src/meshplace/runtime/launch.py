@@ -150,9 +150,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def read_plan(path: str) -> dict[str, Any]:
     """The plan file, checked to be a ``meshplace.parallel_plan`` or a ``meshplace.plan``
-    (an op placement)."""
-    from meshplace.runtime.placed import PLACEMENT_FORMAT
-    from meshplace.runtime.sharded import PLAN_FORMAT
+    (an op placement). From the formats' writers, which import no torch: ``meshplace run``
+    reads the plan in its own process before torchrun starts the ranks."""
+    from meshplace.parallel.search import PLAN_FORMAT
+    from meshplace.plan.placement import FORMAT as PLACEMENT_FORMAT
 
     try:
         plan = json.loads(Path(path).read_text())
