@@ -335,12 +335,15 @@ def dtensor_workers(source: str) -> tuple[Any, Any, Any, dict[str, Any], Any, An
     workers as a mesh (:func:`mesh_of_workers`), and the calibrated cost model of the
     DTensor engine: the runtime dispatches every op through DTensor, so its measured
     per-op cost (:func:`meshplace.runtime.dryrun.measure_dispatch_overhead`) is the
-    engine's dispatch overhead, added to every op's time, measured or roofline.
-    Returns ``(traced step, calibration, cluster, dispatch measurement, engine
-    calibration, cost model)``."""
+    engine's dispatch overhead, added to every op's time, measured or roofline; and
+    FSDP2's cost per unit per step (:func:`meshplace.runtime.data_parallel.
+    measure_fsdp_overhead`), which a ZeRO-3 data-parallel plan pays on FSDP2.
+    Returns ``(traced step, calibration, cluster, dispatch measurement (with ``fsdp``),
+    engine calibration, cost model)``."""
     from meshplace.cost.calibration import calibrated_cost_model, with_collectives
     from meshplace.profile.calibrate import calibrate
     from meshplace.profile.link import measure_collectives
+    from meshplace.runtime.data_parallel import measure_fsdp_overhead
     from meshplace.runtime.dryrun import measure_dispatch_overhead
     from meshplace.runtime.program import ModelSpec, trace_step
 
@@ -348,6 +351,7 @@ def dtensor_workers(source: str) -> tuple[Any, Any, Any, dict[str, Any], Any, An
     cal = calibrate(step)
     cluster = mesh_of_workers(cal)
     dispatch = measure_dispatch_overhead(source)
+    fsdp = measure_fsdp_overhead(source)
     collectives = measure_collectives(world_size=2, engine="dtensor")
     print(
         "  collectives as DTensor runs them on 2 gloo ranks (ring formula fitted): "
@@ -359,7 +363,13 @@ def dtensor_workers(source: str) -> tuple[Any, Any, Any, dict[str, Any], Any, An
         file=sys.stderr,
     )
     fitted = with_collectives(cal.cost_calibration(), collectives)
-    engine = fitted.model_copy(update={"dispatch_overhead_s": dispatch["per_op_s"]})
+    engine = fitted.model_copy(
+        update={
+            "dispatch_overhead_s": dispatch["per_op_s"],
+            "fsdp_unit_overhead_s": fsdp["per_unit_s"],
+        }
+    )
+    dispatch = {**dispatch, "fsdp": fsdp}
     return step, cal, cluster, dispatch, engine, calibrated_cost_model(engine, cluster)
 
 
@@ -384,7 +394,9 @@ def run_sharded_model(source: str, steps: int, warmup: int, passes: int) -> dict
     print(
         f"  DTensor dispatch: {dispatch['per_op_s'] * 1e6:.1f} us per op (a step of "
         f"{dispatch['ops']} ops: {dispatch['plain_step_s'] * 1e3:.2f} ms plain, "
-        f"{dispatch['dtensor_step_s'] * 1e3:.2f} ms on a 1-rank DTensor mesh)",
+        f"{dispatch['dtensor_step_s'] * 1e3:.2f} ms on a 1-rank DTensor mesh); FSDP2: "
+        f"{dispatch['fsdp']['per_unit_s'] * 1e3:.2f} ms per unit ({dispatch['fsdp']['units']} "
+        f"units: {dispatch['fsdp']['fsdp_step_s'] * 1e3:.2f} ms on a 1-rank mesh)",
         file=sys.stderr,
     )
 

@@ -186,3 +186,53 @@ def test_a_loss_of_batch_statistics_keeps_a_data_parallel_plan_on_dtensor(
     parameters = ["0.weight", "0.bias", "1.weight", "1.bias", "5.weight", "5.bias"]
     program = dry_run(pure_data_parallel_plan(sources["bn"], parameters, 0))
     assert program.dispatched > 0  # DTensor: the batch's statistics over both ranks
+
+
+def test_fsdp2_is_charged_its_measured_cost_per_unit_instead_of_dispatch_and_copies(
+    sources: dict[str, str], tmp_path: Path
+) -> None:
+    """A ZeRO-3 program on FSDP2 costs each unit the calibration's measured FSDP2 cost
+    (which holds its DTensor dispatch and its buffer copies) instead of dispatch per op
+    and those copies' roofline; DTensor and DDP programs are costed as before."""
+    from meshplace.cost.calibration import (
+        CostCalibration,
+        calibrated_cost_model,
+        load_calibration,
+        save_calibration,
+    )
+    from meshplace.hardware import load_cluster
+    from meshplace.runtime.data_parallel import measure_fsdp_overhead
+    from meshplace.runtime.dryrun import EngineProgram, LocalKernel, program_cost
+
+    cluster = load_cluster("dgx-h100")
+    kind = cluster.devices[0].kind
+    calibration = CostCalibration(
+        device_kind=kind,
+        peak_flops=1e12,
+        memory_bandwidth=1e11,
+        launch_overhead_s=1e-5,
+        dispatch_overhead_s=3e-5,
+        fsdp_unit_overhead_s=2e-3,
+    )
+    save_calibration(calibration, tmp_path / "cal.json")
+    cost = calibrated_cost_model(load_calibration(tmp_path / "cal.json"), cluster)
+    assert cost.fsdp_unit_overhead[kind] == 2e-3
+    plan = pure_data_parallel_plan(sources["mlp"], list(MLP_PARAMETERS), 3)
+    copy = LocalKernel("chunk_cat", "elementwise", 0.0, 1e9, "float32")  # 1 GB: 10 ms
+    mm = LocalKernel("mm", "matmul", 2e9, 1e6, "float32")
+    fsdp = EngineProgram(2, [copy, mm], [], dispatched=7, fsdp_units=3)
+    dtensor = EngineProgram(2, [copy, mm], [], dispatched=7)
+    on_fsdp = program_cost(fsdp, plan, cluster, cost)
+    on_dtensor = program_cost(dtensor, plan, cluster, cost)
+    assert on_fsdp["dispatch_s"] == pytest.approx(3 * 2e-3)
+    assert on_dtensor["dispatch_s"] == pytest.approx(7 * 3e-5)
+    assert on_dtensor["compute_s"] - on_fsdp["compute_s"] > 1e-3  # the copy, not charged
+    assert EngineProgram.from_dict(fsdp.to_dict()) == fsdp
+    old = dtensor.to_dict()  # a program recorded before FSDP2 ran plans
+    del old["fsdp_units"]
+    assert EngineProgram.from_dict(old).fsdp_units == 0
+    # the measurement itself: one unit for a Sequential (the model), a step each way
+    measured = measure_fsdp_overhead(sources["mlp"], reps=3, rounds=1)
+    assert measured["units"] == 1
+    assert measured["plain_step_s"] > 0 and measured["fsdp_step_s"] > 0
+    assert measured["per_unit_s"] >= 0

@@ -73,6 +73,9 @@ class CostCalibration(BaseModel):
         pipeline_overhead_s: seconds the pipelining engine adds per micro-batch on each
             stage (:func:`meshplace.runtime.pipelined.measure_engine_overhead`), which the
             hybrid search charges every micro-batch of a plan meshplace's runtime pipelines.
+        fsdp_unit_overhead_s: seconds FSDP2 adds per unit per step
+            (:func:`meshplace.runtime.data_parallel.measure_fsdp_overhead`), which the
+            prediction of a ZeRO-3 data-parallel plan charges for each unit.
         source: how and where it was measured.
     """
 
@@ -93,6 +96,7 @@ class CostCalibration(BaseModel):
     collectives_measured_on: Annotated[int, Field(ge=2)] | None = None
     dispatch_overhead_s: _NonNegative = 0.0
     pipeline_overhead_s: _NonNegative = 0.0
+    fsdp_unit_overhead_s: _NonNegative = 0.0
     source: str = ""
 
 
@@ -167,6 +171,12 @@ def calibrated_cost_model(
         pipeline_overhead={
             **base.pipeline_overhead,
             **({kind: calibration.pipeline_overhead_s} if calibration.pipeline_overhead_s else {}),
+        },
+        fsdp_unit_overhead={
+            **base.fsdp_unit_overhead,
+            **(
+                {kind: calibration.fsdp_unit_overhead_s} if calibration.fsdp_unit_overhead_s else {}
+            ),
         },
         collectives={
             **base.collectives,

@@ -108,6 +108,10 @@ class CostModel:
             on each stage (``torch.distributed.pipelining``'s schedule bookkeeping and
             stage input/output handling, measured by
             :func:`meshplace.runtime.pipelined.measure_engine_overhead`); absent: 0.
+        fsdp_unit_overhead: device kind → seconds FSDP2 adds per unit (a module it gathers
+            as one) per training step: its hooks, copies and the DTensor dispatch on its
+            sharded parameters (:func:`meshplace.runtime.data_parallel.
+            measure_fsdp_overhead`); absent: 0.
     """
 
     efficiency: dict[str, tuple[float, float]] = field(
@@ -121,6 +125,7 @@ class CostModel:
     collectives: dict[str, dict[str, tuple[float, float]]] = field(default_factory=dict)
     dispatch_overhead: dict[str, float] = field(default_factory=dict)
     pipeline_overhead: dict[str, float] = field(default_factory=dict)
+    fsdp_unit_overhead: dict[str, float] = field(default_factory=dict)
 
     def efficiency_on(self, device_kind: str | None, op_kind: str) -> tuple[float, float]:
         """(compute, memory) efficiency of ``op_kind`` ops on ``device_kind`` devices: the

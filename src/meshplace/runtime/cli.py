@@ -514,6 +514,7 @@ def _run(args: argparse.Namespace, plan: Any) -> int:
         measured = with_collectives(cal.cost_calibration(), collectives)
         path, _, function = str(args.graph).rpartition(":")
         if path.endswith(".py") and function and not gpus:
+            from meshplace.runtime.data_parallel import measure_fsdp_overhead
             from meshplace.runtime.dryrun import measure_dispatch_overhead
             from meshplace.runtime.pipelined import measure_engine_overhead
 
@@ -531,8 +532,14 @@ def _run(args: argparse.Namespace, plan: Any) -> int:
                     "the calibration file says 0",
                     file=sys.stderr,
                 )
+            # and what FSDP2 adds per unit, which a ZeRO-3 data-parallel plan pays
+            fsdp = measure_fsdp_overhead(str(args.graph))
             measured = measured.model_copy(
-                update={"dispatch_overhead_s": dispatch["per_op_s"], "pipeline_overhead_s": engine}
+                update={
+                    "dispatch_overhead_s": dispatch["per_op_s"],
+                    "pipeline_overhead_s": engine,
+                    "fsdp_unit_overhead_s": fsdp["per_unit_s"],
+                }
             )
         save_calibration(measured, args.calibration_out)
     error = None if predicted is None else (predicted - res.step_time_s) / res.step_time_s

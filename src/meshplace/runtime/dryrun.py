@@ -77,6 +77,10 @@ C10D_COLLECTIVES = {
     "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1),
     "alltoall_base_": ("all_to_all", 1),
 }
+#: FSDP2's own kernels (its gather buffers' copies in and out, the reduce-scatter's input):
+#: part of the per-unit cost that :func:`meshplace.runtime.data_parallel.
+#: measure_fsdp_overhead` measures, so a prediction that charges it does not cost them
+FSDP_KERNELS = frozenset({"all_gather_copy_in", "split_with_sizes_copy", "chunk_cat"})
 #: namespaces of ops that are bookkeeping, not kernels
 _NOT_KERNEL_NAMESPACES = frozenset({"profiler"})
 #: ops that only wait on, or wrap, a collective's result: no kernel
@@ -129,6 +133,7 @@ class EngineProgram:
     kernels: list[LocalKernel] = field(default_factory=list)
     collectives: list[EngineCollective] = field(default_factory=list)
     dispatched: int = 0  # DTensor-level ops (each pays DTensor's dispatch)
+    fsdp_units: int = 0  # modules FSDP2 gathers as one (each pays FSDP2's own cost)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -140,6 +145,7 @@ class EngineProgram:
             [LocalKernel(**k) for k in d["kernels"]],
             [EngineCollective(**c) for c in d["collectives"]],
             int(d["dispatched"]),
+            int(d.get("fsdp_units", 0)),  # recorded before FSDP2 ran plans: none
         )
 
     def collective_counts(self) -> dict[str, int]:
@@ -155,19 +161,27 @@ class EngineProgram:
         collectives by ``mesh`` (a
         :class:`meshplace.mesh.layout.Mesh`, calibrated for measured collectives).
         Kernels cost the roofline, ``max(flops / (peak e_c), bytes / (bandwidth e_m))``
-        plus one launch; every DTensor-level op the dispatch overhead; the collectives the
-        mesh's formula. Returns ``step_s``, ``compute_s``, ``dispatch_s`` and
-        ``communication_s``. O(kernels + collectives)."""
+        plus one launch; every DTensor-level op the dispatch overhead — except under
+        FSDP2, whose units each cost the measured ``fsdp_unit_overhead`` instead, the
+        dispatch on its sharded parameters and its own copies (:data:`FSDP_KERNELS`)
+        included; the collectives the mesh's formula.
+        Returns ``step_s``, ``compute_s``, ``dispatch_s`` (the engine's: DTensor's or
+        FSDP2's) and ``communication_s``. O(kernels + collectives)."""
         kind = device_kind or spec.kind
         launch = cost_model.launch_overhead.get(kind, spec.launch_overhead_s)
         compute = 0.0
         for k in self.kernels:
+            if self.fsdp_units and k.name in FSDP_KERNELS:
+                continue  # in FSDP2's measured cost per unit
             ec, em = cost_model.efficiency_on(kind, k.kind)
             compute += (
                 max(k.flops / (spec.peak(k.dtype) * ec), k.bytes / (spec.memory_bandwidth * em))
                 + launch
             )
-        dispatch = self.dispatched * cost_model.dispatch_overhead.get(kind, 0.0)
+        if self.fsdp_units:  # FSDP2's measured cost per unit holds its DTensor dispatch
+            dispatch = self.fsdp_units * cost_model.fsdp_unit_overhead.get(kind, 0.0)
+        else:
+            dispatch = self.dispatched * cost_model.dispatch_overhead.get(kind, 0.0)
         communication = sum(
             mesh.collective_time(c.kind, c.nbytes, c.axes) for c in self.collectives
         )
@@ -293,7 +307,7 @@ def recorded_step(training: Any) -> tuple[Any, int, EngineProgram]:
     mesh = training.mesh
     names = list(mesh.mesh_dim_names or [f"axis{i}" for i in range(mesh.ndim)])
     axis_of = {mesh.get_group(i).group_name: [names[i]] for i in range(mesh.ndim)}
-    program = EngineProgram(dist.get_world_size())
+    program = EngineProgram(dist.get_world_size(), fsdp_units=training.fsdp_units)
     with recorder(program, axis_of):
         loss, grad_bytes = training.step()
     return loss, grad_bytes, program
@@ -501,16 +515,11 @@ def measure_dispatch_overhead(source: str, reps: int = 20) -> dict[str, Any]:
     from torch.distributed.tensor import Replicate, distribute_tensor
 
     from meshplace.graph.capture import as_loss
-    from meshplace.graph.sources import first_rows, load_build_function
+    from meshplace.graph.sources import build_on_two_rows
     from meshplace.runtime.sharded import sharded_step
 
     def build() -> tuple[Any, tuple, dict]:
-        torch.manual_seed(0)
-        built = load_build_function(source)()
-        args, kwargs = tuple(built[1]), dict(built[2]) if len(built) > 2 else {}
-        batch = int(args[0].shape[0])
-        args, kwargs = first_rows(args, kwargs, 2 if batch % 2 == 0 else 1, source)
-        return built[0], args, kwargs
+        return build_on_two_rows(source)
 
     def median_step(model: Any, args: tuple, kwargs: dict, context: Any) -> float:
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=True)

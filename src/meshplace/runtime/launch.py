@@ -439,6 +439,7 @@ class ShardedTraining:
     (:mod:`meshplace.runtime.dryrun`) is what a run executes."""
 
     engine = "dtensor"
+    fsdp_units = 0
 
     def __init__(
         self,
