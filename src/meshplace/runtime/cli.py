@@ -533,7 +533,16 @@ def _run(args: argparse.Namespace, plan: Any) -> int:
                     file=sys.stderr,
                 )
             # and what FSDP2 adds per unit, which a ZeRO-3 data-parallel plan pays
-            fsdp = measure_fsdp_overhead(str(args.graph))
+            try:
+                fsdp = measure_fsdp_overhead(str(args.graph))
+            except Exception as exc:  # a model FSDP2 cannot shard or run
+                fsdp = {"per_unit_s": 0.0}
+                print(
+                    "meshplace: note: FSDP2's overhead was not measured "
+                    f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+                    "the calibration file says 0",
+                    file=sys.stderr,
+                )
             measured = measured.model_copy(
                 update={
                     "dispatch_overhead_s": dispatch["per_op_s"],
