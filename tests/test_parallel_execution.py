@@ -97,21 +97,23 @@ def _rank(
     os._exit(0)
 
 
-def on_four_ranks(body: Any, models: tuple[str, ...], plans: dict, tmp_path: Path) -> None:
-    """Run ``body(rank, models, plans, out_dir)`` on 4 spawned gloo ranks; each must end
-    cleanly (an exception in ``body`` exits non-zero)."""
-    ctx = mp.get_context("spawn")
-    procs = [
-        ctx.Process(
-            target=_rank, args=(body, r, models, plans, str(tmp_path / "store"), str(tmp_path))
-        )
-        for r in range(4)
-    ]
+def four_ranks(start_method: str, target: Any, args_of: Any) -> None:
+    """Run ``target(*args_of(rank))`` in 4 processes started by ``start_method``; each
+    must end cleanly (an exception in it exits non-zero)."""
+    ctx = mp.get_context(start_method)
+    procs = [ctx.Process(target=target, args=args_of(r)) for r in range(4)]
     for p in procs:
         p.start()
     for p in procs:
         p.join(timeout=240)
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+
+
+def on_four_ranks(body: Any, models: tuple[str, ...], plans: dict, tmp_path: Path) -> None:
+    """Run ``body(rank, models, plans, out_dir)`` on 4 spawned gloo ranks; each must end
+    cleanly (an exception in ``body`` exits non-zero)."""
+    store = str(tmp_path / "store")
+    four_ranks("spawn", _rank, lambda r: (body, r, models, plans, store, str(tmp_path)))
 
 
 MODELS = ("mlp", "llama")

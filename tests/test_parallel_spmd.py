@@ -15,10 +15,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from meshplace.runtime.spmd import CollectiveLog, planned_collectives, run_plan
-from tests.test_parallel_execution import build, tight_plan
+from tests.test_parallel_execution import build, four_ranks, tight_plan
 
 
 class ConvNet(torch.nn.Module):
@@ -100,17 +99,8 @@ def _forked_rank(rank: int, cases: dict, plans: dict, store_path: str, out_dir: 
 def on_four_forked_ranks(cases: dict, plans: dict, tmp_path: Path) -> None:
     """Run every plan on its traced step on 4 forked gloo ranks; each must end cleanly
     (an exception exits non-zero)."""
-    ctx = mp.get_context("fork")
     store = str(tmp_path / "store")
-    procs = [
-        ctx.Process(target=_forked_rank, args=(r, cases, plans, store, str(tmp_path)))
-        for r in range(4)
-    ]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=240)
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    four_ranks("fork", _forked_rank, lambda r: (r, cases, plans, store, str(tmp_path)))
 
 
 def test_the_plan_runs_op_by_op_with_the_collectives_and_memory_it_charged(
