@@ -39,7 +39,8 @@ step, the slowest rank) over the passes.
 :data:`PIPELINED_MODELS`, the pipeline placer's 2-stage plan on the calibrated workers runs
 under torchrun as ``torch.distributed.pipelining`` stages with 2, 4 and 8 micro-batches,
 1F1B and GPipe, against GPipe's bubble model on the calibrated op times of one micro-batch
-(:func:`predict_pipeline`).
+and the exchange between two busy ranks measured on a probe (:func:`predict_pipeline`,
+:func:`meshplace.runtime.pipeline_exchange.measure_pipeline_exchange`).
 
 ``--family hybrid`` (``run_hybrid_model``): the joint search (``meshplace shard --pipeline
 auto``) on the calibrated workers' mesh with the sharded family's cost model, at the
@@ -479,7 +480,7 @@ def predict_pipeline(
     cal: Any,
     micro_batches: int,
     engine_s: float = 0.0,
-    exchange_s: float | None = None,
+    exchange: Any = None,
 ) -> tuple[float, dict[str, float]]:
     """A pipelined placement's step time on the calibrated workers, GPipe's model (Huang
     et al. 2019, Sec. 2.2): ``(M + S - 1)`` beats of the slowest stage's forward and
@@ -489,8 +490,11 @@ def predict_pipeline(
     each stage's optimizer update once. The micro-batch's op times come from the model
     captured at ``batch / M`` under the calibrated cost model; a message (one per value
     and receiving stage) costs latency, bytes over the measured bandwidth and its
-    measured CPU at both ends; or, given ``exchange_s`` (:func:`exchange_overhead`), a
-    beat's messages cost that measured exchange plus their bytes over the bandwidth.
+    measured CPU at both ends; or, given ``exchange`` (a
+    :class:`meshplace.runtime.pipeline_exchange.PipelineExchange` measured on two busy
+    ranks), a beat costs the stage's compute plus the measured exchange (the engine and
+    one message each way included) plus ``message_s`` for each further message, plus
+    every message's bytes over the bandwidth, and ``engine_s`` is not charged again.
     1F1B has the same bubble (it saves memory, not time), so both schedules get this
     prediction."""
     import numpy as np
@@ -532,12 +536,14 @@ def predict_pipeline(
     for j in np.flatnonzero(src != dst).tolist():
         sent[(int(arrays.edge_src[j]), int(dst[j]))] = float(arrays.edge_bytes[j])
     bandwidth = float(cal.link["bandwidth"])
-    if exchange_s is None:  # each message its latency and measured CPU at both ends
+    if exchange is None:  # each message its latency and measured CPU at both ends
         latency = float(cal.link["latency"])
         fixed = float(cal.messages.get("send_s", 0.0)) + float(cal.messages.get("recv_s", 0.0))
         messages = sum(latency + nbytes / bandwidth + fixed for nbytes in sent.values())
-    else:  # a beat's exchange (each stage sends one way and waits for the other) measured
-        messages = exchange_s + sum(nbytes / bandwidth for nbytes in sent.values())
+    else:  # the ranks' measured exchange: the engine and one message each way, and more
+        further = max(0, len(sent) - 2) * exchange.message_s
+        messages = exchange.beat_s + further + sum(n / bandwidth for n in sent.values())
+        engine_s = 0.0
     beat = max(per_stage.values()) + messages + engine_s
     predicted = (micro_batches + len(stages) - 1) * beat + update
     return predicted, {
@@ -547,75 +553,6 @@ def predict_pipeline(
         "engine_s": engine_s,
         "update_s": update,
     }
-
-
-def _exchange_rank(rank: int, folder: str, rounds: int, out: Any) -> None:
-    """One of :func:`exchange_overhead`'s two processes."""
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    store = dist.FileStore(str(Path(folder) / "store"), 2)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
-    a, b = torch.randn(96, 96), torch.randn(96, 96)
-    sent, got = torch.ones(256), torch.empty(256)
-
-    def work() -> None:  # about a micro-batch's compute on one stage (~1-2 ms here)
-        for _ in range(20):
-            torch.mm(a, b)
-
-    def rounds_of(exchange: bool) -> list[float]:
-        dist.barrier()
-        times = []
-        for _ in range(rounds):
-            start = time.perf_counter()
-            work()
-            if exchange:  # each side sends one value and waits for the other's, as a
-                # 2-stage pipeline's beat does (an activation one way, a gradient back)
-                ops = [
-                    dist.P2POp(dist.isend, sent, 1 - rank),
-                    dist.P2POp(dist.irecv, got, 1 - rank),
-                ]
-                for w in dist.batch_isend_irecv(ops):
-                    w.wait()
-            times.append(time.perf_counter() - start)
-        return times
-
-    rounds_of(True)  # warm-up
-    plain, exchanged = [], []
-    for _ in range(2):  # alternating, so that a drift of the host's speed cancels
-        plain += rounds_of(False)
-        exchanged += rounds_of(True)
-    out.put((rank, statistics.fmean(exchanged) - statistics.fmean(plain)))
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def exchange_overhead(rounds: int = 150) -> float:
-    """What one exchange of a small value between two ranks that both compute costs a rank,
-    measured on this host: two gloo processes (one thread each) run rounds of a fixed
-    compute, with and without sending the other a value and waiting for its value
-    (``batch_isend_irecv``, as torch's pipelining posts its messages), and the difference
-    of the mean round is the exchange's cost: the messages' CPU at both ends, the latency,
-    and the late wake-up of a receiver whose data sits until its transport thread gets a
-    core shared with the other rank's compute (a mean well above the median on 2 cores).
-    The mean over the two ranks. About 2 s."""
-    import tempfile
-
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    with tempfile.TemporaryDirectory() as folder:
-        procs = [
-            ctx.Process(target=_exchange_rank, args=(r, folder, rounds, out)) for r in range(2)
-        ]
-        for proc in procs:
-            proc.start()
-        values = [out.get(timeout=300)[1] for _ in procs]
-        for proc in procs:
-            proc.join()
-    return max(0.0, statistics.fmean(values))
 
 
 def run_pipelined_model(source: str, steps: int, warmup: int, passes: int) -> dict:
@@ -630,6 +567,7 @@ def run_pipelined_model(source: str, steps: int, warmup: int, passes: int) -> di
     from meshplace.placers.pipeline import pipeline_split
     from meshplace.plan import Plan
     from meshplace.profile.calibrate import calibrate
+    from meshplace.runtime.pipeline_exchange import measure_pipeline_exchange
     from meshplace.runtime.pipelined import measure_engine_overhead
     from meshplace.runtime.program import ModelSpec, trace_step
 
@@ -651,12 +589,16 @@ def run_pipelined_model(source: str, steps: int, warmup: int, passes: int) -> di
     per_micro_batch = measure_engine_overhead(source, 8, reps=30)
     engine = {m: per_micro_batch for m in (2, 4, 8)}
     print(f"  pipelining engine per micro-batch: {1e3 * per_micro_batch:.2f} ms", file=sys.stderr)
-    exchange = exchange_overhead()
-    print(f"  exchange between the two ranks: {1e3 * exchange:.2f} ms", file=sys.stderr)
-    predictions = {m: predict_pipeline(source, plan, cal, m, engine[m]) for m in (2, 4, 8)}
-    # the ablation: a beat's messages as one measured exchange between the busy ranks
-    # (tried in session 30 to capture the late wake-ups; it did no better, see the docs)
-    swapped = {m: predict_pipeline(source, plan, cal, m, engine[m], exchange)[0] for m in (2, 4, 8)}
+    # what a beat costs the two busy ranks beyond compute, measured on a probe model
+    exchange = measure_pipeline_exchange()
+    print(
+        f"  exchange between the two ranks: {1e3 * exchange.beat_s:.2f} ms a beat, "
+        f"{1e3 * exchange.message_s:.2f} ms each further value",
+        file=sys.stderr,
+    )
+    predictions = {m: predict_pipeline(source, plan, cal, m, exchange=exchange) for m in (2, 4, 8)}
+    # the ablation: the engine measured on a world of one, each message its idle costs
+    swapped = {m: predict_pipeline(source, plan, cal, m, engine[m])[0] for m in (2, 4, 8)}
     document = plan.to_dict()
     runs = {
         (m, sched): (document, ("--micro-batches", str(m), "--schedule", sched))
@@ -682,7 +624,7 @@ def run_pipelined_model(source: str, steps: int, warmup: int, passes: int) -> di
         "link": {"bandwidth": cal.link["bandwidth"], "latency": cal.link["latency"]},
         "calibration": cal.cost_calibration().model_dump(mode="json"),
         "engine_per_micro_batch_s": engine,
-        "exchange_s": exchange,
+        "exchange_s": {"beat_s": exchange.beat_s, "message_s": exchange.message_s},
         "placements": rows,
         **_summary(rows),
     }
@@ -700,6 +642,7 @@ def run_hybrid_model(source: str, steps: int, warmup: int, passes: int) -> dict:
     from meshplace.graph.sources import build_from_seed, graph_source
     from meshplace.parallel.cli import hybrid_plan_file
     from meshplace.parallel.hybrid import hybrid_search
+    from meshplace.runtime.pipeline_exchange import measure_pipeline_exchange
     from meshplace.runtime.pipelined import measure_engine_overhead
 
     step, cal, cluster, dispatch, engine, cost_model = dtensor_workers(source)
@@ -709,7 +652,21 @@ def run_hybrid_model(source: str, steps: int, warmup: int, passes: int) -> dict:
     # micro-batch and stage, as meshplace run --calibration-out records it
     per_micro_batch = measure_engine_overhead(source, reps=30)
     print(f"  pipelining engine per micro-batch: {1e3 * per_micro_batch:.2f} ms", file=sys.stderr)
-    engine = engine.model_copy(update={"pipeline_overhead_s": per_micro_batch})
+    # and what a pipeline's beat costs the two busy ranks beyond compute (a probe model),
+    # which the search charges pipelines of two stages instead
+    exchange = measure_pipeline_exchange()
+    print(
+        f"  exchange between the two ranks: {1e3 * exchange.beat_s:.2f} ms a beat, "
+        f"{1e3 * exchange.message_s:.2f} ms each further value",
+        file=sys.stderr,
+    )
+    idle = engine.model_copy(update={"pipeline_overhead_s": per_micro_batch})
+    engine = idle.model_copy(
+        update={
+            "pipeline_exchange_s": exchange.beat_s,
+            "pipeline_message_s": exchange.message_s,
+        }
+    )
     cost_model = calibrated_cost_model(engine, cluster)
 
     def search(model: Any) -> Any:
@@ -733,8 +690,10 @@ def run_hybrid_model(source: str, steps: int, warmup: int, passes: int) -> dict:
         return f"dp{c.dp} tp{c.tp} pp{c.pp} mb{c.micro_batch}x{c.micro_batches} zero{c.zero}"
 
     result = search(cost_model)
-    # the ablation: the same configurations scored with collectives on the link's figures
-    on_links = {label_of(p): p.time_per_batch_s for p in search(links_only(engine, cluster)).plans}
+    # the ablation: the same configurations scored without the measured exchange (the
+    # engine on a world of one, each message at its idle CPU), as before session 35
+    without = calibrated_cost_model(idle, cluster)
+    on_links = {label_of(p): p.time_per_batch_s for p in search(without).plans}
     plans: dict[str, Any] = {}
     for plan in sorted(result.plans, key=lambda p: p.config.zero):
         label = label_of(plan).rsplit(" ", 1)[0]
@@ -869,8 +828,8 @@ def main(argv: list[str] | None = None) -> int:
     ablation = {
         "placed": "micro only: |err|",
         "sharded": "links only: |err|",
-        "pipelined": "exchange: |err|",
-        "hybrid": "links only: |err|",
+        "pipelined": "idle msgs: |err|",
+        "hybrid": "no exchange: |err|",
     }[args.family]
     print(
         f"\n{'model':26} {'plans':>5} {'median |err|':>13} {'tau':>6} {'pass spread':>12} "
@@ -893,13 +852,15 @@ def main(argv: list[str] | None = None) -> int:
             "collectives (an ablation)",
             "placed": "micro only: the same runs predicted with the micro-benchmarks' message "
             "costs, without calibrate_in_situ (an ablation)",
-            "pipelined": "1F1B and GPipe share one prediction (the same bubble); exchange: "
-            "the same predictions with a beat's messages as one exchange measured between "
-            "two busy ranks instead of each message at its idle costs (an ablation)",
+            "pipelined": "1F1B and GPipe share one prediction (the same bubble), a beat "
+            "charged the exchange measured on two busy ranks (a probe model); idle msgs: the "
+            "same predictions with the engine measured on a world of one and each message at "
+            "its idle latency and CPU (an ablation, the prediction before session 35)",
             "hybrid": "predictions are the joint search's own (its DP over stages and the "
-            "simulated schedule), on the calibrated workers; links only: the same "
-            "configurations scored with collectives on the link's latency and bandwidth (an "
-            "ablation)",
+            "simulated schedule), on the calibrated workers, pipelines charged the exchange "
+            "measured on two busy ranks (a probe model); no exchange: the same "
+            "configurations scored with the engine measured on a world of one and each "
+            "message at its idle CPU (an ablation, the prediction before session 35)",
         }[args.family]
     )
     print(

@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -445,6 +446,18 @@ def cluster_collective(cluster, cost_model, nbytes: float) -> float:
     return mesh.calibrated(cost_model).collective_time("all_reduce", nbytes, ["data"])
 
 
+def _gpipe_seconds(cluster: Any, cost_model: Any, pp: int) -> float:
+    """The search's time per batch of the tiny GPT (2 layers, batch 8 in micro-batches of
+    2) on 2 chips of ``cluster`` as a GPipe pipeline of ``pp`` stages (tp 1, ZeRO 0)."""
+    result = hybrid.hybrid_search(
+        "tiny", None, cluster, chips=2, global_batch=8, tensor_parallel=(1,),
+        micro_batch_sizes=(2,), graphs=_tiny_graphs, layers=2, simulate_top=1000,
+        schedules=("gpipe",), zero_stages=(0,), pipeline_degrees=(pp,), cost_model=cost_model,
+    )  # fmt: skip
+    (plan,) = [p for p in result.plans if p.pp == pp and p.tp == 1]
+    return plan.time_per_batch_s
+
+
 def test_the_pipelining_engine_and_message_cpu_are_charged_per_micro_batch() -> None:
     """A cost model's ``pipeline_overhead`` (what torch's pipelining adds per micro-batch
     and stage, which meshplace's hybrid runtime pays on every plan) lengthens each
@@ -458,14 +471,7 @@ def test_the_pipelining_engine_and_message_cpu_are_charged_per_micro_batch() -> 
     engine = 1e-3
 
     def seconds(cost_model: CostModel, pp: int) -> float:
-        result = hybrid.hybrid_search(
-            "tiny", None, cluster, chips=2, global_batch=8, tensor_parallel=(1,),
-            micro_batch_sizes=(2,), graphs=_tiny_graphs, layers=2, simulate_top=1000,
-            schedules=("gpipe",), zero_stages=(0,), pipeline_degrees=(pp,),
-            cost_model=cost_model,
-        )  # fmt: skip
-        (plan,) = [p for p in result.plans if p.pp == pp and p.tp == 1]
-        return plan.time_per_batch_s
+        return _gpipe_seconds(cluster, cost_model, pp)
 
     plain, with_engine = CostModel(), CostModel(pipeline_overhead={kind: engine})
     micro_batches = 8 // (2 * 2)  # one stage, two replicas, micro-batches of 2
@@ -480,3 +486,37 @@ def test_the_pipelining_engine_and_message_cpu_are_charged_per_micro_batch() -> 
     host_staged = CostModel(message_cpu={kind: (1e-3, 0.0, 1e-3, 0.0)})
     assert seconds(host_staged, 2) - seconds(plain, 2) == pytest.approx(beats * 2e-3, rel=1e-6)
     assert seconds(host_staged, 1) == pytest.approx(seconds(plain, 1))  # no stage messages
+
+
+def test_a_measured_exchange_replaces_the_engine_and_messages_fixed_costs_of_a_pipeline() -> None:
+    """A cost model's ``pipeline_exchange`` (a beat's cost to two busy ranks beyond
+    compute, and each further value crossing the cut; runtime.pipeline_exchange) is what a
+    pipeline of two stages pays per beat instead of the engine and the messages' fixed CPU:
+    the tiny GPT's cut carries two values (the hidden state and the targets the loss
+    reads), so each beat costs the exchange plus one further value. One stage has no cut
+    and pays the engine as before."""
+    from meshplace.cost.compute import CostModel
+
+    cluster = load_cluster("h2-8xh100")
+    kind = cluster.devices[hybrid.accelerators(cluster)[0]].kind
+    assert hybrid.part_costs(_tiny_graphs(2), cluster, 1, 2).boundary_values == 2
+
+    def seconds(cost_model: CostModel, pp: int) -> float:
+        return _gpipe_seconds(cluster, cost_model, pp)
+
+    engine, beat, per_value = 1e-3, 4e-3, 2e-3
+    fixed_cpu = {kind: (1e-3, 0.0, 1e-3, 0.0)}  # fixed costs only: the exchange's
+    measured = CostModel(
+        pipeline_overhead={kind: engine},
+        message_cpu=fixed_cpu,
+        pipeline_exchange={kind: (beat, per_value)},
+    )
+    plain = CostModel()
+    beats = 8 // 2 + 2 - 1  # two stages, one replica: 4 micro-batches
+    assert seconds(measured, 2) - seconds(plain, 2) == pytest.approx(
+        beats * (beat + per_value), rel=1e-6
+    )
+    micro_batches = 8 // (2 * 2)  # one stage, two replicas
+    assert seconds(measured, 1) - seconds(plain, 1) == pytest.approx(
+        micro_batches * engine, rel=1e-6
+    )

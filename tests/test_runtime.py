@@ -276,6 +276,13 @@ def test_run_cli_prints_measured_and_predicted(tmp_path, capsys) -> None:
     assert set(saved.collectives) == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all"}
     assert saved.collectives_measured_on == 2
     assert applied.collectives[saved.device_kind] == saved.collectives
+    # and what a pipeline's micro-batch costs two busy ranks, which the hybrid search
+    # charges instead of the engine and the messages' fixed costs
+    assert saved.pipeline_exchange_s > 0
+    assert applied.pipeline_exchange[saved.device_kind] == (
+        saved.pipeline_exchange_s,
+        saved.pipeline_message_s,
+    )
     assert out["measured_step_s"] > 0 and out["predicted_step_s"] > 0
     in_situ = out["calibration"]["in_situ"]  # probe runs measured the costs
     assert {"start_s", "send_s", "wake_s", "compute_slowdown", "r2"} <= set(in_situ)

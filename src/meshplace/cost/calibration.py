@@ -73,6 +73,14 @@ class CostCalibration(BaseModel):
         pipeline_overhead_s: seconds the pipelining engine adds per micro-batch on each
             stage (:func:`meshplace.runtime.pipelined.measure_engine_overhead`), which the
             hybrid search charges every micro-batch of a plan meshplace's runtime pipelines.
+        pipeline_exchange_s: seconds a beat (micro-batch) of a pipeline of more than one
+            stage costs two busy ranks beyond the slower stage's compute, one value crossing
+            each way: the engine, the two messages and the ranks' meeting (a gloo send
+            completes when the peer posts its receive;
+            :func:`meshplace.runtime.pipeline_exchange.measure_pipeline_exchange`). Charged
+            instead of ``pipeline_overhead_s`` and the messages' fixed CPU where it is set.
+        pipeline_message_s: seconds each further value crossing a pipeline's cut adds per
+            beat (torch's pipelining sends every value as a message of its own).
         fsdp_unit_overhead_s: seconds FSDP2 adds per unit per step
             (:func:`meshplace.runtime.data_parallel.measure_fsdp_overhead`), which the
             prediction of a ZeRO-3 data-parallel plan charges for each unit.
@@ -96,6 +104,8 @@ class CostCalibration(BaseModel):
     collectives_measured_on: Annotated[int, Field(ge=2)] | None = None
     dispatch_overhead_s: _NonNegative = 0.0
     pipeline_overhead_s: _NonNegative = 0.0
+    pipeline_exchange_s: _NonNegative = 0.0
+    pipeline_message_s: _NonNegative = 0.0
     fsdp_unit_overhead_s: _NonNegative = 0.0
     source: str = ""
 
@@ -171,6 +181,14 @@ def calibrated_cost_model(
         pipeline_overhead={
             **base.pipeline_overhead,
             **({kind: calibration.pipeline_overhead_s} if calibration.pipeline_overhead_s else {}),
+        },
+        pipeline_exchange={
+            **base.pipeline_exchange,
+            **(
+                {kind: (calibration.pipeline_exchange_s, calibration.pipeline_message_s)}
+                if calibration.pipeline_exchange_s
+                else {}
+            ),
         },
         fsdp_unit_overhead={
             **base.fsdp_unit_overhead,

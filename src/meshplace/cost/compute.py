@@ -108,6 +108,12 @@ class CostModel:
             on each stage (``torch.distributed.pipelining``'s schedule bookkeeping and
             stage input/output handling, measured by
             :func:`meshplace.runtime.pipelined.measure_engine_overhead`); absent: 0.
+        pipeline_exchange: device kind → (seconds per beat, seconds per further value) that
+            a pipeline of more than one stage costs two busy ranks per micro-batch beyond
+            the slower stage's compute, with one value crossing each way, and for each
+            further value crossing the cut (:func:`meshplace.runtime.pipeline_exchange.
+            measure_pipeline_exchange`); where set, it replaces ``pipeline_overhead`` and
+            the messages' fixed CPU for such pipelines; absent: those.
         fsdp_unit_overhead: device kind → seconds FSDP2 adds per unit (a module it gathers
             as one) per training step: its hooks, copies and the DTensor dispatch on its
             sharded parameters (:func:`meshplace.runtime.data_parallel.
@@ -125,6 +131,7 @@ class CostModel:
     collectives: dict[str, dict[str, tuple[float, float]]] = field(default_factory=dict)
     dispatch_overhead: dict[str, float] = field(default_factory=dict)
     pipeline_overhead: dict[str, float] = field(default_factory=dict)
+    pipeline_exchange: dict[str, tuple[float, float]] = field(default_factory=dict)
     fsdp_unit_overhead: dict[str, float] = field(default_factory=dict)
 
     def efficiency_on(self, device_kind: str | None, op_kind: str) -> tuple[float, float]:

@@ -99,7 +99,7 @@ from meshplace.parallel.sharding import ShardingError, ShardingProblem
 from meshplace.parallel.units import (
     best_unit_split,
     bottleneck_search,
-    boundary_bytes,
+    boundary_crossings,
     op_units,
     shared_parameters,
 )
@@ -156,6 +156,9 @@ class PartCosts:
         pre, layer, post: :class:`Part` costs (``layer``: one of the identical layers).
         boundary_bytes: the activation one stage sends the next per micro-batch (the
             layer input, per device).
+        boundary_values: how many values cross a cut between layers (the layer input
+            and whatever later layers or the last part read from the first part or the
+            inputs: rotary tables, labels), each a message of its own.
         tied_bytes: per-device bytes of parameters both the first and the last part read
             (a tied embedding): with ``pp > 1`` both end stages hold them and exchange
             their gradients once per batch.
@@ -176,6 +179,7 @@ class PartCosts:
     strategies: dict[str, str] = field(default_factory=dict)
     solve_s: float = 0.0
     tensor_placements: dict[str, str] = field(default_factory=dict)
+    boundary_values: int = 1
 
 
 def layer_container(graph: OpGraph) -> str:
@@ -479,6 +483,24 @@ def part_costs(
         ):
             seen.add(s)
             boundary += float(nbytes)
+    # every value a cut between layers carries (the runtime passes on what a later stage
+    # reads): the layer's input, what layers or the last part read of the first part's
+    # values and the inputs, and the buffers of modules outside the layer stack that the
+    # layers read (a Llama's rotary tables: the first stage reads them off the root)
+    prefix = container + "." if container else ""
+
+    def carried_by_cuts(s: int, d: int) -> bool:
+        if ops[s].phase != "forward" or ops[d].phase != "forward":
+            return False
+        if ops[s].kind == "buffer":
+            return part[d] == "layer" and not (ops[s].module or "").startswith(prefix)
+        return part[s] == "pre" and part[d] in ("layer", "post") and ops[s].kind != "parameter"
+
+    carried = {
+        s
+        for s, d in zip(a.edge_src.tolist(), a.edge_dst.tolist(), strict=True)
+        if carried_by_cuts(s, d)
+    }
     acc["layer"]["input_bytes"] = boundary
     acc["post"]["input_bytes"] = boundary
     strategies = {
@@ -495,6 +517,7 @@ def part_costs(
         strategies=strategies,
         solve_s=time.perf_counter() - start,
         tensor_placements=like_probe_layer(tensor_placements(problem, choice), container, probe),
+        boundary_values=max(1, len(carried)),
     )
 
 
@@ -876,6 +899,7 @@ class UnitCosts:
     Attributes:
         names: the units in execution order; ``units``: their costs.
         boundary_bytes: ``[U + 1]`` activation bytes crossing the cut before unit ``c``.
+        boundary_values: ``[U + 1]`` how many values cross it (each a message).
         shared: per parameter several units read (a tied embedding), its per-device
             parameter, gradient and optimizer-state bytes and its reader units.
     """
@@ -889,6 +913,7 @@ class UnitCosts:
     strategies: dict[str, str] = field(default_factory=dict)
     solve_s: float = 0.0
     tensor_placements: dict[str, str] = field(default_factory=dict)
+    boundary_values: np.ndarray | None = None
 
 
 def unit_costs(
@@ -910,7 +935,7 @@ def unit_costs(
     problem, choice = _solve_over_tp(graph, cluster, tp, cost_model, compute, time_limit_s)
     n_units = len(names)
     acc, _ = _attributed_costs(problem, choice, lambda i: int(unit[i]), range(n_units), set())
-    crossing = boundary_bytes(graph, unit, n_units)
+    crossing, values = boundary_crossings(graph, unit, n_units)
     readers = shared_parameters(graph, unit)
     shared = []
     for gi, g in enumerate(problem.groups):
@@ -935,6 +960,7 @@ def unit_costs(
         strategies,
         time.perf_counter() - start,
         tensor_placements(problem, choice),
+        values,
     )
 
 
@@ -1055,8 +1081,13 @@ def _evaluate_units(
     # a stage's messages are those of its first cut (activation in, gradient out) and of
     # its end cut (activation out, gradient in)
     cut_bytes = np.asarray(crossing, dtype=np.float64)
+    values = np.ones(n) if uc.boundary_values is None else np.asarray(uc.boundary_values, float)
     model = (host or HostCosts()).charge(
-        model, cut_bytes[None, :, None, None], cut_bytes[None, None, :, None]
+        model,
+        cut_bytes[None, :, None, None],
+        cut_bytes[None, None, :, None],
+        values[None, :, None, None],
+        values[None, None, :, None],
     )
     arrive = np.zeros((p, n, 1, 1))  # stage i's input at its first cut (and its gradient back)
     leave = np.zeros((p, 1, n, 1))  # stage i's output at its end cut (and the gradient in)
@@ -1117,14 +1148,50 @@ class HostCosts:
     receives the output's gradient and sends its input's. The link's own time stays the
     schedule's wire time.
 
+    ``exchange`` (the cost model's ``pipeline_exchange``: seconds per beat, seconds per
+    further value), measured on two busy ranks
+    (:func:`meshplace.runtime.pipeline_exchange.measure_pipeline_exchange`), is what a
+    pipeline of more than one stage really pays per micro-batch beyond compute: the engine,
+    the messages' fixed costs and the two ranks' meeting at every cut (a gloo send waits
+    for the peer's receive). Where it is set, a pipeline's stages are charged it at each of
+    their cuts (plus ``per value`` for each value crossing the cut besides the first, each
+    a message of its own), half on the forward and half on the backward, instead of the
+    engine and the messages' fixed CPU; the messages' per-byte CPU stays
+    (:meth:`pipelined`).
+
     >>> host = HostCosts(2e-3, (1e-4, 0.0, 2e-4, 0.0))
     >>> into, out = host.stage_messages(1e6, True, True)  # (forward, backward) seconds
     >>> [float(x) for x in (*into, *out)]  # input cut: receive, send; output: send, receive
     [0.0002, 0.0001, 0.0001, 0.0002]
+    >>> measured = HostCosts(2e-3, (1e-4, 0.0, 2e-4, 0.0), exchange=(5e-4, 4e-4))
+    >>> two = measured.pipelined(2)
+    >>> two.engine_s, two.message_cpu, round(float(two.cut_s(4)), 6)  # 3 further values
+    (0.0, (0.0, 0.0, 0.0, 0.0), 0.0017)
+    >>> measured.pipelined(1) == measured  # one stage: no cut, the engine as measured
+    True
     """
 
     engine_s: float = 0.0
     message_cpu: tuple[float, float, float, float] | None = None
+    exchange: tuple[float, float] | None = None
+
+    def pipelined(self, stages: int) -> HostCosts:
+        """These costs for a pipeline of ``stages`` stages: with a measured exchange and
+        more than one stage, the exchange replaces the engine and the messages' fixed CPU
+        (their per-byte CPU stays); otherwise unchanged."""
+        if self.exchange is None or stages <= 1:
+            return self
+        cpu = self.message_cpu
+        return HostCosts(0.0, None if cpu is None else (0.0, cpu[1], 0.0, cpu[3]), self.exchange)
+
+    def cut_s(self, values: Any) -> Any:
+        """Seconds per micro-batch a stage pays at one of its cuts that ``values`` values
+        cross: the measured exchange's beat plus its per-value cost for each value but
+        the first; 0 without a measured exchange."""
+        if self.exchange is None:
+            return 0.0
+        beat, per_value = self.exchange
+        return beat + per_value * np.maximum(np.asarray(values, dtype=np.float64) - 1.0, 0.0)
 
     def stage_messages(
         self, nbytes: Any, receives: Any, sends: Any
@@ -1141,21 +1208,29 @@ class HostCosts:
         return (into * recv, into * send), (out * send, out * recv)
 
     def charge(
-        self, model: dict[str, np.ndarray], in_bytes: np.ndarray, out_bytes: np.ndarray
+        self,
+        model: dict[str, np.ndarray],
+        in_bytes: np.ndarray,
+        out_bytes: np.ndarray,
+        in_values: Any = 1,
+        out_values: Any = 1,
     ) -> dict[str, np.ndarray]:
         """``model`` (stage arrays ``[p, ...]``) with these costs on every stage; the
-        bytes crossing each stage's input and output cut broadcast against it."""
-        if not self.engine_s and self.message_cpu is None:
-            return model
+        bytes and values crossing each stage's input and output cut broadcast against
+        it."""
         p = model["forward"].shape[0]
+        host = self.pipelined(p)
+        if not host.engine_s and host.message_cpu is None and host.exchange is None:
+            return model
         shape = (p,) + (1,) * (model["forward"].ndim - 1)
         stage = np.arange(p).reshape(shape)
-        into, _ = self.stage_messages(in_bytes, stage > 0, stage > 0)
-        _, out = self.stage_messages(out_bytes, stage < p - 1, stage < p - 1)
+        into, _ = host.stage_messages(in_bytes, stage > 0, stage > 0)
+        _, out = host.stage_messages(out_bytes, stage < p - 1, stage < p - 1)
+        cuts = (stage > 0) * host.cut_s(in_values) + (stage < p - 1) * host.cut_s(out_values)
         return {
             **model,
-            "forward": model["forward"] + self.engine_s / 2 + into[0] + out[0],
-            "backward": model["backward"] + self.engine_s / 2 + into[1] + out[1],
+            "forward": model["forward"] + (host.engine_s + cuts) / 2 + into[0] + out[0],
+            "backward": model["backward"] + (host.engine_s + cuts) / 2 + into[1] + out[1],
         }
 
 
@@ -1399,7 +1474,7 @@ def _evaluate(
     host = host or HostCosts()
     model = _stage_model(pc, config, layers, stage_mesh, dp_axis)
     nbytes = np.full((p, 1, 1), float(pc.boundary_bytes))
-    model = host.charge(model, nbytes, nbytes)
+    model = host.charge(model, nbytes, nbytes, pc.boundary_values, pc.boundary_values)
     send = np.array([link_s(i, i + 1, pc.boundary_bytes) for i in range(max(p - 1, 0))])
     per_stage_send = np.zeros(p)
     if p > 1:
@@ -1466,8 +1541,8 @@ def _stage_times(
     device ``s mod p``, so its send crosses the link ``s mod p -> (s + 1) mod p``
     (``wrap`` from the last device back to the first); each virtual stage pays ``host``'s
     costs as :meth:`HostCosts.charge` charges a stage."""
-    host = host or HostCosts()
     p = plan.pp
+    host = (host or HostCosts()).pipelined(p * v)
     sync, update = np.array(plan.sync_s), np.array(plan.update_s)
     if v == 1:
         return StageTimes(
@@ -1483,11 +1558,12 @@ def _stage_times(
             post = 1.0 if (chunk == v - 1 and i == p - 1) else 0.0
             s_index, last_s = chunk * p + i, p * v - 1
             into, out = host.stage_messages(pc.boundary_bytes, s_index > 0, s_index < last_s)
+            cuts = ((s_index > 0) + (s_index < last_s)) * host.cut_s(pc.boundary_values)
             forward.append(
                 k * pc.layer.forward_s
                 + pre * pc.pre.forward_s
                 + post * pc.post.forward_s
-                + host.engine_s / 2
+                + (host.engine_s + cuts) / 2
                 + into[0]
                 + out[0]
             )
@@ -1495,7 +1571,7 @@ def _stage_times(
                 k * (pc.layer.backward_s + full * pc.layer.forward_s)
                 + pre * pc.pre.backward_s
                 + post * pc.post.backward_s
-                + host.engine_s / 2
+                + (host.engine_s + cuts) / 2
                 + into[1]
                 + out[1]
             )
@@ -1718,6 +1794,7 @@ def hybrid_search(
     host = HostCosts(
         cost_model.pipeline_overhead.get(kind, 0.0) if cost_model is not None else 0.0,
         cost_model.message_cpu.get(kind) if cost_model is not None else None,
+        cost_model.pipeline_exchange.get(kind) if cost_model is not None else None,
     )
 
     for (tp, b), pc in sorted(parts.items()):

@@ -512,6 +512,18 @@ def _run(args: argparse.Namespace, plan: Any) -> int:
         # (two at least), for the sharding plans that plan, simulate and shard cost
         collectives = measure_collectives(world_size=max(2, len(local)))
         measured = with_collectives(cal.cost_calibration(), collectives)
+        if not gpus:
+            from meshplace.runtime.pipeline_exchange import measure_pipeline_exchange
+
+            # what a pipeline's micro-batch costs two busy ranks of this host beyond
+            # compute (the engine, the messages, the ranks' meeting), on a probe model
+            exchange = measure_pipeline_exchange()
+            measured = measured.model_copy(
+                update={
+                    "pipeline_exchange_s": exchange.beat_s,
+                    "pipeline_message_s": exchange.message_s,
+                }
+            )
         path, _, function = str(args.graph).rpartition(":")
         if path.endswith(".py") and function and not gpus:
             from meshplace.runtime.data_parallel import measure_fsdp_overhead
