@@ -7,6 +7,7 @@ import functools
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -402,9 +403,11 @@ def test_one_device_stages_pay_no_engine_dispatch() -> None:
 
 def test_synchronous_gradients_cost_exposed_bucketed_all_reduces() -> None:
     """``synchronous_gradients`` scores data parallelism as meshplace's runtime runs it:
-    the gradients all-reduced after the schedule in buckets of ``GRADIENT_BUCKET_BYTES``,
-    none hidden behind the backward (the default model hides the reduction behind the
-    backward): the stage's synchronisation is exactly one all-reduce per bucket."""
+    a stage with ZeRO on DTensor, its gradients all-reduced after the schedule in buckets
+    of ``GRADIENT_BUCKET_BYTES``, none hidden behind the backward (the default model hides
+    the reduction behind the backward): the stage's synchronisation is exactly one
+    all-reduce per bucket (the parameters' all-gather made free here); a data-parallel
+    stage without ZeRO on DDP, which hides it as the default model does."""
     import math
 
     from meshplace.cost.collectives import GRADIENT_BUCKET_BYTES
@@ -413,28 +416,38 @@ def test_synchronous_gradients_cost_exposed_bucketed_all_reduces() -> None:
     cluster = load_cluster("h2-8xh100")
     kind = cluster.devices[hybrid.accelerators(cluster)[0]].kind
     latency = 1e-3
-    cost_model = CostModel(collectives={kind: {"all_reduce": (latency, 1e10)}})
+    cost_model = CostModel(
+        collectives={kind: {"all_reduce": (latency, 1e10), "all_gather": (0.0, 1e30)}}
+    )
 
-    def search(synchronous: bool) -> hybrid.HybridResult:
+    def search(synchronous: bool, model: CostModel = cost_model) -> hybrid.HybridResult:
         return hybrid.hybrid_search(
             "tiny", None, cluster, chips=2, global_batch=4, tensor_parallel=(1,),
             micro_batch_sizes=(2,), graphs=_tiny_graphs, layers=2, simulate_top=1000,
-            schedules=("gpipe",), zero_stages=(0,), pipeline_degrees=(1,),
-            cost_model=cost_model, synchronous_gradients=synchronous,
+            schedules=("gpipe",), zero_stages=(0, 1), pipeline_degrees=(1,),
+            cost_model=model, synchronous_gradients=synchronous,
         )  # fmt: skip
 
     overlapped, synchronous = search(False), search(True)
     pc = synchronous.part_costs[(1, 2)]
     grads = pc.pre.gradient_bytes + 2 * pc.layer.gradient_bytes + pc.post.gradient_bytes
     buckets = max(1, math.ceil(grads / GRADIENT_BUCKET_BYTES))
-    dp2 = {p.dp: p for p in overlapped.plans}[2]
-    dp2_sync = {p.dp: p for p in synchronous.plans}[2]
-    assert dp2_sync.time_per_batch_s >= dp2.time_per_batch_s  # nothing hidden any more
+    dp2 = {(p.dp, p.config.zero): p for p in overlapped.plans}
+    dp2_sync = {(p.dp, p.config.zero): p for p in synchronous.plans}
+    assert dp2_sync[(2, 1)].time_per_batch_s >= dp2[(2, 1)].time_per_batch_s  # none hidden
     # one collective per bucket, not per parameter tensor (of which a GPT layer has many)
     assert pc.layer.parameter_tensors >= 4 and buckets < pc.layer.parameter_tensors
-    assert sum(dp2_sync.sync_s) == pytest.approx(
+    assert sum(dp2_sync[(2, 1)].sync_s) == pytest.approx(
         buckets * cluster_collective(cluster, cost_model, grads / buckets), rel=1e-6
     )
+    # ZeRO 0: DDP's reduction, hidden behind the backward as the default model hides it
+    assert dp2_sync[(2, 0)].time_per_batch_s == pytest.approx(dp2[(2, 0)].time_per_batch_s)
+    assert sum(dp2_sync[(2, 0)].sync_s) == pytest.approx(sum(dp2[(2, 0)].sync_s))
+    # and DDP's stages run plain tensors: DTensor's dispatch is charged to ZeRO 1 only
+    dispatched = search(True, replace(cost_model, dispatch_overhead={kind: 1e-4}))
+    by_zero = {(p.dp, p.config.zero): p.time_per_batch_s for p in dispatched.plans}
+    assert by_zero[(2, 0)] == pytest.approx(dp2_sync[(2, 0)].time_per_batch_s)
+    assert by_zero[(2, 1)] > dp2_sync[(2, 1)].time_per_batch_s
 
 
 def cluster_collective(cluster, cost_model, nbytes: float) -> float:

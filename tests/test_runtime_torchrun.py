@@ -229,7 +229,10 @@ def test_bad_runs_are_one_sentence_and_exit_2(tmp_path: Path, monkeypatch, capsy
         (["--plan", "plan.json", "--steps", "2", "--warmup", "2"], "fewer than --steps"),
         (["--plan", "plan.json", "--model", "m.py:build", "--checkpoint-dir", "f"], "is a file"),
         (["--plan", "placed.json", "--calibration", "c.json"], "applies to sharding plans"),
-        (["--plan", "placed.json", "--engine", "dtensor"], "--engine applies to sharding plans"),
+        (
+            ["--plan", "placed.json", "--engine", "dtensor"],
+            "--engine applies to sharding and hybrid plans",
+        ),
     ]
     for args, message in cases:
         assert runtime_main(args) == 2, args

@@ -1342,9 +1342,11 @@ def _sync_seconds(
 ) -> float:
     """Exposed once-per-batch data-parallel synchronisation of one stage (module
     docstring, step 2): the gradient reduction after the last backward, overlapping that
-    backward (ZeRO-0 all-reduce, ZeRO-1 reduce-scatter; ZeRO-2/3 reduce-scatter after every
-    micro-batch instead), and ZeRO-1/2's all-gather of the updated parameters, which the
-    next step's first forward can overlap. ``synchronous``: the engine of meshplace's
+    backward except for its last bucket of
+    :data:`~meshplace.cost.collectives.GRADIENT_BUCKET_BYTES`, which starts when the
+    backward ends (ZeRO-0 all-reduce, ZeRO-1 reduce-scatter; ZeRO-2/3 reduce-scatter after
+    every micro-batch instead), and ZeRO-1/2's all-gather of the updated parameters, which
+    the next step's first forward can overlap. ``synchronous``: the engine of meshplace's
     torchrun runtime, which after the schedule all-reduces the gradients in buckets of
     :data:`~meshplace.cost.collectives.GRADIENT_BUCKET_BYTES` (ZeRO 0 and 1; a ZeRO-1
     shard is then a local slice) and gathers each of the stage's ``tensors`` updated
@@ -1363,13 +1365,20 @@ def _sync_seconds(
         if z < 2:
             reduce = buckets * mesh.collective_time("all_reduce", grads / buckets, [axis])
         return reduce + (collective("all_gather", params) if z in (1, 2) else 0.0)
-    reduce = 0.0
-    if z == 0:
-        reduce = collective("all_reduce", grads)
-    elif z == 1:
-        reduce = collective("reduce_scatter", grads)
+    reduce = tail = 0.0
+    if z in (0, 1) and grads > 0:
+        kind = "all_reduce" if z == 0 else "reduce_scatter"
+        reduce = collective(kind, grads)
+        # buckets are reduced as the backward fills them, so all but the last can hide
+        # behind it; the last (all of a model whose gradients fit in one bucket) starts
+        # when the backward ends
+        buckets = max(1.0, float(math.ceil(grads / GRADIENT_BUCKET_BYTES)))
+        tail = min(
+            reduce,
+            mesh.collective_time(kind, grads - (buckets - 1) * GRADIENT_BUCKET_BYTES, [axis]),
+        )
     gather = collective("all_gather", params) if z in (1, 2) else 0.0
-    return max(0.0, reduce - backward) + max(0.0, gather - forward)
+    return tail + max(0.0, reduce - tail - backward) + max(0.0, gather - forward)
 
 
 def _stage_syncs(
@@ -1661,9 +1670,11 @@ def hybrid_search(
     and extended: the sharding solves do not depend on the chip count or the batch.
     The ``simulate_top`` plans best by the DP's closed form are simulated; the fastest
     simulated plan that fits is :attr:`HybridResult.best`. ``synchronous_gradients``:
-    score the data-parallel synchronisation as meshplace's torchrun runtime runs it, one
-    collective per parameter tensor after the schedule, none overlapped (default: bucketed
-    and overlapped with the backward, as DDP and Megatron-LM run it).
+    score data parallelism as meshplace's torchrun runtime runs it: stages with tensor
+    parallelism or ZeRO on DTensor, their gradients reduced after the schedule one bucket
+    at a time, none overlapped; data-parallel stages without ZeRO on DDP, plain tensors
+    (no DTensor dispatch) with the gradients bucketed and overlapped with the backward
+    (default: every configuration as DDP and Megatron-LM run it, bucketed and overlapped).
     """
     from meshplace.models import get
 
@@ -1742,7 +1753,10 @@ def hybrid_search(
         plain_model is not None
         and any(cost_model.dispatch_overhead.values())
         and 1 in tps
-        and n in (pipeline_degrees if pipeline_degrees is not None else [n])
+        and (
+            n in (pipeline_degrees if pipeline_degrees is not None else [n])
+            or (synchronous_gradients and 0 in zero_stages)  # the runtime's DDP stages
+        )
     )
     for b, graph in captured.items():
         for tp in [*tps, *([0] if plain_stages else [])]:
@@ -1828,19 +1842,24 @@ def hybrid_search(
             if style == "megatron":
                 zs = [z for z in zs if z in PIPELINE_ZERO]
             for z in zs:
+                # meshplace's runtime runs a data-parallel stage without ZeRO on DDP:
+                # plain tensors, the gradients bucketed and reduced during the backward
+                ddp = synchronous_gradients and tp == 1 and dp > 1 and z == 0
+                staged = parts[(0, b)] if ddp and (0, b) in parts else costs
+                synchronous = synchronous_gradients and not ddp
                 for schedule in schedules if pp > 1 else tuple(schedules)[:1]:
                     config = HybridConfig(pp, dp, tp, b, m, z, schedule)
                     configurations += 1
-                    if isinstance(costs, UnitCosts):
+                    if isinstance(staged, UnitCosts):
                         plan = _evaluate_units(
-                            costs, config, capacity, mesh, dp_axis, link_s, peak, global_batch,
-                            n, synchronous=synchronous_gradients, host=host,
+                            staged, config, capacity, mesh, dp_axis, link_s, peak, global_batch,
+                            n, synchronous=synchronous, host=host,
                         )  # fmt: skip
                     else:
                         plan = _evaluate(
-                            costs, config, layers, capacity, mesh, dp_axis, link_s, peak,
+                            staged, config, layers, capacity, mesh, dp_axis, link_s, peak,
                             global_batch, n, uniform=style == "megatron",
-                            synchronous=synchronous_gradients, host=host,
+                            synchronous=synchronous, host=host,
                         )  # fmt: skip
                     if plan is not None:
                         candidates.append(plan)

@@ -149,8 +149,10 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         "--engine",
         choices=("auto", "dtensor"),
         default=None,
-        help="a sharding plan: auto (default) runs pure data parallelism on DDP (ZeRO 0) or "
-        "FSDP2 (ZeRO 3) and every other plan on DTensor; dtensor runs every plan on DTensor",
+        help="a sharding or hybrid plan: auto (default) runs pure data parallelism on DDP "
+        "(ZeRO 0) or FSDP2 (ZeRO 3), a hybrid plan's data-parallel stages without tensor "
+        "parallelism or ZeRO on DDP, and everything else on DTensor; dtensor runs every plan "
+        "on DTensor",
     )
     parser.add_argument("--cluster-out", help="write the calibrated local cluster (YAML)")
     parser.add_argument(

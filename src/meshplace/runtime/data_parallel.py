@@ -183,18 +183,53 @@ def _owns(unit: torch.nn.Module, model: torch.nn.Module, name: str) -> bool:
     return any(m is owner for m in unit.modules())
 
 
-def _reduce_bucket(state, bucket):
-    """DDP's communication hook: the bucket all-reduced (summed) in place, then divided by
-    the world size when ``state`` (``(world, mean)``) says the loss is a mean of the ranks'
-    losses — DDP's own arithmetic, in Python so that a fake process group (the dry run)
-    can stand in for the ranks. No annotations: DDP compares them with the classes
-    themselves, which this module's postponed (string) annotations are not."""
+def reduce_gradient_bucket(state, bucket):
+    """DDP's communication hook: the bucket all-reduced (summed) in place over ``state``'s
+    group, then divided by its size when ``state`` (``(group, size, mean)``; group
+    ``None``: every rank) says the loss is a mean of the ranks' losses — DDP's own
+    arithmetic, in Python so that a fake process group (the dry run) can stand in for the
+    ranks, and so that a sum loss is summed. No annotations: DDP compares them with the
+    classes themselves, which this module's postponed (string) annotations are not."""
     import torch.distributed as dist
 
-    world, mean = state
+    group, size, mean = state
     buffer = bucket.buffer()
-    future = dist.all_reduce(buffer, async_op=True).get_future()
-    return future.then(lambda _: buffer.div_(world) if mean else buffer)
+    future = dist.all_reduce(buffer, group=group, async_op=True).get_future()
+    return future.then(lambda _: buffer.div_(size) if mean else buffer)
+
+
+def bucket_megabytes() -> float:
+    """DDP's bucket size, in MiB: the cost model's gradient bucket
+    (:data:`meshplace.cost.collectives.GRADIENT_BUCKET_BYTES`), so that the prediction
+    buckets as the run does."""
+    from meshplace.cost.collectives import GRADIENT_BUCKET_BYTES
+
+    return GRADIENT_BUCKET_BYTES / 2**20
+
+
+def batch_reduction(
+    model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any], shards: int, rows: int
+) -> str | None:
+    """How ``model``'s loss on the first ``rows`` rows of its inputs (every tensor input
+    split along its first dimension) combines over ``shards`` equal shards of them:
+    ``"mean"``, ``"sum"`` or ``None`` (:func:`loss_over_batch`), probed without side
+    effects (buffers and random state restored). Three forwards of ``rows`` rows."""
+    from meshplace.graph.capture import as_loss
+
+    values = [
+        v[:rows] if isinstance(v, torch.Tensor) and v.dim() else v
+        for v in (*args, *kwargs.values())
+    ]
+    dims = [0 if isinstance(v, torch.Tensor) and v.dim() else None for v in values]
+    positional = len(args)
+
+    def loss_of(inputs: Sequence[Any]) -> torch.Tensor:
+        keywords = dict(zip(kwargs, inputs[positional:], strict=True))
+        return as_loss(model(*inputs[:positional], **keywords))[0]
+
+    return _probe_without_side_effects(
+        model, lambda: loss_over_batch(loss_of, values, dims, shards)
+    )
 
 
 class DataParallelTraining:
@@ -236,10 +271,12 @@ class DataParallelTraining:
             self.runner: Any = DistributedDataParallel(
                 model,
                 device_ids=[device.index] if device.type == "cuda" else None,
-                bucket_cap_mb=_bucket_megabytes(),
+                bucket_cap_mb=bucket_megabytes(),
                 find_unused_parameters=bool(unused),
             )
-            self.runner.register_comm_hook((world, reduction == "mean"), _reduce_bucket)
+            self.runner.register_comm_hook(
+                (None, world, reduction == "mean"), reduce_gradient_bucket
+            )
             self.engine, self.fsdp_units = "ddp", 0
         else:
             from torch.distributed.fsdp import fully_shard
@@ -371,12 +408,6 @@ class DataParallelTraining:
         total = loss.detach().clone().reshape(1)
         dist.all_reduce(total)  # gloo has no average: sum, then divide
         return float(total) / (dist.get_world_size() if self.reduction == "mean" else 1)
-
-
-def _bucket_megabytes() -> float:
-    from meshplace.cost.collectives import GRADIENT_BUCKET_BYTES
-
-    return GRADIENT_BUCKET_BYTES / 2**20
 
 
 def _probe_without_side_effects(

@@ -173,7 +173,8 @@ class StageOnMesh(torch.nn.Module):
     become DTensors split over ``data`` and replicated over ``tensor``; a later stage
     receives what the stage before sent (DTensors as DTensors, a tensor computed from
     buffers alone as a plain tensor), calls its module on the values it reads, and sends
-    on what later stages read. The module runs with the ZeRO-3 shards gathered
+    on what later stages read. ``distribute=False`` (a stage DDP runs): the inputs stay
+    this rank's plain tensors. The module runs with the ZeRO-3 shards gathered
     (``weight_update.forward``); call it, as the schedule's backward, under
     :func:`meshplace.runtime.sharded.sharded_step`."""
 
@@ -185,6 +186,7 @@ class StageOnMesh(torch.nn.Module):
         route: StageRoute,
         first: bool,
         last: bool,
+        distribute: bool = True,
     ) -> None:
         super().__init__()
         self.stage = stage
@@ -193,6 +195,7 @@ class StageOnMesh(torch.nn.Module):
         self.route = route
         self.first = first
         self.last = last
+        self.distribute = distribute  # False: a DDP stage, plain tensors throughout
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -201,7 +204,7 @@ class StageOnMesh(torch.nn.Module):
         # stages; only the first takes them (later ones get theirs along the route)
         given = [*args, *kwargs.values()] if self.first else list(args)
         values = dict(zip(self.route.receives, given, strict=True))
-        if self.first and self.mesh.size() > 1:  # this rank's rows of the model's inputs
+        if self.distribute and self.first and self.mesh.size() > 1:  # this rank's rows
             # (no data parallelism: replicated; export may have specialised a batch of
             # one, and DTensor will not reshape a dimension it thinks is split)
             split = [Shard(0) if self.mesh.size(0) > 1 else Replicate(), Replicate()]
@@ -300,13 +303,16 @@ def run_hybrid_plan(
     device_type: str,
     checkpoint_dir: str | None = None,
     fault_step: int | None = None,
+    engine: str = "auto",
 ) -> dict[str, Any]:
     """Train the ``FILE.py:build`` model of ``source`` under the hybrid ``plan`` for
     ``steps`` Adam steps on this rank (``torch.distributed`` initialised with ``pp * dp *
     tp`` ranks); what this rank measured (module docstring). ``checkpoint_dir``: after the
     last step each stage gathers its parameters whole and the stage's first rank writes
     them (``rank{R}.pt``, the model's own names). ``fault_step`` (tests): this rank kills
-    itself (SIGKILL) in that step's first micro-batch forward."""
+    itself (SIGKILL) in that step's first micro-batch forward. ``engine``: ``"auto"`` runs
+    data-parallel stages without tensor parallelism or ZeRO on DDP (:func:`ddp_stages`),
+    ``"dtensor"`` every stage on DTensor."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.pipelining import SplitPoint, pipeline
@@ -358,11 +364,16 @@ def run_hybrid_plan(
             "from a model built for real"
         )
     rows = global_batch // micro_batches  # one micro-batch of every replica together
+    ddp, engine_note = ddp_stages(plan, model, args, kwargs, rows, engine)
+    # export specialises the shapes it traces: DTensor stages see a micro-batch's global
+    # shape, DDP stages (plain tensors) their replica's rows of it
+    traced = rows if ddp is None else rows // dp
     pipe = pipeline(
         InputsEnterFirst(model.to(device)),
-        mb_args=tuple(a[:rows].to(device) if isinstance(a, torch.Tensor) else a for a in args),
+        mb_args=tuple(a[:traced].to(device) if isinstance(a, torch.Tensor) else a for a in args),
         mb_kwargs={
-            k: v[:rows].to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()
+            k: v[:traced].to(device) if isinstance(v, torch.Tensor) else v
+            for k, v in kwargs.items()
         },
         split_spec={f"model.{s}": SplitPoint.BEGINNING for s in splits},
     )
@@ -388,7 +399,11 @@ def run_hybrid_plan(
     for s, module, (first, end) in zip(mine, modules, runs, strict=True):
         drop_export_assertions(module)
         run_stage_compiled(module)
-        weight_update = place_stage_parameters(module, plan, stage_mesh)
+        if ddp is None:
+            weight_update = place_stage_parameters(module, plan, stage_mesh)
+        else:
+            check_stage_parameters(module, plan)
+            weight_update = PlainStageUpdate()
         weight_updates.append(weight_update)
         if spec.get("recompute", "none") == "full":
             layers = range(int(first), int(end))
@@ -398,7 +413,11 @@ def run_hybrid_plan(
             not_recomputed += len(layers) - found
             recomputed += found
         last = s == pp * virtual - 1
-        wrapped = StageOnMesh(module, stage_mesh, weight_update, routes[s], s == 0, last)
+        wrapped: Any = StageOnMesh(
+            module, stage_mesh, weight_update, routes[s], s == 0, last, distribute=ddp is None
+        )
+        if ddp is not None:  # torch's pipelining defers DDP's reduction to the last backward
+            wrapped = data_parallel_stage_module(wrapped, mesh["data"], ddp, device)
         stages.append(
             zero_filled_stage_class()(
                 wrapped,
@@ -480,7 +499,11 @@ def run_hybrid_plan(
         times.append(time.perf_counter() - start)
         if last_stage:
             values = [m.full_tensor() if hasattr(m, "full_tensor") else m for m in micro]
-            losses.append(float(torch.stack([v.detach().reshape(()) for v in values]).mean()))
+            loss = torch.stack([v.detach().reshape(()) for v in values]).mean()
+            if ddp is not None:  # each replica's loss on its rows: the batch's, as DDP's
+                dist.all_reduce(loss, group=mesh["data"].get_group())
+                loss = loss / dp if ddp == "mean" else loss
+            losses.append(float(loss))
         else:
             losses.append(None)
     state_bytes = optimizer_state_bytes(optimizer)
@@ -513,6 +536,8 @@ def run_hybrid_plan(
         "layers_not_recomputed": not_recomputed,
         "schedule": schedule_name,
         "uneven": [n for update in weight_updates for n in update.uneven],
+        "engine": "dtensor" if ddp is None else "ddp",
+        "engine_note": engine_note,
     }
 
 
@@ -539,6 +564,76 @@ class PlainStageUpdate:
         return None
 
 
+def ddp_stages(
+    plan: Mapping[str, Any],
+    model: torch.nn.Module,
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+    rows: int,
+    engine: str = "auto",
+) -> tuple[str | None, str | None]:
+    """Whether this hybrid plan's stages run on DDP, and a note where DTensor runs them
+    instead: ``("mean" or "sum", None)`` — how DDP combines the replicas' gradients — when
+    the plan is data-parallel (``dp > 1``) without tensor parallelism or ZeRO and the
+    model's loss over one micro-batch of ``rows`` rows is the mean or sum of its replicas'
+    losses (:func:`meshplace.runtime.data_parallel.batch_reduction`, probed alike on every
+    rank); else ``(None, note)`` (``note`` ``None`` where DDP was never in question).
+    ``engine="dtensor"`` keeps DTensor. DDP runs such a stage as its PyTorch user would:
+    plain tensors, no DTensor dispatch, gradients bucketed and all-reduced during the last
+    micro-batch's backward (torch's pipelining runs the others under ``no_sync``)."""
+    from meshplace.runtime.data_parallel import batch_reduction
+
+    _pp, dp, tp = (int(x) for x in plan["mesh"]["shape"])
+    if engine == "dtensor" or dp < 2 or tp > 1 or int(plan["pipeline"].get("zero", 0)):
+        return None, None
+    if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+        return None, None  # refused later: stages are cut from a model built for real
+    reduction = batch_reduction(model, args, kwargs, dp, rows)
+    if reduction is None:
+        return None, (
+            "the loss over a micro-batch is not the mean or sum of its replicas' losses "
+            "(batch statistics?), so the data-parallel stages run on DTensor, not DDP"
+        )
+    return reduction, None
+
+
+def data_parallel_stage_module(
+    module: torch.nn.Module, data_mesh: Any, reduction: str, device: torch.device
+) -> torch.nn.Module:
+    """``module`` (a stage's :class:`StageOnMesh`) under DDP over ``data_mesh``'s ranks,
+    its gradients summed, or averaged for a mean loss, in buckets of the cost model's size
+    (:func:`meshplace.runtime.data_parallel.reduce_gradient_bucket`)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from meshplace.runtime.data_parallel import bucket_megabytes, reduce_gradient_bucket
+
+    group = data_mesh.get_group()
+    wrapped = DistributedDataParallel(
+        module,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        process_group=group,
+        bucket_cap_mb=bucket_megabytes(),
+        # every replica built its buffers from the same seed, and a loss the probe found
+        # decomposable over the batch keeps no batch statistics in them: DDP's broadcast
+        # of the buffers before every micro-batch's forward would only cost a collective
+        broadcast_buffers=False,
+    )
+    wrapped.register_comm_hook(
+        (group, data_mesh.size(), reduction == "mean"), reduce_gradient_bucket
+    )
+    return wrapped
+
+
+def check_stage_parameters(module: torch.nn.Module, plan: Mapping[str, Any]) -> list[str]:
+    """The model's names of a pipelining stage ``module``'s parameters (under ``model.``);
+    one sentence when the plan does not name one of them."""
+    names = [n.removeprefix("model.") for n, _ in module.named_parameters()]
+    unplanned = [n for n in names if n not in plan["parameters"]]
+    if unplanned:
+        raise InputError(f"the plan does not match the model: {unplanned[0]!r} is not in it")
+    return names
+
+
 def place_stage_parameters(module: torch.nn.Module, plan: Mapping[str, Any], mesh: Any) -> Any:
     """Make the parameters of a pipelining stage ``module`` (the model under ``model.``)
     DTensors on the stage ``mesh`` with the plan's placements, by the model's own names,
@@ -548,10 +643,7 @@ def place_stage_parameters(module: torch.nn.Module, plan: Mapping[str, Any], mes
     from meshplace.runtime.launch import WeightUpdateSharding
     from meshplace.runtime.sharded import apply_sharding_plan
 
-    names = [n.removeprefix("model.") for n, _ in module.named_parameters()]
-    unplanned = [n for n in names if n not in plan["parameters"]]
-    if unplanned:
-        raise InputError(f"the plan does not match the model: {unplanned[0]!r} is not in it")
+    names = check_stage_parameters(module, plan)
     if mesh.size() == 1:
         # a stage on one device: nothing to place or shard, and DTensor's dispatch would
         # only cost time (about 25 us an op here)
@@ -609,12 +701,15 @@ def summarise_hybrid(
             f"{len(uneven)} parameters with weight-update sharding have no dimension their "
             f"replica count divides ({', '.join(uneven[:3])}): their blocks are uneven"
         )
+    if per_rank[0].get("engine_note"):
+        notes.append(per_rank[0]["engine_note"])
     return {
         "model": source,
         "plan": "hybrid",
         "world_size": len(per_rank),
         "mesh": plan["mesh"],
         "device": device,
+        "engine": per_rank[0].get("engine", "dtensor"),
         "schedule": ran,
         "micro_batches": int(plan["pipeline"]["micro_batches"]),
         "stage_begins": [r["stage_begins"] for r in per_rank],

@@ -141,8 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--engine",
         choices=ENGINES,
         default="auto",
-        help="sharding plan: auto (default) runs pure data parallelism on DDP (ZeRO 0) or "
-        "FSDP2 (ZeRO 3) and every other plan on DTensor; dtensor runs every plan on DTensor",
+        help="sharding or hybrid plan: auto (default) runs pure data parallelism on DDP (ZeRO "
+        "0) or FSDP2 (ZeRO 3), a hybrid plan's data-parallel stages without tensor "
+        "parallelism or ZeRO on DDP, and everything else on DTensor; dtensor runs every plan "
+        "on DTensor",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object (rank 0)")
     return parser
@@ -744,11 +746,11 @@ def summarise(
 
 
 def check_prediction_options(
-    args: argparse.Namespace, plan: dict[str, Any], *, sharding: bool
+    args: argparse.Namespace, plan: dict[str, Any], *, sharding: bool, placement: bool = False
 ) -> None:
     """``--cluster`` and ``--calibration`` apply to sharding plans (not hybrid ones) and
-    must be readable: one :class:`InputError` sentence otherwise, before any rank
-    starts."""
+    must be readable, ``--engine`` to sharding and hybrid plans (not placements): one
+    :class:`InputError` sentence otherwise, before any rank starts."""
     from meshplace.cost.calibration import load_calibration
     from meshplace.hardware import load_cluster
 
@@ -756,8 +758,8 @@ def check_prediction_options(
     for flag, value in (("--cluster", cluster), ("--calibration", calibration)):
         if value is not None and not sharding:
             raise InputError(f"{flag} applies to sharding plans, not to {args.plan}")
-    if getattr(args, "engine", None) not in (None, "auto") and not sharding:
-        raise InputError(f"--engine applies to sharding plans, not to {args.plan}")
+    if getattr(args, "engine", None) not in (None, "auto") and placement:
+        raise InputError(f"--engine applies to sharding and hybrid plans, not to {args.plan}")
     if cluster is not None:
         load_cluster(cluster)
     if calibration is not None:
@@ -775,7 +777,9 @@ def main(argv: list[str] | None = None) -> int:
             raise InputError(f"--warmup {args.warmup} must be fewer than --steps {args.steps}")
         plan = read_plan(args.plan)
         placement = plan["format"] == "meshplace.plan"
-        check_prediction_options(args, plan, sharding=not placement and not is_hybrid(plan))
+        check_prediction_options(
+            args, plan, sharding=not placement and not is_hybrid(plan), placement=placement
+        )
         pipelined = False
         if placement:
             from meshplace.plan.placement import plan_from_dict
@@ -879,6 +883,7 @@ def main(argv: list[str] | None = None) -> int:
                     device_type=device_type,
                     checkpoint_dir=args.checkpoint_dir,
                     fault_step=fault_step_of(os.environ.get(FAULT_ENV, ""), dist.get_rank()),
+                    engine=args.engine,
                 )
             else:
                 mine = run_sharded_plan(
