@@ -1345,8 +1345,9 @@ def _sync_seconds(
     backward except for its last bucket of
     :data:`~meshplace.cost.collectives.GRADIENT_BUCKET_BYTES`, which starts when the
     backward ends (ZeRO-0 all-reduce, ZeRO-1 reduce-scatter; ZeRO-2/3 reduce-scatter after
-    every micro-batch instead), and ZeRO-1/2's all-gather of the updated parameters, which
-    the next step's first forward can overlap. ``synchronous``: the engine of meshplace's
+    every micro-batch instead, in the stage model, the last bucket of the last one
+    exposed here), and ZeRO-1/2's all-gather of the updated parameters, which the next
+    step's first forward can overlap. ``synchronous``: the engine of meshplace's
     torchrun runtime, which after the schedule all-reduces the gradients in buckets of
     :data:`~meshplace.cost.collectives.GRADIENT_BUCKET_BYTES` (ZeRO 0 and 1; a ZeRO-1
     shard is then a local slice) and gathers each of the stage's ``tensors`` updated
@@ -1366,17 +1367,17 @@ def _sync_seconds(
             reduce = buckets * mesh.collective_time("all_reduce", grads / buckets, [axis])
         return reduce + (collective("all_gather", params) if z in (1, 2) else 0.0)
     reduce = tail = 0.0
-    if z in (0, 1) and grads > 0:
+    if grads > 0:
         kind = "all_reduce" if z == 0 else "reduce_scatter"
-        reduce = collective(kind, grads)
+        whole = collective(kind, grads)
         # buckets are reduced as the backward fills them, so all but the last can hide
         # behind it; the last (all of a model whose gradients fit in one bucket) starts
-        # when the backward ends
+        # when the backward ends; ZeRO-2/3 reduce after every micro-batch (the stage
+        # model), and only the last micro-batch's last bucket waits here
         buckets = max(1.0, float(math.ceil(grads / GRADIENT_BUCKET_BYTES)))
-        tail = min(
-            reduce,
-            mesh.collective_time(kind, grads - (buckets - 1) * GRADIENT_BUCKET_BYTES, [axis]),
-        )
+        last = grads - (buckets - 1) * GRADIENT_BUCKET_BYTES
+        tail = min(whole, mesh.collective_time(kind, last, [axis]))
+        reduce = whole if z < 2 else tail
     gather = collective("all_gather", params) if z in (1, 2) else 0.0
     return tail + max(0.0, reduce - tail - backward) + max(0.0, gather - forward)
 
