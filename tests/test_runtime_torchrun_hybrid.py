@@ -492,3 +492,42 @@ def test_a_stage_run_compiled_computes_exactly_what_the_interpreter_does() -> No
     compiled = step()
     assert torch.equal(interpreted[0], compiled[0])
     assert all(torch.equal(a, b) for a, b in zip(interpreted[1], compiled[1], strict=True))
+
+
+def test_ddp_runs_the_data_parallel_stages_it_can_run_like_dtensor() -> None:
+    """A hybrid plan's stages go to DDP where it computes what DTensor would: data
+    parallelism without tensor parallelism or ZeRO, a loss that is the mean (or sum) of
+    the replicas' losses, one virtual stage per rank; else DTensor, with a note where a
+    user could expect DDP."""
+
+    class Loss(torch.nn.Module):
+        def __init__(self, how: str) -> None:
+            super().__init__()
+            self.linear, self.how = torch.nn.Linear(4, 1), how
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.linear(x).squeeze(-1)
+            if self.how == "batch statistics":  # not decomposable over the batch
+                return ((y - y.mean()) ** 2).mean()
+            return y.pow(2).mean() if self.how == "mean" else y.pow(2).sum()
+
+    def plan(dp: int = 2, tp: int = 1, zero: int = 0, virtual: int = 1) -> dict:
+        return {
+            "mesh": {"shape": [2, dp, tp]},
+            "pipeline": {"zero": zero, "virtual_stages": virtual},
+        }
+
+    torch.manual_seed(0)
+    x = (torch.randn(8, 4),)
+    assert hybrid.ddp_stages(plan(), Loss("mean"), x, {}, rows=4) == ("mean", None)
+    assert hybrid.ddp_stages(plan(), Loss("sum"), x, {}, rows=4) == ("sum", None)
+    kept, note = hybrid.ddp_stages(plan(), Loss("batch statistics"), x, {}, rows=4)
+    assert kept is None and "not the mean or sum" in note
+    kept, note = hybrid.ddp_stages(plan(virtual=2), Loss("mean"), x, {}, rows=4)
+    assert kept is None and "interleaved" in note
+    for other in (plan(dp=1), plan(tp=2), plan(zero=1)):
+        assert hybrid.ddp_stages(other, Loss("mean"), x, {}, rows=4) == (None, None)
+    assert hybrid.ddp_stages(plan(), Loss("mean"), x, {}, rows=4, engine="dtensor") == (
+        None,
+        None,
+    )

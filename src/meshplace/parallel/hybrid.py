@@ -1843,12 +1843,14 @@ def hybrid_search(
             if style == "megatron":
                 zs = [z for z in zs if z in PIPELINE_ZERO]
             for z in zs:
-                # meshplace's runtime runs a data-parallel stage without ZeRO on DDP:
-                # plain tensors, the gradients bucketed and reduced during the backward
-                ddp = synchronous_gradients and tp == 1 and dp > 1 and z == 0
-                staged = parts[(0, b)] if ddp and (0, b) in parts else costs
-                synchronous = synchronous_gradients and not ddp
                 for schedule in schedules if pp > 1 else tuple(schedules)[:1]:
+                    # meshplace's runtime runs a data-parallel stage without ZeRO on DDP
+                    # (not an interleaved one's): plain tensors, the gradients bucketed
+                    # and reduced during the backward
+                    ddp = synchronous_gradients and tp == 1 and dp > 1 and z == 0
+                    ddp = ddp and schedule != "interleaved"
+                    staged = parts[(0, b)] if ddp and (0, b) in parts else costs
+                    synchronous = synchronous_gradients and not ddp
                     config = HybridConfig(pp, dp, tp, b, m, z, schedule)
                     configurations += 1
                     if isinstance(staged, UnitCosts):

@@ -577,7 +577,8 @@ def ddp_stages(
     the plan is data-parallel (``dp > 1``) without tensor parallelism or ZeRO and the
     model's loss over one micro-batch of ``rows`` rows is the mean or sum of its replicas'
     losses (:func:`meshplace.runtime.data_parallel.batch_reduction`, probed alike on every
-    rank); else ``(None, note)`` (``note`` ``None`` where DDP was never in question).
+    rank); else ``(None, note)`` (``note`` ``None`` where DDP was never in question; an
+    interleaved plan's virtual stages stay on DTensor, with a note).
     ``engine="dtensor"`` keeps DTensor. DDP runs such a stage as its PyTorch user would:
     plain tensors, no DTensor dispatch, gradients bucketed and all-reduced during the last
     micro-batch's backward (torch's pipelining runs the others under ``no_sync``)."""
@@ -586,6 +587,14 @@ def ddp_stages(
     _pp, dp, tp = (int(x) for x in plan["mesh"]["shape"])
     if engine == "dtensor" or dp < 2 or tp > 1 or int(plan["pipeline"].get("zero", 0)):
         return None, None
+    if int(plan["pipeline"].get("virtual_stages", 1)) > 1:
+        # two DDP modules of one rank on one data group trip DDP's bucket rebuilding
+        # (torch 2.13: "rebuilt parameter indices size is not same as original model
+        # parameters size")
+        return None, (
+            "the interleaved schedule's data-parallel stages run on DTensor, not DDP "
+            "(DDP cannot serve two virtual stages of one rank)"
+        )
     if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
         return None, None  # refused later: stages are cut from a model built for real
     reduction = batch_reduction(model, args, kwargs, dp, rows)
