@@ -86,10 +86,17 @@ def _rank(
     """One spawned rank: join the gloo group, run ``body(rank, models, plans, out_dir)``,
     leave the group and end the process without interpreter finalisation, where gloo's
     worker threads still holding finished work can abort it (pytorch/pytorch#179291)."""
-    import os
-
     dist.init_process_group("gloo", store=dist.FileStore(store_path, 4), rank=rank, world_size=4)
     body(rank, models, plans, out_dir)
+    leave_and_exit()
+
+
+def leave_and_exit() -> None:
+    """A test rank's end: the group's last barrier, then out of the process without
+    interpreter finalisation, where gloo's threads still holding finished work can abort
+    it (pytorch/pytorch#179291)."""
+    import os
+
     dist.barrier()
     dist.destroy_process_group()
     sys.stdout.flush()

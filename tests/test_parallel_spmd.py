@@ -8,8 +8,6 @@ Llama-style decoder of ``examples/llama.py`` and a small conv net."""
 from __future__ import annotations
 
 import collections
-import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from meshplace.runtime.spmd import CollectiveLog, planned_collectives, run_plan
-from tests.test_parallel_execution import build, four_ranks, tight_plan
+from tests.test_parallel_execution import build, four_ranks, leave_and_exit, tight_plan
 
 
 class ConvNet(torch.nn.Module):
@@ -89,11 +87,7 @@ def _forked_rank(rank: int, cases: dict, plans: dict, store_path: str, out_dir: 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, 4), rank=rank, world_size=4)
     _spmd_worker(rank, cases, plans, out_dir)
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # no interpreter finalisation with gloo threads alive (pytorch#179291)
+    leave_and_exit()
 
 
 def on_four_forked_ranks(cases: dict, plans: dict, tmp_path: Path) -> None:

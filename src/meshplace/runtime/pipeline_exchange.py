@@ -131,12 +131,12 @@ def _probe_rank(
                 stage, n_microbatches=micro_batches, loss_fn=lambda out, _target: out.sum()
             )
             runs.append((stage, schedule))
-        plain = runs[0][0].submod
-        # the eager reference: this rank's stage on what it receives in the pipeline
+        plain = runs[0][0].submod  # the one-value probe's stage
+        # the eager reference: this rank's stage on what it receives in the pipeline (both
+        # probes' layers are the same, built from the same seed)
+        first_half = model.layers[: LAYERS // 2]
         with torch.no_grad():
-            received = [
-                c if rank == 0 else _through(model.layers[: LAYERS // 2], c) for c in chunks
-            ]
+            received = [c if rank == 0 else _through(first_half, c) for c in chunks]
 
         def piped(which: int) -> None:
             stage, schedule = runs[which]
