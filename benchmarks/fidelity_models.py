@@ -38,3 +38,13 @@ def build_llama_batch8() -> tuple[torch.nn.Module, tuple[torch.Tensor], dict]:
     model = llama.Llama(cfg)
     ids = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq))
     return model, (ids,), {"labels": torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq))}
+
+
+def build_gpt_124m() -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
+    """GPT-124M at batch 8 × 1024 tokens (``gpt --size 124m``), built on the meta device
+    with meta inputs, as the GPU benchmark's eager and traced steps see it (``benchmarks/
+    gpu.py --part torchrun``: a one-GPU sharding plan of it under torchrun and NCCL)."""
+    from meshplace import models
+
+    workload = models.get("gpt", size="124m", batch=8)
+    return workload.model, tuple(workload.example_inputs)

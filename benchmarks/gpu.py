@@ -252,9 +252,89 @@ def placed_part(
     }
 
 
+def torchrun_part(device: str, steps: int, warmup: int, out_dir: Path, gpt: dict | None) -> dict:
+    """GPT-124M (batch 8 × 1024) as a one-chip sharding plan (``meshplace shard --chips 1``
+    on the GPU's preset: catalogue figures, and with the ``--part gpt`` calibration file
+    when this run made one) run by ``meshplace run --plan --worker-devices cuda``: torchrun,
+    NCCL, the model built on the meta device and created on the GPU parameter by parameter,
+    DTensor's forward, backward and foreach Adam. Measured step (median after warm-up)
+    beside the plan's prediction, the prediction of the step as DTensor ran it, plain
+    eager's step (from ``--part gpt``), and CUDA's peak memory beside the plan's."""
+    import json
+    import subprocess
+    import tempfile
+
+    preset = preset_for(device)
+    source = f"{ROOT / 'benchmarks' / 'fidelity_models.py'}:build_gpt_124m"
+    calibration = out_dir / "gpu_calibration.json"
+    work = Path(tempfile.mkdtemp(prefix="meshplace-gpu-"))
+    cli = [sys.executable, "-m", "meshplace.cli"]
+
+    def meshplace(*args: str) -> subprocess.CompletedProcess:
+        done = subprocess.run([*cli, *args], capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"meshplace {' '.join(args)}: {done.stderr[-3000:]}")
+        return done
+
+    plans = {}
+    for label, extra in (("catalogue", []), ("calibrated", ["--calibration", str(calibration)])):
+        if extra and not calibration.exists():
+            continue
+        out = work / f"plan_{label}.json"
+        meshplace("shard", source, "--cluster", preset, "--chips", "1", "--out", str(out), *extra)
+        plans[label] = json.loads(out.read_text())
+    label = "calibrated" if "calibrated" in plans else "catalogue"
+    run_args = ["--calibration", str(calibration)] if label == "calibrated" else []
+    kind = torch.device(device).type  # cuda; cpu for the smoke run
+    t0 = time.perf_counter()
+    done = meshplace(
+        "run", "--plan", str(work / f"plan_{label}.json"), "--worker-devices", kind,
+        "--steps", str(warmup + steps), "--warmup", str(warmup), "--json", *run_args,
+    )  # fmt: skip
+    report = json.loads(done.stdout)
+    measured = report["measured"]["step_time_s"]
+    predicted = {k: p["predicted"]["step_time_s"] for k, p in plans.items()}
+    engine = report["predicted"]["engine"]
+    eager = gpt["measured_eager_adam_foreach_s"] if gpt else None
+    row = {
+        "model": "gpt-124m",
+        "source": source,
+        "preset": preset,
+        "device": report["device"],
+        "engine": report["engine"],
+        "wall_s": time.perf_counter() - t0,
+        "measured_step_s": measured,
+        "losses": report["measured"]["losses"],
+        "predicted_plan_s": predicted,
+        "error_plan": {k: (v - measured) / measured for k, v in predicted.items()},
+        "predicted_engine": engine,
+        "error_engine": (engine["step_s"] - measured) / measured,
+        "eager_adam_foreach_s": eager,
+        "overhead_vs_eager": (measured - eager) / eager if eager else None,
+        "memory_per_rank": report["memory_per_rank"],
+        "peak_bytes": report["peak_bytes_per_rank"][0],
+        "peak_kind": report["peak_kind"],
+        "predicted_peak_bytes": report["predicted"]["peak_memory_bytes"],
+        "notes": report["notes"],
+    }
+    plan_ms = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in predicted.items())
+    eager_ms = f"{eager * 1e3:.1f}" if eager else "-"
+    print(
+        f"gpt-124m under torchrun ({report['device']}, {report['engine']}): measured "
+        f"{measured * 1e3:.1f} ms; plan {plan_ms} ms; as run {engine['step_s'] * 1e3:.1f} ms; "
+        f"eager {eager_ms} ms; "
+        f"peak {row['peak_bytes'] / 2**30:.2f} GiB (predicted "
+        f"{row['predicted_peak_bytes'] / 2**30:.2f})",
+        flush=True,
+    )
+    return row
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--part", default="gpt,placed", help="comma-separated: gpt, placed")
+    parser.add_argument(
+        "--part", default="gpt,torchrun,placed", help="comma-separated: gpt, torchrun, placed"
+    )
     parser.add_argument("--device", default="cuda:0")
     parser.add_argument("--batch", type=int, default=8, help="GPT-124M's batch")
     parser.add_argument("--models", default="nmt-small,rnnlm-small", help="placed part")
@@ -271,6 +351,10 @@ def main(argv: list[str] | None = None) -> int:
             if part == "gpt":
                 result["gpt"] = gpt_part(
                     args.device, args.batch, args.steps, args.warmup, out.parent
+                )
+            elif part == "torchrun":
+                result["torchrun"] = torchrun_part(
+                    args.device, args.steps, args.warmup, out.parent, result.get("gpt")
                 )
             elif part == "placed":
                 result["placed"] = []

@@ -43,12 +43,15 @@ def one_process_losses(source: str, steps: int) -> tuple[list[float], torch.nn.M
     """The losses of ``steps`` Adam steps (lr 1e-3) of the ``FILE.py:build`` model in one
     process, built from seed 0 as every rank builds it (a model built on the meta device
     gets the runtime's initial values); and the trained model."""
-    from meshplace.runtime.program import materialize
+    from meshplace.runtime.program import concrete_inputs, materialize
 
     torch.manual_seed(0)
     built = load_build_function(source)()
-    model, args = built[0], built[1]
+    model, args = built[0], list(built[1])
     kwargs = built[2] if len(built) > 2 else {}
+    # inputs on the meta device: the values every rank makes of them
+    values = concrete_inputs([*args, *kwargs.values()])
+    args, kwargs = values[: len(args)], dict(zip(kwargs, values[len(args) :], strict=True))
     if any(p.is_meta for p in model.parameters()):  # the runtime's per-name initial values
         model = materialize(model)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
@@ -187,6 +190,7 @@ def test_a_pure_data_parallel_plan_runs_on_ddp_or_fsdp2_like_one_process(
 def test_bad_runs_are_one_sentence_and_exit_2(tmp_path: Path, monkeypatch, capsys) -> None:
     from meshplace.cli import main as meshplace_main
     from meshplace.runtime.launch import main as runtime_main
+    from meshplace.runtime.launch import uses_cuda
 
     (tmp_path / "plan.json").write_text(
         json.dumps({"format": "meshplace.parallel_plan", "mesh": {"shape": [4]}, "graph": {}})
@@ -239,6 +243,15 @@ def test_bad_runs_are_one_sentence_and_exit_2(tmp_path: Path, monkeypatch, capsy
         out, err = capsys.readouterr()
         assert message in err and err.count("\n") == 1, (args, err)
         assert out == ""
+    # NCCL runs one rank per GPU: more ranks on this host than GPUs is one sentence with
+    # --device cuda (--device auto takes gloo on the CPU)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "64")
+    assert runtime_main(["--plan", "plan.json", "--model", "m.py:build", "--device", "cuda"]) == 2
+    out, err = capsys.readouterr()
+    assert "--device cuda runs one rank per GPU: 64 ranks on this host" in err, err
+    assert err.count("\n") == 1 and out == ""
+    assert not uses_cuda("auto", 64) and not uses_cuda("cpu", 1)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
     # through meshplace run: the same checks before torchrun starts
     for args, message in (
         (["--plan", "plan.json", "--graph", "m.py:build", "--cluster-out", "c.yaml"], "does not"),
@@ -376,3 +389,95 @@ def test_partial_gradients_are_all_reduced_in_buckets(tmp_path: Path) -> None:
                 assert torch.equal(p.grad.to_local(), grads[n])
     finally:
         dist.destroy_process_group()
+
+
+TIED_LANGUAGE_MODEL = """\
+import torch
+
+
+class TiedLM(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(32, 16)
+        self.mix = torch.nn.Linear(16, 16)
+        self.head = torch.nn.Linear(16, 32, bias=False)
+        self.head.weight = self.embed.weight  # GPT's tied embedding and head
+
+    def forward(self, ids, labels):
+        logits = self.head(torch.tanh(self.mix(self.embed(ids))))
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def build():
+    with torch.device("meta"):  # shapes only, inputs too: GPT's workload is built so
+        model = TiedLM()
+        ids = torch.empty(4, 8, dtype=torch.long)
+        labels = torch.empty(4, 8, dtype=torch.long)
+    return model, (ids,), {"labels": labels}
+"""
+
+
+def test_tied_weights_and_meta_inputs_train_as_one_parameter_like_one_process(
+    tmp_path: Path,
+) -> None:
+    """A model whose head is its embedding (GPT-124M's) built on the meta device, inputs
+    too: the plan names the tied weight once, every alias gets the same DTensor (else the
+    head trains a second tensor the plan has no entry for), and the meta inputs become the
+    values one process trains on. A world of one, in this process."""
+    import torch.distributed as dist
+
+    from meshplace.runtime.launch import ShardedTraining
+
+    source = f"{tmp_path / 'tied.py'}:build"
+    (tmp_path / "tied.py").write_text(TIED_LANGUAGE_MODEL)
+    model, args, kwargs = load_build_function(source)()
+    graph = capture(model, args, example_kwargs=kwargs, training=True)
+    plan = shard_graph(graph, load_cluster("dgx-h100"), chips=1).best.plan_file(source, "dgx-h100")
+    assert sorted(plan["parameters"]) == ["embed.weight", "mix.bias", "mix.weight"]
+    expected, trained = one_process_losses(source, 3)
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1
+    )
+    try:
+        training = ShardedTraining(plan, source, lr=1e-3, device_type="cpu")
+        assert training.model.head.weight is training.model.embed.weight
+        losses = [training.loss_value(training.step()[0]) for _ in range(3)]
+        weights = {n: p.detach().full_tensor() for n, p in training.model.named_parameters()}
+    finally:
+        dist.destroy_process_group()
+    assert torch.allclose(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=1e-6)
+    assert sorted(weights) == sorted(n for n, _ in trained.named_parameters())
+    for name, value in trained.named_parameters():
+        assert torch.allclose(weights[name], value.detach(), rtol=1e-5, atol=1e-6), name
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_a_plan_runs_on_a_gpu_under_nccl_like_one_process(
+    tmp_path: Path,
+) -> None:  # pragma: no cover
+    """``--worker-devices cuda``: one rank per GPU on NCCL (a one-chip plan, so one GPU
+    does), the meta-built model created on the GPU block by block; the losses and
+    parameters are one CPU process's to float32 rounding, the state bytes the plan's, and
+    the peak memory CUDA's."""
+    source = f"{tmp_path / 'mlp.py'}:build"
+    (tmp_path / "mlp.py").write_text(MODEL)
+    model, args = load_build_function(source)()
+    graph = capture(model, args, training=True)
+    plan = shard_graph(graph, load_cluster("dgx-h100"), chips=1).best.plan_file(source, "dgx-h100")
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    done = _meshplace_run(
+        tmp_path, "--plan", "plan.json", "--worker-devices", "cuda", "--steps", "3",
+        "--warmup", "1", "--json", "--checkpoint-dir", "ck",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    assert report["device"] == "cuda" and report["peak_kind"] == "cuda max_memory_allocated"
+    expected, trained = one_process_losses(source, 3)
+    assert report["measured"]["losses"] == pytest.approx(expected, rel=1e-4, abs=1e-5)
+    saved = torch.load(tmp_path / "ck" / "rank0.pt")
+    for name, value in trained.named_parameters():
+        torch.testing.assert_close(saved[name].cpu(), value.detach(), rtol=1e-4, atol=1e-5)
+    memory = report["memory_per_rank"]
+    for kind in ("parameters", "gradients", "optimizer_state"):
+        assert memory[kind]["measured"] == [memory[kind]["predicted"]], kind
+    assert report["peak_bytes_per_rank"][0] >= memory["parameters"]["measured"][0]

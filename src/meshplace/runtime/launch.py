@@ -455,6 +455,7 @@ class ShardedTraining:
         import torch
 
         from meshplace.graph.sources import build_from_seed
+        from meshplace.runtime.program import concrete_inputs
         from meshplace.runtime.sharded import (
             apply_sharding_plan,
             device_mesh,
@@ -484,7 +485,8 @@ class ShardedTraining:
         self.zero = WeightUpdateSharding(model, plan, mesh)
         self.uneven = self.zero.uneven
         names = list(plan["inputs"])  # positional inputs first, then keywords, as captured
-        values = [a.to(device) for a in [*args, *kwargs.values()]]
+        # a build that gives shapes only (meta inputs) trains on what real_inputs makes
+        values = [a.to(device) for a in concrete_inputs([*args, *kwargs.values()])]
         if len(values) != len(names):
             raise InputError(
                 f"{source} gives {len(values)} inputs and the plan has {len(names)}: "
@@ -766,6 +768,28 @@ def check_prediction_options(
         load_calibration(calibration)
 
 
+def uses_cuda(device: str, local_ranks: int) -> bool:
+    """Whether this host's ``local_ranks`` ranks run on CUDA (NCCL) for ``--device``
+    ``device``: ``cuda`` needs a GPU per local rank (NCCL refuses two ranks on one GPU),
+    else an :class:`InputError`; ``auto`` takes CUDA only when there are that many GPUs,
+    else the CPU (gloo); ``cpu`` never.
+
+    >>> uses_cuda("cpu", 2)
+    False
+    """
+    if device == "cpu":
+        return False
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device == "cuda" and gpus < local_ranks:
+        raise InputError(
+            f"--device cuda runs one rank per GPU: {local_ranks} ranks on this host, "
+            f"{gpus} GPU{'s' if gpus != 1 else ''}"
+        )
+    return gpus >= local_ranks
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m meshplace.runtime`` on every torchrun rank."""
     args = build_parser().parse_args(argv)
@@ -823,6 +847,7 @@ def main(argv: list[str] | None = None) -> int:
             raise InputError(f"--checkpoint-dir {args.checkpoint_dir!r} is a file")
         if "WORLD_SIZE" not in os.environ:
             raise InputError("run it under torchrun (WORLD_SIZE is not set)")
+        cuda = uses_cuda(args.device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         hybrid = not placement and is_hybrid(plan)
         if hybrid:
             check_hybrid_plan(plan, int(os.environ["WORLD_SIZE"]), args.memory_budget)
@@ -836,7 +861,6 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
-    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     device_type = "cuda" if cuda else "cpu"
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

@@ -436,6 +436,21 @@ def real_inputs(inputs: tuple, seed: int = 0) -> list[Any]:
     return out
 
 
+def concrete_inputs(inputs: Sequence[Any], seed: int = 0) -> list[Any]:
+    """``inputs`` with every meta-device tensor made real as :func:`real_inputs` makes it
+    (floating: N(0, 1) from ``seed``; integer: zeros) and every other value kept: the
+    inputs a torchrun rank trains on when a ``FILE.py:build`` returns shapes only.
+
+    >>> concrete_inputs([torch.empty(2, device="meta", dtype=torch.long), torch.ones(1)])
+    [tensor([0, 0]), tensor([1.])]
+    """
+    made = iter(real_inputs(tuple(inputs), seed))
+    return [
+        real if isinstance(x, torch.Tensor) and x.is_meta else x
+        for x, real in zip(inputs, made, strict=True)
+    ]
+
+
 # ---------------------------------------------------------------- tracing
 @dataclass
 class TracedStep:

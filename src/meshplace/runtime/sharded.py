@@ -100,6 +100,12 @@ def apply_sharding_plan(model: torch.nn.Module, plan: Mapping[str, Any], mesh: A
 
     _check(plan)
     planned = plan["parameters"]
+    # a tied parameter (a language model's embedding and head) is one parameter under its
+    # first name, as the capture and named_parameters() see it: every alias must get the
+    # same DTensor, or the model would train two tensors and name one the plan does not
+    aliases: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(param), []).append(name)
     names = [n for n, _ in model.named_parameters()]
     missing = [n for n in names if n not in planned]
     extra = [n for n in planned if n not in set(names)]
@@ -122,10 +128,15 @@ def apply_sharding_plan(model: torch.nn.Module, plan: Mapping[str, Any], mesh: A
             full, mesh, placements(planned[name]["placements"]), src_data_rank=source_rank
         )
         del full
-        setattr(owner, attr, torch.nn.Parameter(placed, requires_grad=param.requires_grad))
+        shared = torch.nn.Parameter(placed, requires_grad=param.requires_grad)
         vocabulary_split = "Shard(0)" in planned[name]["placements"]
-        if isinstance(owner, torch.nn.Embedding) and attr == "weight" and vocabulary_split:
-            owner.register_forward_hook(_complete_partial_sums)
+        for alias in aliases[id(param)]:
+            alias_owner_name, _, alias_attr = alias.rpartition(".")
+            alias_owner = model.get_submodule(alias_owner_name) if alias_owner_name else model
+            setattr(alias_owner, alias_attr, shared)
+            embedding = isinstance(alias_owner, torch.nn.Embedding) and alias_attr == "weight"
+            if embedding and vocabulary_split:
+                alias_owner.register_forward_hook(_complete_partial_sums)
 
 
 def materialize_meta_buffers(model: torch.nn.Module, device: torch.device) -> list[str]:
