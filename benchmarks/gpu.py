@@ -315,6 +315,7 @@ def torchrun_part(device: str, steps: int, warmup: int, out_dir: Path, gpt: dict
         "peak_bytes": report["peak_bytes_per_rank"][0],
         "peak_kind": report["peak_kind"],
         "predicted_peak_bytes": report["predicted"]["peak_memory_bytes"],
+        "predicted_live_peak_bytes": report["predicted"].get("live_peak_bytes"),
         "notes": report["notes"],
     }
     plan_ms = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in predicted.items())
@@ -323,7 +324,8 @@ def torchrun_part(device: str, steps: int, warmup: int, out_dir: Path, gpt: dict
         f"gpt-124m under torchrun ({report['device']}, {report['engine']}): measured "
         f"{measured * 1e3:.1f} ms; plan {plan_ms} ms; as run {engine['step_s'] * 1e3:.1f} ms; "
         f"eager {eager_ms} ms; "
-        f"peak {row['peak_bytes'] / 2**30:.2f} GiB (predicted "
+        f"peak {row['peak_bytes'] / 2**30:.2f} GiB (predicted: live tensors "
+        f"{(row['predicted_live_peak_bytes'] or 0) / 2**30:.2f}, the solver's bound "
         f"{row['predicted_peak_bytes'] / 2**30:.2f})",
         flush=True,
     )

@@ -481,3 +481,37 @@ def test_a_plan_runs_on_a_gpu_under_nccl_like_one_process(
     for kind in ("parameters", "gradients", "optimizer_state"):
         assert memory[kind]["measured"] == [memory[kind]["predicted"]], kind
     assert report["peak_bytes_per_rank"][0] >= memory["parameters"]["measured"][0]
+
+
+def test_the_text_report_shows_each_ranks_peak_beside_both_predictions(capsys) -> None:
+    """The report's text names the measured peak per rank with what it measures, beside
+    the plan's liveness peak and the solver's bound (what ``--json`` carries)."""
+    from meshplace.runtime.launch import print_report
+
+    report = {
+        "model": "m.py:build",
+        "world_size": 2,
+        "device": "cuda",
+        "mesh": {"shape": [2]},
+        "steps": 3,
+        "warmup": 1,
+        "measured": {"step_time_s": 0.01, "losses": [1.0, 0.5, 0.25]},
+        "predicted": {
+            "step_time_s": 0.009,
+            "cluster": "dgx-h100",
+            "live_peak_bytes": 3 * 2**20,
+            "peak_memory_bytes": 4 * 2**20,
+        },
+        "memory_per_rank": {"parameters": {"predicted": 8.0, "measured": [8, 8]}},
+        "peak_bytes_per_rank": [3 * 2**20, 5 * 2**19],
+        "peak_kind": "cuda max_memory_allocated",
+        "notes": [],
+    }
+    print_report(report)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "m.py:build on a 2 mesh of 2 cuda ranks"
+    assert "parameters bytes: predicted 8.0, measured per rank [8, 8]" in lines
+    assert lines[-1] == (
+        "peak memory per rank: measured 3.0, 2.5 MiB (cuda max_memory_allocated); "
+        "predicted 3.0 MiB live tensors or 4.0 MiB the solver's bound"
+    )

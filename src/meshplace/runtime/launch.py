@@ -1136,5 +1136,19 @@ def print_report(report: dict[str, Any]) -> None:
     print(f"loss: {' '.join(f'{v:.5g}' for v in m['losses'])}")
     for kind, v in report["memory_per_rank"].items():
         print(f"{kind} bytes: predicted {v['predicted']}, measured per rank {v['measured']}")
+    peaks = report.get("peak_bytes_per_rank")
+    if peaks:
+        predicted = [
+            f"{p[key] / 2**20:,.1f} MiB {what}"
+            for key, what in (
+                ("live_peak_bytes", "live tensors"),
+                ("peak_memory_bytes", "the solver's bound"),
+            )
+            if p.get(key)
+        ]
+        print(
+            f"peak memory per rank: measured {', '.join(f'{b / 2**20:,.1f}' for b in peaks)} "
+            f"MiB ({report['peak_kind']}); predicted {' or '.join(predicted) or 'nothing'}"
+        )
     for note in report["notes"]:
         print(f"note: {note}")
