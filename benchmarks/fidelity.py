@@ -555,6 +555,31 @@ def predict_pipeline(
     }
 
 
+def simulated_pipeline(
+    graph: Any, plan: Any, cal: Any, exchange: Any, variants: list[tuple[int, str]]
+) -> dict[tuple[int, str], float]:
+    """Each (micro-batches, schedule) of ``variants`` as the simulator's throughput
+    objective predicts the pipelined placement ``plan`` of ``graph`` (the whole batch, its
+    calibrated op times) on the calibrated workers, the cost model given the measured
+    ``exchange`` as a calibration file carries it."""
+    from meshplace.cost.calibration import calibrated_cost_model
+    from meshplace.sim.simulator import Simulator
+
+    fitted = cal.cost_calibration().model_copy(
+        update={"pipeline_exchange_s": exchange.beat_s, "pipeline_message_s": exchange.message_s}
+    )
+    simulator = Simulator(graph, cal.cluster, calibrated_cost_model(fitted, cal.cluster))
+    placement = simulator.placement_of(plan.device_names(graph, "the pipelined plan"))
+    return {
+        (m, sched): float(
+            simulator.simulate(
+                placement, objective="throughput", micro_batches=m, schedule=sched.lower()
+            ).throughput_time_s
+        )
+        for m, sched in variants
+    }
+
+
 def run_pipelined_model(source: str, steps: int, warmup: int, passes: int) -> dict:
     """Pipelined placements of ``source`` on the 2 calibrated workers: the pipeline
     DP's split of execution order (PipeDream's, which torch's pipelining runs stage by
@@ -597,6 +622,10 @@ def run_pipelined_model(source: str, steps: int, warmup: int, passes: int) -> di
         file=sys.stderr,
     )
     predictions = {m: predict_pipeline(source, plan, cal, m, exchange=exchange) for m in (2, 4, 8)}
+    # the library's pipeline model on the same calibration: the simulator's throughput
+    # objective (meshplace simulate --calibration), each op's whole-batch time split
+    # over the micro-batches, the exchange charged per beat (HostCosts)
+    simulated = simulated_pipeline(step.graph, plan, cal, exchange, variants)
     # the ablation: the engine measured on a world of one, each message its idle costs
     swapped = {m: predict_pipeline(source, plan, cal, m, engine[m])[0] for m in (2, 4, 8)}
     document = plan.to_dict()
@@ -613,6 +642,9 @@ def run_pipelined_model(source: str, steps: int, warmup: int, passes: int) -> di
             predictions[m][0],
             swapped[m],
             **{f"predicted_{k}": v for k, v in predictions[m][1].items()},
+            predicted_simulator_s=simulated[(m, sched)],
+            error_simulator=(simulated[(m, sched)] - statistics.median(timed[(m, sched)]))
+            / statistics.median(timed[(m, sched)]),
         )
         for m, sched in variants
         if timed[(m, sched)]
@@ -620,6 +652,12 @@ def run_pipelined_model(source: str, steps: int, warmup: int, passes: int) -> di
     return {
         "model": _short_name(source),
         "ops": step.graph.num_ops,
+        "median_abs_error_simulator": _median_abs(r["error_simulator"] for r in rows),
+        "kendall_tau_simulator": kendall_tau(
+            [r["measured_s"] for r in rows], [r["predicted_simulator_s"] for r in rows]
+        )
+        if len(rows) > 1
+        else None,
         "stages": sorted(set(plan.placement.values())),
         "link": {"bandwidth": cal.link["bandwidth"], "latency": cal.link["latency"]},
         "calibration": cal.cost_calibration().model_dump(mode="json"),
@@ -818,6 +856,10 @@ def main(argv: list[str] | None = None) -> int:
     for key in ("kendall_tau", "kendall_tau_micro"):
         vals = [m[key] for m in results if m[key] is not None]
         overall[key] = statistics.mean(vals) if vals else None
+    if args.family == "pipelined":  # the library simulator's prediction, beside the formula
+        overall["median_abs_error_simulator"] = _median_abs(r["error_simulator"] for r in rows)
+        taus = [m["kendall_tau_simulator"] for m in results if m["kendall_tau_simulator"]]
+        overall["kendall_tau_simulator"] = statistics.mean(taus) if taus else None
 
     def pct(x: Any) -> str:
         return f"{100 * x:.1f}%" if x is not None else "-"
@@ -863,6 +905,12 @@ def main(argv: list[str] | None = None) -> int:
             "message at its idle CPU (an ablation, the prediction before session 35)",
         }[args.family]
     )
+    if args.family == "pipelined":
+        for name, m in [(m["model"], m) for m in results] + [("overall", overall)]:
+            print(
+                f"simulator (meshplace simulate's pipeline model) {name}: median |err| "
+                f"{pct(m['median_abs_error_simulator'])}, tau {num(m['kendall_tau_simulator'])}"
+            )
     print(
         "load average (1, 5, 15 min) before "
         + ", ".join(f"{x:.2f}" for x in overall["load_average_before"])

@@ -5,6 +5,8 @@ the gradient reduction only ever lengthen a step."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -176,3 +178,53 @@ def test_a_placed_pipeline_is_read_stage_by_stage_and_simulated_from_the_plan(
     save_plan(one, tmp_path / "p1.json")
     assert main([*argv, "--plan", str(tmp_path / "p1.json"), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["pipeline"] is None
+
+
+def test_a_placed_pipeline_pays_the_calibrated_exchange_at_its_cut() -> None:
+    """A cost model with a measured exchange (seconds per beat, per further value) charges
+    each stage of an op placement read as a pipeline the beat plus the per-value cost for
+    every value crossing its cut but the first, half on its forward and half on its
+    backward — what the hybrid search charges a stage (``HostCosts``); the engine's cost
+    alone where only that is calibrated; nothing without either (the uncalibrated
+    simulator is unchanged)."""
+    from meshplace.cost.compute import CostModel
+    from meshplace.graph.ir import Op, OpGraph
+    from meshplace.hardware import load_cluster
+    from meshplace.sim.schedule import pipeline_of_placement
+    from meshplace.sim.simulator import Simulator
+
+    g = OpGraph("chain")
+    for i in range(4):
+        g.add_op(Op(f"f{i}", "matmul", flops=4e9, memory_bytes=8e6, output_shapes=[[8, 4]]))
+        if i:
+            g.add_edge(f"f{i - 1}", f"f{i}", 8e6)
+    g.add_edge("f0", "f2", 8e6)  # a second value crosses the cut: two messages a beat
+    for i in reversed(range(4)):
+        g.add_op(Op(f"b{i}", "matmul", phase="backward", flops=8e9, forward_op=f"f{i}"))
+        g.add_edge(f"f{i}", f"b{i}", 8e6)
+        if i < 3:
+            g.add_edge(f"b{i + 1}", f"b{i}", 8e6)
+    devices = ["gpu0", "gpu0", "gpu1", "gpu1", "gpu1", "gpu1", "gpu0", "gpu0"]
+    cluster = load_cluster("colocrl-2gpu")
+    kind = cluster.devices[1].kind
+    beat, per_value, engine = 2e-3, 5e-4, 7e-4
+
+    def read(cost_model: CostModel | None) -> tuple[Any, float]:
+        sim = Simulator(g, cluster, cost_model)
+        placement = sim.placement_of(devices)
+        result = sim.simulate(placement, objective="throughput", micro_batches=4)
+        return pipeline_of_placement(sim, placement, 4), result.throughput_time_s
+
+    plain, plain_step = read(None)
+    for cost_model, per_stage in (
+        (CostModel(pipeline_exchange={kind: (beat, per_value)}), beat + per_value),
+        (CostModel(pipeline_overhead={kind: engine}), engine),
+        (CostModel(pipeline_overhead={kind: engine}, pipeline_exchange={kind: (beat, 0.0)}), beat),
+    ):
+        charged, step = read(cost_model)
+        np.testing.assert_allclose(charged.times.forward_s - plain.times.forward_s, per_stage / 2)
+        np.testing.assert_allclose(charged.times.backward_s - plain.times.backward_s, per_stage / 2)
+        assert step > plain_step
+    unchanged, step = read(CostModel())
+    np.testing.assert_array_equal(unchanged.times.forward_s, plain.times.forward_s)
+    assert step == plain_step

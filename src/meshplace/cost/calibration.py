@@ -72,7 +72,9 @@ class CostCalibration(BaseModel):
             PyTorch).
         pipeline_overhead_s: seconds the pipelining engine adds per micro-batch on each
             stage (:func:`meshplace.runtime.pipelined.measure_engine_overhead`), which the
-            hybrid search charges every micro-batch of a plan meshplace's runtime pipelines.
+            hybrid search charges every micro-batch of a plan meshplace's runtime pipelines,
+            and the simulator every micro-batch of an op placement it reads as a pipeline
+            (:class:`meshplace.cost.pipeline.HostCosts`).
         pipeline_exchange_s: seconds a beat (micro-batch) of a pipeline of more than one
             stage costs two busy ranks beyond the slower stage's compute, one value crossing
             each way: the engine, the two messages and the ranks' meeting (a gloo send

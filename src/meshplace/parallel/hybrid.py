@@ -90,6 +90,7 @@ import numpy as np
 
 from meshplace.cost.collectives import GRADIENT_BUCKET_BYTES
 from meshplace.cost.compute import CostModel
+from meshplace.cost.pipeline import HostCosts
 from meshplace.errors import InputError
 from meshplace.graph.ir import OpGraph
 from meshplace.hardware.cluster import Cluster
@@ -1136,104 +1137,6 @@ def _evaluate_units(
     return plan
 
 
-@dataclass(frozen=True)
-class HostCosts:
-    """What running a stage costs its host beyond the kernels, per micro-batch: the
-    pipelining engine's ``engine_s`` (meshplace's hybrid runtime runs every plan, one
-    stage included, as a ``torch.distributed.pipelining`` schedule; the cost model's
-    ``pipeline_overhead``), half on the forward and half on the backward, and, for devices
-    whose messages are staged through the host (the cost model's ``message_cpu``: send s,
-    send s/byte, receive s, receive s/byte), each message between stages on its ends'
-    compute: a stage's forward receives its activation and sends its output, its backward
-    receives the output's gradient and sends its input's. The link's own time stays the
-    schedule's wire time.
-
-    ``exchange`` (the cost model's ``pipeline_exchange``: seconds per beat, seconds per
-    further value), measured on two busy ranks
-    (:func:`meshplace.runtime.pipeline_exchange.measure_pipeline_exchange`), is what a
-    pipeline of more than one stage really pays per micro-batch beyond compute: the engine,
-    the messages' fixed costs and the two ranks' meeting at every cut (a gloo send waits
-    for the peer's receive). Where it is set, a pipeline's stages are charged it at each of
-    their cuts (plus ``per value`` for each value crossing the cut besides the first, each
-    a message of its own), half on the forward and half on the backward, instead of the
-    engine and the messages' fixed CPU; the messages' per-byte CPU stays
-    (:meth:`pipelined`).
-
-    >>> host = HostCosts(2e-3, (1e-4, 0.0, 2e-4, 0.0))
-    >>> into, out = host.stage_messages(1e6, True, True)  # (forward, backward) seconds
-    >>> [float(x) for x in (*into, *out)]  # input cut: receive, send; output: send, receive
-    [0.0002, 0.0001, 0.0001, 0.0002]
-    >>> measured = HostCosts(2e-3, (1e-4, 0.0, 2e-4, 0.0), exchange=(5e-4, 4e-4))
-    >>> two = measured.pipelined(2)
-    >>> two.engine_s, two.message_cpu, round(float(two.cut_s(4)), 6)  # 3 further values
-    (0.0, (0.0, 0.0, 0.0, 0.0), 0.0017)
-    >>> measured.pipelined(1) == measured  # one stage: no cut, the engine as measured
-    True
-    """
-
-    engine_s: float = 0.0
-    message_cpu: tuple[float, float, float, float] | None = None
-    exchange: tuple[float, float] | None = None
-
-    def pipelined(self, stages: int) -> HostCosts:
-        """These costs for a pipeline of ``stages`` stages: with a measured exchange and
-        more than one stage, the exchange replaces the engine and the messages' fixed CPU
-        (their per-byte CPU stays); otherwise unchanged."""
-        if self.exchange is None or stages <= 1:
-            return self
-        cpu = self.message_cpu
-        return HostCosts(0.0, None if cpu is None else (0.0, cpu[1], 0.0, cpu[3]), self.exchange)
-
-    def cut_s(self, values: Any) -> Any:
-        """Seconds per micro-batch a stage pays at one of its cuts that ``values`` values
-        cross: the measured exchange's beat plus its per-value cost for each value but
-        the first; 0 without a measured exchange."""
-        if self.exchange is None:
-            return 0.0
-        beat, per_value = self.exchange
-        return beat + per_value * np.maximum(np.asarray(values, dtype=np.float64) - 1.0, 0.0)
-
-    def stage_messages(
-        self, nbytes: Any, receives: Any, sends: Any
-    ) -> tuple[tuple[Any, Any], tuple[Any, Any]]:
-        """``((forward, backward) at the stage's input cut, (forward, backward) at its
-        output cut)``: at the input, the activation received and the gradient sent; at the
-        output, the activation sent and the gradient received."""
-        if self.message_cpu is None:
-            return (0.0, 0.0), (0.0, 0.0)
-        send_s, send_per_byte, recv_s, recv_per_byte = self.message_cpu
-        send = send_s + send_per_byte * np.asarray(nbytes, dtype=np.float64)
-        recv = recv_s + recv_per_byte * np.asarray(nbytes, dtype=np.float64)
-        into, out = np.asarray(receives, dtype=np.float64), np.asarray(sends, dtype=np.float64)
-        return (into * recv, into * send), (out * send, out * recv)
-
-    def charge(
-        self,
-        model: dict[str, np.ndarray],
-        in_bytes: np.ndarray,
-        out_bytes: np.ndarray,
-        in_values: Any = 1,
-        out_values: Any = 1,
-    ) -> dict[str, np.ndarray]:
-        """``model`` (stage arrays ``[p, ...]``) with these costs on every stage; the
-        bytes and values crossing each stage's input and output cut broadcast against
-        it."""
-        p = model["forward"].shape[0]
-        host = self.pipelined(p)
-        if not host.engine_s and host.message_cpu is None and host.exchange is None:
-            return model
-        shape = (p,) + (1,) * (model["forward"].ndim - 1)
-        stage = np.arange(p).reshape(shape)
-        into, _ = host.stage_messages(in_bytes, stage > 0, stage > 0)
-        _, out = host.stage_messages(out_bytes, stage < p - 1, stage < p - 1)
-        cuts = (stage > 0) * host.cut_s(in_values) + (stage < p - 1) * host.cut_s(out_values)
-        return {
-            **model,
-            "forward": model["forward"] + (host.engine_s + cuts) / 2 + into[0] + out[0],
-            "backward": model["backward"] + (host.engine_s + cuts) / 2 + into[1] + out[1],
-        }
-
-
 # ------------------------------------------------------------------ the search
 def _stage_model(
     pc: PartCosts,
@@ -1806,11 +1709,7 @@ def hybrid_search(
     kind = device.kind
     # what the cost model says a message between stages costs its two ends' compute
     # (host-staged devices) and what the pipelining engine adds per micro-batch and stage
-    host = HostCosts(
-        cost_model.pipeline_overhead.get(kind, 0.0) if cost_model is not None else 0.0,
-        cost_model.message_cpu.get(kind) if cost_model is not None else None,
-        cost_model.pipeline_exchange.get(kind) if cost_model is not None else None,
-    )
+    host = HostCosts.of(cost_model, kind)
 
     for (tp, b), pc in sorted(parts.items()):
         if tp == 0:  # one-device stages' plain-tensor costs: used for tp 1 below

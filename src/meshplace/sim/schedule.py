@@ -51,6 +51,7 @@ from typing import Any
 import numpy as np
 from numba import njit
 
+from meshplace.cost.pipeline import HostCosts
 from meshplace.errors import InputError
 from meshplace.graph.ir import PHASE_INDEX
 
@@ -430,6 +431,11 @@ class PipelineReader:
                 for d in range(sim.num_devices)
             ]
         )
+        # what each device's host pays per micro-batch beyond kernels (the calibrated
+        # engine, message CPU and exchange; nothing for an uncalibrated cost model)
+        self.host_by_kind = {
+            kind: HostCosts.of(sim.cost_model, kind) for kind in set(sim.device_kinds)
+        }
         src, dst = a.edge_src, a.edge_dst
         fwd, bwd, upd = (PHASE_INDEX[k] for k in ("forward", "backward", "update"))
         self.edge_src, self.edge_dst, self.edge_bytes = src, dst, a.edge_bytes
@@ -533,6 +539,11 @@ class PipelineReader:
         is_update = staged & ~is_forward & ~is_backward
         kept_stage = op_stage[self.kept_ops]
         held = kept_stage >= 0
+        # each value crossing forward is a message of its own (and its gradient one back)
+        crossing_values = np.unique(self.edge_src[forward_cross] * p + jd[forward_cross])
+        activation_values = np.bincount(op_stage[crossing_values // p], minlength=p)[
+            : p - 1
+        ].astype(np.float64)
         ahead = [self.route(int(stages[j]), int(stages[j + 1])) for j in range(p - 1)]
         back = [self.route(int(stages[j + 1]), int(stages[j])) for j in range(p - 1)]
         return PipelineTotals(
@@ -554,6 +565,8 @@ class PipelineReader:
             ),
             activation_route=np.array(ahead, dtype=np.float64).reshape(p - 1, 2),
             gradient_route=np.array(back, dtype=np.float64).reshape(p - 1, 2),
+            activation_values=activation_values,
+            hosts=[self.host_by_kind[sim.device_kinds[int(d)]] for d in stages],
         )
 
 
@@ -578,15 +591,22 @@ class PipelineTotals:
     kept_bytes: np.ndarray
     activation_route: np.ndarray
     gradient_route: np.ndarray
+    activation_values: np.ndarray | None = None
+    hosts: list[HostCosts] | None = None
 
     def split(self, micro_batches: int) -> PipelineOfPlacement:
         """The pipeline of ``micro_batches``: each op's time split over the micro-batches
         with its launch paid once per micro-batch, each transfer a micro-batch's share
         over its route (latency plus bytes over the bottleneck bandwidth, nothing when
-        nothing crosses). O(p)."""
+        nothing crosses), and each stage charged what its host pays per micro-batch
+        beyond its kernels (:meth:`meshplace.cost.pipeline.HostCosts.charge`: the
+        pipelining engine, the messages' CPU, or the measured exchange at each of its
+        cuts plus each further value crossing it; nothing for a cost model without
+        them). O(p)."""
         m = int(micro_batches)
         forward = (self.forward_s - self.forward_launch_s) / m + self.forward_launch_s
         backward = (self.backward_s - self.backward_launch_s) / m + self.backward_launch_s
+        forward, backward = self._host_charged(forward, backward, m)
         activation = _wire(self.activation_bytes / m, self.activation_route)
         gradient = _wire(self.gradient_bytes / m, self.gradient_route)
         return PipelineOfPlacement(
@@ -596,6 +616,30 @@ class PipelineTotals:
             self.kept_bytes / m,
             np.concatenate([[0.0], self.activation_bytes / m]),
         )
+
+    def _host_charged(
+        self, forward: np.ndarray, backward: np.ndarray, m: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``forward`` and ``backward`` per micro-batch with each stage's host costs."""
+        if not self.hosts:
+            return forward, backward
+        p = forward.shape[0]
+        cut_bytes = self.activation_bytes / m
+        values = (
+            self.activation_values
+            if self.activation_values is not None
+            else (self.activation_bytes > 0).astype(np.float64)
+        )
+        in_bytes, out_bytes = np.r_[0.0, cut_bytes], np.r_[cut_bytes, 0.0]
+        in_values, out_values = np.r_[0.0, values], np.r_[values, 0.0]
+        model = {"forward": forward, "backward": backward}
+        charged_forward, charged_backward = forward.copy(), backward.copy()
+        for host in set(self.hosts):
+            mine = np.array([h == host for h in self.hosts])
+            charged = host.charge(model, in_bytes, out_bytes, in_values, out_values)
+            charged_forward[mine] = np.broadcast_to(charged["forward"], (p,))[mine]
+            charged_backward[mine] = np.broadcast_to(charged["backward"], (p,))[mine]
+        return charged_forward, charged_backward
 
 
 def pipeline_of_placement(

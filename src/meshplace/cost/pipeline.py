@@ -1,0 +1,134 @@
+"""What a pipeline stage's host pays per micro-batch beyond its kernels: the pipelining
+engine, the messages' CPU at both ends, and the two ranks' exchange at every cut.
+
+One piece of the cost model that both pipeline models charge the same way: the hybrid
+search's stage model (:mod:`meshplace.parallel.hybrid`) and the simulator's reading of an
+op placement as a pipeline (:meth:`meshplace.sim.schedule.PipelineTotals.split`). Every
+figure comes from the :class:`~meshplace.cost.compute.CostModel` (``pipeline_overhead``,
+``message_cpu``, ``pipeline_exchange`` of a device kind), which a calibration file fills
+(:func:`meshplace.cost.calibration.calibrated_cost_model`); a cost model without them
+charges nothing, so uncalibrated predictions are unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from meshplace.cost.compute import CostModel
+
+
+@dataclass(frozen=True)
+class HostCosts:
+    """What running a stage costs its host beyond the kernels, per micro-batch: the
+    pipelining engine's ``engine_s`` (meshplace's hybrid runtime runs every plan, one
+    stage included, as a ``torch.distributed.pipelining`` schedule; the cost model's
+    ``pipeline_overhead``), half on the forward and half on the backward, and, for devices
+    whose messages are staged through the host (the cost model's ``message_cpu``: send s,
+    send s/byte, receive s, receive s/byte), each message between stages on its ends'
+    compute: a stage's forward receives its activation and sends its output, its backward
+    receives the output's gradient and sends its input's. The link's own time stays the
+    schedule's wire time.
+
+    ``exchange`` (the cost model's ``pipeline_exchange``: seconds per beat, seconds per
+    further value), measured on two busy ranks
+    (:func:`meshplace.runtime.pipeline_exchange.measure_pipeline_exchange`), is what a
+    pipeline of more than one stage really pays per micro-batch beyond compute: the engine,
+    the messages' fixed costs and the two ranks' meeting at every cut (a gloo send waits
+    for the peer's receive). Where it is set, a pipeline's stages are charged it at each of
+    their cuts (plus ``per value`` for each value crossing the cut besides the first, each
+    a message of its own), half on the forward and half on the backward, instead of the
+    engine and the messages' fixed CPU; the messages' per-byte CPU stays
+    (:meth:`pipelined`).
+
+    >>> host = HostCosts(2e-3, (1e-4, 0.0, 2e-4, 0.0))
+    >>> into, out = host.stage_messages(1e6, True, True)  # (forward, backward) seconds
+    >>> [float(x) for x in (*into, *out)]  # input cut: receive, send; output: send, receive
+    [0.0002, 0.0001, 0.0001, 0.0002]
+    >>> measured = HostCosts(2e-3, (1e-4, 0.0, 2e-4, 0.0), exchange=(5e-4, 4e-4))
+    >>> two = measured.pipelined(2)
+    >>> two.engine_s, two.message_cpu, round(float(two.cut_s(4)), 6)  # 3 further values
+    (0.0, (0.0, 0.0, 0.0, 0.0), 0.0017)
+    >>> measured.pipelined(1) == measured  # one stage: no cut, the engine as measured
+    True
+    """
+
+    engine_s: float = 0.0
+    message_cpu: tuple[float, float, float, float] | None = None
+    exchange: tuple[float, float] | None = None
+
+    @classmethod
+    def of(cls, cost_model: CostModel | None, kind: str) -> HostCosts:
+        """What ``cost_model`` says a stage on a device of ``kind`` pays (nothing when
+        ``cost_model`` is ``None`` or has no figure for the kind).
+
+        >>> HostCosts.of(CostModel(pipeline_exchange={"local-cpu": (5e-4, 4e-4)}), "local-cpu")
+        HostCosts(engine_s=0.0, message_cpu=None, exchange=(0.0005, 0.0004))
+        """
+        if cost_model is None:
+            return cls()
+        return cls(
+            cost_model.pipeline_overhead.get(kind, 0.0),
+            cost_model.message_cpu.get(kind),
+            cost_model.pipeline_exchange.get(kind),
+        )
+
+    def pipelined(self, stages: int) -> HostCosts:
+        """These costs for a pipeline of ``stages`` stages: with a measured exchange and
+        more than one stage, the exchange replaces the engine and the messages' fixed CPU
+        (their per-byte CPU stays); otherwise unchanged."""
+        if self.exchange is None or stages <= 1:
+            return self
+        cpu = self.message_cpu
+        return HostCosts(0.0, None if cpu is None else (0.0, cpu[1], 0.0, cpu[3]), self.exchange)
+
+    def cut_s(self, values: Any) -> Any:
+        """Seconds per micro-batch a stage pays at one of its cuts that ``values`` values
+        cross: the measured exchange's beat plus its per-value cost for each value but
+        the first; 0 without a measured exchange."""
+        if self.exchange is None:
+            return 0.0
+        beat, per_value = self.exchange
+        return beat + per_value * np.maximum(np.asarray(values, dtype=np.float64) - 1.0, 0.0)
+
+    def stage_messages(
+        self, nbytes: Any, receives: Any, sends: Any
+    ) -> tuple[tuple[Any, Any], tuple[Any, Any]]:
+        """``((forward, backward) at the stage's input cut, (forward, backward) at its
+        output cut)``: at the input, the activation received and the gradient sent; at the
+        output, the activation sent and the gradient received."""
+        if self.message_cpu is None:
+            return (0.0, 0.0), (0.0, 0.0)
+        send_s, send_per_byte, recv_s, recv_per_byte = self.message_cpu
+        send = send_s + send_per_byte * np.asarray(nbytes, dtype=np.float64)
+        recv = recv_s + recv_per_byte * np.asarray(nbytes, dtype=np.float64)
+        into, out = np.asarray(receives, dtype=np.float64), np.asarray(sends, dtype=np.float64)
+        return (into * recv, into * send), (out * send, out * recv)
+
+    def charge(
+        self,
+        model: dict[str, np.ndarray],
+        in_bytes: np.ndarray,
+        out_bytes: np.ndarray,
+        in_values: Any = 1,
+        out_values: Any = 1,
+    ) -> dict[str, np.ndarray]:
+        """``model`` (stage arrays ``[p, ...]``) with these costs on every stage; the
+        bytes and values crossing each stage's input and output cut broadcast against
+        it."""
+        p = model["forward"].shape[0]
+        host = self.pipelined(p)
+        if not host.engine_s and host.message_cpu is None and host.exchange is None:
+            return model
+        shape = (p,) + (1,) * (model["forward"].ndim - 1)
+        stage = np.arange(p).reshape(shape)
+        into, _ = host.stage_messages(in_bytes, stage > 0, stage > 0)
+        _, out = host.stage_messages(out_bytes, stage < p - 1, stage < p - 1)
+        cuts = (stage > 0) * host.cut_s(in_values) + (stage < p - 1) * host.cut_s(out_values)
+        return {
+            **model,
+            "forward": model["forward"] + (host.engine_s + cuts) / 2 + into[0] + out[0],
+            "backward": model["backward"] + (host.engine_s + cuts) / 2 + into[1] + out[1],
+        }
