@@ -232,7 +232,8 @@ def test_bad_runs_are_one_sentence_and_exit_2(tmp_path: Path, monkeypatch, capsy
         (["--plan", "plan.json", "--model", "m.py:build"], "needs 4 processes, torchrun started 2"),
         (["--plan", "plan.json", "--steps", "2", "--warmup", "2"], "fewer than --steps"),
         (["--plan", "plan.json", "--model", "m.py:build", "--checkpoint-dir", "f"], "is a file"),
-        (["--plan", "placed.json", "--calibration", "c.json"], "applies to sharding plans"),
+        # a placement is predicted on its own cluster unless --cluster names one
+        (["--plan", "placed.json", "--calibration", "c.json"], "names no cluster"),
         (
             ["--plan", "placed.json", "--engine", "dtensor"],
             "--engine applies to sharding and hybrid plans",

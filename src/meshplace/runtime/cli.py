@@ -134,15 +134,17 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--cluster",
         default=None,
-        help="a sharding plan: predict the step as its engine runs it on this cluster's devices "
-        "(preset or YAML; default: the plan's cluster)",
+        help="a sharding plan: predict the step as its engine runs it on this cluster's devices; "
+        "a placement with --launcher torchrun: as the simulator runs it there (preset or "
+        "YAML; default: the plan's cluster)",
     )
     parser.add_argument(
         "--calibration",
         default=None,
         metavar="FILE",
         help="a sharding plan: predict the step as its engine runs it with this calibration's "
-        "cost model (meshplace profile --out, run --calibration-out; default: the "
+        "cost model; a placement with --launcher torchrun: as the simulator runs it with "
+        "that cost model (meshplace profile --out, run --calibration-out; default: the "
         "catalogue's figures)",
     )
     parser.add_argument(
@@ -205,7 +207,10 @@ def check_run_arguments(args: argparse.Namespace) -> Any:
             raise InputError(f"{name} applies to --launcher torchrun")
     for flag in ("cluster", "calibration", "engine"):
         if getattr(args, flag, None) is not None:
-            raise InputError(f"--{flag} applies to sharding plans (meshplace shard --out)")
+            raise InputError(
+                f"--{flag} applies to sharding plans (meshplace shard --out)"
+                + ("" if flag == "engine" else " and placements run with --launcher torchrun")
+            )
     if getattr(args, "no_predict", False):
         if not args.plan:
             raise InputError("--no-predict needs --plan: placers search the calibrated model")
@@ -321,12 +326,15 @@ def run_placement_with_torchrun(args: argparse.Namespace, plan: Any) -> int:
         ("--placer", args.placer),
         ("--cluster-out", args.cluster_out),
         ("--calibration-out", getattr(args, "calibration_out", None)),
-        ("--cluster", getattr(args, "cluster", None)),
-        ("--calibration", getattr(args, "calibration", None)),
         ("--engine", getattr(args, "engine", None)),
     ):
         if value is not None:
             raise InputError(f"{flag} does not apply to --launcher torchrun")
+    cluster, calibration = getattr(args, "cluster", None), getattr(args, "calibration", None)
+    if cluster is not None or calibration is not None:  # refused before any rank starts
+        from meshplace.runtime.launch import prediction_cost_model
+
+        prediction_cost_model(plan.to_dict(), cluster, calibration)
     devices = set(plan.placement.values())
     if plan.default_device is not None and len(plan.placement) < plan.graph_ops:
         devices.add(plan.default_device)
@@ -338,6 +346,8 @@ def run_placement_with_torchrun(args: argparse.Namespace, plan: Any) -> int:
         ("--checkpoint-dir", args.checkpoint_dir),
         ("--micro-batches", getattr(args, "micro_batches", None)),
         ("--schedule", getattr(args, "schedule", None)),
+        ("--cluster", cluster),
+        ("--calibration", calibration),
     ):
         if value is not None:
             extra += [flag, str(value)]

@@ -127,15 +127,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--cluster",
         default=None,
         help="sharding plan: the cluster (preset or YAML) whose devices the step is "
-        "predicted on as its engine runs it (default: the plan's cluster)",
+        "predicted on as its engine runs it; placement: the simulator's prediction of the "
+        "run on it (default: the plan's cluster)",
     )
     parser.add_argument(
         "--calibration",
         default=None,
         metavar="FILE",
         help="sharding plan: the calibration file (meshplace profile --out, meshplace run "
-        "--calibration-out) whose cost model predicts the step as its engine runs it "
-        "(default: the catalogue's figures)",
+        "--calibration-out) whose cost model predicts the step as its engine runs it; "
+        "placement: the simulator's prediction of the run with it (default: the "
+        "catalogue's figures)",
     )
     parser.add_argument(
         "--engine",
@@ -750,22 +752,111 @@ def summarise(
 def check_prediction_options(
     args: argparse.Namespace, plan: dict[str, Any], *, sharding: bool, placement: bool = False
 ) -> None:
-    """``--cluster`` and ``--calibration`` apply to sharding plans (not hybrid ones) and
-    must be readable, ``--engine`` to sharding and hybrid plans (not placements): one
-    :class:`InputError` sentence otherwise, before any rank starts."""
+    """``--cluster`` and ``--calibration`` apply to sharding and placement plans (not
+    hybrid ones) and must be readable — for a placement, the cluster (the plan's own by
+    default) must have the plan's devices and the calibration's device kind — and
+    ``--engine`` to sharding and hybrid plans (not placements): one :class:`InputError`
+    sentence otherwise, before any rank starts."""
     from meshplace.cost.calibration import load_calibration
     from meshplace.hardware import load_cluster
 
     cluster, calibration = getattr(args, "cluster", None), getattr(args, "calibration", None)
     for flag, value in (("--cluster", cluster), ("--calibration", calibration)):
-        if value is not None and not sharding:
-            raise InputError(f"{flag} applies to sharding plans, not to {args.plan}")
+        if value is not None and not (sharding or placement):
+            raise InputError(f"{flag} applies to sharding and placement plans, not to {args.plan}")
     if getattr(args, "engine", None) not in (None, "auto") and placement:
         raise InputError(f"--engine applies to sharding and hybrid plans, not to {args.plan}")
+    if placement and (cluster is not None or calibration is not None):
+        prediction_cost_model(plan, cluster, calibration)
+        return
     if cluster is not None:
         load_cluster(cluster)
     if calibration is not None:
         load_calibration(calibration)
+
+
+def prediction_cost_model(
+    plan: dict[str, Any], cluster: str | None, calibration: str | None
+) -> tuple[Any, Any]:
+    """``(cluster, cost model)`` that predict a placement ``plan``'s run: ``cluster`` (a
+    preset or YAML; default the plan's own) with the cost model of ``calibration``
+    (:func:`meshplace.cost.calibration.calibrated_cost_model`; default the catalogue's).
+    One :class:`InputError` sentence when the cluster cannot be loaded, lacks a device
+    the plan places ops on, or has no device of the calibration's kind."""
+    from meshplace.cost.calibration import calibrated_cost_model, load_calibration
+    from meshplace.cost.compute import CostModel
+    from meshplace.hardware import load_cluster
+
+    name = cluster if cluster is not None else str(plan.get("cluster") or "")
+    if not name:
+        raise InputError("the plan names no cluster to predict its run on; pass --cluster")
+    try:
+        loaded = load_cluster(name)
+    except InputError as exc:
+        if cluster is not None:
+            raise
+        raise InputError(
+            f"the plan's cluster {name!r} cannot be loaded ({exc}); pass --cluster"
+        ) from None
+    used = set((plan.get("placement") or {}).values())
+    if plan.get("default_device"):
+        used.add(plan["default_device"])
+    missing = sorted(used - set(loaded.device_names))
+    if missing:
+        raise InputError(
+            f"cluster {loaded.name!r} has no device {missing[0]!r}, which the plan places ops on"
+        )
+    if calibration is None:
+        return loaded, CostModel()
+    return loaded, calibrated_cost_model(load_calibration(calibration), loaded)
+
+
+def simulated_placement_step(
+    placed: Any,
+    graph: Any,
+    cluster: Any,
+    cost_model: Any,
+    *,
+    micro_batches: int | None = None,
+    schedule: str = "1F1B",
+) -> dict[str, Any]:
+    """A placement run's step as the simulator predicts it on ``cluster`` under
+    ``cost_model`` (what ``meshplace simulate --plan --calibration`` says of the same
+    plan): a pipelined placement (``micro_batches`` > 1) by the throughput objective's
+    ``schedule`` at those micro-batches — the calibrated engine, messages or exchange
+    charged per micro-batch (:class:`meshplace.cost.pipeline.HostCosts`) — any other as
+    one step of the event simulation. O(simulation).
+
+    >>> from meshplace.graph.ir import Op, OpGraph
+    >>> from meshplace.hardware import load_cluster
+    >>> from meshplace.cost.compute import CostModel
+    >>> from meshplace.plan import Plan
+    >>> g = OpGraph("g")
+    >>> _ = g.add_op(Op("a", "matmul", flops=1e9))
+    >>> plan = Plan.from_devices(g, "colocrl-2gpu", ["gpu0"])
+    >>> out = simulated_placement_step(plan, g, load_cluster("colocrl-2gpu"), CostModel())
+    >>> out["cluster"], out["micro_batches"], out["step_time_s"] > 0
+    ('colocrl-2gpu', 1, True)
+    """
+    from meshplace.sim.simulator import Simulator
+
+    simulator = Simulator(graph, cluster, cost_model)
+    placement = simulator.placement_of(placed.device_names(graph, "the plan"))
+    pipelined = micro_batches is not None and micro_batches > 1
+    result = simulator.simulate(
+        placement,
+        objective="throughput" if pipelined else "step",
+        micro_batches=micro_batches if pipelined else None,
+        schedule=schedule.lower(),
+    )
+    scheduled = result.schedule
+    return {
+        "cluster": cluster.name,
+        "step_time_s": float(result.throughput_time_s if pipelined else result.step_time_s),
+        "micro_batches": int(result.micro_batches),
+        "schedule": schedule if pipelined else None,
+        "bubble_fraction": float(scheduled.bubble_fraction) if scheduled is not None else None,
+    }
 
 
 def uses_cuda(device: str, local_ranks: int) -> bool:
@@ -938,6 +1029,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"meshplace: error: {refusal}", file=sys.stderr)
         return 2
     if rank == 0:
+        simulated = None
+        if placement and (args.cluster is not None or args.calibration is not None):
+            simulated = placement_run_prediction(args, plan, placed, source if pipelined else spec)
         if pipelined:
             report = summarise_pipeline(
                 plan,
@@ -958,6 +1052,8 @@ def main(argv: list[str] | None = None) -> int:
             report = summarise_placement(
                 plan, per_rank, model=spec.name, warmup=args.warmup, device=device_type
             )
+        if simulated is not None:
+            report["predicted"]["simulated"] = simulated
         else:
             report = summarise(
                 plan,
@@ -973,6 +1069,33 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print_report(report)
     return 0
+
+
+def placement_run_prediction(
+    args: argparse.Namespace, plan: dict[str, Any], placed: Any, model: Any
+) -> dict[str, Any]:
+    """``--cluster``/``--calibration`` of a placement run: the run's step as the
+    simulator predicts it (:func:`simulated_placement_step`) at the run's micro-batches
+    and schedule, on the graph of ``model`` (a pipelined placement's ``FILE.py:build``,
+    captured whole; else the runtime model's traced step), with the calibration named."""
+    from meshplace.runtime.pipelined import is_pipelined
+
+    cluster, cost_model = prediction_cost_model(plan, args.cluster, args.calibration)
+    if isinstance(model, str):
+        from meshplace.graph.capture import capture
+        from meshplace.graph.sources import build_from_seed
+
+        built, inputs, keywords = build_from_seed(model)
+        graph = capture(built, inputs, example_kwargs=keywords, training=True)
+    else:
+        from meshplace.runtime.program import trace_step
+
+        graph = trace_step(model, weights=False).graph
+    micro_batches = (args.micro_batches or placed.micro_batches) if is_pipelined(placed) else 1
+    out = simulated_placement_step(
+        placed, graph, cluster, cost_model, micro_batches=micro_batches, schedule=args.schedule
+    )
+    return {**out, "calibration": args.calibration}
 
 
 def placement_model(plan: dict[str, Any], args: argparse.Namespace) -> Any:
@@ -1124,6 +1247,19 @@ def print_report(report: dict[str, Any]) -> None:
         f"{report['steps'] - report['warmup']}); the plan predicted "
         f"{(p.get('step_time_s') or 0) * 1e3:.2f} ms on {p.get('cluster')}"
     )
+    simulated = p.get("simulated")
+    if simulated:
+        how = (
+            f"{simulated['micro_batches']} micro-batches, {simulated['schedule']}, bubble "
+            f"{100 * simulated['bubble_fraction']:.0f} %"
+            if simulated["schedule"] and simulated["bubble_fraction"] is not None
+            else "one step"
+        )
+        print(
+            f"as the simulator runs it ({how}): {simulated['step_time_s'] * 1e3:.2f} ms "
+            f"predicted on {simulated['cluster']}"
+            + (f" with {simulated['calibration']}" if simulated["calibration"] else "")
+        )
     engine = p.get("engine")
     if engine:
         counts = ", ".join(f"{n} {k}" for k, n in sorted(engine["collectives"].items()))
