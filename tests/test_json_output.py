@@ -29,7 +29,7 @@ def json_of(*argv: str, cwd: Path) -> Any:
 
 def test_every_command_prints_one_json_document(tmp_path: Path) -> None:
     plan = json_of(
-        "plan", "dmcca", "--cluster", "colocrl-2gpu", "--placer", "all", "--budget", "0.3",
+        "plan", "dmcca", "--cluster", "colocrl-2gpu", "--placer", "all", "--budget", "0.05",
         "--out", "p.json", "--result", "r.json", cwd=tmp_path,
     )  # fmt: skip
     names = {r["placer"] for r in plan["results"]}

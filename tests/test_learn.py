@@ -111,7 +111,7 @@ def test_features_are_finite_bounded_and_fixed_width() -> None:
 def test_rl_returns_a_valid_deterministic_plan_within_budget(workload: str) -> None:
     problem = _problem(workload, "colocrl-4gpu")
     assert registry()["rl"].family == "learned"
-    budget = 5.0
+    budget = 1.0  # six updates of 16 samples: a curve to check, every step of training
     first = run_placer("rl", problem, budget, seed=0)
     again = run_placer("rl", problem, budget, seed=0)
     assert first.op_devices.shape == (problem.graph.num_ops,)
@@ -275,14 +275,16 @@ def test_the_deadline_stops_training_after_97_percent_of_the_budget(
 ) -> None:
     problem = _problem("dmcca", "colocrl-2gpu")
     tick = _one_second_per_update(frozen_clock)
-    out = train_rl(problem, 10.0, seed=0, updates=50, progress=tick)
+    updates = 12  # two more than the deadline lets through
+    out = train_rl(problem, 10.0, seed=0, updates=updates, progress=tick)
     # 9 s after 9 updates is within the 9.7 s deadline, 10 s after 10 is not.
     assert out.stats["stopped_by"] == "deadline" and out.stats["updates"] == 10
     assert out.stats["deadline_s"] == pytest.approx(9.7) and out.stats["wall_s"] == 10.0
     # Each curve point is recorded before its update's second passes.
     assert out.stats["learning_curve"]["wall_s"] == [float(k) for k in range(10)]
     # Without the clock moving the same run makes all of its updates.
-    assert train_rl(problem, 10.0, seed=0, updates=50).stats["stopped_by"] == "budget"
+    full = train_rl(problem, 10.0, seed=0, updates=updates).stats
+    assert full["stopped_by"] == "budget" and full["updates"] == updates
 
 
 def test_a_resumed_run_keeps_the_original_runs_deadline(tmp_path: Path) -> None:

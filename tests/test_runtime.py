@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 
@@ -10,9 +11,17 @@ import torch
 
 from meshplace.errors import InputError
 from meshplace.runtime import Fault, ModelSpec, WorkerFailure, run_placement, run_reference
-from meshplace.runtime.program import StepInterpreter, schedule_nodes, trace_step
+from meshplace.runtime.program import StepInterpreter, TracedStep, schedule_nodes, trace_step
 
 STEPS = 3
+
+
+@functools.cache
+def _traced(name: str, batch: int | None = None, size: str | None = None) -> TracedStep:
+    """``trace_step(ModelSpec(name, batch=batch, size=size))``, traced once for this module:
+    every test here only reads the step (runs start from its ``initial_state()``, the
+    workers fork or re-trace), so tracing the same model again would test nothing more."""
+    return trace_step(ModelSpec(name, batch=batch, size=size))
 
 
 def _alive(pid: int) -> bool:
@@ -36,7 +45,7 @@ def _placements(n: int, ops) -> dict[str, list[str]]:
 @pytest.mark.parametrize("name", ["mlp", "dmcca-small"])
 def test_placed_matches_unplaced(name: str) -> None:
     spec = ModelSpec(name, batch=4)
-    step = trace_step(spec)
+    step = _traced(name, 4)
     ref_losses, ref_params = run_reference(step, STEPS)
     placements = _placements(step.graph.num_ops, step.graph.ops)
     chosen = ["half", "alternate"] if name == "mlp" else ["phase"]
@@ -57,8 +66,8 @@ def test_placed_matches_unplaced(name: str) -> None:
 
 
 def test_nmt_small_placed_matches_unplaced() -> None:
-    spec = ModelSpec("nmt-small", batch=2, size="tiny")
-    step = trace_step(spec)
+    spec = ModelSpec("nmt-small", batch=4, size="tiny")
+    step = _traced("nmt-small", 4, "tiny")
     ref_losses, ref_params = run_reference(step, 2)
     n = step.graph.num_ops
     # encoder modules on one worker, the rest on the other
@@ -74,7 +83,7 @@ def _fault_run(kind: str, hang_timeout: float = 20.0) -> WorkerFailure:
     """A run of the MLP on two forked workers with ``kind`` injected into an op of worker
     1: the failure must name worker 1 and the op, and leave no worker alive."""
     spec = ModelSpec("mlp", batch=4)
-    step = trace_step(spec)
+    step = _traced("mlp", 4)
     n = step.graph.num_ops
     devices = ["cpu0" if i < n // 2 else "cpu1" for i in range(n)]
     target = next(
@@ -131,7 +140,7 @@ def test_stopped_worker_is_named_not_its_waiting_peer() -> None:
 def test_step_interpreter_is_the_fx_interpreter_bit_for_bit(name: str, size: str | None) -> None:
     # dmcca-small: factory ops with a device argument; nmt-small: nodes whose arguments
     # nest other nodes in a list (cat, stack), which take the general path
-    step = trace_step(ModelSpec(name, batch=4, size=size))
+    step = _traced(name, 4, size)
     params, bufs, states, inputs = step.initial_state()
     interp = StepInterpreter(step.gm)
     walked = interp.output(interp.walk([*params, *bufs, *states, *inputs]))
@@ -146,7 +155,7 @@ def test_step_interpreter_is_the_fx_interpreter_bit_for_bit(name: str, size: str
 
 
 def test_step_interpreter_hooks_and_subsets() -> None:
-    step = trace_step(ModelSpec("mlp", batch=2))
+    step = _traced("mlp", 2)
     nodes = list(step.gm.graph.nodes)
     values = [x for group in step.initial_state() for x in group]
     interp = StepInterpreter(step.gm)
@@ -189,7 +198,7 @@ def test_step_interpreter_hooks_and_subsets() -> None:
 
 def test_bad_arguments() -> None:
     spec = ModelSpec("mlp")
-    step = trace_step(spec)
+    step = _traced("mlp")
     with pytest.raises(InputError):
         run_placement(spec, ["cpu0"], 1, step=step)
     with pytest.raises(InputError):
@@ -201,8 +210,7 @@ def test_bad_arguments() -> None:
 
 
 def test_timeline_covers_every_node_and_receive() -> None:
-    spec = ModelSpec("mlp", batch=4)
-    step = trace_step(spec)
+    step = _traced("mlp", 4)
     n = step.graph.num_ops
     devices = ["cpu0" if i < n // 2 else "cpu1" for i in range(n)]
     res = run_placement(None, devices, 2, step=step, start_method="fork", timeline=True)
@@ -222,7 +230,33 @@ def test_timeline_covers_every_node_and_receive() -> None:
     assert computed == runnable
 
 
-def test_run_cli_prints_measured_and_predicted(tmp_path, capsys) -> None:
+def _shorter_measurements(monkeypatch) -> None:
+    """Every measurement ``meshplace run`` makes for its calibration, on fewer samples (the
+    sizes and repetitions tests/test_profile.py measures with): the link, the messages'
+    CPU cost and its spacing, the probe runs in a step and the collectives are all still
+    measured and fitted, and what the test checks is what the run does with them (its
+    report, the calibration file, the cost model that file gives), not their precision.
+    The pipeline exchange keeps its defaults: its cost is the probe's start, not its reps.
+    """
+    import importlib
+
+    # (the package's ``calibrate`` is the function; the module is needed here)
+    calibrate = importlib.import_module("meshplace.profile.calibrate")
+    link = importlib.import_module("meshplace.profile.link")
+
+    quick = {
+        "measure_link": {"sizes": (4, 1 << 16, 1 << 20), "reps": 3},
+        "measure_message_cost": {"iters": 20, "kernels": 5, "rounds": 2},
+        "measure_message_spacing": {"kernels": (0, 5, 30), "iters": 20, "rounds": 1},
+        "measure_collectives": {"sizes": (4096, 1 << 18), "reps": 2},
+    }
+    for name, options in quick.items():
+        monkeypatch.setattr(link, name, functools.partial(getattr(link, name), **options))
+    in_situ = functools.partial(calibrate.calibrate_in_situ, steps=3, warmup=1)
+    monkeypatch.setattr(calibrate, "calibrate_in_situ", in_situ)
+
+
+def test_run_cli_prints_measured_and_predicted(tmp_path, capsys, monkeypatch) -> None:
     import argparse
     import json
     import math
@@ -230,7 +264,8 @@ def test_run_cli_prints_measured_and_predicted(tmp_path, capsys) -> None:
     from meshplace.plan.placement import Plan, save_plan
     from meshplace.runtime.cli import add_run_arguments, cmd_run
 
-    step = trace_step(ModelSpec("mlp"))
+    _shorter_measurements(monkeypatch)
+    step = _traced("mlp")
     n = step.graph.num_ops
     # device names of another cluster: mapped onto the two local workers
     plan = Plan.from_devices(
@@ -324,8 +359,7 @@ def _eager_adam(step, steps: int) -> tuple[list[float], dict[str, torch.Tensor]]
 
 
 def test_adam_moments_carry_across_steps_like_eager_adam() -> None:
-    spec = ModelSpec("mlp", batch=4)
-    step = trace_step(spec)
+    step = _traced("mlp", 4)
     assert len(step.state_nodes) == 2 * len(step.param_names)  # m and v per parameter
     steps = 4
     eager_losses, eager_params = _eager_adam(step, steps)
@@ -356,7 +390,7 @@ def test_worker_devices_are_checked() -> None:
     with pytest.raises(InputError, match=f"not on this machine, which has {gpus} CUDA"):
         resolve_worker_devices([f"cuda:{gpus}", "cpu"], 2)
     spec = ModelSpec("mlp")
-    step = trace_step(spec)
+    step = _traced("mlp")
     with pytest.raises(InputError, match="not on this machine"):
         run_placement(spec, ["cpu0"] * step.graph.num_ops, 1, step=step, worker_devices="cuda:9")
     with pytest.raises(InputError, match="must be spawned"):  # checked before any GPU is
@@ -371,8 +405,8 @@ def test_worker_devices_are_checked() -> None:
 
 
 def test_explicit_cpu_worker_devices_match_unplaced() -> None:
-    spec = ModelSpec("dmcca-small", batch=4)
-    step = trace_step(spec)  # its graph builds tensors with device=cpu (eye, zeros, arange)
+    # its graph builds tensors with device=cpu (eye, zeros, arange)
+    step = _traced("dmcca-small", 4)
     ref_losses, ref_params = run_reference(step, 2)
     n = step.graph.num_ops
     devices = ["cpu0" if i < n // 2 else "cpu1" for i in range(n)]
@@ -501,8 +535,7 @@ def test_transport_threads_policy(tmp_path, monkeypatch) -> None:
     from meshplace.runtime.executor import thread_ids, yield_transport_threads
 
     monkeypatch.setenv("MESHPLACE_TRANSPORT", "fast")
-    spec = ModelSpec("mlp")
-    step = trace_step(spec)
+    step = _traced("mlp")
     with pytest.raises(InputError, match="MESHPLACE_TRANSPORT='fast' is not one of"):
         run_placement(None, ["cpu0"] * step.graph.num_ops, 1, step=step, start_method="fork")
     monkeypatch.delenv("MESHPLACE_TRANSPORT")
@@ -590,7 +623,7 @@ def test_run_rejects_an_output_that_is_its_input(tmp_path, monkeypatch, capsys) 
     from meshplace.plan.placement import Plan, save_plan
 
     monkeypatch.chdir(tmp_path)
-    step = trace_step(ModelSpec("mlp"))
+    step = _traced("mlp")
     save_plan(Plan.from_devices(step.graph, "local", ["cpu0"] * step.graph.num_ops), "p.json")
     before = (tmp_path / "p.json").read_text()
     argv = ["run", "--graph", "mlp", "--plan", "p.json", "--cluster-out", "p.json"]
@@ -636,7 +669,7 @@ def test_runs_leave_no_temporary_folder(tmp_path, monkeypatch) -> None:
     import tempfile
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the run's store goes here
-    step = trace_step(ModelSpec("mlp", batch=4))
+    step = _traced("mlp", 4)
     n = step.graph.num_ops
     devices = ["cpu0" if i < n // 2 else "cpu1" for i in range(n)]
     run_placement(None, devices, 2, step=step, start_method="fork")
@@ -653,8 +686,7 @@ def test_host_only_attention_runs_as_its_portable_definition() -> None:
     from meshplace.runtime.executor import ops_without_kernel
     from meshplace.runtime.program import PORTABLE_DEFINITIONS
 
-    spec = ModelSpec("transformer-small", batch=4)
-    step = trace_step(spec)
+    step = _traced("transformer-small", 4)
     flash = [n for n in step.gm.graph.nodes if n.target in PORTABLE_DEFINITIONS]
     assert len(flash) >= 2  # forward and backward
     assert not {n.name for n in flash} & set(ops_without_kernel(step, "CUDA"))

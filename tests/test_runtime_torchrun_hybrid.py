@@ -5,6 +5,7 @@ can spread the torchrun tests over its workers."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
@@ -31,20 +32,40 @@ sys.path.insert(0, {folder!r})
 import llama
 
 def build():
-    cfg = dataclasses.replace(llama.CONFIGS["tiny"], batch=8, n_layers={layers})
+    cfg = dataclasses.replace(llama.CONFIGS["tiny"], batch=8, n_layers={layers}, seq={seq})
     model = llama.Llama(cfg)
     ids = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq))
     return model, (ids,), {{"labels": torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq))}}
 """
 
 
-def _llama8(tmp_path: Path, layers: int = 2) -> str:
-    """The Llama example's tiny configuration at batch 8 with ``layers`` layers, as a
+def _llama8(tmp_path: Path, layers: int = 2, seq: int = 32) -> str:
+    """The Llama example's tiny configuration at batch 8 with ``layers`` layers and
+    sequences of ``seq`` tokens (the tiny configuration's 32 by default), as a
     ``FILE.py:build`` in ``tmp_path``."""
     example = Path(__file__).resolve().parents[1] / "examples" / "llama.py"
-    text = LLAMA_BATCH_8.format(folder=str(example.parent), layers=layers)
+    text = LLAMA_BATCH_8.format(folder=str(example.parent), layers=layers, seq=seq)
     (tmp_path / "llama8.py").write_text(text)
     return f"{tmp_path / 'llama8.py'}:build"
+
+
+@dataclasses.dataclass(frozen=True)
+class Llama8:
+    """The 2-layer Llama at batch 8 (``source``) and 3 Adam steps of it in one process:
+    their losses and the trained model (read only)."""
+
+    source: str
+    losses: list[float]
+    trained: torch.nn.Module
+
+
+@pytest.fixture(scope="module")
+def llama8(tmp_path_factory: pytest.TempPathFactory) -> Llama8:
+    """The 2-layer Llama that the data-parallel and the GPT tests train, and its
+    one-process reference, computed once for all of them rather than once per test."""
+    source = _llama8(tmp_path_factory.mktemp("llama8"))
+    losses, trained = one_process_losses(source, 3)
+    return Llama8(source, losses, trained)
 
 
 def _hybrid_plan(
@@ -77,11 +98,13 @@ def _check_memory(report: dict[str, Any]) -> None:
         assert values["measured"] == [int(v) for v in values["predicted"]], kind
 
 
-def test_stages_with_data_parallel_replicas_train_like_one_process(tmp_path: Path) -> None:
+def test_stages_with_data_parallel_replicas_train_like_one_process(
+    tmp_path: Path, llama8: Llama8
+) -> None:
     """pipe 2 x data 2 (ZeRO-1), 1F1B over 4 micro-batches, started by `meshplace run`:
     three losses and every parameter after them equal one process's within 1e-5, and each
     rank holds exactly its stage's predicted bytes."""
-    source = _llama8(tmp_path)
+    source = llama8.source
     plan = _hybrid_plan(source, tp=1, dp=2, micro_batch=1, zero=1)
     assert plan["mesh"]["shape"] == [2, 2, 1] and plan["pipeline"]["micro_batches"] == 4
     assert plan["pipeline"]["zero"] == 1
@@ -97,7 +120,7 @@ def test_stages_with_data_parallel_replicas_train_like_one_process(tmp_path: Pat
     assert report["engine"] == "dtensor"  # ZeRO-1: the optimizer state sharded on DTensor
     assert report["schedule"] == "1f1b" and report["micro_batches"] == 4
     assert report["stage_begins"] == ["", "", "layers.1", "layers.1"]
-    expected, trained = one_process_losses(source, 3)
+    expected, trained = llama8.losses, llama8.trained
     assert torch.allclose(
         torch.tensor(report["measured"]["losses"]), torch.tensor(expected), rtol=0, atol=1e-5
     )
@@ -113,13 +136,15 @@ def test_stages_with_data_parallel_replicas_train_like_one_process(tmp_path: Pat
         assert torch.allclose(value, reference[name].detach(), rtol=0, atol=1e-5), name
 
 
-def test_data_parallel_stages_without_zero_run_on_ddp_like_one_process(tmp_path: Path) -> None:
+def test_data_parallel_stages_without_zero_run_on_ddp_like_one_process(
+    tmp_path: Path, llama8: Llama8
+) -> None:
     """pipe 2 x data 2 without ZeRO: each stage's two replicas run on DDP (plain tensors,
     their gradients reduced in the last micro-batch's backward: torch's pipelining runs
     the others under no_sync), after the probe found the Llama's loss a mean over the
     batch; three losses and every parameter within 1e-5 of one process, each rank's
     bytes as predicted."""
-    source = _llama8(tmp_path)
+    source = llama8.source
     plan = _hybrid_plan(source, tp=1, dp=2, micro_batch=1, zero=0)
     assert plan["mesh"]["shape"] == [2, 2, 1] and plan["pipeline"]["zero"] == 0
     (tmp_path / "hybrid.json").write_text(json.dumps(plan))
@@ -131,7 +156,7 @@ def test_data_parallel_stages_without_zero_run_on_ddp_like_one_process(tmp_path:
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout)
     assert report["engine"] == "ddp" and report["notes"] == []
-    expected, trained = one_process_losses(source, 3)
+    expected, trained = llama8.losses, llama8.trained
     assert torch.allclose(
         torch.tensor(report["measured"]["losses"]), torch.tensor(expected), rtol=0, atol=1e-5
     )
@@ -148,8 +173,12 @@ def test_stages_split_over_tensor_parallel_devices_recompute_like_one_process(
 ) -> None:
     """pipe 2 x tensor 2 with every layer recomputed (the plan says so per stage): the
     losses are one process's within 1e-5, each stage checkpoints its one layer, and each
-    rank holds its block of the split weights, as predicted."""
-    source = _llama8(tmp_path)
+    rank holds its block of the split weights, as predicted. Sequences of 16 tokens, the
+    head size: the attention's batched matmuls (q k^T, then the weights times v) then take
+    operands of one shape, so DTensor works out their sharding once rather than twice
+    (heads split over the tensor axis make a strided split of batch x heads, whose
+    redistributions DTensor costs by a graph search: much of the first step's time)."""
+    source = _llama8(tmp_path, seq=16)
     plan = _hybrid_plan(source, tp=2, dp=1, micro_batch=4, zero=0)
     assert plan["mesh"]["shape"] == [2, 1, 2] and plan["pipeline"]["micro_batches"] == 2
     split = [n for n, p in plan["parameters"].items() if p["placements"][1] != "Replicate()"]
@@ -171,13 +200,13 @@ def test_stages_split_over_tensor_parallel_devices_recompute_like_one_process(
     )
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout)
-    expected, _ = one_process_losses(source, 3)
+    expected, trained = one_process_losses(source, 3)
     assert torch.allclose(
         torch.tensor(report["measured"]["losses"]), torch.tensor(expected), rtol=0, atol=1e-5
     )
     _check_memory(report)
     held = report["memory_per_rank"]["parameters"]["measured"]
-    whole = sum(p.numel() * 4 for p in one_process_losses(source, 0)[1].parameters())
+    whole = sum(p.numel() * 4 for p in trained.parameters())
     assert held[0] + held[2] < whole  # the split weights: each rank holds a block
     recomputed = "layers recomputed in the backward (torch.utils.checkpoint): "
     assert recomputed + "stage 0: 1, stage 1: 1" in report["notes"], report["notes"]
@@ -414,7 +443,9 @@ def test_stage_splits_name_each_later_stages_first_layer() -> None:
         hybrid.stage_splits(swapped)
 
 
-def test_a_gpt_under_data_and_tensor_parallelism_trains_like_one_process(tmp_path: Path) -> None:
+def test_a_gpt_under_data_and_tensor_parallelism_trains_like_one_process(
+    tmp_path: Path, llama8: Llama8
+) -> None:
     """The Llama example (batch 8) under the Megatron grid's data 2 x tensor 2 plan with
     ZeRO-1 on 4 gloo ranks: the batch split over one mesh axis, weights over the other;
     three losses and every parameter after them within 1e-5 of one process, and each
@@ -423,7 +454,7 @@ def test_a_gpt_under_data_and_tensor_parallelism_trains_like_one_process(tmp_pat
     from meshplace.graph.sources import load_build_function
     from meshplace.parallel.grid import megatron_grid
 
-    source = _llama8(tmp_path)
+    source = llama8.source
     torch.manual_seed(0)
     model, args, kwargs = load_build_function(source)()
     graph = capture(model, args, example_kwargs=kwargs, training=True)
@@ -445,7 +476,7 @@ def test_a_gpt_under_data_and_tensor_parallelism_trains_like_one_process(tmp_pat
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout)
     assert report["world_size"] == 4
-    expected, trained = one_process_losses(source, 3)
+    expected, trained = llama8.losses, llama8.trained
     assert torch.allclose(
         torch.tensor(report["measured"]["losses"]), torch.tensor(expected), rtol=0, atol=1e-5
     )

@@ -36,6 +36,7 @@ import torch
 import torch.multiprocessing as mp
 
 from meshplace.errors import InputError
+from meshplace.runtime.processes import safe_start_method
 
 SIZES = (4, 4096, 65536, 1 << 20, 4 << 20)
 
@@ -113,14 +114,6 @@ def _pingpong(rank: int, store_path: str, sizes: Sequence[int], reps: int, out: 
         out.put(res)
     dist.barrier()
     dist.destroy_process_group()
-
-
-def safe_start_method() -> str:
-    """``fork`` (starts in milliseconds, imports nothing again) unless CUDA is initialised
-    in this process, where only ``spawn`` is safe."""
-    if os.name != "posix" or (torch.cuda.is_available() and torch.cuda.is_initialized()):
-        return "spawn"
-    return "fork"
 
 
 def _pair_main(parent_pid: int, target: Any, rank: int, *args: Any) -> None:

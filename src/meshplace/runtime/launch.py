@@ -1052,8 +1052,6 @@ def main(argv: list[str] | None = None) -> int:
             report = summarise_placement(
                 plan, per_rank, model=spec.name, warmup=args.warmup, device=device_type
             )
-        if simulated is not None:
-            report["predicted"]["simulated"] = simulated
         else:
             report = summarise(
                 plan,
@@ -1064,6 +1062,8 @@ def main(argv: list[str] | None = None) -> int:
                 cluster=args.cluster,
                 calibration=args.calibration,
             )
+        if simulated is not None:
+            report["predicted"]["simulated"] = simulated
         if args.json:
             print(json.dumps(report))
         else:

@@ -202,7 +202,11 @@ def measure_pipeline_exchange(
 
     import torch.multiprocessing as mp
 
-    ctx = mp.get_context("spawn")
+    from meshplace.runtime.processes import safe_start_method
+
+    # fork, as the link and message probes start theirs (seconds less than spawn's fresh
+    # interpreters importing torch again), unless CUDA is initialised here
+    ctx = mp.get_context(safe_start_method())
     out = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="meshplace-exchange-") as folder:
         procs = [

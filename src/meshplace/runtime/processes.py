@@ -173,3 +173,16 @@ def interrupt_on_sigterm() -> Iterator[None]:
 
 def _raise_interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
+
+
+def safe_start_method() -> str:
+    """``fork`` (starts in milliseconds, imports nothing again) unless CUDA is initialised
+    in this process, where only ``spawn`` is safe. Imports torch only when it already is
+    (CUDA cannot be initialised otherwise)."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    cuda = torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized()
+    if os.name != "posix" or cuda:
+        return "spawn"
+    return "fork"
