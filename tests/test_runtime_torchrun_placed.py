@@ -13,6 +13,7 @@ import sys
 import warnings
 from pathlib import Path
 
+import pytest
 import torch
 
 from meshplace.graph.capture import capture
@@ -149,10 +150,16 @@ def test_a_pipelined_placement_runs_as_a_1f1b_pipeline_like_one_process(tmp_path
     torch.distributed.pipelining 1F1B schedule of 4 micro-batches: the losses are one
     process's within 1e-5, and each stage holds the parameters, buffers and Adam state the
     plan puts on its device."""
+    from meshplace.cost.calibration import (
+        CostCalibration,
+        calibrated_cost_model,
+        save_calibration,
+    )
     from meshplace.cost.compute import CostModel
     from meshplace.placers.base import PlacementProblem, PlacerOptions, run_placer
     from meshplace.plan import save_plan
     from meshplace.planning import best_plan
+    from meshplace.runtime.launch import simulated_placement_step
 
     example = Path(__file__).resolve().parents[1] / "examples" / "llama.py"
     (tmp_path / "llama8.py").write_text(LLAMA_BATCH_8.format(folder=str(example.parent)))
@@ -173,12 +180,22 @@ def test_a_pipelined_placement_runs_as_a_1f1b_pipeline_like_one_process(tmp_path
     plan = best_plan(problem, [run_placer("pipeline", problem, 5.0, 0, stages)], 5.0, 0)
     assert plan.micro_batches in (2, 4, 8) and len(set(plan.placement.values())) == 2
     save_plan(plan, tmp_path / "pipe.json")
+    calibration = CostCalibration(
+        device_kind="k80",
+        peak_flops=3e12,
+        memory_bandwidth=2e11,
+        launch_overhead_s=0.0,
+        pipeline_exchange_s=2e-3,
+        pipeline_message_s=5e-4,
+    )
+    save_calibration(calibration, tmp_path / "k80.json")
     done = subprocess.run(
         [
             *[sys.executable, "-m", "torch.distributed.run", "--standalone"],
             *["--nproc-per-node", "2", "-m", "meshplace.runtime", "--plan", "pipe.json"],
             *["--model", source, "--schedule", "1F1B", "--micro-batches", "4"],
             *["--steps", "3", "--warmup", "1", "--json", "--checkpoint-dir", "ck"],
+            *["--calibration", "k80.json"],  # the run predicted by the simulator as well
         ],
         capture_output=True,
         text=True,
@@ -206,6 +223,16 @@ def test_a_pipelined_placement_runs_as_a_1f1b_pipeline_like_one_process(tmp_path
     memory = report["memory_per_rank"]
     assert memory["optimizer_state"]["measured"] == memory["optimizer_state"]["predicted"]
     assert memory["parameters"]["measured"] == memory["parameters"]["predicted"]
+    # beside the plan's own prediction, the simulator's of this run (4 micro-batches,
+    # 1F1B) with the calibration's cost model: the number this process computes
+    cluster = load_cluster("colocrl-2gpu")
+    expected_run = simulated_placement_step(
+        plan, graph, cluster, calibrated_cost_model(calibration, cluster), micro_batches=4
+    )
+    simulated = report["predicted"]["simulated"]
+    assert simulated["step_time_s"] == pytest.approx(expected_run["step_time_s"], rel=1e-9)
+    assert simulated["micro_batches"] == 4 and simulated["schedule"] == "1F1B"
+    assert simulated["calibration"] == "k80.json" and simulated["cluster"] == "colocrl-2gpu"
 
     # rank 1 killed in the second step: named with the micro-batch whose forward it ran
     killed = _meshplace_run(
