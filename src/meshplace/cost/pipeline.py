@@ -75,6 +75,11 @@ class HostCosts:
             cost_model.pipeline_exchange.get(kind),
         )
 
+    @property
+    def charges_nothing(self) -> bool:
+        """No engine, message or exchange cost: a stage's times stay its kernels'."""
+        return not self.engine_s and self.message_cpu is None and self.exchange is None
+
     def pipelined(self, stages: int) -> HostCosts:
         """These costs for a pipeline of ``stages`` stages: with a measured exchange and
         more than one stage, the exchange replaces the engine and the messages' fixed CPU
@@ -120,7 +125,7 @@ class HostCosts:
         it."""
         p = model["forward"].shape[0]
         host = self.pipelined(p)
-        if not host.engine_s and host.message_cpu is None and host.exchange is None:
+        if host.charges_nothing:
             return model
         shape = (p,) + (1,) * (model["forward"].ndim - 1)
         stage = np.arange(p).reshape(shape)

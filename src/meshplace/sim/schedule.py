@@ -539,6 +539,7 @@ class PipelineReader:
         is_update = staged & ~is_forward & ~is_backward
         kept_stage = op_stage[self.kept_ops]
         held = kept_stage >= 0
+        hosts = [self.host_by_kind[sim.device_kinds[int(d)]] for d in stages]
         # each value crossing forward is a message of its own (and its gradient one back)
         crossing_values = np.unique(self.edge_src[forward_cross] * p + jd[forward_cross])
         activation_values = np.bincount(op_stage[crossing_values // p], minlength=p)[
@@ -566,7 +567,7 @@ class PipelineReader:
             activation_route=np.array(ahead, dtype=np.float64).reshape(p - 1, 2),
             gradient_route=np.array(back, dtype=np.float64).reshape(p - 1, 2),
             activation_values=activation_values,
-            hosts=[self.host_by_kind[sim.device_kinds[int(d)]] for d in stages],
+            hosts=hosts if any(not h.charges_nothing for h in hosts) else None,
         )
 
 
