@@ -66,3 +66,44 @@ def test_rnns_are_unrolled_over_time() -> None:
     for layer in ("lstm.0", "lstm.1"):
         cell_matmuls = [o for o in graph.ops if o.kind == "matmul" and o.module.startswith(layer)]
         assert len(cell_matmuls) >= seq, f"{layer}: {len(cell_matmuls)} matmuls for {seq} steps"
+
+
+def _capture_once_more(folder: str, calls: str) -> None:
+    """A process asking for dmcca's graph with the cache in ``folder``, each capture
+    recorded in ``calls`` and held a while (so that two processes overlap)."""
+    import os
+    import time
+
+    from meshplace.graph import sources
+
+    os.environ["MESHPLACE_CACHE_DIR"] = folder
+    capture = sources._capture_workload
+
+    def recorded(*args, **kwargs):
+        with open(calls, "a") as out:
+            out.write("capture\n")
+        time.sleep(0.5)
+        return capture(*args, **kwargs)
+
+    sources._capture_workload = recorded
+    sources.workload_graph("dmcca")
+
+
+def test_two_processes_asking_for_the_same_graph_capture_it_once(tmp_path) -> None:
+    """The second process waits on the first's lock on the cache entry and loads the graph
+    it stored, instead of capturing it too (two test workers, two shells)."""
+    import multiprocessing
+
+    calls = tmp_path / "calls"
+    context = multiprocessing.get_context("fork")
+    procs = [
+        context.Process(target=_capture_once_more, args=(str(tmp_path / "cache"), str(calls)))
+        for _ in range(2)
+    ]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout=300)
+    assert [proc.exitcode for proc in procs] == [0, 0]
+    assert calls.read_text() == "capture\n"
+    assert len(list((tmp_path / "cache" / "graphs").glob("*.json"))) == 1

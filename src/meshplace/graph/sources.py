@@ -39,7 +39,7 @@ import json
 import os
 import sys
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -199,14 +199,42 @@ def workload_graph(
     head = {"options": options, "code": _code_version()}
     key = hashlib.sha256(json.dumps(head, sort_keys=True).encode()).hexdigest()
     entry = cache_dir() / "graphs" / f"workload-{key}.json"
-    if cache:
+    if not cache:
+        return _capture_workload(name, batch, size, training, optimizer, dtype, autocast)
+    with one_capture_at_a_time(key):
         hit = _load_cached(entry)
         if hit is not None:
             return hit
-    graph = _capture_workload(name, batch, size, training, optimizer, dtype, autocast)
-    if cache:
+        graph = _capture_workload(name, batch, size, training, optimizer, dtype, autocast)
         _store_cached(graph, entry)
     return graph
+
+
+@contextlib.contextmanager
+def one_capture_at_a_time(key: str) -> Iterator[None]:
+    """Hold an exclusive lock (``flock``) on cache entry ``key`` while it is looked up and
+    captured, so that processes asking for the same uncached graph at once (two test
+    workers, two shells) capture it once: the others wait, then load what the first
+    stored. Where no lock can be taken (an unwritable cache, no ``fcntl``) nothing waits.
+    The lock ends with its process, however that ends. O(1)."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX
+        yield
+        return
+    try:
+        folder = cache_dir() / "locks"
+        folder.mkdir(parents=True, exist_ok=True)
+        handle = open(folder / f"{key}.lock", "a")  # noqa: SIM115 - closed below
+    except OSError:
+        yield
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _capture_workload(
