@@ -1029,9 +1029,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"meshplace: error: {refusal}", file=sys.stderr)
         return 2
     if rank == 0:
-        simulated = None
+        simulated, unpredicted = None, None
         if placement and (args.cluster is not None or args.calibration is not None):
-            simulated = placement_run_prediction(args, plan, placed, source if pipelined else spec)
+            try:
+                simulated = placement_run_prediction(
+                    args, plan, placed, source if pipelined else spec
+                )
+            except InputError as exc:  # the run stands; its report says why
+                unpredicted = f"the simulator could not predict this run: {exc}"
         if pipelined:
             report = summarise_pipeline(
                 plan,
@@ -1064,6 +1069,8 @@ def main(argv: list[str] | None = None) -> int:
             )
         if simulated is not None:
             report["predicted"]["simulated"] = simulated
+        if unpredicted is not None:
+            report["notes"].append(unpredicted)
         if args.json:
             print(json.dumps(report))
         else:
