@@ -52,6 +52,27 @@ def reference_pipeline(sim: Simulator, placement: np.ndarray, m: int):
     j_of = {d: j for j, d in enumerate(stages)}
     p = len(stages)
     times = sim.op_times(placement)
+    # what a micro-batch does not divide: compute no input reaches runs whole in each;
+    # an op reading a weight (or such compute's output), or writing a gradient the
+    # update reads, moves those bytes whole in each, and its roofline says the rest
+    dag = graph.to_networkx()
+    index = {o.name: i for i, o in enumerate(ops)}
+    reached = set()
+    for i, o in enumerate(ops):
+        if o.kind == "input":
+            reached |= {i} | {index[x] for x in nx.descendants(dag, o.name)}
+    if not any(o.kind == "input" for o in ops):
+        reached = set(range(len(ops)))
+    per_step = [compute[i] and i not in reached and o.phase != "update" for i, o in enumerate(ops)]
+    whole = np.zeros(len(ops))
+    for s, d, nbytes in graph.edges():
+        step_d = compute[d] and d in reached and ops[d].phase != "update"
+        step_s = compute[s] and s in reached and ops[s].phase != "update"
+        if step_d and (ops[s].kind in ("parameter", "buffer") or per_step[s]):
+            whole[d] += nbytes
+        if step_s and ops[d].phase == "update":
+            whole[s] += nbytes
+    terms = {}
     forward, backward, update = np.zeros(p), np.zeros(p), np.zeros(p)
     for i, o in enumerate(ops):
         j = j_of.get(int(placement[i]))
@@ -59,7 +80,19 @@ def reference_pipeline(sim: Simulator, placement: np.ndarray, m: int):
             continue
         dev = sim.cluster.devices[int(placement[i])]
         launch = sim.cost_model.launch_on(dev.kind, dev.spec) if compute[i] else 0.0
-        share = (times[i] - launch) / m + launch if compute[i] else 0.0
+        kernel = max(times[i] - launch, 0.0)
+        if per_step[i]:
+            share = kernel + launch
+        elif compute[i] and whole[i] > 0 and o.phase != "update":
+            if dev.kind not in terms:
+                terms[dev.kind] = sim.cost_model.roofline_terms(graph, dev.spec)
+            arith, per_byte = terms[dev.kind][0][i], terms[dev.kind][1][i]
+            fixed = min(whole[i], sim.arrays.bytes_accessed[i]) * per_byte
+            rest = sim.arrays.bytes_accessed[i] * per_byte - fixed
+            batch, micro = max(arith, fixed + rest), max(arith / m, fixed + rest / m)
+            share = kernel * (micro / batch if batch > 0 else 1 / m) + launch
+        else:
+            share = kernel / m + launch if compute[i] else 0.0
         if o.phase == "forward":
             forward[j] += share
         elif o.phase == "backward":

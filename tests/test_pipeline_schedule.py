@@ -228,3 +228,61 @@ def test_a_placed_pipeline_pays_the_calibrated_exchange_at_its_cut() -> None:
     unchanged, step = read(CostModel())
     np.testing.assert_array_equal(unchanged.times.forward_s, plain.times.forward_s)
     assert step == plain_step
+
+
+def test_weights_are_read_and_cast_whole_in_every_micro_batch() -> None:
+    """Two stages of a memory-bound layer each (a 64 MB weight, a 1 MB activation): a
+    micro-batch divides the activation's bytes, not the weight's, so a quarter of the batch
+    costs nearly what the whole batch does (the roofline on the weight's bytes plus a
+    quarter of the rest), and the stage whose weight goes through a cast (compute no
+    input reaches, run again in each micro-batch's forward) pays the cast whole too. The
+    backward reads the weight and writes its gradient whole in each as well (the chain
+    above, without weights, divides everything)."""
+    from meshplace.graph.ir import Op, OpGraph
+    from meshplace.hardware import load_cluster
+    from meshplace.sim.schedule import pipeline_of_placement
+    from meshplace.sim.simulator import Simulator
+
+    weight, activation = 64e6, 1e6
+
+    def layered() -> OpGraph:
+        g = OpGraph("weights")
+        g.add_op(Op("x", "input", output_shapes=[[1]]))
+        for i in range(2):
+            g.add_op(Op(f"w{i}", "parameter", param_bytes=int(weight)))
+            g.add_op(Op(f"c{i}", "elementwise", bytes_read=weight, bytes_written=weight))
+            g.add_edge(f"w{i}", f"c{i}", weight)
+            g.add_op(
+                Op(f"f{i}", "matmul", flops=1e6, bytes_read=weight + activation,
+                   bytes_written=activation)
+            )  # fmt: skip
+            g.add_edge(f"c{i}", f"f{i}", weight)
+            g.add_edge("f0" if i else "x", f"f{i}", activation)
+        for i in reversed(range(2)):
+            g.add_op(
+                Op(f"b{i}", "matmul", phase="backward", flops=2e6,
+                   bytes_read=weight + activation, bytes_written=weight, forward_op=f"f{i}")
+            )  # fmt: skip
+            g.add_edge(f"f{i}", f"b{i}", activation)
+            g.add_edge(f"c{i}", f"b{i}", weight)
+            if i == 0:
+                g.add_edge("b1", "b0", activation)
+            g.add_op(Op(f"u{i}", "elementwise", phase="update", bytes_read=weight))
+            g.add_edge(f"b{i}", f"u{i}", weight)
+        return g
+
+    cluster = load_cluster("colocrl-2gpu")
+    g = layered()
+    stage_of = {"0": "gpu0", "1": "gpu1"}
+    sim = Simulator(g, cluster)
+    placement = sim.placement_of([stage_of.get(o.name[-1], "gpu0") for o in g.ops])
+    t = dict(zip([o.name for o in g.ops], sim.op_times(placement), strict=True))
+    launch = cluster.devices[1].spec.launch_overhead_s
+    pipe = pipeline_of_placement(sim, placement, 4)
+    per_byte = (t["f1"] - launch) / (weight + 2 * activation)  # memory-bound
+    # the weight (and its gradient) whole, the activations a quarter, the cast whole
+    forward = t["c1"] + launch + per_byte * (weight + 2 * activation / 4)
+    backward = launch + per_byte * (2 * weight + activation / 4)
+    assert pipe.times.forward_s[1] == pytest.approx(forward, rel=1e-9)
+    assert pipe.times.backward_s[1] == pytest.approx(backward, rel=1e-9)
+    assert backward > 0.9 * t["b1"] and forward > 0.9 * (t["c1"] + t["f1"])

@@ -189,7 +189,7 @@ def workload_graph(
         raise InputError(_unknown_workload(name, list(known)))
     options = {
         "workload": name,
-        "size": size,
+        "size": models.canonical_size(name, size),  # one entry for both spellings
         "batch": batch,
         "training": training,
         "optimizer": optimizer,

@@ -54,6 +54,21 @@ def available() -> dict[str, list[str]]:
     return {name: list(module.SIZES) for name, module in _MODULES.items()}
 
 
+def canonical_size(name: str, size: str | None) -> str | None:
+    """The size name ``get(name, size=size)`` builds: an alias resolved, ``None`` the
+    workload's first size; anything else (an unknown name or size) unchanged, for
+    :func:`get` to refuse. Two spellings of one workload thus key one cache entry.
+
+    >>> canonical_size("transformer", "5b"), canonical_size("gpt", None)
+    ('mtf-5b', '124m')
+    """
+    module = _MODULES.get(name) if isinstance(name, str) else None
+    if module is None:
+        return size
+    size = getattr(module, "SIZE_ALIASES", {}).get(size, size)
+    return module.SIZES[0] if size is None else size
+
+
 def get(
     name: str, *, batch: int | None = None, size: str | None = None, layers: int | None = None
 ) -> Workload:

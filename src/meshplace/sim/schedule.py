@@ -447,6 +447,42 @@ class PipelineReader:
         self._routes: dict[tuple[int, int], tuple[float, float]] = {}
         reads = (self.phase[src] == fwd) & (self.phase[dst] == bwd) & self.compute[src]
         self.kept_ops = np.unique(src[reads])
+        self._read_per_micro_batch(sim)
+
+    def _read_per_micro_batch(self, sim: Any) -> None:
+        """What a micro-batch does not divide: compute that no input reaches (a weight's
+        cast or copy, run again in every micro-batch's forward) is paid whole each time,
+        and an op reading a weight (or writing a weight's gradient, accumulated over the
+        micro-batches) moves those bytes whole each time while only its other bytes and
+        its arithmetic shrink with the micro-batch — on each device kind's roofline,
+        kept here for the ops that do (:meth:`PipelineTotals.split`). O(V + E)."""
+        a = sim.arrays
+        n = len(self.phase)
+        kinds = [o.kind for o in sim.graph.ops]
+        weight = np.array([k in ("parameter", "buffer") for k in kinds], dtype=bool)
+        update = self.phase == PHASE_INDEX["update"]
+        inputs = np.array([k == "input" for k in kinds], dtype=bool)
+        # which ops the batch reaches; a graph that names no input: all of them
+        data = _reached_from(inputs, a) if inputs.any() else np.ones(n, dtype=bool)
+        self.per_step_work = self.compute & ~data & ~update
+        src, dst, nbytes = a.edge_src, a.edge_dst, a.edge_bytes
+        step = self.compute & data & ~update
+        read = (weight | self.per_step_work)[src] & step[dst]
+        written = step[src] & update[dst]
+        whole = np.bincount(dst[read], weights=nbytes[read], minlength=n)
+        whole += np.bincount(src[written], weights=nbytes[written], minlength=n)
+        whole = np.minimum(whole, a.bytes_accessed)
+        self.rereads = np.flatnonzero((whole > 0) & step)
+        rest = a.bytes_accessed[self.rereads] - whole[self.rereads]
+        specs = {d.kind: d.spec for d in sim.cluster.devices}
+        arith, per_byte = zip(
+            *(sim.cost_model.roofline_terms(sim.graph, specs[k]) for k in sim.kind_names),
+            strict=True,
+        )
+        # [kind, reread op]: seconds of arithmetic, of the whole bytes, of the other bytes
+        self.reread_arith_s = np.stack([x[self.rereads] for x in arith])
+        self.reread_whole_s = np.stack([b[self.rereads] * whole[self.rereads] for b in per_byte])
+        self.reread_rest_s = np.stack([b[self.rereads] * rest for b in per_byte])
 
     def route(self, src: int, dst: int) -> tuple[float, float]:
         """(latency, bottleneck bandwidth) of the route from device ``src`` to ``dst``, as
@@ -540,6 +576,21 @@ class PipelineReader:
         kept_stage = op_stage[self.kept_ops]
         held = kept_stage >= 0
         hosts = [self.host_by_kind[sim.device_kinds[int(d)]] for d in stages]
+        kernel = np.maximum(work - launch, 0.0)
+        whole_forward = is_forward & self.per_step_work
+        whole_backward = is_backward & self.per_step_work
+        r = self.rereads
+        on_stage = op_stage[r] >= 0
+        r, columns = r[on_stage], np.flatnonzero(on_stage)
+        kind = sim.device_kind_index[placement[r]]
+        rereads = MicroBatchRereads(
+            stage=op_stage[r],
+            forward=self.phase[r] == fwd,
+            kernel_s=kernel[r],
+            arith_s=self.reread_arith_s[kind, columns],
+            whole_s=self.reread_whole_s[kind, columns],
+            rest_s=self.reread_rest_s[kind, columns],
+        )
         # each value crossing forward is a message of its own (and its gradient one back)
         crossing_values = np.unique(self.edge_src[forward_cross] * p + jd[forward_cross])
         activation_values = np.bincount(op_stage[crossing_values // p], minlength=p)[
@@ -568,7 +619,36 @@ class PipelineReader:
             gradient_route=np.array(back, dtype=np.float64).reshape(p - 1, 2),
             activation_values=activation_values,
             hosts=hosts if any(not h.charges_nothing for h in hosts) else None,
+            forward_whole_s=per_stage(whole_forward, kernel),
+            backward_whole_s=per_stage(whole_backward, kernel),
+            rereads=rereads,
         )
+
+
+@dataclass(frozen=True)
+class MicroBatchRereads:
+    """The ops of a pipeline's stages that move bytes whole in every micro-batch (a
+    weight they read, a weight gradient they accumulate): each one's stage, whether it
+    runs forward, its kernel seconds for the whole batch, and, on its device's roofline,
+    the seconds of its arithmetic, of its whole bytes and of its other bytes."""
+
+    stage: np.ndarray
+    forward: np.ndarray
+    kernel_s: np.ndarray
+    arith_s: np.ndarray
+    whole_s: np.ndarray
+    rest_s: np.ndarray
+
+    def kernel_share(self, micro_batches: int) -> np.ndarray:
+        """Each op's kernel seconds in one of ``micro_batches`` micro-batches: its
+        roofline ``max(arithmetic, bytes)`` with the arithmetic and the other bytes
+        divided, the whole bytes not, as a share of its kernel time (measured or the
+        roofline's) for the whole batch. O(ops)."""
+        m = float(micro_batches)
+        batch = np.maximum(self.arith_s, self.whole_s + self.rest_s)
+        micro = np.maximum(self.arith_s / m, self.whole_s + self.rest_s / m)
+        share = np.divide(micro, batch, out=np.full(batch.shape, 1.0 / m), where=batch > 0)
+        return self.kernel_s * share
 
 
 @dataclass(frozen=True)
@@ -594,10 +674,17 @@ class PipelineTotals:
     gradient_route: np.ndarray
     activation_values: np.ndarray | None = None
     hosts: list[HostCosts] | None = None
+    forward_whole_s: np.ndarray | None = None
+    backward_whole_s: np.ndarray | None = None
+    rereads: MicroBatchRereads | None = None
 
     def split(self, micro_batches: int) -> PipelineOfPlacement:
         """The pipeline of ``micro_batches``: each op's time split over the micro-batches
-        with its launch paid once per micro-batch, each transfer a micro-batch's share
+        with its launch paid once per micro-batch, except that work no input reaches
+        (``forward_whole_s``, ``backward_whole_s``) is paid whole in each and an op
+        moving a weight's bytes divides only the rest (:class:`MicroBatchRereads`; the
+        weight re-reads of GPipe's micro-batches, Huang et al. 2019 §2.2), each transfer a
+        micro-batch's share
         over its route (latency plus bytes over the bottleneck bandwidth, nothing when
         nothing crosses), and each stage charged what its host pays per micro-batch
         beyond its kernels (:meth:`meshplace.cost.pipeline.HostCosts.charge`: the
@@ -605,8 +692,12 @@ class PipelineTotals:
         cuts plus each further value crossing it; nothing for a cost model without
         them). O(p)."""
         m = int(micro_batches)
-        forward = (self.forward_s - self.forward_launch_s) / m + self.forward_launch_s
-        backward = (self.backward_s - self.backward_launch_s) / m + self.backward_launch_s
+        forward = self._per_micro_batch(
+            self.forward_s, self.forward_launch_s, self.forward_whole_s, True, m
+        )
+        backward = self._per_micro_batch(
+            self.backward_s, self.backward_launch_s, self.backward_whole_s, False, m
+        )
         forward, backward = self._host_charged(forward, backward, m)
         activation = _wire(self.activation_bytes / m, self.activation_route)
         gradient = _wire(self.gradient_bytes / m, self.gradient_route)
@@ -617,6 +708,26 @@ class PipelineTotals:
             self.kept_bytes / m,
             np.concatenate([[0.0], self.activation_bytes / m]),
         )
+
+    def _per_micro_batch(
+        self,
+        total: np.ndarray,
+        launch: np.ndarray,
+        whole: np.ndarray | None,
+        forward: bool,
+        m: int,
+    ) -> np.ndarray:
+        """Each stage's seconds for one of ``m`` micro-batches of one pass (``total`` for
+        the whole batch, ``launch`` of it paid per micro-batch, ``whole`` paid whole)."""
+        fixed = launch if whole is None else launch + whole
+        if self.rereads is None:
+            return (total - fixed) / m + fixed
+        mine = self.rereads.forward == forward
+        stage = self.rereads.stage[mine]
+        p = total.shape[0]
+        batch = np.bincount(stage, weights=self.rereads.kernel_s[mine], minlength=p)
+        micro = np.bincount(stage, weights=self.rereads.kernel_share(m)[mine], minlength=p)
+        return (total - fixed - batch) / m + fixed + micro
 
     def _host_charged(
         self, forward: np.ndarray, backward: np.ndarray, m: int
@@ -664,6 +775,29 @@ def pipeline_of_placement(
     (:class:`PipelineReader`)."""
     totals = sim.pipeline_reader.read(placement)
     return None if totals is None else totals.split(micro_batches)
+
+
+def _reached_from(start: np.ndarray, arrays: Any) -> np.ndarray:
+    """Which ops some op in ``start`` (a mask) reaches over the graph's edges, itself
+    included: the edges in topological order of their source, each passing its source's
+    mark on (every edge into a source comes first). O(E log E)."""
+    rank = np.empty(start.shape[0], np.int64)
+    rank[arrays.topo_order] = np.arange(start.shape[0])
+    order = np.argsort(rank[arrays.edge_src], kind="stable")
+    return _reach_kernel(
+        start.copy(),
+        arrays.edge_src[order].astype(np.int64),
+        arrays.edge_dst[order].astype(np.int64),
+    )
+
+
+@njit(cache=True)
+def _reach_kernel(reached, src, dst):  # pragma: no cover - compiled
+    # sequential by nature (a mark travels down a chain of edges); numba, not a Python loop
+    for j in range(src.shape[0]):
+        if reached[src[j]]:
+            reached[dst[j]] = True
+    return reached
 
 
 def _wire(nbytes: np.ndarray, route: np.ndarray) -> np.ndarray:
