@@ -378,8 +378,10 @@ def test_in_situ_message_costs_from_probe_runs() -> None:
     assert cal.messages["in_situ"] is report
     keys = ("start_s", "send_s", "wake_s", "compute_slowdown")
     assert {*keys, "recv_s", "r2", "probes"} <= set(report)
-    # non-negative by construction (the fit keeps them so); finite and sane is what can fail
-    assert all(np.isfinite(report[k]) for k in keys) and report["compute_slowdown"] < 10
+    # non-negative by construction (the fit keeps them so) and finite; how large the
+    # slowdown comes out is the machine's load, not the code's (a suite on 2 busy cores
+    # measured 10x), so no bound on it is asserted
+    assert all(np.isfinite(report[k]) and report[k] >= 0 for k in keys)
     # every probe puts messages on the wire: some worker of each sends
     for name in probes:
         assert any(r["sends"] > 0 for r in report["probes"] if r["placement"] == name), name
