@@ -186,7 +186,9 @@ def test_a_placed_pipeline_pays_the_calibrated_exchange_at_its_cut() -> None:
     every value crossing its cut but the first, half on its forward and half on its
     backward — what the hybrid search charges a stage (``HostCosts``); the engine's cost
     alone where only that is calibrated; nothing without either (the uncalibrated
-    simulator is unchanged)."""
+    simulator is unchanged). The exchange, measured over the link, holds the messages'
+    latency: where it is charged, the wire between the stages keeps only the bytes'
+    time."""
     from meshplace.cost.compute import CostModel
     from meshplace.graph.ir import Op, OpGraph
     from meshplace.hardware import load_cluster
@@ -216,12 +218,19 @@ def test_a_placed_pipeline_pays_the_calibrated_exchange_at_its_cut() -> None:
         return pipeline_of_placement(sim, placement, 4), result.throughput_time_s
 
     plain, plain_step = read(None)
+    wire = cluster.transfer_time(1, 2, 2e6 * 2)  # two 8 MB values a quarter each
+    latency = cluster.path_latency(1, 2)
+    assert plain.times.activation_s[0] == pytest.approx(wire)
     for cost_model, per_stage in (
         (CostModel(pipeline_exchange={kind: (beat, per_value)}), beat + per_value),
         (CostModel(pipeline_overhead={kind: engine}), engine),
         (CostModel(pipeline_overhead={kind: engine}, pipeline_exchange={kind: (beat, 0.0)}), beat),
     ):
         charged, step = read(cost_model)
+        # the measured exchange holds the messages' latency: the wire keeps the bytes' time
+        held = latency if cost_model.pipeline_exchange else 0.0
+        assert charged.times.activation_s[0] == pytest.approx(wire - held)
+        assert charged.times.gradient_s[0] == pytest.approx(plain.times.gradient_s[0] - held)
         np.testing.assert_allclose(charged.times.forward_s - plain.times.forward_s, per_stage / 2)
         np.testing.assert_allclose(charged.times.backward_s - plain.times.backward_s, per_stage / 2)
         assert step > plain_step

@@ -89,6 +89,21 @@ class HostCosts:
         cpu = self.message_cpu
         return HostCosts(0.0, None if cpu is None else (0.0, cpu[1], 0.0, cpu[3]), self.exchange)
 
+    def wire_s(self, transfer_s: Any, latency_s: Any) -> Any:
+        """The wire time a micro-batch's message between two stages is charged, given its
+        transfer time over the route (latency plus bytes over bandwidth) and the route's
+        latency: with a measured exchange the latency is already in it (the probe's
+        values crossed the same link, :meth:`cut_s`), so only the bytes' time; otherwise
+        the whole transfer.
+
+        >>> measured = HostCosts(exchange=(5e-4, 0.0))
+        >>> round(float(measured.wire_s(3e-4, 1e-4)), 9), HostCosts().wire_s(3e-4, 1e-4)
+        (0.0002, 0.0003)
+        """
+        if self.exchange is None:
+            return transfer_s
+        return np.maximum(np.asarray(transfer_s) - np.asarray(latency_s), 0.0)[()]
+
     def cut_s(self, values: Any) -> Any:
         """Seconds per micro-batch a stage pays at one of its cuts that ``values`` values
         cross: the measured exchange's beat plus its per-value cost for each value but

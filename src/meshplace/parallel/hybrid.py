@@ -1066,6 +1066,7 @@ def _evaluate_units(
     chips: int,
     synchronous: bool = False,
     host: HostCosts | None = None,
+    send_s: Callable[[int, int, float], float] | None = None,
 ) -> HybridPlan | None:
     """:func:`_evaluate` for a model cut between heterogeneous units: the DP over (first
     unit, end unit) ranges (:func:`meshplace.parallel.units.best_unit_split`), each
@@ -1076,6 +1077,7 @@ def _evaluate_units(
     n_units = len(uc.units)
     if p > n_units or config.schedule == "interleaved":
         return None
+    send_s = send_s or link_s
     model = _unit_stage_model(uc, config, stage_mesh, dp_axis)
     n = n_units + 1
     crossing = uc.boundary_bytes
@@ -1094,9 +1096,9 @@ def _evaluate_units(
     leave = np.zeros((p, 1, n, 1))  # stage i's output at its end cut (and the gradient in)
     for i in range(p):
         if i > 0:
-            arrive[i, :, 0, 0] = [link_s(i - 1, i, float(b)) if b else 0.0 for b in crossing]
+            arrive[i, :, 0, 0] = [send_s(i - 1, i, float(b)) if b else 0.0 for b in crossing]
         if i < p - 1:
-            leave[i, 0, :, 0] = [link_s(i, i + 1, float(b)) if b else 0.0 for b in crossing]
+            leave[i, 0, :, 0] = [send_s(i, i + 1, float(b)) if b else 0.0 for b in crossing]
     times = model["forward"] + model["backward"] + arrive + leave
     flight = in_flight(config.schedule, p, m)[:, None, None, None]
     memory = model["resident"] + flight * model["kept"] + model["transient"]
@@ -1116,7 +1118,7 @@ def _evaluate_units(
             sync[j] += t
     flops = sum(u.flops for u in uc.units)
     cut = [float(crossing[bounds[i + 1]]) for i in range(p - 1)]
-    sends = np.array([link_s(i, i + 1, b) if b else 0.0 for i, b in enumerate(cut)])
+    sends = np.array([send_s(i, i + 1, b) if b else 0.0 for i, b in enumerate(cut)])
     plan = _plan_of(
         config, [bounds[i + 1] - bounds[i] for i in range(p)], options, value, model, idx,
         memory, sync, capacity, (global_batch / config.micro_batch) * flops, chips, peak_flops,
@@ -1374,21 +1376,24 @@ def _evaluate(
     uniform: bool = False,
     synchronous: bool = False,
     host: HostCosts | None = None,
+    send_s: Callable[[int, int, float], float] | None = None,
 ) -> HybridPlan | None:
     """The best split of one configuration by the DP (``uniform``: equal stages and one
     recomputation for all, as a Megatron-style grid sets them), ranked by its closed form;
     :func:`simulate_plan` then runs its schedule. ``host``: the pipelining engine's and
     the stage messages' cost to the stages' compute (:class:`HostCosts`). ``None`` where
     the configuration has no split (more stages than layers, an interleaving the layers or
-    micro-batches do not divide)."""
+    micro-batches do not divide). ``send_s``: a micro-batch's message between two stages
+    (default ``link_s``, which also times the once-per-step exchanges)."""
     p, m = config.pp, config.micro_batches
     if p > layers:
         return None
     host = host or HostCosts()
+    send_s = send_s or link_s
     model = _stage_model(pc, config, layers, stage_mesh, dp_axis)
     nbytes = np.full((p, 1, 1), float(pc.boundary_bytes))
     model = host.charge(model, nbytes, nbytes, pc.boundary_values, pc.boundary_values)
-    send = np.array([link_s(i, i + 1, pc.boundary_bytes) for i in range(max(p - 1, 0))])
+    send = np.array([send_s(i, i + 1, pc.boundary_bytes) for i in range(max(p - 1, 0))])
     per_stage_send = np.zeros(p)
     if p > 1:
         per_stage_send[:-1] += send  # activations out
@@ -1437,7 +1442,7 @@ def _evaluate(
         model_flops, chips, peak_flops, pc.strategies,
     )  # fmt: skip
     plan.tensor_placements = pc.tensor_placements
-    wrap = link_s(p - 1, 0, pc.boundary_bytes) if v > 1 else 0.0
+    wrap = send_s(p - 1, 0, pc.boundary_bytes) if v > 1 else 0.0
     plan.stage_times = _stage_times(pc, plan, send, wrap, v, host)
     return plan
 
@@ -1738,6 +1743,14 @@ def hybrid_search(
                 a, z = order[i * stage_size], order[j * stage_size]
                 return cluster.transfer_time(a, z, nbytes) if a != z else 0.0
 
+            def send_s(i: int, j: int, nbytes: float, stage_size: int = stage_size) -> float:
+                # a micro-batch's message between stages: its latency is inside a
+                # measured exchange where the cost model has one (HostCosts.wire_s)
+                a, z = order[i * stage_size], order[j * stage_size]
+                if a == z:
+                    return 0.0
+                return host.wire_s(cluster.transfer_time(a, z, nbytes), cluster.path_latency(a, z))
+
             zs = [z for z in zero_stages if pp == 1 or z in PIPELINE_ZERO]
             if style == "megatron":
                 zs = [z for z in zs if z in PIPELINE_ZERO]
@@ -1755,13 +1768,13 @@ def hybrid_search(
                     if isinstance(staged, UnitCosts):
                         plan = _evaluate_units(
                             staged, config, capacity, mesh, dp_axis, link_s, peak, global_batch,
-                            n, synchronous=synchronous, host=host,
+                            n, synchronous=synchronous, host=host, send_s=send_s,
                         )  # fmt: skip
                     else:
                         plan = _evaluate(
                             staged, config, layers, capacity, mesh, dp_axis, link_s, peak,
                             global_batch, n, uniform=style == "megatron",
-                            synchronous=synchronous, host=host,
+                            synchronous=synchronous, host=host, send_s=send_s,
                         )  # fmt: skip
                     if plan is not None:
                         candidates.append(plan)

@@ -699,8 +699,8 @@ class PipelineTotals:
             self.backward_s, self.backward_launch_s, self.backward_whole_s, False, m
         )
         forward, backward = self._host_charged(forward, backward, m)
-        activation = _wire(self.activation_bytes / m, self.activation_route)
-        gradient = _wire(self.gradient_bytes / m, self.gradient_route)
+        activation = self._cut_wire(self.activation_bytes / m, self.activation_route)
+        gradient = self._cut_wire(self.gradient_bytes / m, self.gradient_route)
         return PipelineOfPlacement(
             list(self.devices),
             StageTimes(forward, backward, activation, gradient, update_s=self.update_s.copy()),
@@ -708,6 +708,19 @@ class PipelineTotals:
             self.kept_bytes / m,
             np.concatenate([[0.0], self.activation_bytes / m]),
         )
+
+    def _cut_wire(self, nbytes: np.ndarray, route: np.ndarray) -> np.ndarray:
+        """Each cut's transfer of ``nbytes`` per micro-batch over its ``route`` (``[p - 1,
+        2]``: latency, bandwidth) as the cost model charges it: without the latency where
+        either stage's host has a measured exchange, which holds it
+        (:meth:`meshplace.cost.pipeline.HostCosts.wire_s`, as the hybrid search charges
+        its stages' messages)."""
+        transfer = _wire(nbytes, route)
+        if not self.hosts:
+            return transfer
+        measured = np.array([h.exchange is not None for h in self.hosts])
+        held = measured[:-1] | measured[1:]
+        return np.where(held & (nbytes > 0), np.maximum(transfer - route[:, 0], 0.0), transfer)
 
     def _per_micro_batch(
         self,
