@@ -30,7 +30,8 @@ class HostCosts:
     send s/byte, receive s, receive s/byte), each message between stages on its ends'
     compute: a stage's forward receives its activation and sends its output, its backward
     receives the output's gradient and sends its input's. The link's own time stays the
-    schedule's wire time.
+    schedule's wire time, less its latency where a measured exchange holds that
+    (:meth:`wire_s`).
 
     ``exchange`` (the cost model's ``pipeline_exchange``: seconds per beat, seconds per
     further value), measured on two busy ranks
