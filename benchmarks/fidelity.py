@@ -680,6 +680,7 @@ def run_hybrid_model(source: str, steps: int, warmup: int, passes: int) -> dict:
     from meshplace.graph.sources import build_from_seed, graph_source
     from meshplace.parallel.cli import hybrid_plan_file
     from meshplace.parallel.hybrid import hybrid_search
+    from meshplace.runtime.dryrun import engine_pricer
     from meshplace.runtime.pipeline_exchange import measure_pipeline_exchange
     from meshplace.runtime.pipelined import measure_engine_overhead
 
@@ -707,6 +708,10 @@ def run_hybrid_model(source: str, steps: int, warmup: int, passes: int) -> dict:
     )
     cost_model = calibrated_cost_model(engine, cluster)
 
+    # tensor parallelism priced by the program DTensor runs (a dry run per tp and
+    # micro-batch), not by the solver's strategies; the programs recorded once
+    programs: dict[str, Any] = {}
+
     def search(model: Any) -> Any:
         return hybrid_search(
             source,
@@ -721,6 +726,7 @@ def run_hybrid_model(source: str, steps: int, warmup: int, passes: int) -> dict:
             graphs=lambda b: graph_source(source, batch=b, training=True).graph,
             # the runtime reduces each gradient on its own after the schedule
             synchronous_gradients=True,
+            engine=engine_pricer(source, cluster, model, global_batch=batch, programs=programs),
         )
 
     def label_of(plan: Any) -> str:

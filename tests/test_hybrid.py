@@ -74,6 +74,47 @@ def tiny_result() -> hybrid.HybridResult:
     )  # fmt: skip
 
 
+def test_an_engine_reprices_tensor_parallel_parts_and_a_failing_one_skips_them(
+    tiny_result,
+) -> None:
+    """With ``engine``, every (tp >= 2, micro-batch)'s parts cost what the engine says the
+    whole model costs (forward and backward per micro-batch, the optimizer's step), shared
+    among the parts as the solver shares them; tp 1 keeps the solver's; where the engine
+    cannot run a (tp, micro-batch), its plans are gone and the reason is in ``skipped``."""
+    asked = []
+
+    def engine(parts, layers, container, devices):
+        asked.append((parts.tp, parts.micro_batch, layers, container, len(devices)))
+        if parts.micro_batch == 1:
+            raise InputError("the engine cannot run it")
+        return hybrid.EngineCost(forward_backward_s=0.25, update_s=0.125)
+
+    r = hybrid.hybrid_search(
+        "tiny", None, load_cluster("h2-8xh100"), global_batch=16,
+        tensor_parallel=(1, 2), micro_batch_sizes=(1, 2), graphs=_tiny_graphs, layers=8,
+        simulate_top=1000, engine=engine,
+    )  # fmt: skip
+    assert sorted(asked) == [(2, 1, 8, "layers", 2), (2, 2, 8, "layers", 2)]
+    assert r.skipped["tp2 mb1"] == "the engine cannot run it"
+    assert not [p for p in r.plans if p.tp == 2 and p.config.micro_batch == 1]
+    pc = r.part_costs[(2, 2)]
+    counts = {"pre": 1, "layer": 8, "post": 1}
+    parts = {k: getattr(pc, k) for k in counts}
+    assert sum(n * (parts[k].forward_s + parts[k].backward_s) for k, n in counts.items()) == (
+        pytest.approx(0.25)
+    )
+    assert sum(n * parts[k].update_s for k, n in counts.items()) == pytest.approx(0.125)
+    solver = tiny_result.part_costs[(2, 2)]
+    ratio = pc.layer.forward_s / solver.layer.forward_s
+    assert pc.pre.backward_s == pytest.approx(solver.pre.backward_s * ratio)
+    assert pc.layer.parameter_bytes == solver.layer.parameter_bytes
+    assert replace(r.part_costs[(1, 2)], solve_s=0) == replace(
+        tiny_result.part_costs[(1, 2)], solve_s=0
+    )
+    same = {p.config: p.time_per_batch_s for p in tiny_result.plans if p.tp == 1}
+    assert {p.config: p.time_per_batch_s for p in r.plans if p.tp == 1} == same
+
+
 def test_parts_add_up_to_the_whole_step() -> None:
     """The three parts' FLOPs are the captured step's forward and backward (model FLOPs,
     not the optimizer's), counting the probe layer twice."""

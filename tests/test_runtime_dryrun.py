@@ -20,7 +20,7 @@ from meshplace.errors import InputError
 from meshplace.graph.capture import capture
 from meshplace.graph.sources import load_build_function
 from meshplace.hardware import load_cluster
-from meshplace.mesh.layout import mesh_over
+from meshplace.mesh.layout import accelerators, mesh_over
 from meshplace.parallel.grid import megatron_grid
 from meshplace.runtime.dryrun import EngineProgram, dry_run
 
@@ -224,3 +224,64 @@ def test_the_pipelining_engines_cost_per_micro_batch_is_measured(tmp_path: Path)
     assert math.isfinite(seconds) and seconds >= 0
     with pytest.raises(InputError, match="a batch of 6 does not split into 4 micro-batches"):
         measure_engine_overhead(f"{tmp_path / 'mlp6.py'}:build", micro_batches=4, reps=1)
+
+
+LLAMA = """
+import dataclasses, sys
+import torch
+sys.path.insert(0, {folder!r})
+import llama
+
+def build():
+    cfg = dataclasses.replace(llama.CONFIGS["tiny"], batch=4, n_layers=2, seq=16)
+    model = llama.Llama(cfg)
+    ids = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq))
+    return model, (ids,), {{"labels": torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq))}}
+"""
+
+
+def test_the_hybrid_search_prices_tensor_parallelism_by_the_engines_program(
+    tmp_path: Path,
+) -> None:
+    """``engine_pricer`` dry-runs the one-stage plan of a (tp, micro-batch) — the torchrun
+    runtime's own step, its micro-batches under torch's pipelining schedule — and prices
+    it: the program holds DTensor's ops, its collectives on the tensor axis and, apart,
+    Adam's step; a one-stage plan of one micro-batch then costs exactly one forward and
+    backward plus the optimizer's step. A pipeline of two stages is refused in one
+    sentence (a fake process group carries no activations)."""
+    from meshplace.graph.sources import graph_source
+    from meshplace.parallel.cli import one_stage_plan_file
+    from meshplace.parallel.hybrid import hybrid_search
+    from meshplace.runtime.dryrun import engine_pricer, program_cost
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "llama.py"
+    (tmp_path / "llama4.py").write_text(LLAMA.format(folder=str(example.parent)))
+    source = f"{tmp_path / 'llama4.py'}:build"
+    cluster = load_cluster("dgx-h100")
+    gpus = cluster.ring_order(accelerators(cluster))[:2]
+    model = CostModel(dispatch_overhead={cluster.devices[gpus[0]].kind: 2e-5})
+    programs: dict[str, EngineProgram] = {}
+    result = hybrid_search(
+        source, None, cluster, global_batch=4, chips=2, tensor_parallel=(2,),
+        pipeline_degrees=(1,), micro_batch_sizes=(4,), schedules=("1f1b",), zero_stages=(0,),
+        autocast=None, graphs=lambda b: graph_source(source, batch=b, training=True).graph,
+        synchronous_gradients=True, simulate_top=10,
+        engine=engine_pricer(source, cluster, model, global_batch=4, programs=programs),
+    )  # fmt: skip
+    (program,) = programs.values()
+    plan = one_stage_plan_file(result.part_costs[(2, 4)], 2, "layers", 4, source)
+    assert json.loads(next(iter(programs))) == json.loads(json.dumps(plan))
+    assert program.world_size == 2
+    assert 0 < program.dispatched_update < program.dispatched
+    assert any(k.update and k.name.startswith("_foreach_") for k in program.kernels)
+    assert not any(k.update and k.kind == "matmul" for k in program.kernels)
+    assert program.collectives and all(c.axes == ["tensor"] for c in program.collectives)
+    cost = program_cost(program, plan, cluster, model, gpus)
+    assert 0 < cost["update_s"] < cost["step_s"]
+    assert cost["dispatch_s"] == pytest.approx(program.dispatched * 2e-5)
+    best = result.best
+    assert (best.tp, best.pp, best.dp, best.config.micro_batches) == (2, 1, 1, 1)
+    assert best.time_per_batch_s == pytest.approx(cost["step_s"], rel=1e-9)
+    piped = {**plan, "mesh": {**plan["mesh"], "shape": [2, 1, 1]}}
+    with pytest.raises(InputError, match="pipelines over 2 stages"):
+        dry_run(piped, source)

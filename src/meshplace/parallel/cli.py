@@ -544,6 +544,46 @@ def hybrid_plan_file(result: Any, plan: Any, cluster: str) -> dict[str, Any]:
     }
 
 
+def one_stage_plan_file(
+    parts: Any, layers: int, container: str, global_batch: int, source: str
+) -> dict[str, Any]:
+    """A hybrid plan document of one stage over ``parts.tp`` devices (no data
+    parallelism, no ZeRO, no recomputation): the model of ``source`` (``layers`` layers
+    under ``container``) with the parameter placements of ``parts`` (a
+    :class:`meshplace.parallel.hybrid.PartCosts`), its ``global_batch`` in micro-batches
+    of ``parts.micro_batch`` under 1F1B — what a dry run of the engine records for that
+    (tp, micro-batch). O(parameters)."""
+    return {
+        "format": "meshplace.parallel_plan",
+        "version": 1,
+        "graph": {"source": source, "name": source, "layers": layers, "layer_container": container},
+        "mesh": {"shape": [1, 1, parts.tp], "axes": ["pipe", "data", "tensor"]},
+        "stage_mesh": {"shape": [1, parts.tp], "axes": ["data", "tensor"]},
+        "parameters": {
+            name: {"placements": ["Replicate()", placement], "zero": 0}
+            for name, placement in sorted(parts.tensor_placements.items())
+        },
+        "inputs": {},
+        "stages": [
+            {
+                "layers": [0, layers],
+                "embedding": True,
+                "head": True,
+                "recompute": "none",
+                "devices": list(range(parts.tp)),
+            }
+        ],
+        "pipeline": {
+            "global_batch": global_batch,
+            "micro_batch": parts.micro_batch,
+            "micro_batches": global_batch // parts.micro_batch,
+            "schedule": "1f1b",
+            "zero": 0,
+            "virtual_stages": 1,
+        },
+    }
+
+
 def print_hybrid(console: Console, data: dict[str, Any]) -> None:
     """The tables of ``meshplace shard --pipeline auto``."""
     b = data["best"]

@@ -183,6 +183,56 @@ class PartCosts:
     boundary_values: int = 1
 
 
+@dataclass(frozen=True)
+class EngineCost:
+    """What the training engine runs at one (tp, micro-batch), as a dry run of it records
+    it and the search's own cost model prices it (:func:`meshplace.runtime.dryrun.
+    engine_pricer`): one tp replica's seconds for one micro-batch's forward and backward
+    of the whole model (its kernels, the engine's dispatch of each op, its collectives),
+    and for the optimizer's step."""
+
+    forward_backward_s: float
+    update_s: float
+
+
+#: a (tp, micro-batch)'s :class:`PartCosts`, the model's layer count, its layer container
+#: and the cluster devices of one tp replica -> the :class:`EngineCost` of that program
+EnginePricer = Callable[[PartCosts, int, str, Sequence[int]], EngineCost]
+
+
+def engine_priced(parts: PartCosts, cost: EngineCost, layers: int) -> PartCosts:
+    """``parts`` re-priced by what the engine runs: every part's forward and backward
+    seconds scaled by one factor so that the whole model's (``pre + layers x layer +
+    post``) are ``cost.forward_backward_s``, and the optimizer's likewise to
+    ``cost.update_s``; bytes unchanged. Why: DTensor propagates each op's sharding from
+    its operands' (and decomposes ops the solver prices whole), so the program it runs is
+    not the solver's; the dry run sees the whole model, and the parts share its time as
+    the solver shares theirs. O(1).
+
+    >>> one = Part(forward_s=1.0, backward_s=2.0, update_s=0.5)
+    >>> pc = PartCosts(2, 4, one, one, one, boundary_bytes=0.0, tied_bytes=0.0)
+    >>> priced = engine_priced(pc, EngineCost(forward_backward_s=36.0, update_s=6.0), 4)
+    >>> priced.layer.forward_s, priced.layer.backward_s, priced.layer.update_s
+    (2.0, 4.0, 1.0)
+    """
+    counts = {"pre": 1, "layer": layers, "post": 1}
+    parts_of = {k: getattr(parts, k) for k in PARTS}
+    fb = sum(counts[k] * (p.forward_s + p.backward_s) for k, p in parts_of.items())
+    update = sum(counts[k] * p.update_s for k, p in parts_of.items())
+    r_fb = cost.forward_backward_s / fb if fb > 0 else 1.0
+    r_u = cost.update_s / update if update > 0 else 1.0
+    scaled = {
+        k: replace(
+            p,
+            forward_s=p.forward_s * r_fb,
+            backward_s=p.backward_s * r_fb,
+            update_s=p.update_s * r_u,
+        )
+        for k, p in parts_of.items()
+    }
+    return replace(parts, **scaled)
+
+
 def layer_container(graph: OpGraph) -> str:
     """The module path holding the repeated layers (``"layers"`` for ``layers.0.attn``): a
     path prefix followed by an index that takes at least two values, not itself inside
@@ -1560,6 +1610,7 @@ def hybrid_search(
     units: bool | None = None,
     solved: dict[tuple[int, int], PartCosts | UnitCosts] | None = None,
     synchronous_gradients: bool = False,
+    engine: EnginePricer | None = None,
 ) -> HybridResult:
     """The fastest hybrid plan of ``workload`` (module docstring) that fits.
 
@@ -1584,6 +1635,11 @@ def hybrid_search(
     at a time, none overlapped; data-parallel stages without ZeRO on DDP, plain tensors
     (no DTensor dispatch) with the gradients bucketed and overlapped with the backward
     (default: every configuration as DDP and Megatron-LM run it, bucketed and overlapped).
+    ``engine`` (optional; a layer stack only): tensor parallelism priced by the program
+    the engine runs rather than by the solver's strategies — each (tp >= 2, micro-batch)'s
+    parts re-priced by :func:`engine_priced` with what ``engine`` says that program costs
+    (:func:`meshplace.runtime.dryrun.engine_pricer`: a dry run of the torchrun runtime);
+    where the engine cannot run it, that (tp, micro-batch) is skipped, with the reason.
     """
     from meshplace.models import get
 
@@ -1697,6 +1753,19 @@ def hybrid_search(
                     solved[(tp, b)] = parts[(tp, b)]
             except (ShardingError, LayoutError) as exc:
                 skipped[f"tp{max(tp, 1)} mb{b}"] = str(exc)
+    if engine is not None and not units:
+        for (tp, b), pc in sorted(parts.items()):
+            if tp < 2 or not isinstance(pc, PartCosts):
+                continue
+            if progress is not None:
+                progress(f"tp {tp}, micro-batch {b}: the engine's program")
+            try:
+                priced = engine(pc, layers, container, order[:tp])
+            except InputError as exc:  # the engine cannot run it: neither can the plan
+                del parts[(tp, b)]
+                skipped[f"tp{tp} mb{b}"] = str(exc)
+                continue
+            parts[(tp, b)] = engine_priced(pc, priced, layers)
     degrees = [d for d in _divisors(n) if d <= layers]
     if pipeline_degrees is not None:
         degrees = [d for d in degrees if d in set(pipeline_degrees)]

@@ -44,6 +44,7 @@ import math
 import subprocess
 import sys
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -106,23 +107,25 @@ _NOT_KERNELS = frozenset(
 @dataclass
 class LocalKernel:
     """One kernel a rank runs: aten name, coarse kind, flops, bytes read and written, the
-    dtype of its first output."""
+    dtype of its first output; ``update``: run inside the optimizer's step."""
 
     name: str
     kind: str
     flops: float
     bytes: float
     dtype: str
+    update: bool = False
 
 
 @dataclass
 class EngineCollective:
     """One collective a rank runs: kind (cost-model name), bytes of its local input, the
-    mesh axes its process group spans."""
+    mesh axes its process group spans; ``update``: run inside the optimizer's step."""
 
     kind: str
     nbytes: float
     axes: list[str]
+    update: bool = False
 
 
 @dataclass
@@ -134,6 +137,7 @@ class EngineProgram:
     collectives: list[EngineCollective] = field(default_factory=list)
     dispatched: int = 0  # DTensor-level ops (each pays DTensor's dispatch)
     fsdp_units: int = 0  # modules FSDP2 gathers as one (each pays FSDP2's own cost)
+    dispatched_update: int = 0  # of ``dispatched``, those inside the optimizer's step
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -146,6 +150,7 @@ class EngineProgram:
             [EngineCollective(**c) for c in d["collectives"]],
             int(d["dispatched"]),
             int(d.get("fsdp_units", 0)),  # recorded before FSDP2 ran plans: none
+            int(d.get("dispatched_update", 0)),  # recorded before phases were: none
         )
 
     def collective_counts(self) -> dict[str, int]:
@@ -166,30 +171,39 @@ class EngineProgram:
         dispatch on its sharded parameters and its own copies (:data:`FSDP_KERNELS`)
         included; the collectives the mesh's formula.
         Returns ``step_s``, ``compute_s``, ``dispatch_s`` (the engine's: DTensor's or
-        FSDP2's) and ``communication_s``. O(kernels + collectives)."""
+        FSDP2's) and ``communication_s``, and ``update_s``: the part of ``step_s`` inside
+        the optimizer's step (its kernels, their DTensor dispatch, its collectives).
+        O(kernels + collectives)."""
         kind = device_kind or spec.kind
         launch = cost_model.launch_overhead.get(kind, spec.launch_overhead_s)
-        compute = 0.0
+        compute = update = 0.0
         for k in self.kernels:
             if self.fsdp_units and k.name in FSDP_KERNELS:
                 continue  # in FSDP2's measured cost per unit
             ec, em = cost_model.efficiency_on(kind, k.kind)
-            compute += (
+            seconds = (
                 max(k.flops / (spec.peak(k.dtype) * ec), k.bytes / (spec.memory_bandwidth * em))
                 + launch
             )
+            compute += seconds
+            update += seconds if k.update else 0.0
+        per_op = cost_model.dispatch_overhead.get(kind, 0.0)
         if self.fsdp_units:  # FSDP2's measured cost per unit holds its DTensor dispatch
             dispatch = self.fsdp_units * cost_model.fsdp_unit_overhead.get(kind, 0.0)
         else:
-            dispatch = self.dispatched * cost_model.dispatch_overhead.get(kind, 0.0)
-        communication = sum(
-            mesh.collective_time(c.kind, c.nbytes, c.axes) for c in self.collectives
-        )
+            dispatch = self.dispatched * per_op
+            update += self.dispatched_update * per_op
+        communication = 0.0
+        for c in self.collectives:
+            seconds = mesh.collective_time(c.kind, c.nbytes, c.axes)
+            communication += seconds
+            update += seconds if c.update else 0.0
         return {
             "step_s": compute + dispatch + communication,
             "compute_s": compute,
             "dispatch_s": dispatch,
             "communication_s": communication,
+            "update_s": update,
         }
 
 
@@ -224,8 +238,13 @@ def _shapes(values: Any) -> list[list[int] | None]:
 def recorder(program: EngineProgram, axis_of: dict[str, list[str]] | None = None) -> Any:
     """The dispatch mode that fills ``program`` (module docstring) while active;
     ``axis_of`` maps a process group's name to the mesh axes it spans (a collective on
-    any other group is recorded over every axis)."""
+    any other group is recorded over every axis). What runs inside an optimizer's
+    ``step`` (PyTorch's global optimizer step hooks mark it) is recorded as the update."""
     from torch.distributed.tensor import DTensor
+    from torch.optim.optimizer import (
+        register_optimizer_step_post_hook,
+        register_optimizer_step_pre_hook,
+    )
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from meshplace.graph.capture import is_alias
@@ -233,8 +252,28 @@ def recorder(program: EngineProgram, axis_of: dict[str, list[str]] | None = None
 
     axis_of = axis_of or {}
     every_axis = sorted({a for axes in axis_of.values() for a in axes})
+    updating = [False]
+
+    def set_updating(value: bool) -> Callable[..., None]:
+        def hook(*_args: Any) -> None:
+            updating[0] = value
+
+        return hook
 
     class Recorder(TorchDispatchMode):
+        def __enter__(self) -> Any:
+            self.hooks = [
+                register_optimizer_step_pre_hook(set_updating(True)),
+                register_optimizer_step_post_hook(set_updating(False)),
+            ]
+            return super().__enter__()
+
+        def __exit__(self, *exc: Any) -> Any:
+            for handle in self.hooks:
+                handle.remove()
+            updating[0] = False
+            return super().__exit__(*exc)
+
         def __torch_dispatch__(
             self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
         ) -> Any:
@@ -242,6 +281,7 @@ def recorder(program: EngineProgram, axis_of: dict[str, list[str]] | None = None
             if any(issubclass(t, DTensor) for t in types):
                 if not is_alias(func):
                     program.dispatched += 1
+                    program.dispatched_update += updating[0]
                 return NotImplemented  # DTensor runs it; its local kernels come back here
             out = func(*args, **kwargs)
             name = func.overloadpacket.__name__
@@ -253,13 +293,14 @@ def recorder(program: EngineProgram, axis_of: dict[str, list[str]] | None = None
                         COLLECTIVE_KINDS[name],
                         _tensor_bytes(args[0]),
                         axis_of.get(str(group), every_axis),
+                        updating[0],
                     )
                 )
                 return out
             if namespace == "c10d" and name in C10D_COLLECTIVES:
                 kind, position = C10D_COLLECTIVES[name]
                 program.collectives.append(
-                    EngineCollective(kind, _tensor_bytes(args[position]), every_axis)
+                    EngineCollective(kind, _tensor_bytes(args[position]), every_axis, updating[0])
                 )
                 return out
             if name in _NOT_KERNELS or namespace in _NOT_KERNEL_NAMESPACES or is_alias(func):
@@ -274,6 +315,7 @@ def recorder(program: EngineProgram, axis_of: dict[str, list[str]] | None = None
                         flops,
                         _tensor_bytes(args) + _tensor_bytes(out),
                         _first_dtype(args[0]),
+                        updating[0],
                     )
                 )
                 return out
@@ -291,11 +333,19 @@ def recorder(program: EngineProgram, axis_of: dict[str, list[str]] | None = None
                     ),
                     _tensor_bytes((args, kwargs)) + _tensor_bytes(out),
                     _first_dtype(out),
+                    updating[0],
                 )
             )
             return out
 
     return Recorder()
+
+
+def mesh_axes(mesh: Any) -> dict[str, list[str]]:
+    """Each process group of the ``DeviceMesh`` ``mesh`` by name, and the mesh axis it
+    spans (the recorder's ``axis_of``). O(mesh dimensions)."""
+    names = list(mesh.mesh_dim_names or [f"axis{i}" for i in range(mesh.ndim)])
+    return {mesh.get_group(i).group_name: [names[i]] for i in range(mesh.ndim)}
 
 
 def recorded_step(training: Any) -> tuple[Any, int, EngineProgram]:
@@ -304,11 +354,8 @@ def recorded_step(training: Any) -> tuple[Any, int, EngineProgram]:
     by the mesh axis of its process group."""
     import torch.distributed as dist
 
-    mesh = training.mesh
-    names = list(mesh.mesh_dim_names or [f"axis{i}" for i in range(mesh.ndim)])
-    axis_of = {mesh.get_group(i).group_name: [names[i]] for i in range(mesh.ndim)}
     program = EngineProgram(dist.get_world_size(), fsdp_units=training.fsdp_units)
-    with recorder(program, axis_of):
+    with recorder(program, mesh_axes(training.mesh)):
         loss, grad_bytes = training.step()
     return loss, grad_bytes, program
 
@@ -330,6 +377,21 @@ def record_step(
     training.step()
     training.step()
     return recorded_step(training)[2]
+
+
+def record_hybrid_step(
+    plan: dict[str, Any], source: str, *, device_type: str = "cpu", engine: str = "auto"
+) -> EngineProgram:
+    """The step this rank runs for the one-stage hybrid ``plan`` (its micro-batches under
+    torch's pipelining schedule, then the optimizer) as :func:`meshplace.runtime.hybrid.
+    run_hybrid_plan` runs it: one untimed step (it creates Adam's state), the second
+    recorded. O(two training steps)."""
+    from meshplace.runtime.hybrid import run_hybrid_plan
+
+    mine = run_hybrid_plan(
+        plan, source, steps=2, lr=1e-3, device_type=device_type, engine=engine, record_step=1
+    )
+    return EngineProgram.from_dict(mine["program"])
 
 
 def dry_run(
@@ -385,10 +447,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         plan = read_plan(args.plan)
-        if plan.get("format") != "meshplace.parallel_plan" or is_hybrid(plan):
+        if plan.get("format") != "meshplace.parallel_plan":
             raise InputError(
-                f"{args.plan} is not a sharding plan (meshplace shard --out without "
-                "--pipeline): the dry run records DTensor's step of one"
+                f"{args.plan} is not a sharding plan (meshplace shard --out): the dry run "
+                "records DTensor's step of one"
+            )
+        hybrid = is_hybrid(plan)
+        if hybrid and int(plan["mesh"]["shape"][0]) != 1:
+            raise InputError(
+                f"{args.plan} pipelines over {plan['mesh']['shape'][0]} stages: the dry run "
+                "records plans of one stage (a fake process group carries no activations "
+                "between stages)"
             )
         source = model_source(plan, args.model)
         world = math.prod(int(s) for s in plan["mesh"]["shape"])
@@ -396,7 +465,10 @@ def main(argv: list[str] | None = None) -> int:
         try:
             # whatever the model prints goes to stderr: stdout is the one JSON document
             with contextlib.redirect_stdout(sys.stderr):
-                program = record_step(plan, source, engine=args.engine)
+                if hybrid:
+                    program = record_hybrid_step(plan, source, engine=args.engine)
+                else:
+                    program = record_step(plan, source, engine=args.engine)
         finally:
             dist.destroy_process_group()
     except InputError as exc:
@@ -452,6 +524,49 @@ def engine_prediction(
         "calibration": calibration,
         **program_cost(program, plan, loaded, cost_model, devices),
     }
+
+
+def engine_pricer(
+    source: str,
+    cluster: Any,
+    cost_model: Any,
+    *,
+    global_batch: int,
+    engine: str = "auto",
+    programs: dict[str, EngineProgram] | None = None,
+) -> Callable[..., Any]:
+    """The hybrid search's ``engine`` (:data:`meshplace.parallel.hybrid.EnginePricer`) for
+    the model of ``source`` (``FILE.py:build``, inputs of ``global_batch`` rows): for a
+    (tp, micro-batch)'s parts, the one-stage plan with their placements
+    (:func:`meshplace.parallel.cli.one_stage_plan_file`) dry-run (:func:`dry_run`: the
+    torchrun runtime's step, its micro-batches under torch's pipelining schedule, on a
+    fake process group) and priced on the given devices of ``cluster`` by ``cost_model``
+    (:func:`program_cost`): one micro-batch's forward and backward, and the optimizer's
+    step. Raises :class:`InputError` when the engine cannot run the plan. ``programs``
+    (optional) keeps the recorded programs by plan, for pricers of other cost models to
+    reuse. O(one dry run, two training steps of one replica's share, per new plan).
+
+    Example::
+
+        pricer = engine_pricer("model.py:build", cluster, cost_model, global_batch=8)
+        hybrid_search("model.py:build", None, cluster, global_batch=8, engine=pricer, ...)
+    """
+    from meshplace.parallel.cli import one_stage_plan_file
+    from meshplace.parallel.hybrid import EngineCost
+
+    recorded = programs if programs is not None else {}
+
+    def price(parts: Any, layers: int, container: str, devices: Any) -> Any:
+        plan = one_stage_plan_file(parts, layers, container, global_batch, source)
+        key = json.dumps(plan, sort_keys=True)
+        if key not in recorded:
+            recorded[key] = dry_run(plan, source, engine=engine)
+        program = recorded[key]
+        cost = program_cost(program, plan, cluster, cost_model, list(devices))
+        micro_batches = plan["pipeline"]["micro_batches"]
+        return EngineCost((cost["step_s"] - cost["update_s"]) / micro_batches, cost["update_s"])
+
+    return price
 
 
 def program_cost(

@@ -46,6 +46,7 @@ Example (4 ranks: 2 stages x 2 replicas)::
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import time
 from collections.abc import Mapping, Sequence
@@ -304,6 +305,7 @@ def run_hybrid_plan(
     checkpoint_dir: str | None = None,
     fault_step: int | None = None,
     engine: str = "auto",
+    record_step: int | None = None,
 ) -> dict[str, Any]:
     """Train the ``FILE.py:build`` model of ``source`` under the hybrid ``plan`` for
     ``steps`` Adam steps on this rank (``torch.distributed`` initialised with ``pp * dp *
@@ -312,13 +314,16 @@ def run_hybrid_plan(
     them (``rank{R}.pt``, the model's own names). ``fault_step`` (tests): this rank kills
     itself (SIGKILL) in that step's first micro-batch forward. ``engine``: ``"auto"`` runs
     data-parallel stages without tensor parallelism or ZeRO on DDP (:func:`ddp_stages`),
-    ``"dtensor"`` every stage on DTensor."""
+    ``"dtensor"`` every stage on DTensor. ``record_step``: rank 0 records that step's
+    kernels and collectives (:func:`meshplace.runtime.dryrun.recorder`) as ``program``,
+    what :func:`meshplace.runtime.dryrun.dry_run` prices."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.pipelining import SplitPoint, pipeline
     from torch.distributed.pipelining import schedules as torch_schedules
 
     from meshplace.graph.sources import build_from_seed
+    from meshplace.runtime.dryrun import EngineProgram, mesh_axes, recorder
     from meshplace.runtime.pipelined import (
         InputsEnterFirst,
         run_schedule,
@@ -470,6 +475,7 @@ def run_hybrid_plan(
     times: list[float] = []
     losses: list[float | None] = []
     grad_bytes = 0
+    program = EngineProgram(dist.get_world_size())
     from meshplace.runtime.activity import SYNC
 
     for step in range(steps):
@@ -479,21 +485,27 @@ def run_hybrid_plan(
         activity.at(0)
         if step == fault_step:
             activity.kill_at_forward = True
-        start = time.perf_counter()
-        # the schedule runs the backward too: plain tensors (a rotary table) saved for it
-        # meet DTensor gradients there, so the whole step is a sharded step
-        with sharded_step(device_type):
-            micro = run_schedule(runner, first_stage, last_stage, inputs, keywords, target)
-        activity.at(2 * micro_batches)
-        grad_bytes = sum(
-            update.gradients_placed(module)
-            for module, update in zip(modules, weight_updates, strict=True)
+        recording = (
+            recorder(program, mesh_axes(mesh))
+            if step == record_step and rank == 0
+            else contextlib.nullcontext()
         )
-        optimizer.step()
-        for module, update in zip(modules, weight_updates, strict=True):
-            update.after_step()
-            module.zero_grad(set_to_none=True)
-        optimizer.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        with recording:
+            # the schedule runs the backward too: plain tensors (a rotary table) saved for
+            # it meet DTensor gradients there, so the whole step is a sharded step
+            with sharded_step(device_type):
+                micro = run_schedule(runner, first_stage, last_stage, inputs, keywords, target)
+            activity.at(2 * micro_batches)
+            grad_bytes = sum(
+                update.gradients_placed(module)
+                for module, update in zip(modules, weight_updates, strict=True)
+            )
+            optimizer.step()
+            for module, update in zip(modules, weight_updates, strict=True):
+                update.after_step()
+                module.zero_grad(set_to_none=True)
+            optimizer.zero_grad(set_to_none=True)
         if device_type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
@@ -538,6 +550,7 @@ def run_hybrid_plan(
         "uneven": [n for update in weight_updates for n in update.uneven],
         "engine": "dtensor" if ddp is None else "ddp",
         "engine_note": engine_note,
+        "program": program.to_dict() if record_step is not None and rank == 0 else None,
     }
 
 
