@@ -233,7 +233,7 @@ sys.path.insert(0, {folder!r})
 import llama
 
 def build():
-    cfg = dataclasses.replace(llama.CONFIGS["tiny"], batch=4, n_layers=2, seq=16)
+    cfg = dataclasses.replace(llama.CONFIGS["tiny"], batch=1, n_layers=2, seq=16)
     model = llama.Llama(cfg)
     ids = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq))
     return model, (ids,), {{"labels": torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq))}}
@@ -247,29 +247,31 @@ def test_the_hybrid_search_prices_tensor_parallelism_by_the_engines_program(
     runtime's own step, its micro-batches under torch's pipelining schedule — and prices
     it: the program holds DTensor's ops, its collectives on the tensor axis and, apart,
     Adam's step; a one-stage plan of one micro-batch then costs exactly one forward and
-    backward plus the optimizer's step. A pipeline of two stages is refused in one
-    sentence (a fake process group carries no activations)."""
+    backward plus the optimizer's step. ``meshplace shard FILE.py:build --pipeline auto
+    --engine-costs`` prints that plan at that cost in its one JSON document; the flag on
+    a reference workload, or without ``--pipeline auto``, is one sentence and exit 2. A
+    pipeline of two stages is refused by the dry run in one sentence (a fake process
+    group carries no activations)."""
     from meshplace.graph.sources import graph_source
     from meshplace.parallel.cli import one_stage_plan_file
     from meshplace.parallel.hybrid import hybrid_search
     from meshplace.runtime.dryrun import engine_pricer, program_cost
 
     example = Path(__file__).resolve().parents[1] / "examples" / "llama.py"
-    (tmp_path / "llama4.py").write_text(LLAMA.format(folder=str(example.parent)))
-    source = f"{tmp_path / 'llama4.py'}:build"
+    (tmp_path / "llama1.py").write_text(LLAMA.format(folder=str(example.parent)))
+    source = f"{tmp_path / 'llama1.py'}:build"
     cluster = load_cluster("dgx-h100")
     gpus = cluster.ring_order(accelerators(cluster))[:2]
     model = CostModel(dispatch_overhead={cluster.devices[gpus[0]].kind: 2e-5})
     programs: dict[str, EngineProgram] = {}
     result = hybrid_search(
-        source, None, cluster, global_batch=4, chips=2, tensor_parallel=(2,),
-        pipeline_degrees=(1,), micro_batch_sizes=(4,), schedules=("1f1b",), zero_stages=(0,),
-        autocast=None, graphs=lambda b: graph_source(source, batch=b, training=True).graph,
-        synchronous_gradients=True, simulate_top=10,
-        engine=engine_pricer(source, cluster, model, global_batch=4, programs=programs),
+        source, None, cluster, global_batch=1, chips=2, tensor_parallel=(2,),
+        pipeline_degrees=(1,), micro_batch_sizes=(1,), zero_stages=(0,),
+        graphs=lambda b: graph_source(source, batch=b, training=True, autocast="bf16").graph,
+        engine=engine_pricer(source, cluster, model, global_batch=1, programs=programs),
     )  # fmt: skip
     (program,) = programs.values()
-    plan = one_stage_plan_file(result.part_costs[(2, 4)], 2, "layers", 4, source)
+    plan = one_stage_plan_file(result.part_costs[(2, 1)], 2, "layers", 1, source)
     assert json.loads(next(iter(programs))) == json.loads(json.dumps(plan))
     assert program.world_size == 2
     assert 0 < program.dispatched_update < program.dispatched
@@ -282,6 +284,26 @@ def test_the_hybrid_search_prices_tensor_parallelism_by_the_engines_program(
     best = result.best
     assert (best.tp, best.pp, best.dp, best.config.micro_batches) == (2, 1, 1, 1)
     assert best.time_per_batch_s == pytest.approx(cost["step_s"], rel=1e-9)
+    # the command line: the same search, its cost model the catalogue's (no dispatch)
+    command = [sys.executable, "-m", "meshplace.cli", "shard", source, "--cluster", "dgx-h100"]
+    command += ["--chips", "2", "--pipeline", "auto", "--global-batch", "1", "--json"]
+    done = subprocess.run(
+        [*command, "--engine-costs"], capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    data = json.loads(done.stdout)
+    assert data["search"]["tensor_parallelism_priced_by"] == "engine dry run"
+    (tensor,) = [p for p in [data["best"], *data["runners_up"]] if p["tp"] == 2]
+    plain = program_cost(program, plan, cluster, CostModel(), gpus)
+    assert tensor["time_per_batch_s"] == pytest.approx(plain["step_s"], rel=1e-9)
+    for extra, words in (
+        (["--engine-costs"], "applies to --pipeline auto"),
+        (["--pipeline", "auto", "--global-batch", "8", "--engine-costs"], "is not one"),
+    ):
+        bad = [sys.executable, "-m", "meshplace.cli", "shard", "gpt", "--cluster", "dgx-h100"]
+        done = subprocess.run([*bad, *extra], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and words in done.stderr, done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1
     piped = {**plan, "mesh": {**plan["mesh"], "shape": [2, 1, 1]}}
     with pytest.raises(InputError, match="pipelines over 2 stages"):
         dry_run(piped, source)

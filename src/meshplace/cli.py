@@ -345,8 +345,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         return cmd_report(args)
     if args.command == "shard":
         from meshplace.parallel.cli import cmd_shard
+        from meshplace.runtime.dryrun import engine_pricer
 
-        return cmd_shard(args)
+        # the sharding package never imports the runtime: its dry run is handed down
+        return cmd_shard(args, engine_pricer)
     if args.command == "simulate":
         return _cmd_simulate(args)
     raise AssertionError(args.command)  # pragma: no cover - argparse requires a command

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Callable
 from typing import Any
 
 from rich.console import Console
@@ -109,6 +110,14 @@ def add_shard_arguments(parser: argparse.ArgumentParser) -> None:
         "Megatron's tensor-parallel pattern, one recomputation, ZeRO 0/1) scored alike",
     )
     parser.add_argument(
+        "--engine-costs",
+        action="store_true",
+        help="--pipeline auto on a FILE.py:build model: price tensor parallelism by the "
+        "program the torchrun runtime runs for it (a dry run per tensor-parallel degree and "
+        "micro-batch on a fake process group, seconds each) rather than by the solver's op "
+        "strategies",
+    )
+    parser.add_argument(
         "--calibration",
         default=None,
         help="a calibration file (meshplace run --calibration-out): its measured "
@@ -152,11 +161,15 @@ def _method(args: argparse.Namespace) -> str:
     return method
 
 
-def cmd_shard(args: argparse.Namespace) -> int:
+def cmd_shard(args: argparse.Namespace, engine_pricer: Callable[..., Any] | None = None) -> int:
     """``meshplace shard``: dispatch to the program search or the captured-graph search
-    (or, with ``--pipeline auto``, the hybrid search)."""
+    (or, with ``--pipeline auto``, the hybrid search; ``engine_pricer``: what
+    ``--engine-costs`` prices with, :func:`meshplace.runtime.dryrun.engine_pricer`, given
+    by the command line above this package)."""
     if getattr(args, "pipeline", "off") == "auto":
-        return cmd_hybrid(args)
+        return cmd_hybrid(args, engine_pricer)
+    if getattr(args, "engine_costs", False):
+        raise InputError("--engine-costs applies to --pipeline auto")
     if getattr(args, "global_batch", None) is not None:
         raise InputError("--global-batch applies to --pipeline auto; use --batch otherwise")
     if getattr(args, "style", "joint") == "megatron":
@@ -355,9 +368,11 @@ def print_captured(console: Console, result: Any, data: dict[str, Any]) -> None:
 
 
 # ----------------------------------------------------------------- --pipeline auto
-def cmd_hybrid(args: argparse.Namespace) -> int:
+def cmd_hybrid(args: argparse.Namespace, engine_pricer: Callable[..., Any] | None = None) -> int:
     """``meshplace shard MODEL --pipeline auto --global-batch B``: the joint search of
-    :mod:`meshplace.parallel.hybrid`, printed (or ``--json``) and written (``--out``)."""
+    :mod:`meshplace.parallel.hybrid`, printed (or ``--json``) and written (``--out``);
+    ``--engine-costs``: tensor parallelism priced by ``engine_pricer(model, cluster,
+    cost model, global_batch=B)`` (:func:`meshplace.runtime.dryrun.engine_pricer`)."""
     from meshplace.hardware import load_cluster
     from meshplace.models import available, varies_depth
     from meshplace.parallel.hybrid import hybrid_search
@@ -388,9 +403,27 @@ def cmd_hybrid(args: argparse.Namespace) -> int:
             )
     wus = get(args, "weight_update_sharding", "auto") or "auto"
     zero_stages = {"auto": (0, 1, 2, 3), "on": (1, 2, 3), "off": (0,)}[wus]
+    engine_costs = bool(get(args, "engine_costs", False))
+    if engine_costs and (args.model in available() or args.model.endswith(".json")):
+        raise InputError(
+            f"--engine-costs dry-runs the model under the torchrun runtime, which builds a "
+            f"FILE.py:build model; {args.model!r} is not one"
+        )
+    if engine_costs and engine_pricer is None:
+        raise InputError("--engine-costs needs the torchrun runtime (meshplace.runtime)")
     fraction = memory_fraction_of(args)
     cluster = load_cluster(args.cluster)
     cost_model = calibrated_cost_model_of(args, cluster)
+    if engine_costs:
+        from meshplace.cost.compute import CostModel
+
+        fixed_engine = {
+            "engine": engine_pricer(
+                args.model, cluster, cost_model or CostModel(), global_batch=batch
+            )
+        }
+    else:
+        fixed_engine = {}
     console = Console(stderr=True)
     autocast = get(args, "autocast", None) or "bf16"
     with console.status(f"searching {args.model}…", spinner="dots") as status:
@@ -437,6 +470,7 @@ def cmd_hybrid(args: argparse.Namespace) -> int:
             style=get(args, "style", "joint") or "joint",
             progress=lambda m: status.update(f"searching {args.model}: {m}…"),
             **fixed,
+            **fixed_engine,
         )
     best = result.best
     top = max(1, get(args, "top", 5) or 5)
@@ -457,6 +491,7 @@ def cmd_hybrid(args: argparse.Namespace) -> int:
         ],
         "search": {
             "seconds": result.search_s,
+            "tensor_parallelism_priced_by": "engine dry run" if engine_costs else "solver",
             "sharding_solves": result.solves,
             "configurations": result.configurations,
             "skipped": result.skipped,
