@@ -514,7 +514,10 @@ def measure_message_spacing(
 
 
 # ------------------------------------------------------------------ collectives
-COLLECTIVE_SIZES = (4096, 65536, 1 << 20, 4 << 20)
+#: bytes per device the collectives are timed at: up to 16 MiB, the range of the messages
+#: plans send (a model's gradients in one bucket of DDP's 25 MB, ZeRO's gathers); a fit on
+#: at most 4 MiB put an 8 MiB all-reduce of two gloo ranks at 9.7 ms, measured 14.9
+COLLECTIVE_SIZES = (4096, 65536, 1 << 20, 4 << 20, 16 << 20)
 MEASURED_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
 
@@ -664,7 +667,7 @@ def measure_collectives(
     latency and bandwidth (docs/runtime.md), and a DTensor redistribution about twice
     the gloo call again on small tensors (0.57 against 0.30 ms at 1 KiB); measuring the
     collectives themselves is NCCL-tests' approach (``all_reduce_perf``'s ``busbw``).
-    Cost: ``world_size`` processes, ``4 · len(sizes) · (reps + 2)`` collectives (~2-5 s
+    Cost: ``world_size`` processes, ``4 · len(sizes) · (reps + 2)`` collectives (~5-8 s
     for the defaults on 2 ranks). Returns ``{"world_size", "engine", "fits": {kind:
     {"latency_s", "bandwidth"}}, "samples": {kind: [(bytes, seconds)]}}``."""
     if world_size < 2:
