@@ -507,6 +507,17 @@ def _direct_mesh(kinds: list[str], seed: int, transfers: str):
 CLUSTERS["direct-occupy"] = lambda: _direct_mesh(["xeon", "v100", "v100"], 0, "occupy")
 
 
+def test_a_pipeline_of_a_graph_without_weights_reads_only_the_updates_gradient_whole() -> None:
+    """A graph with no weight, whose last op is an optimizer update reading a gradient
+    (hypothesis found one): read as a pipeline, only the op writing that gradient moves
+    bytes whole in every micro-batch (it is accumulated over them)."""
+    g = _chain(4, random.Random(0))
+    g.ops[3].phase = "update"
+    reader = Simulator(g, _cluster("nvlink")).pipeline_reader
+    assert reader.rereads.tolist() == [2]
+    assert reader.per_step_work.sum() == 0
+
+
 @_hypo
 @given(_scenario(), st.integers(0, 3))
 def test_occupying_transfers_make_throughput_the_closed_form(scenario, seed) -> None:

@@ -469,7 +469,8 @@ class PipelineReader:
         step = self.compute & data & ~update
         read = (weight | self.per_step_work)[src] & step[dst]
         written = step[src] & update[dst]
-        whole = np.bincount(dst[read], weights=nbytes[read], minlength=n)
+        # (as float: numpy's bincount of no values is int64, whatever the weights)
+        whole = np.bincount(dst[read], weights=nbytes[read], minlength=n).astype(np.float64)
         whole += np.bincount(src[written], weights=nbytes[written], minlength=n)
         whole = np.minimum(whole, a.bytes_accessed)
         self.rereads = np.flatnonzero((whole > 0) & step)
