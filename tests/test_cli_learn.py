@@ -7,10 +7,7 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
-import textwrap
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,6 +20,7 @@ from meshplace.graph.sources import workload_graph
 from meshplace.hardware import load_cluster
 from meshplace.learn import train_rl
 from meshplace.placers import ManualClock, PlacementProblem, PlacerOptions, run_placer, use_clock
+from tests.forked import killed_after_news
 
 PLAN = ["plan", "dmcca", "--cluster", "colocrl-2gpu", "--placer", "rl"]
 
@@ -59,27 +57,24 @@ def test_progress_is_reported_after_every_update() -> None:
     assert best == sorted(best, reverse=True) and best[-1] >= result.step_time_s
 
 
-# `meshplace plan` (argv[2:]) with the placers' clock frozen, which after writing its first
-# checkpoint says so on file descriptor argv[1] (stdout is the CLI's) and waits to be killed.
-_PLAN_SCRIPT = textwrap.dedent(
-    """
-    import os, sys, threading
-    from meshplace.cli import main
+def _plan_until_its_first_checkpoint(news: int, argv: list[str]) -> None:
+    """``meshplace plan ARGV`` with the placers' clock frozen, which after writing its first
+    checkpoint says so on ``news`` (its stdout, the CLI's, goes nowhere) and waits to be
+    killed."""
     from meshplace.learn import training
-    from meshplace.placers import ManualClock, use_clock
 
     save = training.save_checkpoint
 
-    def save_then_hold(path, state):
+    def save_then_hold(path: Path, state: dict) -> None:
         save(path, state)
-        os.write(int(sys.argv[1]), f"checkpoint {state['done']}\\n".encode())
+        os.write(news, f"checkpoint {state['done']}\n".encode())
         threading.Event().wait()
 
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
     training.save_checkpoint = save_then_hold
     with use_clock(ManualClock()):
-        sys.exit(main(sys.argv[2:]))
-    """
-)
+        main(argv)
 
 
 def test_plan_killed_with_sigkill_resumes_from_its_checkpoint(tmp_path: Path) -> None:
@@ -88,26 +83,9 @@ def test_plan_killed_with_sigkill_resumes_from_its_checkpoint(tmp_path: Path) ->
     ckpt_dir = tmp_path / "ckpt"
     budget = "4"  # 27 updates: a checkpoint at 20 (every 20), then 7 more to resume
     argv = [*PLAN, "--budget", budget, "--json", "--checkpoint-dir", str(ckpt_dir)]
-    news, child_end = os.pipe()
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _PLAN_SCRIPT, str(child_end), *argv],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        pass_fds=(child_end,),
-        env={**os.environ, "PYTHONHASHSEED": "0"},
-    )
-    os.close(child_end)  # so that the read below ends if the child dies without a word
     ckpt = ckpt_dir / "rl.ckpt"
-    try:
-        with os.fdopen(news) as messages:
-            # The first checkpoint (every 20 updates) is on disk and training still runs.
-            assert messages.readline() == "checkpoint 20\n"
-        proc.send_signal(signal.SIGKILL)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-    assert proc.returncode == -signal.SIGKILL
+    # The first checkpoint (every 20 updates) is on disk and training still runs.
+    assert killed_after_news(_plan_until_its_first_checkpoint, argv) == "checkpoint 20\n"
     assert torch.load(ckpt, weights_only=True)["done"] == 20
 
     result = tmp_path / "result.json"

@@ -4,18 +4,25 @@ what the dry run records for each engine."""
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import json
+import multiprocessing
+import os
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
+from meshplace.runtime import dryrun
 from meshplace.runtime.data_parallel import (
     batch_dims,
     data_parallel_stage,
     fsdp_units,
     loss_over_batch,
 )
-from meshplace.runtime.dryrun import dry_run
+from meshplace.runtime.dryrun import EngineProgram
 
 MLP = """\
 import torch
@@ -41,6 +48,48 @@ def build():
 """
 
 MLP_PARAMETERS = {"0.weight": 64 * 256, "0.bias": 256, "2.weight": 256 * 64, "2.bias": 64}
+
+
+def _record(path: str, engine: str, out: str) -> None:
+    """A forked child: ``python -m meshplace.runtime.dryrun``'s ``main`` on the plan at
+    ``path``, its one JSON document written to ``out``; its exit status main's."""
+    torch.set_num_threads(1)  # as the dry run's own process: OMP_NUM_THREADS=1
+    with open(out, "w") as stdout, contextlib.redirect_stdout(stdout):
+        status = dryrun.main([path, "--engine", engine])
+    os._exit(status)
+
+
+#: what a dry run imports (DTensor, DDP, FSDP2, the fake process group, the runtime),
+#: imported here once so that each forked child starts with it
+DRY_RUN_IMPORTS = (
+    "torch.distributed.tensor",
+    "torch.distributed.fsdp",
+    "torch.nn.parallel",
+    "torch.testing._internal.distributed.fake_pg",
+    "meshplace.graph.capture",
+    "meshplace.runtime.launch",
+    "meshplace.runtime.sharded",
+)
+
+
+def dry_run(plan: dict, engine: str = "auto") -> EngineProgram:
+    """What :func:`meshplace.runtime.dryrun.dry_run` records (rank 0's step of ``plan`` on a
+    fake process group, by the module's own ``main``), in a forked child of this process
+    rather than a fresh interpreter: importing torch there was most of this file's time
+    (``dry_run`` itself, its process and its refusals, is tested in
+    tests/test_runtime_dryrun.py)."""
+    for name in DRY_RUN_IMPORTS:
+        importlib.import_module(name)
+    with tempfile.TemporaryDirectory(prefix="meshplace-dryrun-") as folder:
+        path, out = Path(folder) / "plan.json", Path(folder) / "program.json"
+        path.write_text(json.dumps(plan))
+        child = multiprocessing.get_context("fork").Process(
+            target=_record, args=(str(path), engine, str(out))
+        )
+        child.start()
+        child.join(timeout=600)
+        assert child.exitcode == 0, child.exitcode
+        return EngineProgram.from_dict(json.loads(out.read_text()))
 
 
 def pure_data_parallel_plan(source: str, parameters: list[str], zero: int) -> dict:

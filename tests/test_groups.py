@@ -24,7 +24,7 @@ def _is_acyclic_quotient(graph: OpGraph, group_of) -> bool:
 
 
 # No wall-clock limits: neither per example (deadline) nor on generating data (too_slow).
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(random_dags(max_ops=60), st.one_of(st.none(), st.integers(1, 20)), st.booleans())
 def test_group_graph_is_always_acyclic(graph: OpGraph, max_groups, colocate: bool) -> None:
     grouping = group_ops(graph, max_groups, colocate=colocate)
@@ -40,7 +40,7 @@ def test_group_graph_is_always_acyclic(graph: OpGraph, max_groups, colocate: boo
 
 
 # No wall-clock limits: neither per example (deadline) nor on generating data (too_slow).
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(random_dags(max_ops=60))
 def test_group_ids_follow_a_topological_order(graph: OpGraph) -> None:
     grouping = group_ops(graph, 8)

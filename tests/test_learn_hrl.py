@@ -8,10 +8,7 @@ from __future__ import annotations
 import functools
 import json
 import os
-import signal
-import subprocess
-import sys
-import textwrap
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -44,6 +41,7 @@ from meshplace.placers import (
     run_placer,
     use_clock,
 )
+from tests.forked import killed_after_news
 
 SMALL = HRLConfig(checkpoint_every=3)
 
@@ -180,47 +178,24 @@ def test_interrupted_training_resumes_to_the_same_plan(tmp_path: Path) -> None:
         train_hrl(problem, 60.0, 6, updates=8, config=SMALL, checkpoint=ckpt, resume=True)
 
 
-# Trains, and after update 5 (its last checkpoint: update 4) says so and waits to be killed.
-_TRAIN_SCRIPT = textwrap.dedent(
-    """
-    import sys, threading
-    from meshplace.graph.sources import workload_graph
-    from meshplace.hardware import load_cluster
-    from meshplace.learn import HRLConfig, train_hrl
-    from meshplace.placers import PlacementProblem
+def _train_until_update_5(news: int, checkpoint: str) -> None:
+    """Trains, and after update 5 (its last checkpoint: update 4) says so on ``news`` and
+    waits to be killed."""
 
-    def hold(done, total, best):
+    def hold(done: int, total: int, best: float) -> None:
         if done == 5:
-            print("update 5", flush=True)
+            os.write(news, b"update 5\n")
             threading.Event().wait()
 
     p = PlacementProblem.build(workload_graph("dmcca"), load_cluster("colocrl-2gpu"))
     train_hrl(p, 600.0, 7, updates=16, config=HRLConfig(checkpoint_every=2),
-              checkpoint=sys.argv[1], progress=hold)
-    """
-)
+              checkpoint=checkpoint, progress=hold)  # fmt: skip
 
 
 def test_training_killed_with_sigkill_resumes_to_the_same_plan(tmp_path: Path) -> None:
     ckpt = tmp_path / "killed.pt"
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _TRAIN_SCRIPT, str(ckpt)],
-        stdout=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "PYTHONHASHSEED": "0"},
-    )
-    try:
-        assert proc.stdout is not None
-        # The child is mid-training (update 5 made, its checkpoint holds update 4).
-        assert proc.stdout.readline() == "update 5\n"
-        proc.send_signal(signal.SIGKILL)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
-    assert proc.returncode == -signal.SIGKILL
+    # The child is mid-training (update 5 made, its checkpoint holds update 4) when killed.
+    assert killed_after_news(_train_until_update_5, str(ckpt)) == "update 5\n"
     assert torch.load(ckpt, weights_only=True)["done"] == 4
     problem = _problem("dmcca", "colocrl-2gpu")
     config = HRLConfig(checkpoint_every=2)

@@ -83,9 +83,13 @@ def tight_plan(graph: Any, mesh_shape: tuple[int, ...] = (2, 2), slack: float = 
 def _rank(
     body: Any, rank: int, models: tuple[str, ...], plans: dict, store_path: str, out_dir: str
 ) -> None:
-    """One spawned rank: join the gloo group, run ``body(rank, models, plans, out_dir)``,
+    """One forked rank: join the gloo group, run ``body(rank, models, plans, out_dir)``,
     leave the group and end the process without interpreter finalisation, where gloo's
-    worker threads still holding finished work can abort it (pytorch/pytorch#179291)."""
+    worker threads still holding finished work can abort it (pytorch/pytorch#179291).
+    Forked, not spawned: a fresh interpreter importing torch was most of the test's time.
+    One thread: the host's cores are shared by 4 ranks, and the OpenMP pool of the parent
+    does not survive the fork."""
+    torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, 4), rank=rank, world_size=4)
     body(rank, models, plans, out_dir)
     leave_and_exit()
@@ -117,10 +121,10 @@ def four_ranks(start_method: str, target: Any, args_of: Any) -> None:
 
 
 def on_four_ranks(body: Any, models: tuple[str, ...], plans: dict, tmp_path: Path) -> None:
-    """Run ``body(rank, models, plans, out_dir)`` on 4 spawned gloo ranks; each must end
+    """Run ``body(rank, models, plans, out_dir)`` on 4 forked gloo ranks; each must end
     cleanly (an exception in ``body`` exits non-zero)."""
     store = str(tmp_path / "store")
-    four_ranks("spawn", _rank, lambda r: (body, r, models, plans, store, str(tmp_path)))
+    four_ranks("fork", _rank, lambda r: (body, r, models, plans, store, str(tmp_path)))
 
 
 MODELS = ("mlp", "llama")
