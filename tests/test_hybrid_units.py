@@ -183,3 +183,9 @@ def test_the_cli_cuts_a_users_model_between_units(tmp_path: Path, capsys) -> Non
     assert main([*argv, "--pipeline", "auto", "--global-batch", "16", "--style", "megatron"]) == 2
     err = capsys.readouterr().err
     assert "no stack of identical layers" in err and err.count("\n") == 1
+    # the engine's dry run prices a layer stack's tensor parallelism only: said, not implied
+    assert main([*argv, "--pipeline", "auto", "--global-batch", "16", "--json",
+                 "--engine-costs"]) == 0  # fmt: skip
+    search = json.loads(capsys.readouterr().out)["search"]
+    assert search["tensor_parallelism_priced_by"] == "solver"
+    assert "cut between units" in search["skipped"]["engine"]

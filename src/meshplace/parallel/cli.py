@@ -491,7 +491,9 @@ def cmd_hybrid(args: argparse.Namespace, engine_pricer: Callable[..., Any] | Non
         ],
         "search": {
             "seconds": result.search_s,
-            "tensor_parallelism_priced_by": "engine dry run" if engine_costs else "solver",
+            "tensor_parallelism_priced_by": (
+                "engine dry run" if engine_costs and not result.units else "solver"
+            ),
             "sharding_solves": result.solves,
             "configurations": result.configurations,
             "skipped": result.skipped,

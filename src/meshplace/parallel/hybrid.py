@@ -1753,7 +1753,12 @@ def hybrid_search(
                     solved[(tp, b)] = parts[(tp, b)]
             except (ShardingError, LayoutError) as exc:
                 skipped[f"tp{max(tp, 1)} mb{b}"] = str(exc)
-    if engine is not None and not units:
+    if engine is not None and units:
+        skipped["engine"] = (
+            "the model is cut between units, whose tensor parallelism the sharding solver "
+            "prices: the engine's dry run prices a layer stack's only"
+        )
+    elif engine is not None:
         for (tp, b), pc in sorted(parts.items()):
             if tp < 2 or not isinstance(pc, PartCosts):
                 continue
