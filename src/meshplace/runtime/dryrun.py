@@ -28,6 +28,13 @@ process stands in for every rank); rank 0 holds the largest block of any uneven 
 :meth:`EngineProgram.predict` sums the kernels' roofline times, DTensor's dispatch per
 op and the collectives (synchronous on this engine: nothing overlaps).
 
+A hybrid plan of one stage (``meshplace shard --pipeline auto``'s, micro-batches under
+torch's pipelining schedule) is recorded the same way through
+:func:`meshplace.runtime.hybrid.run_hybrid_plan`'s own step (:func:`record_hybrid_step`);
+:func:`engine_pricer` prices those for the hybrid search, each (tp, micro-batch) as the
+engine runs it. What runs inside the optimizer's step is marked (``update``), so a
+prediction can tell a micro-batch's forward and backward from the once-a-step update.
+
 Complexity: one training step of one rank's share on the host (real tensors: the rank's
 share must fit the host's memory), plus O(kernels) to cost it.
 
