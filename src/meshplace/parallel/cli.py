@@ -511,6 +511,19 @@ def cmd_hybrid(args: argparse.Namespace, engine_pricer: Callable[..., Any] | Non
     return 0
 
 
+def stage_parameters(tensor_placements: dict[str, str], zero: int) -> dict[str, Any]:
+    """A hybrid plan file's ``parameters``: each parameter replicated over a stage's data
+    axis, placed on its tensor axis as ``tensor_placements`` says, under ZeRO ``zero``.
+
+    >>> stage_parameters({"w": "Shard(0)"}, 1)
+    {'w': {'placements': ['Replicate()', 'Shard(0)'], 'zero': 1}}
+    """
+    return {
+        name: {"placements": ["Replicate()", placement], "zero": zero}
+        for name, placement in sorted(tensor_placements.items())
+    }
+
+
 def hybrid_plan_file(result: Any, plan: Any, cluster: str) -> dict[str, Any]:
     """The hybrid plan as a ``meshplace.parallel_plan`` document with its ``stages``."""
     from meshplace.parallel.hybrid import INTERLEAVE_CHUNKS
@@ -556,10 +569,7 @@ def hybrid_plan_file(result: Any, plan: Any, cluster: str) -> dict[str, Any]:
         # inside each stage: the stage's (data, tensor) mesh; a parameter's placements
         # are over it (replicated over data, weight-update sharded by `zero`)
         "stage_mesh": {"shape": [c.dp, c.tp], "axes": ["data", "tensor"]},
-        "parameters": {
-            name: {"placements": ["Replicate()", placement], "zero": c.zero}
-            for name, placement in sorted(plan.tensor_placements.items())
-        },
+        "parameters": stage_parameters(plan.tensor_placements, c.zero),
         "inputs": {},
         "ops": plan.strategies,
         "stages": stages,
@@ -596,10 +606,7 @@ def one_stage_plan_file(
         "graph": {"source": source, "name": source, "layers": layers, "layer_container": container},
         "mesh": {"shape": [1, 1, parts.tp], "axes": ["pipe", "data", "tensor"]},
         "stage_mesh": {"shape": [1, parts.tp], "axes": ["data", "tensor"]},
-        "parameters": {
-            name: {"placements": ["Replicate()", placement], "zero": 0}
-            for name, placement in sorted(parts.tensor_placements.items())
-        },
+        "parameters": stage_parameters(parts.tensor_placements, 0),
         "inputs": {},
         "stages": [
             {
