@@ -57,6 +57,9 @@ class CostCalibration(BaseModel):
         peak_flops: float32 FLOP/s the compute efficiencies are relative to.
         memory_bandwidth: bytes/s the memory efficiencies are relative to.
         launch_overhead_s: fixed seconds per kernel.
+        kernel_overhead_s: op kind → fixed seconds per kernel of that kind, where the fit
+            measured one (:func:`meshplace.profile.calibrate.fit_cost_model`, from op times
+            at two batch sizes); kinds not listed pay ``launch_overhead_s``.
         efficiency: op kind → (compute, memory) efficiency, fitted; op kinds not listed
             keep the cost model's defaults.
         message_cpu: (send s, send s/byte, receive s, receive s/byte) of compute a message
@@ -97,6 +100,7 @@ class CostCalibration(BaseModel):
     peak_flops: _Positive
     memory_bandwidth: _Positive
     launch_overhead_s: _NonNegative
+    kernel_overhead_s: dict[str, _NonNegative] = Field(default_factory=dict)
     efficiency: dict[str, tuple[_Positive, _Positive]] = Field(default_factory=dict)
     message_cpu: tuple[_NonNegative, _NonNegative, _NonNegative, _NonNegative] | None = None
     collectives: dict[
@@ -170,6 +174,13 @@ def calibrated_cost_model(
         efficiency=dict(base.efficiency),
         fallback=base.fallback,
         launch_overhead={**base.launch_overhead, kind: calibration.launch_overhead_s},
+        kernel_overhead={
+            **base.kernel_overhead,
+            kind: {
+                **base.kernel_overhead.get(kind, {}),
+                **{k: float(v) for k, v in calibration.kernel_overhead_s.items()},
+            },
+        },
         use_measured=base.use_measured,
         message_cpu=message_cpu,
         device_efficiency={
@@ -217,22 +228,32 @@ def calibration_from_fit(
 ) -> CostCalibration:
     """The :class:`CostCalibration` of a fit of measured op times
     (:func:`meshplace.profile.calibrate.fit_cost_model`'s report ``fit``: its launch
-    overhead and per op kind efficiency) on a device measured at ``device``'s
-    ``peak_flops`` and ``memory_bandwidth``.
+    overhead; per op kind its compute and memory efficiency, or one ``efficiency`` for
+    both, and its fixed cost ``fixed_s`` where fitted) on a device measured at
+    ``device``'s ``peak_flops`` and ``memory_bandwidth``.
 
-    >>> calibration_from_fit("local-cpu", {"peak_flops": 1e11, "memory_bandwidth": 1e10},
-    ...     {"launch_overhead_s": 4e-6, "kinds": {"matmul": {"efficiency": 0.5}}},
-    ...     None, "test").efficiency
-    {'matmul': (0.5, 0.5)}
+    >>> fitted = calibration_from_fit("local-cpu", {"peak_flops": 1e11, "memory_bandwidth": 1e10},
+    ...     {"launch_overhead_s": 4e-6, "kinds": {"matmul": {"efficiency": 0.5},
+    ...      "elementwise": {"compute_efficiency": 0.2, "memory_efficiency": 0.4,
+    ...                      "fixed_s": 2e-5}}}, None, "test")
+    >>> fitted.efficiency, fitted.kernel_overhead_s
+    ({'elementwise': (0.2, 0.4), 'matmul': (0.5, 0.5)}, {'elementwise': 2e-05})
     """
+    kinds = sorted(fit.get("kinds", {}).items())
     return CostCalibration(
         device_kind=device_kind,
         peak_flops=float(device["peak_flops"]),
         memory_bandwidth=float(device["memory_bandwidth"]),
         launch_overhead_s=float(fit["launch_overhead_s"]),
+        kernel_overhead_s={
+            k: float(v["fixed_s"]) for k, v in kinds if v.get("fixed_s") is not None
+        },
         efficiency={  # kinds the fit left at the default (launch-bound) stay default
-            k: (float(v["efficiency"]), float(v["efficiency"]))
-            for k, v in sorted(fit.get("kinds", {}).items())
+            k: (
+                float(v["compute_efficiency"] if "compute_efficiency" in v else v["efficiency"]),
+                float(v["memory_efficiency"] if "memory_efficiency" in v else v["efficiency"]),
+            )
+            for k, v in kinds
             if not v.get("launch_bound")
         },
         message_cpu=message_cpu,

@@ -7,9 +7,13 @@ For op *i* on a device of kind *k*:
   launch overhead, since it was measured end to end;
 * otherwise ``max(flops / (peak(dtype) · e_c), bytes / (bandwidth · e_m)) + launch``
   (Williams et al., "Roofline", CACM 2009), where ``e_c`` and ``e_m`` are per-op-kind
-  efficiencies. Real models reach at most ~52 % of peak (Li et al., across-stack profiling,
-  IPDPS 2020), so the defaults below are deliberately below 1; calibration against a
-  profile replaces them with measured ones;
+  efficiencies (of the exact operator where calibration fitted one, else of the op kind)
+  and ``launch`` the operator's or op kind's fixed cost where calibration measured one
+  (``kernel_overhead``: a GELU of a few thousand elements on one CPU thread costs ~25 us
+  whatever its size, an Adam ``mul`` of a bias ~8 us), else the device's. Real models
+  reach at most ~52 % of peak (Li et al., across-stack profiling, IPDPS 2020), so the
+  defaults below are deliberately below 1; calibration against a profile replaces them
+  with measured ones;
 * ops that are not kernels (``parameter``, ``buffer``, ``input``) take no time;
 * an op whose ``unsupported`` lists the device's kind or category cannot run there: its
   time is infinite, so every plan that puts it there is infinitely slow and never chosen.
@@ -92,6 +96,9 @@ class CostModel:
         efficiency: op kind → (compute efficiency, memory efficiency), each in (0, 1].
         fallback: efficiency for kinds not in ``efficiency``.
         launch_overhead: device kind → seconds, overriding the device spec's value.
+        kernel_overhead: device kind → op kind → seconds of fixed cost per kernel of that
+            op kind, overriding ``launch_overhead`` for it (a calibration's fit over op
+            times at two batch sizes, :func:`meshplace.profile.calibrate.fit_cost_model`).
         device_efficiency: device kind → op kind → (compute, memory) efficiency, overriding
             ``efficiency`` on that kind (a calibration file's fit,
             :func:`meshplace.cost.calibration.calibrated_cost_model`).
@@ -133,17 +140,27 @@ class CostModel:
     pipeline_overhead: dict[str, float] = field(default_factory=dict)
     pipeline_exchange: dict[str, tuple[float, float]] = field(default_factory=dict)
     fsdp_unit_overhead: dict[str, float] = field(default_factory=dict)
+    kernel_overhead: dict[str, dict[str, float]] = field(default_factory=dict)
 
-    def efficiency_on(self, device_kind: str | None, op_kind: str) -> tuple[float, float]:
+    def efficiency_on(
+        self, device_kind: str | None, op_kind: str, target: str = ""
+    ) -> tuple[float, float]:
         """(compute, memory) efficiency of ``op_kind`` ops on ``device_kind`` devices: the
-        kind's calibrated value, else the model-wide one, else the fallback.
+        device kind's calibrated value for the exact operator ``target``
+        (``aten.gelu.default``), else for the op kind, else the model-wide one (operator,
+        then kind), else the fallback.
 
         >>> cm = CostModel(device_efficiency={"cpu": {"matmul": (0.2, 0.3)}})
         >>> cm.efficiency_on("cpu", "matmul"), cm.efficiency_on("gpu", "matmul")
         ((0.2, 0.3), (0.7, 0.7))
         """
         own = self.device_efficiency.get(device_kind or "", {})
-        return own.get(op_kind) or self.efficiency.get(op_kind, self.fallback)
+        return (
+            (target and own.get(target))
+            or own.get(op_kind)
+            or (target and self.efficiency.get(target))
+            or self.efficiency.get(op_kind, self.fallback)
+        )
 
     def launch_on(self, device_kind: str, spec: DeviceLike) -> float:
         """Seconds of fixed cost per kernel on ``device_kind``: the calibrated launch
@@ -156,6 +173,77 @@ class CostModel:
         """
         launch = self.launch_overhead.get(device_kind, spec.launch_overhead_s)
         return launch + self.dispatch_overhead.get(device_kind, 0.0)
+
+    def kernel_fixed(
+        self, device_kind: str, spec: DeviceLike, op_kind: str, target: str = ""
+    ) -> float:
+        """Seconds of fixed cost of one ``op_kind`` kernel (exact operator ``target``) on
+        ``device_kind``, the engine's dispatch not included: the operator's calibrated
+        fixed cost (``kernel_overhead``), else the op kind's, else the device's launch
+        overhead (calibrated, else the spec's).
+
+        >>> from meshplace.hardware import device_spec
+        >>> cm = CostModel(launch_overhead={"cpu": 5e-6},
+        ...                kernel_overhead={"cpu": {"elementwise": 2.5e-5}})
+        >>> [round(cm.kernel_fixed("cpu", device_spec("cpu"), k) * 1e6, 6)
+        ...  for k in ("elementwise", "matmul")]
+        [25.0, 5.0]
+        """
+        fixed = self.kernel_overhead.get(device_kind, {})
+        own = fixed.get(target) if target else None
+        own = fixed.get(op_kind) if own is None else own
+        if own is None:
+            return self.launch_overhead.get(device_kind, spec.launch_overhead_s)
+        return own
+
+    def kernel_launch(
+        self, device_kind: str, spec: DeviceLike, op_kind: str, target: str = ""
+    ) -> float:
+        """:meth:`kernel_fixed` plus the engine's dispatch overhead: what an op of the
+        graph pays beyond its roofline time."""
+        return self.kernel_fixed(device_kind, spec, op_kind, target) + self.dispatch_overhead.get(
+            device_kind, 0.0
+        )
+
+    def launches(self, graph: OpGraph, device_kind: str, spec: DeviceLike) -> np.ndarray:
+        """Per op of ``graph``, :meth:`kernel_launch` on ``device_kind`` (0 for ops that
+        are not kernels). O(V)."""
+        memo: dict[tuple[str, str], float] = {}
+        out = np.zeros(graph.num_ops)
+        for i, o in enumerate(graph.ops):
+            if o.kind in NON_KERNEL_KINDS:
+                continue
+            key = (o.kind, o.target)
+            if key not in memo:
+                memo[key] = self.kernel_launch(device_kind, spec, o.kind, o.target)
+            out[i] = memo[key]
+        return out
+
+    def kernel_seconds(
+        self,
+        device_kind: str,
+        spec: DeviceLike,
+        op_kind: str,
+        flops: float,
+        nbytes: float,
+        dtype: str = "float32",
+        target: str = "",
+    ) -> float:
+        """The roofline time of one ``op_kind`` kernel of ``flops`` and ``nbytes`` on
+        ``device_kind`` with its fixed cost (:meth:`kernel_fixed`; an engine's program
+        counts its dispatch per dispatched op): what :meth:`op_times` charges an op
+        without a measured time, for kernels that are not ops of a graph (an engine's
+        recorded program, :mod:`meshplace.runtime.dryrun`).
+
+        >>> from meshplace.hardware import device_spec
+        >>> cm = CostModel(efficiency={"matmul": (0.5, 0.5)}, launch_overhead={"cpu": 0.0})
+        >>> spec = device_spec("cpu")
+        >>> cm.kernel_seconds("cpu", spec, "matmul", spec.peak("float32"), 0.0)
+        2.0
+        """
+        ec, em = self.efficiency_on(device_kind, op_kind, target)
+        roof = max(flops / (spec.peak(dtype) * ec), nbytes / (spec.memory_bandwidth * em))
+        return roof + self.kernel_fixed(device_kind, spec, op_kind, target)
 
     def roofline_terms(self, graph: OpGraph, spec: DeviceLike) -> tuple[np.ndarray, np.ndarray]:
         """Per op, the two sides of the roofline on one device kind: seconds of arithmetic
@@ -170,7 +258,7 @@ class CostModel:
         peaks: dict[str, float] = {}
         device_kind = getattr(spec, "kind", None)
         for i, o in enumerate(ops):
-            ec, em = self.efficiency_on(device_kind, o.kind)
+            ec, em = self.efficiency_on(device_kind, o.kind, o.target)
             dt = o.output_dtypes[0] if o.output_dtypes else "float32"
             if dt not in peaks:
                 peaks[dt] = spec.peak(dt)
@@ -184,6 +272,7 @@ class CostModel:
         ops = graph.ops
         n = len(ops)
         kind_names = [o.kind for o in ops]
+        operators = [o.target for o in ops]
         kernel = np.array([k not in NON_KERNEL_KINDS for k in kind_names])
         dtypes = [o.output_dtypes[0] if o.output_dtypes else "float32" for o in ops]
         out: dict[str, np.ndarray] = {}
@@ -191,10 +280,10 @@ class CostModel:
             eff_c = np.empty(n)
             eff_m = np.empty(n)
             for i, k in enumerate(kind_names):
-                eff_c[i], eff_m[i] = self.efficiency_on(kind, k)
+                eff_c[i], eff_m[i] = self.efficiency_on(kind, k, operators[i])
             peak_by_dtype = {dt: spec.peak(dt) for dt in set(dtypes)}
             peak = np.array([peak_by_dtype[dt] for dt in dtypes])
-            launch = self.launch_on(kind, spec)
+            launch = self.launches(graph, kind, spec)
             compute = arrays.flops / (peak * eff_c)
             memory = arrays.bytes_accessed / (spec.memory_bandwidth * eff_m)
             t = np.where(kernel, np.maximum(compute, memory) + launch, 0.0)

@@ -216,7 +216,8 @@ class Evaluator:
         # measured efficiencies and launch cost; the default gives the roofline's
         self.cost_model = cost_model or CostModel()
         self.device_kind = dev.kind
-        self.launch = self.cost_model.launch_on(dev.kind, spec)
+        self.spec = spec
+        self._launch: dict[str, float] = {}  # op kind -> fixed cost per kernel
         self.capacity = spec.memory_bytes * memory_fraction
         self.axis_size = dict(zip(mesh.axis_names, mesh.shape, strict=True))
         self.axis_order = {a: i for i, a in enumerate(mesh.axis_names)}
@@ -306,7 +307,11 @@ class Evaluator:
         model_wide = self.cost_model.efficiency.get(eff)
         ec, em = measured or model_wide or _EFF.get(eff, FALLBACK_EFFICIENCY)
         work = max(flops / (self.peak * ec), nbytes / (self.bandwidth * em))
-        return work + self.launch if launch else work
+        if not launch:
+            return work
+        if eff not in self._launch:
+            self._launch[eff] = self.cost_model.kernel_launch(self.device_kind, self.spec, eff)
+        return work + self._launch[eff]
 
     # ------------------------------------------------------------------ per op
     def op_cost(self, i: int, rules: Mapping[str, str | None]) -> _OpCost:

@@ -204,7 +204,7 @@ class ShardingProblem:
         cm = cost_model or CostModel()
         self.op_time = cm.op_times(graph, {dev.kind: dev.spec})[dev.kind]
         self.arith_s, self.byte_s = cm.roofline_terms(graph, dev.spec)
-        self.launch = cm.launch_on(dev.kind, dev.spec)
+        self.launch = cm.launches(graph, dev.kind, dev.spec)  # per op
         self.state_factor = state_bytes_per_param_byte
         self.dims: list[OpDims | None] = []
         for o in graph.ops:
@@ -432,7 +432,7 @@ class ShardingProblem:
         t = float(self.op_time[i])
         if blocks <= 1 or t <= 0:
             return t
-        return max(t - self.launch, 0.0) / blocks + self.launch
+        return max(t - self.launch[i], 0.0) / blocks + self.launch[i]
 
     # ------------------------------------------------------------------ strategies
     def _assignments(self, labels: dict[str, list[int]]) -> list[tuple[str | None, ...]]:
@@ -562,7 +562,8 @@ class ShardingProblem:
             else:
                 st.compute_s += self._op_seconds(i, blocks)
         if self.compute == "fused" and len(g.members) > 1:
-            st.compute_s += max(arith, moved) + self.launch
+            # one kernel: the largest fixed cost of the ops fused into it
+            st.compute_s += max(arith, moved) + float(self.launch[g.members[1:]].max())
         # resharding inside the group
         for pos, i in enumerate(g.members):
             for j, rec in enumerate(ops[i].operands or []):

@@ -25,13 +25,16 @@ Four measurements (all single-threaded, like the runtime's workers):
 Predictions (:meth:`Calibration.predict`) simulate with ``in_order=True``: a worker walks
 the graph in one global order and blocks on a receive even when later nodes are ready.
 
-From the op times, :func:`fit_cost_model` fits the launch overhead (median time of ops whose
-roofline time is negligible) and, per op kind, one scale ``r`` such that
-``t ≈ launch + r · max(flops/peak, bytes/bandwidth)``, the ratio of the kind's summed times
-beyond the launches to its summed roofline times, so the fitted model keeps each kind's
-total (what a step is made of); efficiencies are ``1/r`` clipped to (0, 1]. This is the roofline
-(Williams et al., CACM 2009) with measured per-kind efficiencies, as across-stack profiling
-(Li et al., XSP, IPDPS 2020) recommends over datasheet peaks.
+From the op times — of the step at its batch and, by default, of the same step on one of
+8 (4, 2) micro-batches (:func:`micro_step_of`) — :func:`fit_cost_model` fits the launch
+overhead (median time of ops whose roofline time is negligible) and, per op kind and per
+exact operator whose ops span two sizes, the roofline with a fixed cost,
+``t ≈ fixed + max(flops / (peak e_c), bytes / (bandwidth e_m))``, by least squares
+(:func:`fit_roofline`). This is the roofline (Williams et al., CACM 2009) with measured
+per-kind efficiencies, as across-stack profiling (Li et al., XSP, IPDPS 2020) recommends
+over datasheet peaks; the fixed cost per operator and the second size are what make it
+hold at the small micro-batches of pipelines (one rate per kind fitted at the full batch
+put them 30-40 % low: docs/runtime.md, session 39).
 
 Example
 -------
@@ -301,25 +304,101 @@ def op_times_table(graph: OpGraph, seconds: np.ndarray, device_kind: str = LOCAL
 
 
 # ------------------------------------------------------------------ fitting
+#: An operator gets a fit of its own when its timed ops' roofline times span this ratio
+#: (the step at two batch sizes gives each batch-dependent operator two sizes); else it
+#: shares its op kind's fit.
+OPERATOR_SPAN = 1.5
+#: Fitted efficiencies relative to the measured peak and bandwidth lie in this range: the
+#: probes (a 384x384 matmul, a 64 MiB copy) are not the device's true peaks, and a larger
+#: matmul or a cache-resident operand beats them.
+EFFICIENCY_RANGE = (1e-4, 4.0)
+
+
+def fit_roofline(
+    x_compute: np.ndarray, x_memory: np.ndarray, seconds: np.ndarray, launch: float
+) -> dict[str, Any]:
+    """One group's (an op kind's or an operator's) roofline with a fixed cost,
+    ``t ≈ fixed + max(x_compute / e_c, x_memory / e_m)``, fitted to measured ``seconds``
+    by least squares (:func:`scipy.optimize.least_squares`, residuals in units of the
+    group's mean time, so the group's large ops weigh as much as they cost); ``x_*`` are
+    each op's seconds at the measured peak and bandwidth. Starts from the device's
+    ``launch`` and the group's total rate; an efficiency the data cannot see (every op
+    compute-bound says nothing of ``e_m``) stays at that start. A group whose every op is
+    launch-bound (its roofline under 5 % of its time beyond ``launch``) shows no rate: it
+    keeps the default efficiency and its median time is its fixed cost
+    (``launch_bound``). Returns ``fixed_s``, ``compute_efficiency``,
+    ``memory_efficiency``, ``efficiency`` (= the compute one), ``ops`` and the fit's
+    ``median_error`` (relative, per op). O(ops · iterations).
+
+    >>> x = np.array([1e-5, 1e-4, 1e-5, 1e-4])
+    >>> t = 2e-5 + x / 0.5
+    >>> fit = fit_roofline(x, np.zeros(4), t, 1e-6)
+    >>> round(fit["fixed_s"] * 1e6, 3), round(fit["compute_efficiency"], 3)
+    (20.0, 0.5)
+    """
+    from scipy.optimize import least_squares
+
+    x = np.maximum(x_compute, x_memory)
+    if not (x >= 0.05 * np.maximum(seconds - launch, 0.0)).any() or not (x > 0).any():
+        return {
+            "ops": len(seconds),
+            "fixed_s": float(np.median(seconds)),
+            "launch_bound": True,
+            "median_error": None,
+        }
+    fixed0 = min(launch, float(seconds.min()))
+    rate0 = float(np.maximum(seconds - fixed0, 0.0).sum() / x.sum())
+    low, high = (-np.log(EFFICIENCY_RANGE[1]), -np.log(EFFICIENCY_RANGE[0]))
+    log_rate0 = float(np.clip(np.log(max(rate0, 1e-12)), low, high))
+    scale = float(seconds.mean())
+
+    def predicted(p: np.ndarray) -> np.ndarray:  # p: fixed / scale, log rates
+        return p[0] * scale + np.maximum(x_compute * np.exp(p[1]), x_memory * np.exp(p[2]))
+
+    fit = least_squares(
+        lambda p: (predicted(p) - seconds) / scale,
+        [fixed0 / scale, log_rate0, log_rate0],
+        bounds=([0.0, low, low], [max(float(seconds.min()) / scale, 1e-12), high, high]),
+        xtol=1e-12,
+        ftol=1e-12,
+    )
+    err = np.abs(predicted(fit.x) - seconds) / np.maximum(seconds, 1e-12)
+    e_c, e_m = float(np.exp(-fit.x[1])), float(np.exp(-fit.x[2]))
+    return {
+        "ops": len(seconds),
+        "fixed_s": float(fit.x[0] * scale),
+        "compute_efficiency": e_c,
+        "memory_efficiency": e_m,
+        "efficiency": e_c,
+        "median_error": float(np.median(err)),
+    }
+
+
 def fit_cost_model(
-    graph: OpGraph, seconds: np.ndarray, spec: DeviceSpec
+    graph: OpGraph,
+    seconds: np.ndarray,
+    spec: DeviceSpec,
+    more: Sequence[tuple[OpGraph, np.ndarray]] = (),
 ) -> tuple[CostModel, dict[str, Any]]:
-    """Fit launch overhead and per-kind efficiencies to measured op times (see module doc).
+    """Fit the roofline's fixed cost and efficiencies to measured op times (module doc):
+    those of ``graph`` (``seconds`` per op) and of each ``(graph, seconds)`` of ``more``
+    (the same step at a smaller batch: :func:`calibrate` times both).
 
-    A kind's scale is ``sum(max(t - launch, 0)) / sum(roofline)`` over its ops: the
-    fitted roofline reproduces the kind's total time. (The median of per-op ratios, used
-    before, let a kind's many small ops — times mostly launch and noise — set the rate of
-    its few large ones, which dominate a step: on an H200 it put GPT-124M's step 73 % high,
-    and on the CPU models of ``meshplace.runtime.program`` 2-600 % high, where the totals'
-    ratio is within 15 %; docs/runtime.md.)
+    The device's launch overhead is the median time of the ops whose roofline time is
+    negligible. Each op kind gets :func:`fit_roofline` over its ops of every graph: a
+    fixed cost per kernel, a compute and a memory efficiency. An exact operator
+    (``aten.gelu.default``) whose ops' roofline times span :data:`OPERATOR_SPAN` (two batch
+    sizes give every batch-dependent operator that) gets a fit of its own, which the cost
+    model prefers to its kind's: one kind holds operators of very different fixed costs (on
+    one CPU thread a GELU of 4096 floats takes ~25 us, Adam's ``mul`` of a bias ~8 us),
+    and a single rate fitted at one batch size put the small micro-batches of a pipeline
+    30-40 % low (docs/runtime.md, session 39). A kind that is launch-bound at every size
+    keeps the default efficiency (``launch_bound``; a scale fitted to an 8-byte fill would
+    cost an 8 MB one for seconds).
 
-    A kind whose every op is launch-bound (roofline time under 5 % of the time beyond the
-    launch) is not fitted: it keeps the default efficiency (``launch_bound`` in the
-    report), since its scale would say nothing about a large op of the kind.
-
-    Returns the :class:`CostModel` (``use_measured`` left on) and a report: per kind the
-    number of ops, the fitted efficiency and the median absolute percentage error of the
-    fitted roofline on those ops.
+    Returns the :class:`CostModel` (``use_measured`` left on) and a report:
+    ``launch_overhead_s``, per kind and fitted operator (``kinds``) the fit of
+    :func:`fit_roofline`, and ``sizes``, the graphs' op counts.
 
     >>> from meshplace.graph.ir import Op, OpGraph
     >>> g = OpGraph("g")
@@ -330,44 +409,57 @@ def fit_cost_model(
     >>> round(cm.efficiency["matmul"][0], 3)
     0.5
     """
-    ops = graph.ops
-    arrays = graph.arrays()
-    kernel = np.array([o.kind not in NON_KERNEL_KINDS for o in ops])
-    peak = np.array([spec.peak(o.output_dtypes[0] if o.output_dtypes else "float32") for o in ops])
-    x_c = arrays.flops / peak
-    x_m = arrays.bytes_accessed / spec.memory_bandwidth
-    x = np.maximum(x_c, x_m)
-    t = np.asarray(seconds, dtype=float)
-    tiny = kernel & (x < 0.05 * np.maximum(t, 1e-12)) & (t > 0)
+    kinds: list[str] = []
+    targets: list[str] = []
+    x_c: list[np.ndarray] = []
+    x_m: list[np.ndarray] = []
+    times: list[np.ndarray] = []
+    for g, t in [(graph, seconds), *more]:
+        arrays = g.arrays()
+        dtypes = [o.output_dtypes[0] if o.output_dtypes else "float32" for o in g.ops]
+        peak = np.array([spec.peak(d) for d in dtypes])
+        x_c.append(arrays.flops / peak)
+        x_m.append(arrays.bytes_accessed / spec.memory_bandwidth)
+        times.append(np.asarray(t, dtype=float))
+        kinds += [o.kind for o in g.ops]
+        targets += [o.target for o in g.ops]
+    xc, xm, t = np.concatenate(x_c), np.concatenate(x_m), np.concatenate(times)
+    kind = np.array(kinds)
+    target = np.array(targets)
+    kernel = ~np.isin(kind, list(NON_KERNEL_KINDS)) & (t > 0)
+    x = np.maximum(xc, xm)
+    tiny = kernel & (x < 0.05 * np.maximum(t, 1e-12))
     launch = float(np.median(t[tiny])) if tiny.any() else spec.launch_overhead_s
+    report: dict[str, Any] = {
+        "launch_overhead_s": launch,
+        "kinds": {},
+        "sizes": [g.num_ops for g in (graph, *(m[0] for m in more))],
+    }
     efficiency: dict[str, tuple[float, float]] = {}
-    report: dict[str, Any] = {"launch_overhead_s": launch, "kinds": {}}
-    for kind in sorted({o.kind for o in ops if o.kind not in NON_KERNEL_KINDS}):
-        sel = kernel & np.array([o.kind == kind for o in ops]) & (x > 0)
-        if not (sel & (t > launch)).any():
-            continue
-        # a kind whose every op is launch-bound (roofline under 5 % of its time beyond the
-        # launch) shows no rate: a scale fitted to it (an 8-byte ones_like taking 60 us
-        # put fills at the 1e-4 floor) would cost any large op of the kind absurdly (an
-        # 8 MB fill at 4.6 s); it keeps the default efficiency
-        if not (sel & (x >= 0.05 * np.maximum(t - launch, 0.0))).any():
-            default = float(CostModel().efficiency_on(None, kind)[1])
-            report["kinds"][kind] = {
-                "ops": int(sel.sum()),
-                "efficiency": default,
-                "median_error": None,
-                "launch_bound": True,
-            }
-            continue
-        r = float(np.maximum(t[sel] - launch, 0.0).sum() / x[sel].sum())
-        e = float(np.clip(1.0 / max(r, 1e-9), 1e-4, 1.0))
-        efficiency[kind] = (e, e)
-        pred = launch + x[sel] * max(r, 1.0)
-        err = float(np.median(np.abs(pred - t[sel]) / np.maximum(t[sel], 1e-12)))
-        report["kinds"][kind] = {"ops": int(sel.sum()), "efficiency": e, "median_error": err}
+    fixed: dict[str, float] = {}
+
+    def record(key: str, sel: np.ndarray) -> None:
+        fit = fit_roofline(xc[sel], xm[sel], t[sel], launch)
+        if fit.get("launch_bound"):
+            fit["efficiency"] = float(CostModel().efficiency_on(None, str(kind[sel][0]))[1])
+        else:
+            efficiency[key] = (fit["compute_efficiency"], fit["memory_efficiency"])
+        fixed[key] = fit["fixed_s"]
+        report["kinds"][key] = fit
+
+    for k in sorted(set(kind[kernel].tolist())):
+        of_kind = kernel & (kind == k)
+        record(k, of_kind)
+        for op in sorted(set(target[of_kind].tolist()) - {""}):
+            sel = of_kind & (target == op)
+            span = x[sel]
+            if sel.sum() >= 2 and span.min() > 0 and span.max() >= OPERATOR_SPAN * span.min():
+                record(op, sel)
     base = dict(DEFAULT_EFFICIENCY)
     base.update(efficiency)
-    cm = CostModel(efficiency=base, launch_overhead={spec.kind: launch})
+    cm = CostModel(
+        efficiency=base, launch_overhead={spec.kind: launch}, kernel_overhead={spec.kind: fixed}
+    )
     return cm, report
 
 
@@ -527,6 +619,22 @@ class Calibration:
         }
 
 
+def micro_step_of(step: Any, micro_batches: int | None = None) -> Any:
+    """The traced ``step`` on one of ``micro_batches`` micro-batches
+    (:func:`meshplace.runtime.program.micro_batch_step`), by default on the most of 8, 4
+    and 2 that divide its batch; ``None`` for ``micro_batches=1`` or a batch that does not
+    split."""
+    from meshplace.runtime.program import micro_batch_step
+
+    if micro_batches is not None and micro_batches < 1:
+        raise InputError(f"micro_batches must be at least 1, got {micro_batches}")
+    for count in (8, 4, 2) if micro_batches is None else (micro_batches,):
+        micro = micro_batch_step(step, count) if count > 1 else None
+        if micro is not None:
+            return micro
+    return None
+
+
 def calibrate(
     step: Any,
     *,
@@ -538,6 +646,7 @@ def calibrate(
     spacing: bool = True,
     worker_device: str = "cpu",
     spec: Any = None,
+    micro_batches: int | None = None,
 ) -> Calibration:
     """Measure the device, time ``step``'s ops (on a forked runtime worker, or in this
     process with ``in_worker=False``), measure the link and the message CPU cost (unless
@@ -549,7 +658,15 @@ def calibrate(
     the device is measured and the ops timed on that GPU (a spawned worker: pass the
     step's ``spec``); the link and message costs are the host's gloo ones, which is how the
     runtime's GPU workers exchange values (staged through host memory; the copies between
-    GPU and host are not in them)."""
+    GPU and host are not in them).
+
+    ``micro_batches``: the step is also traced and timed on one micro-batch
+    (:func:`meshplace.runtime.program.micro_batch_step`) and the cost model fitted to both
+    sizes (:func:`fit_cost_model`), so that it prices the small micro-batches of pipelines
+    and data-parallel shards as measured; by default the most of 8, 4 and 2 that divide
+    the batch (the widest span of sizes), 1 for the full batch only. GPU calibrations time
+    the full batch only (their worker rebuilds the step from ``spec``). Cost: ``reps +
+    warmup`` more steps at the micro-batch, and one trace."""
     from meshplace.profile.link import measure_link, measure_message_cost, measure_message_spacing
 
     gpu = torch.device(worker_device).type == "cuda"
@@ -571,6 +688,11 @@ def calibrate(
         seconds = time_ops_in_worker(step, reps=reps, device=worker_device, spec=spec)
     else:
         seconds = time_step_ops(step, reps)
+    more = []
+    micro = None if gpu else micro_step_of(step, micro_batches)
+    if micro is not None:
+        timed = time_ops_in_worker(micro, reps=reps) if in_worker else time_step_ops(micro, reps)
+        more.append((micro.graph, timed))
     device = device or measure_device(device=worker_device)
     memory = 8 * 2**30
     if gpu:
@@ -579,7 +701,7 @@ def calibrate(
     dspec = local_device_spec(
         device["peak_flops"], device["memory_bandwidth"], 0.0, gpu=gpu, memory_bytes=memory
     )
-    cost_model, fit = fit_cost_model(step.graph, seconds, dspec)
+    cost_model, fit = fit_cost_model(step.graph, seconds, dspec, more)
     cost_model.message_cpu[dspec.kind] = (
         float(messages["send_s"]),
         float(messages["send_s_per_byte"]),
@@ -674,6 +796,9 @@ def combine_calibrations(
         launch_overhead={k: c.cost_model.launch_overhead[k] for k, c in kinds.items()},
         message_cpu={**cpu.cost_model.message_cpu, **gpu.cost_model.message_cpu},
         device_efficiency={k: dict(c.cost_model.efficiency) for k, c in kinds.items()},
+        kernel_overhead={
+            k: dict(c.cost_model.kernel_overhead.get(k, {})) for k, c in kinds.items()
+        },
     )
     meta = {
         "calibrated": True,

@@ -114,7 +114,9 @@ _NOT_KERNELS = frozenset(
 @dataclass
 class LocalKernel:
     """One kernel a rank runs: aten name, coarse kind, flops, bytes read and written, the
-    dtype of its first output; ``update``: run inside the optimizer's step."""
+    dtype of its first output; ``update``: run inside the optimizer's step; ``target``:
+    the exact operator (``aten.mm.default``), whose calibrated fit the cost model prefers
+    to its kind's."""
 
     name: str
     kind: str
@@ -122,6 +124,7 @@ class LocalKernel:
     bytes: float
     dtype: str
     update: bool = False
+    target: str = ""
 
 
 @dataclass
@@ -173,24 +176,22 @@ class EngineProgram:
         collectives by ``mesh`` (a
         :class:`meshplace.mesh.layout.Mesh`, calibrated for measured collectives).
         Kernels cost the roofline, ``max(flops / (peak e_c), bytes / (bandwidth e_m))``
-        plus one launch; every DTensor-level op the dispatch overhead — except under
-        FSDP2, whose units each cost the measured ``fsdp_unit_overhead`` instead, the
-        dispatch on its sharded parameters and its own copies (:data:`FSDP_KERNELS`)
-        included; the collectives the mesh's formula.
+        plus their fixed cost (:meth:`meshplace.cost.compute.CostModel.kernel_seconds`: the
+        operator's or kind's calibrated one, else one launch); every DTensor-level op the
+        dispatch overhead — except under FSDP2, whose units each cost the measured
+        ``fsdp_unit_overhead`` instead, the dispatch on its sharded parameters and its own
+        copies (:data:`FSDP_KERNELS`) included; the collectives the mesh's formula.
         Returns ``step_s``, ``compute_s``, ``dispatch_s`` (the engine's: DTensor's or
         FSDP2's) and ``communication_s``, and ``update_s``: the part of ``step_s`` inside
         the optimizer's step (its kernels, their DTensor dispatch, its collectives).
         O(kernels + collectives)."""
         kind = device_kind or spec.kind
-        launch = cost_model.launch_overhead.get(kind, spec.launch_overhead_s)
         compute = update = 0.0
         for k in self.kernels:
             if self.fsdp_units and k.name in FSDP_KERNELS:
                 continue  # in FSDP2's measured cost per unit
-            ec, em = cost_model.efficiency_on(kind, k.kind)
-            seconds = (
-                max(k.flops / (spec.peak(k.dtype) * ec), k.bytes / (spec.memory_bandwidth * em))
-                + launch
+            seconds = cost_model.kernel_seconds(
+                kind, spec, k.kind, k.flops, k.bytes, k.dtype, k.target
             )
             compute += seconds
             update += seconds if k.update else 0.0
@@ -323,6 +324,7 @@ def recorder(program: EngineProgram, axis_of: dict[str, list[str]] | None = None
                         _tensor_bytes(args) + _tensor_bytes(out),
                         _first_dtype(args[0]),
                         updating[0],
+                        str(func),
                     )
                 )
                 return out
@@ -341,6 +343,7 @@ def recorder(program: EngineProgram, axis_of: dict[str, list[str]] | None = None
                     _tensor_bytes((args, kwargs)) + _tensor_bytes(out),
                     _first_dtype(out),
                     updating[0],
+                    str(func),
                 )
             )
             return out

@@ -29,6 +29,7 @@ Example
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import math
@@ -469,6 +470,7 @@ class TracedStep:
             computing its value after the step (:func:`new_state_nodes`), so the runtime
             carries Adam's moments (or momentum) from step to step.
         seed: the seed of the initial parameter values (:func:`initial_value`).
+        optimizer: the optimizer whose update the step holds (``adam``...).
     """
 
     graph: OpGraph
@@ -481,6 +483,7 @@ class TracedStep:
     inputs: list[Any] = field(default_factory=list)
     state_nodes: list[str] = field(default_factory=list)
     seed: int = 0
+    optimizer: str = "adam"
 
     def initial_state(self, held: Container[int] | None = None) -> tuple[list, list, list, list]:
         """Fresh ``(params, buffers, states, inputs)`` lists for ``gm``: parameters and
@@ -554,10 +557,62 @@ def trace_step(spec: ModelSpec, *, weights: bool = True) -> TracedStep:
     model = materialize(model, spec.seed) if weights else model.to("meta")
     inputs = real_inputs(example, spec.seed)
     model.train(True)
-    graph, gm, node_op, pnames, bnames, n_state = _trace(model, tuple(inputs), name, spec)
+    graph, gm, node_op, pnames, bnames, n_state = _trace(model, tuple(inputs), name, spec.optimizer)
     states = new_state_nodes(gm, len(pnames), len(bnames), n_state)
     return TracedStep(
-        graph, gm, node_op, pnames, bnames, n_state, model, inputs, states, seed=spec.seed
+        graph,
+        gm,
+        node_op,
+        pnames,
+        bnames,
+        n_state,
+        model,
+        inputs,
+        states,
+        seed=spec.seed,
+        optimizer=spec.optimizer,
+    )
+
+
+def micro_batch_step(step: TracedStep, micro_batches: int) -> TracedStep | None:
+    """``step``'s model traced on one micro-batch: each input whose first dimension is the
+    batch (the first tensor input's) cut into ``micro_batches`` along it and the first
+    piece kept, as a pipeline feeds its stages; ``None`` when the batch does not split
+    into ``micro_batches``. :func:`meshplace.profile.calibrate.calibrate` times both, so
+    that the cost model's fixed costs and rates hold at the micro-batch sizes plans run.
+    Cost: one make_fx trace.
+
+    >>> step = trace_step(ModelSpec("mlp", batch=8))
+    >>> micro_batch_step(step, 4).inputs[0].shape[0], micro_batch_step(step, 3)
+    (2, None)
+    """
+    tensors = [x for x in step.inputs if isinstance(x, torch.Tensor) and x.dim() > 0]
+    if not tensors or micro_batches < 2:
+        return None
+    batch = int(tensors[0].shape[0])
+    if batch % micro_batches:
+        return None
+
+    def cut(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == batch:
+            return x.chunk(micro_batches)[0].clone()
+        return x
+
+    inputs = [cut(x) for x in step.inputs]
+    graph, gm, node_op, pnames, bnames, n_state = _trace(
+        step.model, tuple(inputs), step.graph.name, step.optimizer
+    )
+    states = new_state_nodes(gm, len(pnames), len(bnames), n_state)
+    return dataclasses.replace(
+        step,
+        graph=graph,
+        gm=gm,
+        node_op=node_op,
+        param_names=pnames,
+        buffer_names=bnames,
+        n_state=n_state,
+        inputs=inputs,
+        state_nodes=states,
     )
 
 
@@ -595,11 +650,11 @@ def new_state_nodes(gm: torch.fx.GraphModule, n_params: int, n_bufs: int, n_stat
     return out
 
 
-def _trace(model: torch.nn.Module, example: tuple, name: str, spec: ModelSpec) -> tuple:
+def _trace(model: torch.nn.Module, example: tuple, name: str, optimizer: str) -> tuple:
     """:func:`meshplace.graph.capture.capture_step` in training mode: the same OpGraph as
     ``capture()``, plus the executable fx graph and which op owns each fx node."""
     step = _cap.capture_step(
-        model, example, training=True, name=name, optimizer=spec.optimizer, meta={"runtime": True}
+        model, example, training=True, name=name, optimizer=optimizer, meta={"runtime": True}
     )
     return step.graph, step.gm, step.node_op, step.param_names, step.buffer_names, step.n_state
 

@@ -425,11 +425,12 @@ class PipelineReader:
         forward_compute = (self.phase == PHASE_INDEX["forward"]) & self.compute
         order = a.topo_order
         self.forward_in_order = order[forward_compute[order]]
-        self.launch_by_device = np.array(
-            [
-                sim.cost_model.launch_on(sim.device_kinds[d], sim.cluster.devices[d].spec)
-                for d in range(sim.num_devices)
-            ]
+        # [device kind, op]: each op's fixed cost per kernel (its operator's or kind's,
+        # where calibration fitted one), the part of its time that splitting it into
+        # micro-batches repeats
+        specs_by_kind = {d.kind: d.spec for d in sim.cluster.devices}
+        self.launch_by_kind = np.stack(
+            [sim.cost_model.launches(sim.graph, k, specs_by_kind[k]) for k in sim.kind_names]
         )
         # what each device's host pays per micro-batch beyond kernels (the calibrated
         # engine, message CPU and exchange; nothing for an uncalibrated cost model)
@@ -564,7 +565,10 @@ class PipelineReader:
         gradient_cross = crossing & self.gradient_edge & (jd < js)
         if times is None:
             times = sim.op_times(placement)
-        launch = self.launch_by_device[placement] * self.compute
+        launch = (
+            self.launch_by_kind[sim.device_kind_index[placement], np.arange(len(placement))]
+            * self.compute
+        )
         staged = op_stage >= 0
         fwd, bwd = PHASE_INDEX["forward"], PHASE_INDEX["backward"]
 
