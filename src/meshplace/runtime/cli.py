@@ -630,7 +630,15 @@ def _calibrate(args: argparse.Namespace, step: Any, spec: Any, gpus: list[str]) 
         # CPU and GPU workers (the ColocRL setting): each kind timed on its own worker
         return calibrate_mixed(step, workers, spec=spec)
     # the simulator's local devices are all calibrated like the first GPU worker, if any
-    cal = calibrate(step, worker_device=gpus[0] if gpus else "cpu", spec=spec)
+    # the run's own prediction prices the step's ops by their measured times; the fit of
+    # the cost model at a micro-batch too is for the calibration file other plans read
+    written = bool(getattr(args, "calibration_out", None))
+    cal = calibrate(
+        step,
+        worker_device=gpus[0] if gpus else "cpu",
+        spec=spec,
+        micro_batches=None if written else 1,
+    )
     if not gpus and not args.no_in_situ:
         calibrate_in_situ(cal)  # message costs inside a step, from probe runs (~1-6 s)
     if args.workers != 2:
