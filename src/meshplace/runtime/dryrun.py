@@ -404,6 +404,20 @@ def record_hybrid_step(
     return EngineProgram.from_dict(mine["program"])
 
 
+def refuse_pipelines(plan: dict[str, Any], name: str) -> None:
+    """One sentence (:class:`InputError`) when ``plan`` (called ``name``) is a hybrid plan of
+    more than one pipeline stage, which the dry run cannot record."""
+    from meshplace.runtime.hybrid_plan import is_hybrid
+
+    shape = (plan.get("mesh") or {}).get("shape") or [1]
+    stages = int(shape[0]) if is_hybrid(plan) else 1
+    if stages != 1:
+        raise InputError(
+            f"{name} pipelines over {stages} stages: the dry run records plans of one stage "
+            "(a fake process group carries no activations between stages)"
+        )
+
+
 def dry_run(
     plan: dict[str, Any] | str | Path,
     source: str | None = None,
@@ -418,6 +432,8 @@ def dry_run(
     import os
     import tempfile
 
+    if isinstance(plan, dict):  # refused here, without a process that imports torch
+        refuse_pipelines(plan, "the plan")
     with tempfile.TemporaryDirectory(prefix="meshplace-dryrun-") as folder:
         if isinstance(plan, dict):
             path = Path(folder) / "plan.json"
@@ -463,12 +479,7 @@ def main(argv: list[str] | None = None) -> int:
                 "records DTensor's step of one"
             )
         hybrid = is_hybrid(plan)
-        if hybrid and int(plan["mesh"]["shape"][0]) != 1:
-            raise InputError(
-                f"{args.plan} pipelines over {plan['mesh']['shape'][0]} stages: the dry run "
-                "records plans of one stage (a fake process group carries no activations "
-                "between stages)"
-            )
+        refuse_pipelines(plan, args.plan)
         source = model_source(plan, args.model)
         world = math.prod(int(s) for s in plan["mesh"]["shape"])
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
