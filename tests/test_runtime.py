@@ -305,8 +305,10 @@ def test_run_cli_prints_measured_and_predicted(tmp_path, capsys, monkeypatch) ->
     assert saved.launch_overhead_s == out["calibration"]["launch_overhead_s"]
     assert saved.peak_flops == out["calibration"]["device"]["peak_flops"]
     applied = calibrated_cost_model(saved, local)
-    for kind, (e, _) in saved.efficiency.items():
-        assert applied.efficiency_on(saved.device_kind, kind) == pytest.approx((e, e))
+    for kind, (e, m) in saved.efficiency.items():  # an op kind's or an operator's
+        assert applied.efficiency_on(saved.device_kind, kind) == pytest.approx((e, m))
+    for kind, fixed in saved.kernel_overhead_s.items():
+        assert applied.kernel_fixed(saved.device_kind, local.devices[0].spec, kind) == fixed
     # and the transport's collectives, measured as DTensor runs them among the workers
     assert set(saved.collectives) == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all"}
     assert saved.collectives_measured_on == 2
