@@ -622,14 +622,22 @@ class Calibration:
 def micro_step_of(step: Any, micro_batches: int | None = None) -> Any:
     """The traced ``step`` on one of ``micro_batches`` micro-batches
     (:func:`meshplace.runtime.program.micro_batch_step`), by default on the most of 8, 4
-    and 2 that divide its batch; ``None`` for ``micro_batches=1`` or a batch that does not
-    split."""
+    and 2 that divide its batch and whose micro-batch the model takes (a batch of one may
+    not: a sample covariance divides by ``batch - 1``, batch norm needs two samples);
+    ``None`` for ``micro_batches=1``, a batch that does not split, or none that
+    captures (a :class:`~meshplace.graph.capture.CaptureError` for a count given)."""
+    from meshplace.graph.capture import CaptureError
     from meshplace.runtime.program import micro_batch_step
 
     if micro_batches is not None and micro_batches < 1:
         raise InputError(f"micro_batches must be at least 1, got {micro_batches}")
     for count in (8, 4, 2) if micro_batches is None else (micro_batches,):
-        micro = micro_batch_step(step, count) if count > 1 else None
+        try:
+            micro = micro_batch_step(step, count) if count > 1 else None
+        except CaptureError:
+            if micro_batches is not None:
+                raise
+            continue
         if micro is not None:
             return micro
     return None
