@@ -239,6 +239,21 @@ def test_a_fit_over_two_batch_sizes_prices_each_operators_fixed_cost_at_a_third(
     assert np.abs(once[gelu] / expected[gelu] - 1).max() > 0.1
 
 
+def test_calibrations_micro_batch_is_the_most_of_8_4_2_whose_micro_batch_the_model_takes() -> None:
+    """DMCCA's covariance divides by batch - 1: its batch of 4 does not split into 4
+    micro-batches it can take, so calibration times it on 2 of 2."""
+    from meshplace.graph.capture import CaptureError
+    from meshplace.profile.calibrate import micro_step_of
+
+    step = trace_step(ModelSpec("dmcca-small", batch=4))
+    with pytest.raises(CaptureError, match="division by zero"):
+        micro_step_of(step, 4)
+    assert micro_step_of(step).inputs[0].shape[0] == 2
+    assert micro_step_of(step, 1) is None
+    assert micro_step_of(trace_step(ModelSpec("mlp", batch=6))).inputs[0].shape[0] == 3
+    assert micro_step_of(trace_step(ModelSpec("mlp", batch=5))) is None
+
+
 def test_a_kind_whose_ops_are_all_launch_bound_keeps_the_default_efficiency() -> None:
     """An 8-byte fill taking 60 us beyond the launch says nothing about the fill rate: a
     scale fitted to it would cost an 8 MB fill for seconds. The fitted kinds keep their
