@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import Any
 
 import numpy as np
 import pytest
@@ -252,6 +253,37 @@ def test_calibrations_micro_batch_is_the_most_of_8_4_2_whose_micro_batch_the_mod
     assert micro_step_of(step, 1) is None
     assert micro_step_of(trace_step(ModelSpec("mlp", batch=6))).inputs[0].shape[0] == 3
     assert micro_step_of(trace_step(ModelSpec("mlp", batch=5))) is None
+
+
+def test_a_micro_batch_the_model_cannot_run_gives_way_to_the_next(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Traced on fake tensors, a micro-batch may still fail when run (a factorisation of
+    a batch-of-one covariance): calibration tries the next count, and says what it timed."""
+    import sys
+
+    # the module (the package's attribute of the same name is the function)
+    calibration = sys.modules["meshplace.profile.calibrate"]
+    real = calibration.time_step_ops
+
+    def fails_on_one_row(step: Any, reps: int = 5, warmup: int = 1, threads: int = 1) -> Any:
+        if step.inputs[0].shape[0] == 1:
+            raise RuntimeError("linalg.cholesky: the input is not positive-definite")
+        return real(step, reps, warmup, threads)
+
+    monkeypatch.setattr(calibration, "time_step_ops", fails_on_one_row)
+    step = trace_step(ModelSpec("mlp", batch=8))
+    cal = calibrate(
+        step, reps=1, link=FAKE_LINK, device=FAKE_DEVICE, messages=FAKE_MESSAGES, in_worker=False
+    )
+    assert cal.fit["micro_step"].startswith("timed")
+    assert len(cal.fit["sizes"]) == 2
+    with pytest.raises(RuntimeError, match="positive-definite"):  # a count given: no other
+        calibrate(step, reps=1, link=FAKE_LINK, device=FAKE_DEVICE, messages=FAKE_MESSAGES,
+                  in_worker=False, micro_batches=8)  # fmt: skip
+    alone = calibrate(step, reps=1, link=FAKE_LINK, device=FAKE_DEVICE,
+                      messages=FAKE_MESSAGES, in_worker=False, micro_batches=1)  # fmt: skip
+    assert alone.fit["micro_step"].startswith("none") and len(alone.fit["sizes"]) == 1
 
 
 def test_a_kind_whose_ops_are_all_launch_bound_keeps_the_default_efficiency() -> None:

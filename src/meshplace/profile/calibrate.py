@@ -50,7 +50,7 @@ import dataclasses
 import platform
 import statistics
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -626,6 +626,12 @@ def micro_step_of(step: Any, micro_batches: int | None = None) -> Any:
     not: a sample covariance divides by ``batch - 1``, batch norm needs two samples);
     ``None`` for ``micro_batches=1``, a batch that does not split, or none that
     captures (a :class:`~meshplace.graph.capture.CaptureError` for a count given)."""
+    return next(micro_steps(step, micro_batches), None)
+
+
+def micro_steps(step: Any, micro_batches: int | None = None) -> Iterator[Any]:
+    """:func:`micro_step_of`'s candidates, most micro-batches first (one for a count
+    given)."""
     from meshplace.graph.capture import CaptureError
     from meshplace.runtime.program import micro_batch_step
 
@@ -639,8 +645,7 @@ def micro_step_of(step: Any, micro_batches: int | None = None) -> Any:
                 raise
             continue
         if micro is not None:
-            return micro
-    return None
+            yield micro
 
 
 def calibrate(
@@ -672,7 +677,9 @@ def calibrate(
     (:func:`meshplace.runtime.program.micro_batch_step`) and the cost model fitted to both
     sizes (:func:`fit_cost_model`), so that it prices the small micro-batches of pipelines
     and data-parallel shards as measured; by default the most of 8, 4 and 2 that divide
-    the batch (the widest span of sizes), 1 for the full batch only. GPU calibrations time
+    the batch (the widest span of sizes) whose micro-batch the model traces and runs (the
+    report's ``micro_step`` says what was timed, or why not), 1 for the full batch only; a
+    count given that fails raises. GPU calibrations time
     the full batch only (their worker rebuilds the step from ``spec``). Cost: ``reps +
     warmup`` more steps at the micro-batch, and one trace."""
     from meshplace.profile.link import measure_link, measure_message_cost, measure_message_spacing
@@ -697,10 +704,20 @@ def calibrate(
     else:
         seconds = time_step_ops(step, reps)
     more = []
-    micro = None if gpu else micro_step_of(step, micro_batches)
-    if micro is not None:
-        timed = time_ops_in_worker(micro, reps=reps) if in_worker else time_step_ops(micro, reps)
+    micro_note = "none: the full batch only"
+    for micro in [] if gpu else micro_steps(step, micro_batches):
+        try:
+            timed = (
+                time_ops_in_worker(micro, reps=reps) if in_worker else time_step_ops(micro, reps)
+            )
+        except (RuntimeError, ValueError) as exc:  # traced, yet the model cannot run it
+            if micro_batches is not None:
+                raise
+            micro_note = f"skipped: {str(exc).strip().splitlines()[-1][:200]}"
+            continue
         more.append((micro.graph, timed))
+        micro_note = f"timed: {micro.graph.num_ops} ops"
+        break
     device = device or measure_device(device=worker_device)
     memory = 8 * 2**30
     if gpu:
@@ -730,6 +747,7 @@ def calibrate(
             "message_cpu": list(cost_model.message_cpu[dspec.kind]),
         },
     )
+    fit["micro_step"] = micro_note
     fit["ops_timed"] = int(np.count_nonzero(seconds))
     fit["step_sum_s"] = float(seconds.sum())
     return Calibration(cluster, cost_model, table, device, link, fit, messages, step)
