@@ -75,12 +75,14 @@ COLLECTIVE_KINDS = {
 #: the namespaces those ops live in
 COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "c10d_functional", "_dtensor"})
 #: the process group's own collectives (``torch.distributed``'s, which DDP's reducer and
-#: FSDP2 call), by the cost model's kind names, and the argument holding the rank's input
+#: FSDP2 call), by the cost model's kind names, and the argument holding the bytes the
+#: cost model's formula counts (:class:`EngineCollective`): the rank's input, an
+#: all-gather's gathered output
 C10D_COLLECTIVES = {
     "allreduce_": ("all_reduce", 0),
     "broadcast_": ("broadcast", 0),
-    "_allgather_base_": ("all_gather", 1),
-    "allgather_into_tensor_coalesced_": ("all_gather", 1),
+    "_allgather_base_": ("all_gather", 0),
+    "allgather_into_tensor_coalesced_": ("all_gather", 0),
     "_reduce_scatter_base_": ("reduce_scatter", 1),
     "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1),
     "alltoall_base_": ("all_to_all", 1),
@@ -129,8 +131,11 @@ class LocalKernel:
 
 @dataclass
 class EngineCollective:
-    """One collective a rank runs: kind (cost-model name), bytes of its local input, the
-    mesh axes its process group spans; ``update``: run inside the optimizer's step."""
+    """One collective a rank runs: kind (cost-model name), bytes per device as the ring
+    formula and the measured collectives count them (:func:`meshplace.cost.collectives.
+    collective_time`, :func:`meshplace.profile.link.measure_collectives`) — an
+    all-gather's gathered output, every other kind's local input — the mesh axes its
+    process group spans; ``update``: run inside the optimizer's step."""
 
     kind: str
     nbytes: float
@@ -296,10 +301,14 @@ def recorder(program: EngineProgram, axis_of: dict[str, list[str]] | None = None
             namespace = getattr(func, "namespace", "")
             if namespace in COLLECTIVE_NAMESPACES and name in COLLECTIVE_KINDS:
                 group = kwargs.get("group_name", args[-1] if args else None)
+                kind = COLLECTIVE_KINDS[name]
                 program.collectives.append(
                     EngineCollective(
-                        COLLECTIVE_KINDS[name],
-                        _tensor_bytes(args[0]),
+                        kind,
+                        # the formula's bytes: an all-gather's whole output (the rank's
+                        # input was a 1/p block of it; counted as the input, every gather
+                        # was priced at 1/p of its bytes)
+                        _tensor_bytes(out if kind == "all_gather" else args[0]),
                         axis_of.get(str(group), every_axis),
                         updating[0],
                     )
