@@ -643,9 +643,10 @@ def measure_dispatch_overhead(source: str, reps: int = 20) -> dict[str, Any]:
     linear layers, 25 on the Llama example; Adam's foreach calls cover many update ops
     each), so it is measured on the model's own step, run on the first two rows of its
     inputs, where less arithmetic noise swamps the difference (on the fidelity MLP at
-    batch 64 it came out anywhere in 0-108 us per op over runs). Returns the plain and
-    DTensor steps' medians (``plain_step_s``, ``dtensor_step_s``), the DTensor-level ops of
-    a step (``ops``) and ``per_op_s``. O(reps) training steps of the model on two rows.
+    batch 64 it came out anywhere in 0-108 us per op over runs), the two steps alternating
+    and the median of their paired differences taken. Returns the plain and DTensor
+    steps' medians (``plain_step_s``, ``dtensor_step_s``), the DTensor-level ops of a step
+    (``ops``) and ``per_op_s``. O(reps) training steps of the model on two rows.
 
     Example: ``measure_dispatch_overhead("examples/llama.py:build_tiny")["per_op_s"]``
     (about 25-30 us on this project's 2-core machine)."""
@@ -666,28 +667,28 @@ def measure_dispatch_overhead(source: str, reps: int = 20) -> dict[str, Any]:
     def build() -> tuple[Any, tuple, dict]:
         return build_on_two_rows(source)
 
-    def median_step(model: Any, args: tuple, kwargs: dict, context: Any) -> float:
+    def stepper(model: Any, args: tuple, kwargs: dict, context: Any) -> Any:
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=True)
-        times = []
-        for _ in range(reps + 2):
+
+        def one() -> float:
             start = time.perf_counter()
             with context():
                 loss, _how = as_loss(model(*args, **kwargs))
                 loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            times.append(time.perf_counter() - start)
-        return statistics.median(times[2:])
+            return time.perf_counter() - start
+
+        return one
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        model, args, kwargs = build()
-        plain = median_step(model, args, kwargs, contextlib.nullcontext)
         with tempfile.TemporaryDirectory() as folder:
             store = dist.FileStore(str(Path(folder) / "store"), 1)
             dist.init_process_group("gloo", store=store, rank=0, world_size=1)
             try:
+                plain_step = stepper(*build(), contextlib.nullcontext)
                 mesh = init_device_mesh("cpu", (1,))
                 model, args, kwargs = build()
                 for name, param in list(model.named_parameters()):
@@ -702,7 +703,15 @@ def measure_dispatch_overhead(source: str, reps: int = 20) -> dict[str, Any]:
 
                 args = tuple(replicate(a) for a in args)
                 kwargs = {k: replicate(v) for k, v in kwargs.items()}
-                on_dtensor = median_step(model, args, kwargs, sharded_step)
+                dtensor_step = stepper(model, args, kwargs, sharded_step)
+                # the two steps alternate and each pair's difference counts: the host's
+                # speed drifts within seconds here, and a model whose step is mostly
+                # arithmetic (Adam over the fidelity MLP's 2.1 M parameters) put the
+                # difference of two separate medians anywhere in 0-190 us per op
+                pairs = [(plain_step(), dtensor_step()) for _ in range(reps + 2)][2:]
+                plain = statistics.median(p for p, _ in pairs)
+                on_dtensor = statistics.median(d for _, d in pairs)
+                difference = statistics.median(d - p for p, d in pairs)
                 optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=True)
                 program = EngineProgram(1)
                 for recorded in (False, True):  # the second step: Adam's state exists
@@ -721,5 +730,5 @@ def measure_dispatch_overhead(source: str, reps: int = 20) -> dict[str, Any]:
         "plain_step_s": plain,
         "dtensor_step_s": on_dtensor,
         "ops": ops,
-        "per_op_s": max(0.0, (on_dtensor - plain) / ops),
+        "per_op_s": max(0.0, difference / ops),
     }
