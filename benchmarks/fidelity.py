@@ -680,6 +680,7 @@ def run_hybrid_model(source: str, steps: int, warmup: int, passes: int) -> dict:
     from meshplace.graph.sources import build_from_seed, graph_source
     from meshplace.parallel.cli import hybrid_plan_file
     from meshplace.parallel.hybrid import hybrid_search
+    from meshplace.runtime.data_parallel import measure_ddp_overhead
     from meshplace.runtime.dryrun import engine_pricer
     from meshplace.runtime.pipeline_exchange import measure_pipeline_exchange
     from meshplace.runtime.pipelined import measure_engine_overhead
@@ -699,7 +700,10 @@ def run_hybrid_model(source: str, steps: int, warmup: int, passes: int) -> dict:
         f"{1e3 * exchange.message_s:.2f} ms each further value",
         file=sys.stderr,
     )
-    idle = engine.model_copy(update={"pipeline_overhead_s": per_micro_batch})
+    # and what DDP adds per micro-batch on the data-parallel stages the runtime runs on it
+    ddp = measure_ddp_overhead(source)["per_micro_batch_s"]
+    print(f"  DDP per micro-batch: {1e3 * ddp:.2f} ms", file=sys.stderr)
+    idle = engine.model_copy(update={"pipeline_overhead_s": per_micro_batch, "ddp_overhead_s": ddp})
     engine = idle.model_copy(
         update={
             "pipeline_exchange_s": exchange.beat_s,

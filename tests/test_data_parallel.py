@@ -244,7 +244,8 @@ def test_fsdp2_is_charged_its_measured_cost_per_unit_instead_of_dispatch_and_cop
 ) -> None:
     """A ZeRO-3 program on FSDP2 costs each unit the calibration's measured FSDP2 cost
     (which holds its DTensor dispatch and its buffer copies) instead of dispatch per op
-    and those copies' roofline; DTensor and DDP programs are costed as before."""
+    and those copies' roofline; DTensor and DDP programs are costed as before. The
+    calibration carries DDP's measured cost per micro-batch as well."""
     from meshplace.cost.calibration import (
         CostCalibration,
         calibrated_cost_model,
@@ -252,7 +253,7 @@ def test_fsdp2_is_charged_its_measured_cost_per_unit_instead_of_dispatch_and_cop
         save_calibration,
     )
     from meshplace.hardware import load_cluster
-    from meshplace.runtime.data_parallel import measure_fsdp_overhead
+    from meshplace.runtime.data_parallel import measure_ddp_overhead, measure_fsdp_overhead
     from meshplace.runtime.dryrun import EngineProgram, LocalKernel, program_cost
 
     cluster = load_cluster("dgx-h100")
@@ -264,10 +265,12 @@ def test_fsdp2_is_charged_its_measured_cost_per_unit_instead_of_dispatch_and_cop
         launch_overhead_s=1e-5,
         dispatch_overhead_s=3e-5,
         fsdp_unit_overhead_s=2e-3,
+        ddp_overhead_s=5e-4,
     )
     save_calibration(calibration, tmp_path / "cal.json")
     cost = calibrated_cost_model(load_calibration(tmp_path / "cal.json"), cluster)
     assert cost.fsdp_unit_overhead[kind] == 2e-3
+    assert cost.ddp_overhead[kind] == 5e-4
     plan = pure_data_parallel_plan(sources["mlp"], list(MLP_PARAMETERS), 3)
     copy = LocalKernel("chunk_cat", "elementwise", 0.0, 1e9, "float32")  # 1 GB: 10 ms
     mm = LocalKernel("mm", "matmul", 2e9, 1e6, "float32")
@@ -287,3 +290,6 @@ def test_fsdp2_is_charged_its_measured_cost_per_unit_instead_of_dispatch_and_cop
     assert measured["units"] == 1
     assert measured["plain_step_s"] > 0 and measured["fsdp_step_s"] > 0
     assert measured["per_unit_s"] >= 0
+    # DDP's per micro-batch: both passes timed, their paired difference never negative
+    ddp = measure_ddp_overhead(sources["mlp"], reps=3)
+    assert ddp["plain_s"] > 0 and ddp["ddp_s"] > 0 and ddp["per_micro_batch_s"] >= 0

@@ -491,6 +491,35 @@ def test_synchronous_gradients_cost_exposed_bucketed_all_reduces() -> None:
     assert by_zero[(2, 1)] > dp2_sync[(2, 1)].time_per_batch_s
 
 
+def test_ddp_stages_pay_the_ddp_overhead_per_micro_batch_and_others_do_not() -> None:
+    """A cost model's ``ddp_overhead`` (what DDP adds per micro-batch, its hooks) is
+    charged on every micro-batch of a stage meshplace's runtime runs on DDP (data
+    parallelism, ZeRO 0, ``synchronous_gradients``) and nowhere else: not a ZeRO-1 stage
+    (DTensor), not one replica, not the default model (which does not say the engine)."""
+    from meshplace.cost.compute import CostModel
+
+    cluster = load_cluster("h2-8xh100")
+    kind = cluster.devices[hybrid.accelerators(cluster)[0]].kind
+    ddp = 1e-3
+
+    def times(model: CostModel, synchronous: bool = True) -> dict[tuple[int, int, int], float]:
+        result = hybrid.hybrid_search(
+            "tiny", None, cluster, chips=2, global_batch=8, tensor_parallel=(1,),
+            micro_batch_sizes=(2,), graphs=_tiny_graphs, layers=2, simulate_top=1000,
+            schedules=("gpipe",), zero_stages=(0, 1), pipeline_degrees=(1, 2),
+            cost_model=model, synchronous_gradients=synchronous,
+        )  # fmt: skip
+        return {(p.pp, p.dp, p.config.zero): p.time_per_batch_s for p in result.plans}
+
+    plain, charged = times(CostModel()), times(CostModel(ddp_overhead={kind: ddp}))
+    micro_batches = 8 // (2 * 2)  # one stage, two replicas, micro-batches of 2
+    assert charged[(1, 2, 0)] - plain[(1, 2, 0)] == pytest.approx(micro_batches * ddp, rel=1e-6)
+    for key in [(1, 2, 1), (2, 1, 0)]:  # ZeRO 1 on DTensor; two stages of one device each
+        assert charged[key] == pytest.approx(plain[key], rel=1e-12), key
+    default = times(CostModel(ddp_overhead={kind: ddp}), synchronous=False)
+    assert default[(1, 2, 0)] == pytest.approx(times(CostModel(), False)[(1, 2, 0)], rel=1e-12)
+
+
 def cluster_collective(cluster, cost_model, nbytes: float) -> float:
     """The all-reduce of ``nbytes`` over 2 devices of ``cluster`` as the search costs it."""
     from meshplace.mesh.layout import mesh_over

@@ -89,6 +89,9 @@ class CostCalibration(BaseModel):
         fsdp_unit_overhead_s: seconds FSDP2 adds per unit per step
             (:func:`meshplace.runtime.data_parallel.measure_fsdp_overhead`), which the
             prediction of a ZeRO-3 data-parallel plan charges for each unit.
+        ddp_overhead_s: seconds DDP adds per micro-batch on a data-parallel stage it runs
+            (:func:`meshplace.runtime.data_parallel.measure_ddp_overhead`), which the
+            hybrid search charges every micro-batch of such a stage.
         source: how and where it was measured.
     """
 
@@ -113,6 +116,7 @@ class CostCalibration(BaseModel):
     pipeline_exchange_s: _NonNegative = 0.0
     pipeline_message_s: _NonNegative = 0.0
     fsdp_unit_overhead_s: _NonNegative = 0.0
+    ddp_overhead_s: _NonNegative = 0.0
     source: str = ""
 
 
@@ -208,6 +212,10 @@ def calibrated_cost_model(
             **(
                 {kind: calibration.fsdp_unit_overhead_s} if calibration.fsdp_unit_overhead_s else {}
             ),
+        },
+        ddp_overhead={
+            **base.ddp_overhead,
+            **({kind: calibration.ddp_overhead_s} if calibration.ddp_overhead_s else {}),
         },
         collectives={
             **base.collectives,

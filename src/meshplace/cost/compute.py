@@ -125,6 +125,10 @@ class CostModel:
             as one) per training step: its hooks, copies and the DTensor dispatch on its
             sharded parameters (:func:`meshplace.runtime.data_parallel.
             measure_fsdp_overhead`); absent: 0.
+        ddp_overhead: device kind → seconds DDP adds per micro-batch on a data-parallel
+            stage it runs (its forward's pre- and post-processing and a hook per
+            parameter, :func:`meshplace.runtime.data_parallel.measure_ddp_overhead`);
+            absent: 0.
     """
 
     efficiency: dict[str, tuple[float, float]] = field(
@@ -140,6 +144,7 @@ class CostModel:
     pipeline_overhead: dict[str, float] = field(default_factory=dict)
     pipeline_exchange: dict[str, tuple[float, float]] = field(default_factory=dict)
     fsdp_unit_overhead: dict[str, float] = field(default_factory=dict)
+    ddp_overhead: dict[str, float] = field(default_factory=dict)
     kernel_overhead: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def efficiency_on(

@@ -54,19 +54,29 @@ class HostCosts:
     (0.0, (0.0, 0.0, 0.0, 0.0), 0.0017)
     >>> measured.pipelined(1) == measured  # one stage: no cut, the engine as measured
     True
+
+    ``data_parallel_s``: what a data-parallel engine wrapping the stage (meshplace's
+    runtime runs a stage without ZeRO or tensor parallelism on DDP) adds per micro-batch
+    (the cost model's ``ddp_overhead``, :meth:`of` with ``ddp=True``), half on the forward
+    and half on the backward, with or without an exchange: DDP's hooks run on every stage.
+
+    >>> HostCosts(exchange=(5e-4, 0.0), data_parallel_s=4e-4).pipelined(2).data_parallel_s
+    0.0004
     """
 
     engine_s: float = 0.0
     message_cpu: tuple[float, float, float, float] | None = None
     exchange: tuple[float, float] | None = None
+    data_parallel_s: float = 0.0
 
     @classmethod
-    def of(cls, cost_model: CostModel | None, kind: str) -> HostCosts:
+    def of(cls, cost_model: CostModel | None, kind: str, ddp: bool = False) -> HostCosts:
         """What ``cost_model`` says a stage on a device of ``kind`` pays (nothing when
-        ``cost_model`` is ``None`` or has no figure for the kind).
+        ``cost_model`` is ``None`` or has no figure for the kind); ``ddp``: the stage
+        runs on DDP, which adds the cost model's ``ddp_overhead`` per micro-batch.
 
         >>> HostCosts.of(CostModel(pipeline_exchange={"local-cpu": (5e-4, 4e-4)}), "local-cpu")
-        HostCosts(engine_s=0.0, message_cpu=None, exchange=(0.0005, 0.0004))
+        HostCosts(engine_s=0.0, message_cpu=None, exchange=(0.0005, 0.0004), data_parallel_s=0.0)
         """
         if cost_model is None:
             return cls()
@@ -74,12 +84,19 @@ class HostCosts:
             cost_model.pipeline_overhead.get(kind, 0.0),
             cost_model.message_cpu.get(kind),
             cost_model.pipeline_exchange.get(kind),
+            cost_model.ddp_overhead.get(kind, 0.0) if ddp else 0.0,
         )
 
     @property
     def charges_nothing(self) -> bool:
-        """No engine, message or exchange cost: a stage's times stay its kernels'."""
-        return not self.engine_s and self.message_cpu is None and self.exchange is None
+        """No engine, message, exchange or data-parallel cost: a stage's times stay its
+        kernels'."""
+        return (
+            not self.engine_s
+            and self.message_cpu is None
+            and self.exchange is None
+            and not self.data_parallel_s
+        )
 
     def pipelined(self, stages: int) -> HostCosts:
         """These costs for a pipeline of ``stages`` stages: with a measured exchange and
@@ -88,7 +105,12 @@ class HostCosts:
         if self.exchange is None or stages <= 1:
             return self
         cpu = self.message_cpu
-        return HostCosts(0.0, None if cpu is None else (0.0, cpu[1], 0.0, cpu[3]), self.exchange)
+        return HostCosts(
+            0.0,
+            None if cpu is None else (0.0, cpu[1], 0.0, cpu[3]),
+            self.exchange,
+            self.data_parallel_s,
+        )
 
     def wire_s(self, transfer_s: Any, latency_s: Any) -> Any:
         """The wire time a micro-batch's message between two stages is charged, given its
@@ -148,8 +170,9 @@ class HostCosts:
         into, _ = host.stage_messages(in_bytes, stage > 0, stage > 0)
         _, out = host.stage_messages(out_bytes, stage < p - 1, stage < p - 1)
         cuts = (stage > 0) * host.cut_s(in_values) + (stage < p - 1) * host.cut_s(out_values)
+        each = (host.engine_s + host.data_parallel_s + cuts) / 2
         return {
             **model,
-            "forward": model["forward"] + (host.engine_s + cuts) / 2 + into[0] + out[0],
-            "backward": model["backward"] + (host.engine_s + cuts) / 2 + into[1] + out[1],
+            "forward": model["forward"] + each + into[0] + out[0],
+            "backward": model["backward"] + each + into[1] + out[1],
         }

@@ -1531,7 +1531,7 @@ def _stage_times(
                 k * pc.layer.forward_s
                 + pre * pc.pre.forward_s
                 + post * pc.post.forward_s
-                + (host.engine_s + cuts) / 2
+                + (host.engine_s + host.data_parallel_s + cuts) / 2
                 + into[0]
                 + out[0]
             )
@@ -1539,7 +1539,7 @@ def _stage_times(
                 k * (pc.layer.backward_s + full * pc.layer.forward_s)
                 + pre * pc.pre.backward_s
                 + post * pc.post.backward_s
-                + (host.engine_s + cuts) / 2
+                + (host.engine_s + host.data_parallel_s + cuts) / 2
                 + into[1]
                 + out[1]
             )
@@ -1789,6 +1789,7 @@ def hybrid_search(
     # what the cost model says a message between stages costs its two ends' compute
     # (host-staged devices) and what the pipelining engine adds per micro-batch and stage
     host = HostCosts.of(cost_model, kind)
+    ddp_host = HostCosts.of(cost_model, kind, ddp=True)  # a stage DDP runs: its hooks too
 
     for (tp, b), pc in sorted(parts.items()):
         if tp == 0:  # one-device stages' plain-tensor costs: used for tp 1 below
@@ -1839,16 +1840,17 @@ def hybrid_search(
                     synchronous = synchronous_gradients and not ddp
                     config = HybridConfig(pp, dp, tp, b, m, z, schedule)
                     configurations += 1
+                    charged = ddp_host if ddp else host
                     if isinstance(staged, UnitCosts):
                         plan = _evaluate_units(
                             staged, config, capacity, mesh, dp_axis, link_s, peak, global_batch,
-                            n, synchronous=synchronous, host=host, send_s=send_s,
+                            n, synchronous=synchronous, host=charged, send_s=send_s,
                         )  # fmt: skip
                     else:
                         plan = _evaluate(
                             staged, config, layers, capacity, mesh, dp_axis, link_s, peak,
                             global_batch, n, uniform=style == "megatron",
-                            synchronous=synchronous, host=host, send_s=send_s,
+                            synchronous=synchronous, host=charged, send_s=send_s,
                         )  # fmt: skip
                     if plan is not None:
                         candidates.append(plan)

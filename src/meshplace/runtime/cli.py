@@ -538,7 +538,10 @@ def _run(args: argparse.Namespace, plan: Any) -> int:
             )
         path, _, function = str(args.graph).rpartition(":")
         if path.endswith(".py") and function and not gpus:
-            from meshplace.runtime.data_parallel import measure_fsdp_overhead
+            from meshplace.runtime.data_parallel import (
+                measure_ddp_overhead,
+                measure_fsdp_overhead,
+            )
             from meshplace.runtime.dryrun import measure_dispatch_overhead
             from meshplace.runtime.pipelined import measure_engine_overhead
 
@@ -567,11 +570,23 @@ def _run(args: argparse.Namespace, plan: Any) -> int:
                     "the calibration file says 0",
                     file=sys.stderr,
                 )
+            # and what DDP adds per micro-batch, which a data-parallel stage on DDP pays
+            try:
+                ddp = measure_ddp_overhead(str(args.graph))
+            except Exception as exc:  # a model DDP cannot wrap or run
+                ddp = {"per_micro_batch_s": 0.0}
+                print(
+                    "meshplace: note: DDP's overhead was not measured "
+                    f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+                    "the calibration file says 0",
+                    file=sys.stderr,
+                )
             measured = measured.model_copy(
                 update={
                     "dispatch_overhead_s": dispatch["per_op_s"],
                     "pipeline_overhead_s": engine,
                     "fsdp_unit_overhead_s": fsdp["per_unit_s"],
+                    "ddp_overhead_s": ddp["per_micro_batch_s"],
                 }
             )
         save_calibration(measured, args.calibration_out)

@@ -426,6 +426,74 @@ def _probe_without_side_effects(
                     b.copy_(saved[name])
 
 
+def measure_ddp_overhead(source: str, reps: int = 20) -> dict[str, Any]:
+    """What DDP adds per micro-batch of a data-parallel stage, measured in this process:
+    the forward and backward (one thread) of the ``FILE.py:build`` model on the first two
+    rows of its inputs, plain and wrapped in ``DistributedDataParallel`` on a gloo world
+    of one under ``no_sync`` (as torch's pipelining runs every micro-batch but the last),
+    alternating, the median of their paired differences. That is DDP's own work per
+    micro-batch: its forward's pre- and post-processing and an autograd hook per
+    parameter, which meshplace's hybrid runtime pays on every micro-batch of a stage it
+    runs on DDP (:func:`meshplace.runtime.hybrid.ddp_stages`); the gradients' reduction is
+    not in it (a world of one, and ``no_sync``), nor the arithmetic (the same on both).
+    Returns ``plain_s``, ``ddp_s`` (medians) and ``per_micro_batch_s`` (0 when the
+    difference is noise below 0): the calibration file's ``ddp_overhead_s``.
+    O(reps) forward and backward passes on two rows.
+
+    Example::
+
+        measure_ddp_overhead("examples/llama.py:build_tiny")["per_micro_batch_s"]  # ~1e-3
+    """
+    import statistics
+    import tempfile
+    import time
+    from pathlib import Path
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from meshplace.graph.capture import as_loss
+    from meshplace.graph.sources import build_on_two_rows
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with tempfile.TemporaryDirectory() as folder:
+            store = dist.FileStore(str(Path(folder) / "store"), 1)
+            dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+            try:
+                model, args, kwargs = build_on_two_rows(source)
+                wrapped = DistributedDataParallel(model)
+
+                def plain() -> float:
+                    model.zero_grad(set_to_none=True)  # both create the gradients
+                    start = time.perf_counter()
+                    as_loss(model(*args, **kwargs))[0].backward()
+                    return time.perf_counter() - start
+
+                def ddp() -> float:
+                    model.zero_grad(set_to_none=True)
+                    start = time.perf_counter()
+                    with wrapped.no_sync():
+                        as_loss(wrapped(*args, **kwargs))[0].backward()
+                    return time.perf_counter() - start
+
+                for _ in range(2):  # warm-up
+                    plain(), ddp()
+                pairs = []
+                for _ in range(reps):
+                    pairs.append((plain(), ddp()))
+            finally:
+                dist.destroy_process_group()
+    finally:
+        torch.set_num_threads(threads)
+    return {
+        "plain_s": statistics.median(p for p, _ in pairs),
+        "ddp_s": statistics.median(d for _, d in pairs),
+        "per_micro_batch_s": max(0.0, statistics.median(d - p for p, d in pairs)),
+    }
+
+
 def measure_fsdp_overhead(source: str, reps: int = 20, rounds: int = 3) -> dict[str, Any]:
     """What FSDP2 adds per unit per training step, measured in this process: the same
     eager step (forward, backward, foreach Adam; one thread) of the ``FILE.py:build``
