@@ -688,8 +688,9 @@ def run_hybrid_model(source: str, steps: int, warmup: int, passes: int) -> dict:
     step, cal, cluster, dispatch, engine, cost_model = dtensor_workers(source)
     _, args, _ = build_from_seed(source)
     batch = int(args[0].shape[0])
-    # every hybrid plan runs as a torch.distributed.pipelining schedule: its cost per
-    # micro-batch and stage, as meshplace run --calibration-out records it
+    # a hybrid plan of several stages (or GPipe's order) runs as a torch.distributed.
+    # pipelining schedule: its cost per micro-batch and stage, as meshplace run
+    # --calibration-out records it (a one-stage 1F1B plan accumulates without one)
     per_micro_batch = measure_engine_overhead(source, reps=30)
     print(f"  pipelining engine per micro-batch: {1e3 * per_micro_batch:.2f} ms", file=sys.stderr)
     # and what a pipeline's beat costs the two busy ranks beyond compute (a probe model),

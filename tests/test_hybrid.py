@@ -571,6 +571,39 @@ def test_the_pipelining_engine_and_message_cpu_are_charged_per_micro_batch() -> 
     assert seconds(host_staged, 1) == pytest.approx(seconds(plain, 1))  # no stage messages
 
 
+def test_one_stage_in_1f1b_order_pays_no_pipelining_engine() -> None:
+    """meshplace's runtime accumulates a one-stage plan's micro-batches on the model
+    itself, without torch's pipelining (runtime.hybrid.accumulate_micro_batches), when the
+    plan's order is 1F1B: such a plan pays no ``pipeline_overhead``; a one-stage GPipe
+    plan, which still runs as a schedule, and a pipeline of two stages do."""
+    from meshplace.cost.compute import CostModel
+
+    cluster = load_cluster("h2-8xh100")
+    kind = cluster.devices[hybrid.accelerators(cluster)[0]].kind
+    engine = 1e-3
+
+    def seconds(cost_model: CostModel, schedule: str, pp: int) -> float:
+        result = hybrid.hybrid_search(
+            "tiny", None, cluster, chips=2, global_batch=8, tensor_parallel=(1,),
+            micro_batch_sizes=(2,), graphs=_tiny_graphs, layers=2, simulate_top=1000,
+            schedules=(schedule,), zero_stages=(0,), pipeline_degrees=(pp,),
+            cost_model=cost_model,
+        )  # fmt: skip
+        (plan,) = [p for p in result.plans if p.pp == pp and p.tp == 1]
+        return plan.time_per_batch_s
+
+    plain, charged = CostModel(), CostModel(pipeline_overhead={kind: engine})
+    assert seconds(charged, "1f1b", 1) == pytest.approx(seconds(plain, "1f1b", 1), rel=1e-12)
+    micro_batches = 8 // (2 * 2)  # one stage, two replicas, micro-batches of 2
+    assert seconds(charged, "gpipe", 1) - seconds(plain, "gpipe", 1) == pytest.approx(
+        micro_batches * engine, rel=1e-6
+    )
+    beats = 8 // 2 + 2 - 1  # two stages in 1F1B: 4 micro-batches, 5 beats
+    assert seconds(charged, "1f1b", 2) - seconds(plain, "1f1b", 2) == pytest.approx(
+        beats * engine, rel=1e-6
+    )
+
+
 def test_a_measured_exchange_replaces_the_engine_and_messages_fixed_costs_of_a_pipeline() -> None:
     """A cost model's ``pipeline_exchange`` (a beat's cost to two busy ranks beyond
     compute, and each further value crossing the cut; runtime.pipeline_exchange) is what a

@@ -490,6 +490,42 @@ def test_a_gpt_under_data_and_tensor_parallelism_trains_like_one_process(
         assert memory[kind]["measured"] == [memory[kind]["predicted"]] * 4, kind
 
 
+def test_accumulating_micro_batches_is_torchs_one_stage_1f1b_bit_for_bit(tmp_path: Path) -> None:
+    """A one-stage plan's micro-batches run without a schedule
+    (``hybrid.accumulate_micro_batches``): the same losses and gradients as torch's
+    ``Schedule1F1B`` over the same module as its one stage (gloo, a world of one),
+    ``torch.equal``; and the whole-model stage reassembles the model's keyword inputs."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.GELU(), torch.nn.Linear(5, 1))
+    twin = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.GELU(), torch.nn.Linear(5, 1))
+    twin.load_state_dict(net.state_dict())
+    x = torch.randn(8, 6)
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        stage = PipelineStage(net, 0, 1, torch.device("cpu"))
+        runner = Schedule1F1B(stage, n_microbatches=4, loss_fn=lambda out, _t: out.sum())
+        scheduled: list[Any] = []
+        runner.step(x, target=torch.zeros(4), losses=scheduled)
+    finally:
+        dist.destroy_process_group()
+    accumulated = hybrid.accumulate_micro_batches(twin, 4, [x], {})
+    assert all(torch.equal(a, b) for a, b in zip(accumulated, scheduled, strict=True))
+    for p, q in zip(twin.parameters(), net.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+
+    class Keyworded(torch.nn.Module):
+        def forward(self, a: torch.Tensor, *, scale: torch.Tensor) -> torch.Tensor:
+            return (a * scale).mean()
+
+    whole = hybrid.WholeModelStage(Keyworded(), 1, ["scale"])
+    assert whole.route().reads == (("input", 0), ("input", "scale"))
+    assert torch.equal(whole(torch.ones(2), torch.full((2,), 3.0)), torch.tensor([3.0]))
+
+
 def test_a_stage_run_compiled_computes_exactly_what_the_interpreter_does() -> None:
     """The front end's stages run as generated code (runtime.pipelined.run_stage_compiled):
     the same forward and backward, bit for bit (torch.equal)."""

@@ -23,9 +23,11 @@ from meshplace.cost.compute import CostModel
 @dataclass(frozen=True)
 class HostCosts:
     """What running a stage costs its host beyond the kernels, per micro-batch: the
-    pipelining engine's ``engine_s`` (meshplace's hybrid runtime runs every plan, one
-    stage included, as a ``torch.distributed.pipelining`` schedule; the cost model's
-    ``pipeline_overhead``), half on the forward and half on the backward, and, for devices
+    pipelining engine's ``engine_s`` (meshplace's hybrid runtime runs every plan as a
+    ``torch.distributed.pipelining`` schedule but a one-stage 1F1B plan, whose
+    micro-batches it accumulates on the model itself, so the hybrid search charges that
+    one nothing; the cost model's ``pipeline_overhead``), half on the forward and half on
+    the backward, and, for devices
     whose messages are staged through the host (the cost model's ``message_cpu``: send s,
     send s/byte, receive s, receive s/byte), each message between stages on its ends'
     compute: a stage's forward receives its activation and sends its output, its backward

@@ -1841,6 +1841,10 @@ def hybrid_search(
                     config = HybridConfig(pp, dp, tp, b, m, z, schedule)
                     configurations += 1
                     charged = ddp_host if ddp else host
+                    if pp == 1 and schedule == "1f1b":
+                        # the runtime accumulates one stage's micro-batches without a
+                        # schedule (runtime.hybrid.accumulate_micro_batches): no engine
+                        charged = replace(charged, engine_s=0.0)
                     if isinstance(staged, UnitCosts):
                         plan = _evaluate_units(
                             staged, config, capacity, mesh, dp_axis, link_s, peak, global_batch,

@@ -28,7 +28,12 @@ would only cost time there. The first stage reads its rows of
 each micro-batch as a DTensor split over ``data`` (:class:`StageOnMesh`); activations
 cross stages as DTensors (the pipelining stage sends each rank's local block to the rank
 of the same ``(data, tensor)`` coordinate in the next stage, torch 2.13's DTensor
-metadata support). The schedule scales gradients by ``1 / micro-batches``; after it, each
+metadata support). A plan of one stage (no pipeline; data and tensor parallelism with
+micro-batches) runs without a schedule: its micro-batches are plain gradient accumulation
+on the stage module (:func:`accumulate_micro_batches`), as a user would write it, which
+torch's single-stage ``Schedule1F1B`` cost 25-35 % more on a data-parallel Llama step of
+4 micro-batches (docs/runtime.md, "Session 40"). The schedule scales gradients by
+``1 / micro-batches``; after it, each
 gradient takes its parameter's placement (the data-parallel all-reduce or
 reduce-scatter), and Adam updates the rank's blocks. So a step is one full-batch step of
 the model, up to the order in which partial sums are added.
@@ -222,6 +227,35 @@ class StageOnMesh(torch.nn.Module):
         return tuple(values[v] for v in self.route.sends)
 
 
+class WholeModelStage(torch.nn.Module):
+    """The whole model as the one stage of a plan without a pipeline, called as a
+    pipelining stage is (:class:`StageOnMesh`): every input positionally, the model's
+    positional inputs first, then its keyword inputs in order; returns the loss as a
+    1-element tensor, as :class:`meshplace.runtime.pipelined.InputsEnterFirst` does. The
+    model runs eagerly, its parameters named ``model.NAME`` as a stage's are."""
+
+    def __init__(self, model: torch.nn.Module, positional: int, keywords: Sequence[str]) -> None:
+        super().__init__()
+        self.model = model
+        self.positional = positional
+        self.keywords = tuple(keywords)
+
+    def route(self) -> StageRoute:
+        """The stage's :class:`StageRoute`: it reads every input and makes the loss."""
+        names = tuple(("input", i) for i in range(self.positional)) + tuple(
+            ("input", k) for k in self.keywords
+        )
+        return StageRoute(reads=names, makes=((0, None),), sends=(), receives=names)
+
+    def forward(self, *values: Any) -> torch.Tensor:
+        from meshplace.graph.capture import as_loss
+
+        args = values[: self.positional]
+        kwargs = dict(zip(self.keywords, values[self.positional :], strict=True))
+        loss, _how = as_loss(self.model(*args, **kwargs))
+        return loss.reshape(1)
+
+
 def zero_filled_stage_class() -> type:
     """``PipelineStage`` whose metadata inference runs on zeros.
 
@@ -370,28 +404,45 @@ def run_hybrid_plan(
         )
     rows = global_batch // micro_batches  # one micro-batch of every replica together
     ddp, engine_note = ddp_stages(plan, model, args, kwargs, rows, engine)
-    # export specialises the shapes it traces: DTensor stages see a micro-batch's global
-    # shape, DDP stages (plain tensors) their replica's rows of it
-    traced = rows if ddp is None else rows // dp
-    pipe = pipeline(
-        InputsEnterFirst(model.to(device)),
-        mb_args=tuple(a[:traced].to(device) if isinstance(a, torch.Tensor) else a for a in args),
-        mb_kwargs={
-            k: v[:traced].to(device) if isinstance(v, torch.Tensor) else v
-            for k, v in kwargs.items()
-        },
-        split_spec={f"model.{s}": SplitPoint.BEGINNING for s in splits},
-    )
-    if pipe.num_stages != pp * virtual:
-        raise InputError(
-            f"torch's pipelining cut the model into {pipe.num_stages} stages at "
-            f"{', '.join(splits)}; the plan has {pp * virtual}"
-        )
+    schedule_name = pipeline_spec["schedule"]
+    if schedule_name == "1f1b" and micro_batches < pp:
+        # torch's 1F1B wants a micro-batch per stage; with fewer, 1F1B's order on every
+        # stage is GPipe's (all forwards, then all backwards)
+        schedule_name = "gpipe"
+    # one stage in 1F1B order: the model itself, eager, its micro-batches accumulated (no
+    # export trace, whose aten-level graph ran the Llama example's forward and backward
+    # 1.6x slower than eager, and no schedule)
+    accumulate = pp * virtual == 1 and schedule_name == "1f1b"
     # this rank's (virtual) stages: i, i + pp, ... in pipeline order
     mine = [pipe_index + j * pp for j in range(virtual)]
-    modules = [pipe.get_stage_module(s) for s in mine]
-    routes = stage_routes(pipe.split_gm.graph)
-    del pipe, model  # each rank keeps its stages only
+    if accumulate:
+        whole = WholeModelStage(model.to(device), len(args), list(kwargs))
+        modules: list[Any] = [whole]
+        routes = [whole.route()]
+    else:
+        # export specialises the shapes it traces: DTensor stages see a micro-batch's
+        # global shape, DDP stages (plain tensors) their replica's rows of it
+        traced = rows if ddp is None else rows // dp
+        pipe = pipeline(
+            InputsEnterFirst(model.to(device)),
+            mb_args=tuple(
+                a[:traced].to(device) if isinstance(a, torch.Tensor) else a for a in args
+            ),
+            mb_kwargs={
+                k: v[:traced].to(device) if isinstance(v, torch.Tensor) else v
+                for k, v in kwargs.items()
+            },
+            split_spec={f"model.{s}": SplitPoint.BEGINNING for s in splits},
+        )
+        if pipe.num_stages != pp * virtual:
+            raise InputError(
+                f"torch's pipelining cut the model into {pipe.num_stages} stages at "
+                f"{', '.join(splits)}; the plan has {pp * virtual}"
+            )
+        modules = [pipe.get_stage_module(s) for s in mine]
+        routes = stage_routes(pipe.split_gm.graph)
+        del pipe  # each rank keeps its stages only
+    del model
     spec = plan["stages"][pipe_index]
     runs = spec.get("chunks") or [spec["layers"]]
     weight_updates = []
@@ -401,9 +452,12 @@ def run_hybrid_plan(
     def get_mesh(names: tuple[str, ...], _layout: Any) -> Any:
         return mesh[names] if len(names) > 1 else mesh[names[0]]
 
+    wrapped_modules = []
+
     for s, module, (first, end) in zip(mine, modules, runs, strict=True):
-        drop_export_assertions(module)
-        run_stage_compiled(module)
+        if not accumulate:  # a pipelining stage's graph
+            drop_export_assertions(module)
+            run_stage_compiled(module)
         if ddp is None:
             weight_update = place_stage_parameters(module, plan, stage_mesh)
         else:
@@ -418,11 +472,15 @@ def run_hybrid_plan(
             not_recomputed += len(layers) - found
             recomputed += found
         last = s == pp * virtual - 1
+        route = routes[0] if accumulate else routes[s]
         wrapped: Any = StageOnMesh(
-            module, stage_mesh, weight_update, routes[s], s == 0, last, distribute=ddp is None
+            module, stage_mesh, weight_update, route, s == 0, last, distribute=ddp is None
         )
-        if ddp is not None:  # torch's pipelining defers DDP's reduction to the last backward
+        if ddp is not None:  # DDP's reduction deferred to the last micro-batch's backward
             wrapped = data_parallel_stage_module(wrapped, mesh["data"], ddp, device)
+        wrapped_modules.append(wrapped)
+        if accumulate:
+            continue
         stages.append(
             zero_filled_stage_class()(
                 wrapped,
@@ -433,17 +491,14 @@ def run_hybrid_plan(
                 get_mesh=get_mesh,
             )
         )
-    schedule_name = pipeline_spec["schedule"]
-    if schedule_name == "1f1b" and micro_batches < pp:
-        # torch's 1F1B wants a micro-batch per stage; with fewer, 1F1B's order on every
-        # stage is GPipe's (all forwards, then all backwards)
-        schedule_name = "gpipe"
-    schedule_class = getattr(torch_schedules, HYBRID_RUNTIME_SCHEDULES[schedule_name])
-    runner = schedule_class(
-        stages if virtual > 1 else stages[0],
-        n_microbatches=micro_batches,
-        loss_fn=lambda out, _target: out.sum(),
-    )
+    runner = None
+    if not accumulate:
+        schedule_class = getattr(torch_schedules, HYBRID_RUNTIME_SCHEDULES[schedule_name])
+        runner = schedule_class(
+            stages if virtual > 1 else stages[0],
+            n_microbatches=micro_batches,
+            loss_fn=lambda out, _target: out.sum(),
+        )
     optimizer = torch.optim.Adam(
         [
             p
@@ -495,7 +550,12 @@ def run_hybrid_plan(
             # the schedule runs the backward too: plain tensors (a rotary table) saved for
             # it meet DTensor gradients there, so the whole step is a sharded step
             with sharded_step(device_type):
-                micro = run_schedule(runner, first_stage, last_stage, inputs, keywords, target)
+                if runner is None:
+                    micro = accumulate_micro_batches(
+                        wrapped_modules[0], micro_batches, inputs, keywords
+                    )
+                else:
+                    micro = run_schedule(runner, first_stage, last_stage, inputs, keywords, target)
             activity.at(2 * micro_batches)
             grad_bytes = sum(
                 update.gradients_placed(module)
@@ -552,6 +612,48 @@ def run_hybrid_plan(
         "engine_note": engine_note,
         "program": program.to_dict() if record_step is not None and rank == 0 else None,
     }
+
+
+def accumulate_micro_batches(
+    module: torch.nn.Module,
+    micro_batches: int,
+    inputs: Sequence[Any],
+    keywords: Mapping[str, Any],
+) -> list[torch.Tensor]:
+    """One step's forwards and backwards of a one-stage plan without a pipeline schedule:
+    the inputs cut into ``micro_batches`` chunks along their first dimension as torch's
+    pipelining cuts them (``split_args_kwargs_into_chunks``), each chunk's forward then the
+    backward of its loss (the module's output summed, the schedule's ``loss_fn``), and
+    after the last the gradients divided by ``micro_batches`` (the schedule's
+    ``scale_grads``). So the arithmetic is ``Schedule1F1B``'s on one stage, without its
+    per-micro-batch bookkeeping. A DDP module reduces its gradients in the last
+    micro-batch's backward only (``no_sync`` before it). Returns each micro-batch's loss.
+    O(micro_batches) forward and backward passes.
+
+    >>> net = torch.nn.Linear(3, 1)
+    >>> losses = accumulate_micro_batches(net, 2, [torch.ones(4, 3)], {})
+    >>> len(losses), net.weight.grad.shape
+    (2, torch.Size([1, 3]))
+    """
+    from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
+    from torch.nn.parallel import DistributedDataParallel
+
+    chunks, keyword_chunks = split_args_kwargs_into_chunks(
+        tuple(inputs), dict(keywords), micro_batches
+    )
+    ddp = isinstance(module, DistributedDataParallel)
+    losses = []
+    for k, (args, kwargs) in enumerate(zip(chunks, keyword_chunks, strict=True)):
+        deferred = module.no_sync() if ddp and k < micro_batches - 1 else contextlib.nullcontext()
+        with deferred:
+            loss = module(*args, **kwargs).sum()
+            loss.backward()
+        losses.append(loss)
+    if micro_batches != 1:
+        for parameter in module.parameters():
+            if parameter.grad is not None:
+                parameter.grad.div_(micro_batches)
+    return losses
 
 
 class PlainStageUpdate:
