@@ -9,7 +9,12 @@ each, Adam, run two ways in alternation for two plans of the Megatron grid on 2 
   meshplace.runtime`` on the grid point's plan (parameters replicated DTensors, inputs
   split over the batch, each gradient reduced as its placement says);
 * **dp2, ZeRO 3**: by hand, FSDP2 (``fully_shard`` on every block, then the model);
-  meshplace, the ZeRO-3 grid point (parameters sharded, gathered for use).
+  meshplace, the ZeRO-3 grid point (parameters sharded, gathered for use);
+* **dp2, 4 micro-batches** (the Llama example at batch 8,
+  ``benchmarks/fidelity_models.py:build_llama_batch8``): by hand, DDP with gradient
+  accumulation (``no_sync`` on all but the last micro-batch, each loss divided by 4);
+  meshplace, the hybrid search's one-stage plan of data parallelism 2 in micro-batches
+  of one sequence (``meshplace.runtime.hybrid``, which accumulates them on DDP).
 
 Each run: ``--warmup`` untimed then ``--steps`` timed steps, each step the slowest rank's,
 the median reported; ``--repeats`` alternating pairs per plan. The by-hand runs are this
@@ -22,6 +27,7 @@ Usage: ``python benchmarks/sharded_overhead.py [--repeats 2] [--steps 20] [--war
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -35,6 +41,9 @@ from two_ranks import report_slowest_median, torchrun_json  # noqa: E402
 
 SOURCE = f"{ROOT / 'examples' / 'llama.py'}:build_tiny"
 PLANS = {"ddp": 0, "fsdp": 3}  # by-hand engine -> the ZeRO stage of meshplace's plan
+ACCUMULATED = f"{ROOT / 'benchmarks' / 'fidelity_models.py'}:build_llama_batch8"
+MICRO_BATCHES = 4  # of the accumulated row: global batch 8 over 2 replicas, 1 row each
+WORKERS = (*PLANS, "ddp-accumulate")
 
 
 def worker(engine: str, steps: int, warmup: int) -> None:
@@ -49,14 +58,16 @@ def worker(engine: str, steps: int, warmup: int) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    model, args, kwargs = build_from_seed(SOURCE)
+    accumulating = engine == "ddp-accumulate"
+    model, args, kwargs = build_from_seed(ACCUMULATED if accumulating else SOURCE)
+    micro_batches = MICRO_BATCHES if accumulating else 1
 
     def mine(x: object) -> object:  # this rank's rows of the batch
         return x.chunk(world)[rank] if isinstance(x, torch.Tensor) else x
 
     args = [mine(a) for a in args]
     kwargs = {k: mine(v) for k, v in kwargs.items()}
-    if engine == "ddp":
+    if engine in ("ddp", "ddp-accumulate"):
         from torch.nn.parallel import DistributedDataParallel
 
         model = DistributedDataParallel(model)
@@ -73,8 +84,17 @@ def worker(engine: str, steps: int, warmup: int) -> None:
     for _ in range(steps + warmup):
         dist.barrier()
         start = time.perf_counter()
-        loss, _how = as_loss(model(*args, **kwargs))
-        loss.backward()
+        for k in range(micro_batches):
+
+            def chunk(x: object, k: int = k) -> object:
+                return x.chunk(micro_batches)[k] if isinstance(x, torch.Tensor) else x
+
+            last = k == micro_batches - 1
+            with contextlib.nullcontext() if last or not accumulating else model.no_sync():
+                loss, _how = as_loss(
+                    model(*map(chunk, args), **{n: chunk(v) for n, v in kwargs.items()})
+                )
+                (loss / micro_batches).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - start)
@@ -101,7 +121,29 @@ def grid_plans(folder: Path) -> dict[str, Path]:
         path = folder / f"{engine}.json"
         path.write_text(json.dumps(point.plan.plan_file(SOURCE, "dgx-h100")))
         paths[engine] = path
+    paths["ddp-accumulate"] = accumulated_plan(folder)
     return paths
+
+
+def accumulated_plan(folder: Path) -> Path:
+    """The hybrid search's one-stage plan of :data:`ACCUMULATED` on 2 devices: data
+    parallelism 2, micro-batches of one sequence (:data:`MICRO_BATCHES` per replica),
+    ZeRO 0, as a plan file."""
+    from meshplace.graph.sources import graph_source
+    from meshplace.hardware import load_cluster
+    from meshplace.parallel.cli import hybrid_plan_file
+    from meshplace.parallel.hybrid import hybrid_search
+
+    result = hybrid_search(
+        ACCUMULATED, None, load_cluster("dgx-h100"), global_batch=2 * MICRO_BATCHES, chips=2,
+        tensor_parallel=(1,), pipeline_degrees=(1,), micro_batch_sizes=(1,),
+        schedules=("1f1b",), zero_stages=(0,), synchronous_gradients=True,
+        graphs=lambda b: graph_source(ACCUMULATED, batch=b, training=True).graph,
+    )  # fmt: skip
+    plan = next(p for p in result.plans if p.dp == 2 and p.config.micro_batches == MICRO_BATCHES)
+    path = folder / "ddp-accumulate.json"
+    path.write_text(json.dumps(hybrid_plan_file(result, plan, "dgx-h100")))
+    return path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2, help="alternating pairs (default 2)")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--worker", choices=sorted(PLANS), default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=WORKERS, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/sharded_overhead.json"))
     args = parser.parse_args(argv)
     if args.worker is not None:
@@ -128,15 +170,19 @@ def main(argv: list[str] | None = None) -> int:
                 by_hand.append(
                     torchrun_json([__file__, "--worker", engine, *common])["step_time_s"]
                 )
+                source = ACCUMULATED if engine == "ddp-accumulate" else SOURCE
                 report = torchrun_json(
                     [
-                        *["-m", "meshplace.runtime", "--plan", str(plan), "--model", SOURCE],
+                        *["-m", "meshplace.runtime", "--plan", str(plan), "--model", source],
                         *[*common, "--device", "cpu", "--json"],
                     ]
                 )
                 ours.append(report["measured"]["step_time_s"])
             row = {
-                "plan": f"dp2 zero{PLANS[engine]}",
+                "plan": f"dp2 zero{PLANS[engine]}"
+                if engine in PLANS
+                else f"dp2 zero0, {MICRO_BATCHES} micro-batches",
+                "model": source,
                 "by_hand": engine,
                 "by_hand_s": by_hand,
                 "meshplace_s": ours,
