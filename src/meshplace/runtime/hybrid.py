@@ -491,6 +491,7 @@ def run_hybrid_plan(
                 get_mesh=get_mesh,
             )
         )
+    plain_tensors = all(isinstance(u, PlainStageUpdate) for u in weight_updates)
     runner = None
     if not accumulate:
         schedule_class = getattr(torch_schedules, HYBRID_RUNTIME_SCHEDULES[schedule_name])
@@ -548,8 +549,10 @@ def run_hybrid_plan(
         start = time.perf_counter()
         with recording:
             # the schedule runs the backward too: plain tensors (a rotary table) saved for
-            # it meet DTensor gradients there, so the whole step is a sharded step
-            with sharded_step(device_type):
+            # it meet DTensor gradients there, so the whole step is a sharded step; a
+            # stage of plain tensors (DDP's, or one device's) runs as plain PyTorch (the
+            # sharded step's math-only attention is DTensor's need on the host, not theirs)
+            with contextlib.nullcontext() if plain_tensors else sharded_step(device_type):
                 if runner is None:
                     micro = accumulate_micro_batches(
                         wrapped_modules[0], micro_batches, inputs, keywords
