@@ -29,10 +29,12 @@ each micro-batch as a DTensor split over ``data`` (:class:`StageOnMesh`); activa
 cross stages as DTensors (the pipelining stage sends each rank's local block to the rank
 of the same ``(data, tensor)`` coordinate in the next stage, torch 2.13's DTensor
 metadata support). A plan of one stage (no pipeline; data and tensor parallelism with
-micro-batches) runs without a schedule: its micro-batches are plain gradient accumulation
-on the stage module (:func:`accumulate_micro_batches`), as a user would write it, which
-torch's single-stage ``Schedule1F1B`` cost 25-35 % more on a data-parallel Llama step of
-4 micro-batches (docs/runtime.md, "Session 40"). The schedule scales gradients by
+micro-batches) runs the model itself, eager, without a schedule: its micro-batches are
+plain gradient accumulation (:func:`accumulate_micro_batches`), as a user would write it;
+the export-traced stage under torch's single-stage ``Schedule1F1B`` cost a data-parallel
+Llama step of 4 micro-batches 15-35 % more (docs/runtime.md, "Session 40"). Stages of
+plain tensors run outside :func:`meshplace.runtime.sharded.sharded_step` (whose math-only
+attention is DTensor's need on the host). The schedule scales gradients by
 ``1 / micro-batches``; after it, each
 gradient takes its parameter's placement (the data-parallel all-reduce or
 reduce-scatter), and Adam updates the rank's blocks. So a step is one full-batch step of
