@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -473,8 +475,6 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, plan: Any) -> int:
-    import sys
-
     from meshplace.runtime.executor import natural_key, resolve_worker_devices, run_placement
     from meshplace.runtime.program import ModelSpec, trace_step
     from meshplace.util import print_json
@@ -549,44 +549,25 @@ def _run(args: argparse.Namespace, plan: Any) -> int:
             # sharding runtime pays, and what torch's pipelining adds per micro-batch,
             # which the hybrid runtime pays (a FILE.py:FUNCTION model: built again here)
             dispatch = measure_dispatch_overhead(str(args.graph))
-            try:
-                engine = measure_engine_overhead(str(args.graph))
-            except Exception as exc:  # torch's pipelining cannot trace every model
-                engine = 0.0
-                print(
-                    "meshplace: note: the pipelining engine's overhead was not measured "
-                    f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
-                    "the calibration file says 0",
-                    file=sys.stderr,
-                )
-            # and what FSDP2 adds per unit, which a ZeRO-3 data-parallel plan pays
-            try:
-                fsdp = measure_fsdp_overhead(str(args.graph))
-            except Exception as exc:  # a model FSDP2 cannot shard or run
-                fsdp = {"per_unit_s": 0.0}
-                print(
-                    "meshplace: note: FSDP2's overhead was not measured "
-                    f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
-                    "the calibration file says 0",
-                    file=sys.stderr,
-                )
-            # and what DDP adds per micro-batch, which a data-parallel stage on DDP pays
-            try:
-                ddp = measure_ddp_overhead(str(args.graph))
-            except Exception as exc:  # a model DDP cannot wrap or run
-                ddp = {"per_micro_batch_s": 0.0}
-                print(
-                    "meshplace: note: DDP's overhead was not measured "
-                    f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
-                    "the calibration file says 0",
-                    file=sys.stderr,
-                )
+            # (torch's pipelining cannot trace every model)
+            engine = measured_or_zero(
+                "the pipelining engine's", lambda: measure_engine_overhead(str(args.graph))
+            )
+            # and what FSDP2 adds per unit, which a ZeRO-3 data-parallel plan pays (a model
+            # FSDP2 cannot shard or run: 0), and DDP per micro-batch, which a data-parallel
+            # stage on DDP pays
+            fsdp = measured_or_zero(
+                "FSDP2's", lambda: measure_fsdp_overhead(str(args.graph))["per_unit_s"]
+            )
+            ddp = measured_or_zero(
+                "DDP's", lambda: measure_ddp_overhead(str(args.graph))["per_micro_batch_s"]
+            )
             measured = measured.model_copy(
                 update={
                     "dispatch_overhead_s": dispatch["per_op_s"],
                     "pipeline_overhead_s": engine,
-                    "fsdp_unit_overhead_s": fsdp["per_unit_s"],
-                    "ddp_overhead_s": ddp["per_micro_batch_s"],
+                    "fsdp_unit_overhead_s": fsdp,
+                    "ddp_overhead_s": ddp,
                 }
             )
         save_calibration(measured, args.calibration_out)
@@ -677,3 +658,25 @@ def _calibration_summary(cal: Any) -> dict[str, Any]:
         },
         "in_situ": {k: v for k, v in (cal.messages.get("in_situ") or {}).items() if k != "probes"},
     }
+
+
+def measured_or_zero(what: str, measure: Callable[[], float]) -> float:
+    """``measure()``'s seconds, or 0 with a note on stderr naming ``what`` overhead was not
+    measured and why (a model an engine cannot trace, wrap or run): the calibration file
+    then says 0 for it, and the run goes on.
+
+    >>> measured_or_zero("DDP's", lambda: 1e-3)
+    0.001
+    >>> measured_or_zero("DDP's", lambda: 1 / 0)  # the note goes to stderr
+    0.0
+    """
+    try:
+        return float(measure())
+    except Exception as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else ""
+        print(
+            f"meshplace: note: {what} overhead was not measured ({type(exc).__name__}: "
+            f"{reason}); the calibration file says 0",
+            file=sys.stderr,
+        )
+        return 0.0

@@ -46,6 +46,8 @@ from typing import Any
 
 import torch
 
+from meshplace.runtime.processes import one_rank_world
+
 #: relative agreement that :func:`loss_over_batch` asks of a loss and the mean (or sum) of
 #: its halves: rounding of a float32 reduction is ~1e-7; a mean taken for a sum is off 2x
 LOSS_TOLERANCE = 1e-4
@@ -445,48 +447,35 @@ def measure_ddp_overhead(source: str, reps: int = 20) -> dict[str, Any]:
         measure_ddp_overhead("examples/llama.py:build_tiny")["per_micro_batch_s"]  # ~1e-3
     """
     import statistics
-    import tempfile
     import time
-    from pathlib import Path
 
-    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
     from meshplace.graph.capture import as_loss
     from meshplace.graph.sources import build_on_two_rows
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with tempfile.TemporaryDirectory() as folder:
-            store = dist.FileStore(str(Path(folder) / "store"), 1)
-            dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-            try:
-                model, args, kwargs = build_on_two_rows(source)
-                wrapped = DistributedDataParallel(model)
+    with one_rank_world():
+        model, args, kwargs = build_on_two_rows(source)
+        wrapped = DistributedDataParallel(model)
 
-                def plain() -> float:
-                    model.zero_grad(set_to_none=True)  # both create the gradients
-                    start = time.perf_counter()
-                    as_loss(model(*args, **kwargs))[0].backward()
-                    return time.perf_counter() - start
+        def plain() -> float:
+            model.zero_grad(set_to_none=True)  # both create the gradients
+            start = time.perf_counter()
+            as_loss(model(*args, **kwargs))[0].backward()
+            return time.perf_counter() - start
 
-                def ddp() -> float:
-                    model.zero_grad(set_to_none=True)
-                    start = time.perf_counter()
-                    with wrapped.no_sync():
-                        as_loss(wrapped(*args, **kwargs))[0].backward()
-                    return time.perf_counter() - start
+        def ddp() -> float:
+            model.zero_grad(set_to_none=True)
+            start = time.perf_counter()
+            with wrapped.no_sync():
+                as_loss(wrapped(*args, **kwargs))[0].backward()
+            return time.perf_counter() - start
 
-                for _ in range(2):  # warm-up
-                    plain(), ddp()
-                pairs = []
-                for _ in range(reps):
-                    pairs.append((plain(), ddp()))
-            finally:
-                dist.destroy_process_group()
-    finally:
-        torch.set_num_threads(threads)
+        for _ in range(2):  # warm-up
+            plain(), ddp()
+        pairs = []
+        for _ in range(reps):
+            pairs.append((plain(), ddp()))
     return {
         "plain_s": statistics.median(p for p, _ in pairs),
         "ddp_s": statistics.median(d for _, d in pairs),
@@ -512,11 +501,8 @@ def measure_fsdp_overhead(source: str, reps: int = 20, rounds: int = 3) -> dict[
         measure_fsdp_overhead("examples/llama.py:build_tiny")["per_unit_s"]  # ~1e-3
     """
     import statistics
-    import tempfile
     import time
-    from pathlib import Path
 
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -539,30 +525,20 @@ def measure_fsdp_overhead(source: str, reps: int = 20, rounds: int = 3) -> dict[
 
         return step
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with tempfile.TemporaryDirectory() as folder:
-            store = dist.FileStore(str(Path(folder) / "store"), 1)
-            dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-            try:
-                plain = stepper(*build())
-                model, args, kwargs = build()
-                units = fsdp_units(model)
-                mesh = init_device_mesh("cpu", (1,))
-                for unit in units:
-                    fully_shard(unit, mesh=mesh)
-                sharded = stepper(model, args, kwargs)
-                times: dict[str, list[float]] = {"plain": [], "fsdp": []}
-                for step in (plain, sharded):  # warm-up: Adam's state, FSDP2's lazy init
-                    step(), step()
-                for _ in range(rounds):
-                    for name, step in (("plain", plain), ("fsdp", sharded)):
-                        times[name] += [step() for _ in range(reps)]
-            finally:
-                dist.destroy_process_group()
-    finally:
-        torch.set_num_threads(threads)
+    with one_rank_world():
+        plain = stepper(*build())
+        model, args, kwargs = build()
+        units = fsdp_units(model)
+        mesh = init_device_mesh("cpu", (1,))
+        for unit in units:
+            fully_shard(unit, mesh=mesh)
+        sharded = stepper(model, args, kwargs)
+        times: dict[str, list[float]] = {"plain": [], "fsdp": []}
+        for step in (plain, sharded):  # warm-up: Adam's state, FSDP2's lazy init
+            step(), step()
+        for _ in range(rounds):
+            for name, step in (("plain", plain), ("fsdp", sharded)):
+                times[name] += [step() for _ in range(reps)]
     plain_s, fsdp_s = statistics.median(times["plain"]), statistics.median(times["fsdp"])
     return {
         "plain_step_s": plain_s,

@@ -57,6 +57,7 @@ from pathlib import Path
 from typing import Any
 
 from meshplace.errors import InputError
+from meshplace.runtime.processes import one_rank_world
 
 #: the functional collectives DTensor issues, by the kind names the cost model uses
 COLLECTIVE_KINDS = {
@@ -652,11 +653,9 @@ def measure_dispatch_overhead(source: str, reps: int = 20) -> dict[str, Any]:
     (about 25-30 us on this project's 2-core machine)."""
     import contextlib
     import statistics
-    import tempfile
     import time
 
     import torch
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, distribute_tensor
 
@@ -681,51 +680,41 @@ def measure_dispatch_overhead(source: str, reps: int = 20) -> dict[str, Any]:
 
         return one
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with tempfile.TemporaryDirectory() as folder:
-            store = dist.FileStore(str(Path(folder) / "store"), 1)
-            dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-            try:
-                plain_step = stepper(*build(), contextlib.nullcontext)
-                mesh = init_device_mesh("cpu", (1,))
-                model, args, kwargs = build()
-                for name, param in list(model.named_parameters()):
-                    owner, _, leaf = name.rpartition(".")
-                    placed = distribute_tensor(param.detach(), mesh, [Replicate()])
-                    setattr(model.get_submodule(owner), leaf, torch.nn.Parameter(placed))
+    with one_rank_world():
+        plain_step = stepper(*build(), contextlib.nullcontext)
+        mesh = init_device_mesh("cpu", (1,))
+        model, args, kwargs = build()
+        for name, param in list(model.named_parameters()):
+            owner, _, leaf = name.rpartition(".")
+            placed = distribute_tensor(param.detach(), mesh, [Replicate()])
+            setattr(model.get_submodule(owner), leaf, torch.nn.Parameter(placed))
 
-                def replicate(x: Any) -> Any:
-                    if isinstance(x, torch.Tensor):
-                        return distribute_tensor(x, mesh, [Replicate()])
-                    return x
+        def replicate(x: Any) -> Any:
+            if isinstance(x, torch.Tensor):
+                return distribute_tensor(x, mesh, [Replicate()])
+            return x
 
-                args = tuple(replicate(a) for a in args)
-                kwargs = {k: replicate(v) for k, v in kwargs.items()}
-                dtensor_step = stepper(model, args, kwargs, sharded_step)
-                # the two steps alternate and each pair's difference counts: the host's
-                # speed drifts within seconds here, and a model whose step is mostly
-                # arithmetic (Adam over the fidelity MLP's 2.1 M parameters) put the
-                # difference of two separate medians anywhere in 0-190 us per op
-                pairs = [(plain_step(), dtensor_step()) for _ in range(reps + 2)][2:]
-                plain = statistics.median(p for p, _ in pairs)
-                on_dtensor = statistics.median(d for _, d in pairs)
-                difference = statistics.median(d - p for p, d in pairs)
-                optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=True)
-                program = EngineProgram(1)
-                for recorded in (False, True):  # the second step: Adam's state exists
-                    with recorder(program) if recorded else contextlib.nullcontext():
-                        with sharded_step():
-                            loss, _how = as_loss(model(*args, **kwargs))
-                            loss.backward()
-                        optimizer.step()
-                        optimizer.zero_grad(set_to_none=True)
-                ops = program.dispatched
-            finally:
-                dist.destroy_process_group()
-    finally:
-        torch.set_num_threads(threads)
+        args = tuple(replicate(a) for a in args)
+        kwargs = {k: replicate(v) for k, v in kwargs.items()}
+        dtensor_step = stepper(model, args, kwargs, sharded_step)
+        # the two steps alternate and each pair's difference counts: the host's
+        # speed drifts within seconds here, and a model whose step is mostly
+        # arithmetic (Adam over the fidelity MLP's 2.1 M parameters) put the
+        # difference of two separate medians anywhere in 0-190 us per op
+        pairs = [(plain_step(), dtensor_step()) for _ in range(reps + 2)][2:]
+        plain = statistics.median(p for p, _ in pairs)
+        on_dtensor = statistics.median(d for _, d in pairs)
+        difference = statistics.median(d - p for p, d in pairs)
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=True)
+        program = EngineProgram(1)
+        for recorded in (False, True):  # the second step: Adam's state exists
+            with recorder(program) if recorded else contextlib.nullcontext():
+                with sharded_step():
+                    loss, _how = as_loss(model(*args, **kwargs))
+                    loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+        ops = program.dispatched
     return {
         "plain_step_s": plain,
         "dtensor_step_s": on_dtensor,

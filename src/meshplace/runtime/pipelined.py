@@ -48,6 +48,7 @@ import torch
 from meshplace.errors import InputError
 from meshplace.graph.ir import OpGraph
 from meshplace.runtime.activity import SYNC, RankActivity
+from meshplace.runtime.processes import one_rank_world
 
 #: Schedules a pipelined plan can run with (``--schedule``).
 SCHEDULES = ("1F1B", "GPipe")
@@ -272,23 +273,18 @@ def measure_engine_overhead(source: str, micro_batches: int | None = None, reps:
     largest signal over the noise). Cost: ``2 (reps + 2)`` steps of the model.
     """
     import statistics
-    import tempfile
 
-    import torch.distributed as dist
     from torch.distributed.pipelining import Schedule1F1B, pipeline
 
     from meshplace.graph.capture import as_loss
     from meshplace.graph.sources import build_from_seed
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     model, args, kwargs = build_from_seed(source)
     first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
     batch = int(first.shape[0]) if first is not None and first.dim() else 1
     if micro_batches is None:
         micro_batches = next(m for m in (8, 4, 2, 1) if batch % m == 0)
     elif micro_batches < 1 or batch % micro_batches:
-        torch.set_num_threads(threads)
         raise InputError(
             f"{source}: a batch of {batch} does not split into {micro_batches} micro-batches"
         )
@@ -306,36 +302,28 @@ def measure_engine_overhead(source: str, micro_batches: int | None = None, reps:
             (loss / micro_batches).backward()
         model.zero_grad(set_to_none=True)
 
-    try:
-        with tempfile.TemporaryDirectory() as folder:
-            store = dist.FileStore(str(Path(folder) / "store"), 1)
-            dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-            try:
-                a, kw = chunks(0)
-                pipe = pipeline(InputsEnterFirst(model), mb_args=tuple(a), mb_kwargs=kw)
-                stage = pipe.build_stage(0, torch.device("cpu"))
-                run_stage_compiled(stage.submod)
-                runner = Schedule1F1B(
-                    stage, n_microbatches=micro_batches, loss_fn=lambda out, _t: out.sum()
-                )
-                target = torch.zeros(micro_batches)
+    with one_rank_world():
+        a, kw = chunks(0)
+        pipe = pipeline(InputsEnterFirst(model), mb_args=tuple(a), mb_kwargs=kw)
+        stage = pipe.build_stage(0, torch.device("cpu"))
+        run_stage_compiled(stage.submod)
+        runner = Schedule1F1B(
+            stage, n_microbatches=micro_batches, loss_fn=lambda out, _t: out.sum()
+        )
+        target = torch.zeros(micro_batches)
 
-                def piped() -> None:
-                    runner.step(*args, target=target, losses=[], **kwargs)
-                    stage.submod.zero_grad(set_to_none=True)
+        def piped() -> None:
+            runner.step(*args, target=target, losses=[], **kwargs)
+            stage.submod.zero_grad(set_to_none=True)
 
-                differences = []
-                for i in range(reps + 2):  # interleaved, the first two untimed
-                    start = time.perf_counter()
-                    piped()
-                    middle = time.perf_counter()
-                    eager()
-                    if i >= 2:
-                        differences.append((middle - start) - (time.perf_counter() - middle))
-            finally:
-                dist.destroy_process_group()
-    finally:
-        torch.set_num_threads(threads)
+        differences = []
+        for i in range(reps + 2):  # interleaved, the first two untimed
+            start = time.perf_counter()
+            piped()
+            middle = time.perf_counter()
+            eager()
+            if i >= 2:
+                differences.append((middle - start) - (time.perf_counter() - middle))
     return max(0.0, statistics.median(differences) / micro_batches)
 
 

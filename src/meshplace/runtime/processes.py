@@ -16,6 +16,8 @@ stopped one from a busy one.
   at once (a stopped process cannot act on ``SIGTERM``).
 * :func:`private_temp_folder` — a temporary folder removed with everything in it on every
   way out of the ``with`` block (success, error, ``KeyboardInterrupt``).
+* :func:`one_rank_world` — this process as a gloo world of one on one thread, for the
+  in-process measurements of an engine's own cost (DDP, FSDP2, DTensor, pipelining).
 
 >>> process_state(os.getpid()) in ("R", "S", None)
 True
@@ -186,3 +188,36 @@ def safe_start_method() -> str:
     if os.name != "posix" or cuda:
         return "spawn"
     return "fork"
+
+
+@contextlib.contextmanager
+def one_rank_world() -> Iterator[None]:
+    """This process as a ``torch.distributed`` world of one (gloo, a ``FileStore`` in a
+    temporary folder) computing on one thread, for the ``with`` block; the process group
+    destroyed and the thread count restored on every way out. What the engine-overhead
+    measurements (``measure_ddp_overhead``, ``measure_fsdp_overhead``,
+    ``measure_dispatch_overhead``, ``measure_engine_overhead``) run in: the engine's own
+    work without another rank's. O(1).
+
+    >>> import torch.distributed as dist
+    >>> with one_rank_world():
+    ...     dist.get_world_size()
+    1
+    >>> dist.is_initialized()
+    False
+    """
+    import torch
+    import torch.distributed as dist
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with tempfile.TemporaryDirectory() as folder:
+            store = dist.FileStore(os.path.join(folder, "store"), 1)
+            dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+            try:
+                yield
+            finally:
+                dist.destroy_process_group()
+    finally:
+        torch.set_num_threads(threads)
