@@ -221,3 +221,63 @@ def test_a_sharded_plan_runs_on_dtensor_and_matches_the_unsharded_step(tmp_path:
         assert torch.allclose(got["loss"], ref_loss, rtol=1e-5, atol=1e-6)
         for name, p in ref_model.named_parameters():
             assert torch.allclose(got["grads"][name], p.grad, rtol=1e-5, atol=1e-5), name
+
+
+def _attention_rank(rank: int, store_path: str, out_dir: str) -> None:
+    """One forked rank of the attention test: q, k, v of 4 heads on a 1-D mesh of 4, split
+    over heads alike (the flash kernel) and split unlike (math), forward and backward."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 4), rank=rank, world_size=4)
+    mesh = init_device_mesh("cpu", (4,))
+    torch.manual_seed(0)
+    # laid out (batch, sequence, heads, dim) and viewed as (batch, heads, ...), as models do
+    q, k, v = (torch.randn(2, 8, 4, 16).transpose(1, 2) for _ in range(3))
+    weight = torch.randn(2, 8, 64)
+    result = {}
+    for case, placements in {
+        "alike": [Shard(1)] * 3,
+        "unlike": [Shard(1), Replicate(), Replicate()],
+    }.items():
+        inputs = [
+            distribute_tensor(t, mesh, [p]).requires_grad_()
+            for t, p in zip((q, k, v), placements, strict=True)
+        ]
+        with torch.profiler.profile() as prof, sharded_step("cpu"):
+            out = torch.nn.functional.scaled_dot_product_attention(*inputs, is_causal=True)
+            # the view that fails on a block laid out unlike its DTensor
+            (out.transpose(1, 2).reshape(2, 8, 64) * weight).sum().backward()
+        kernels = {e.key for e in prof.key_averages()}
+        result[case] = {
+            "flash": "aten::_scaled_dot_product_flash_attention_for_cpu" in kernels,
+            "out": out.full_tensor(),
+            "grads": [t.grad.full_tensor() for t in inputs],
+        }
+    if rank == 0:
+        torch.save(result, Path(out_dir) / "attention.pt")
+    leave_and_exit()
+
+
+def test_host_attention_runs_flash_on_blocks_split_alike_and_math_otherwise(
+    tmp_path: Path,
+) -> None:
+    """``sharded_step`` on the host: query, key and value split alike over heads run the
+    CPU flash kernel under meshplace's sharding rule (DTensor has none for it), split
+    unlike they run the math kernel (the flash kernel would lay a re-gathered query's
+    output out unlike its DTensor); both equal one process's attention, forward and
+    backward, and the model's ``view`` after it works."""
+    store = str(tmp_path / "store")
+    four_ranks("fork", _attention_rank, lambda r: (r, store, str(tmp_path)))
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 8, 4, 16).transpose(1, 2).requires_grad_() for _ in range(3))
+    weight = torch.randn(2, 8, 64)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    (out.transpose(1, 2).reshape(2, 8, 64) * weight).sum().backward()
+    got = torch.load(tmp_path / "attention.pt")
+    assert got["alike"]["flash"] and not got["unlike"]["flash"]
+    for case in ("alike", "unlike"):
+        assert torch.allclose(got[case]["out"], out, rtol=1e-5, atol=1e-6), case
+        for mine, theirs in zip(got[case]["grads"], (q.grad, k.grad, v.grad), strict=True):
+            assert torch.allclose(mine, theirs, rtol=1e-5, atol=1e-5), case

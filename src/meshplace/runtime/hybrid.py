@@ -33,8 +33,8 @@ micro-batches) runs the model itself, eager, without a schedule: its micro-batch
 plain gradient accumulation (:func:`accumulate_micro_batches`), as a user would write it;
 the export-traced stage under torch's single-stage ``Schedule1F1B`` cost a data-parallel
 Llama step of 4 micro-batches 15-35 % more (docs/runtime.md, "Session 40"). Stages of
-plain tensors run outside :func:`meshplace.runtime.sharded.sharded_step` (whose math-only
-attention is DTensor's need on the host). The schedule scales gradients by
+plain tensors run outside :func:`meshplace.runtime.sharded.sharded_step` (DTensor's
+context, which they do not need). The schedule scales gradients by
 ``1 / micro-batches``; after it, each
 gradient takes its parameter's placement (the data-parallel all-reduce or
 reduce-scatter), and Adam updates the rank's blocks. So a step is one full-batch step of
@@ -552,8 +552,7 @@ def run_hybrid_plan(
         with recording:
             # the schedule runs the backward too: plain tensors (a rotary table) saved for
             # it meet DTensor gradients there, so the whole step is a sharded step; a
-            # stage of plain tensors (DDP's, or one device's) runs as plain PyTorch (the
-            # sharded step's math-only attention is DTensor's need on the host, not theirs)
+            # stage of plain tensors (DDP's, or one device's) runs as plain PyTorch
             with contextlib.nullcontext() if plain_tensors else sharded_step(device_type):
                 if runner is None:
                     micro = accumulate_micro_batches(

@@ -13,9 +13,10 @@ prediction byte for byte.
 
 :func:`sharded_step` is the context to run the step in: tensors the model creates inside
 its forward (rotary tables, masks, ``arange``) take part as replicated DTensors
-(``implicit_replication``), and attention runs PyTorch's math kernel on CPU, because DTensor
-registers no sharding strategy for the CPU flash-attention op (CUDA's fused kernels have
-one).
+(``implicit_replication``), and attention on the host runs the CPU flash kernel where
+the query, key and value are split alike over batch or heads (a sharding rule DTensor lacks,
+:func:`register_cpu_attention_sharding`), PyTorch's math kernel elsewhere
+(:class:`CpuAttentionKernel`).
 
 :func:`parallelize_module_plan` exports the plan's choices along one mesh axis as
 PyTorch's ``parallelize_module`` styles (colwise / rowwise ``Linear`` and ``Embedding``).
@@ -39,6 +40,7 @@ Example (one process, a 1-device mesh; a real run has one process per device)::
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -245,16 +247,126 @@ def distribute_inputs(
     return out
 
 
+def attention_shardings(
+    outputs: int, tensors: Sequence[Any], others: int, mask: Any
+) -> list[tuple[list[Any], list[Any]]]:
+    """The placements, along one mesh axis, under which an attention kernel computes each
+    block of its result from the same blocks of its inputs: every tensor whole, or split
+    over the batch (dimension 0) or over the heads (dimension 1) alike, as DTensor's own
+    rule for CUDA's flash attention (``_ops/_matrix_ops.py``) reads Megatron's attention
+    (Shoeybi et al. 2019, Sec. 3: heads split over the tensor-parallel devices). The
+    result is ``register_sharding``'s: ``(outputs' placements, inputs' placements)`` per
+    choice; ``tensors`` are the kernel's positional tensor inputs (``q``, ``k``, ``v`` and
+    the backward's saved ones), ``others`` its positional non-tensors, ``mask`` its
+    ``attn_mask`` (``None``, or a spec with ``shape``), split only along a dimension it
+    does not broadcast over. O(1).
+
+    >>> from torch.distributed.tensor import Replicate, Shard
+    >>> [outs for outs, _ins in attention_shardings(2, [0, 0, 0], 2, None)][1:]
+    [[Shard(dim=0), Shard(dim=0)], [Shard(dim=1), Shard(dim=1)]]
+    """
+    from torch.distributed.tensor import Replicate, Shard
+
+    choices = []
+    for placement in (Replicate(), Shard(0), Shard(1)):
+        inputs: list[Any] = [placement] * len(tensors) + [None] * others
+        if mask is not None:  # a mask broadcast along the split dimension stays whole
+            shape = tuple(mask.shape)
+            whole = isinstance(placement, Replicate) or len(shape) < 4 or shape[placement.dim] == 1
+            inputs.append(Replicate() if whole else placement)
+        choices.append(([placement] * outputs, [*inputs, None]))  # + scale
+    return choices
+
+
+@functools.cache
+def register_cpu_attention_sharding() -> None:
+    """Give DTensor a sharding rule for the CPU flash-attention kernel and its backward
+    (``aten._scaled_dot_product_flash_attention_for_cpu``), which it lacks (torch 2.13
+    has rules for the CUDA kernels only), through its public ``register_sharding``:
+    :func:`attention_shardings`. Without it a sharded step on the host had to run the
+    math kernel instead, whose ``(batch x heads)`` reshapes cost DTensor ~0.1 s of
+    redistribution planning per distinct shape on a 2-D mesh (30-60 s per rank on the
+    first step of a 2 x 2 GPT) and ran a different kernel than the captured graph, the
+    profile and a single process do. Once per process. O(1)."""
+    from torch.distributed.tensor.experimental import register_sharding
+
+    aten = torch.ops.aten
+
+    @register_sharding(aten._scaled_dot_product_flash_attention_for_cpu.default)
+    def forward(q: Any, k: Any, v: Any, *rest: Any, attn_mask: Any = None, **_: Any) -> Any:
+        return attention_shardings(2, [q, k, v], len(rest), attn_mask)
+
+    @register_sharding(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
+    def backward(
+        grad: Any,
+        q: Any,
+        k: Any,
+        v: Any,
+        out: Any,
+        lse: Any,
+        *rest: Any,
+        attn_mask: Any = None,
+        **_: Any,
+    ) -> Any:
+        return attention_shardings(3, [grad, q, k, v, out, lse], len(rest), attn_mask)
+
+
+def flash_attention_applies(args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
+    """Whether ``scaled_dot_product_attention(*args, **kwargs)`` on DTensors may run the
+    CPU flash kernel under :func:`attention_shardings`' rule without moving its query:
+    query, key and value 4-D DTensors of one and the same placements, each whole or split
+    over batch or heads, and no mask. The kernel lays its output out like the query it is
+    given, while DTensor derives the output's layout from the query before any
+    redistribution; a query gathered whole (contiguous) from another split would yield a
+    block laid out unlike its DTensor, whose next ``view`` then fails. O(mesh axes).
+
+    >>> flash_attention_applies([torch.ones(1, 1, 1, 1)] * 3, {})  # not DTensors
+    False
+    """
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    names = ("query", "key", "value")
+    qkv = [args[i] if i < len(args) else kwargs.get(n) for i, n in enumerate(names)]
+    mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
+    if mask is not None or kwargs.get("enable_gqa", False):
+        return False
+    if not all(isinstance(t, DTensor) and t.dim() == 4 for t in qkv):
+        return False
+    placements = qkv[0].placements
+    return all(t.placements == placements for t in qkv) and all(
+        isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim in (0, 1)) for p in placements
+    )
+
+
+class CpuAttentionKernel(torch.overrides.TorchFunctionMode):
+    """Attention on host DTensors: the flash kernel where
+    :func:`flash_attention_applies`, PyTorch's math kernel (ordinary DTensor ops)
+    elsewhere."""
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.scaled_dot_product_attention and not (
+            flash_attention_applies(args, kwargs)
+        ):
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            with sdpa_kernel(SDPBackend.MATH):
+                return func(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
 @contextlib.contextmanager
 def sharded_step(device_type: str = "cpu") -> Iterator[None]:
     """Run a forward and backward under DTensor (see the module docstring)."""
     from torch.distributed.tensor.experimental import implicit_replication
-    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(implicit_replication())
         if device_type == "cpu":
-            stack.enter_context(sdpa_kernel(SDPBackend.MATH))
+            register_cpu_attention_sharding()
+            stack.enter_context(CpuAttentionKernel())
         yield
 
 
