@@ -152,10 +152,19 @@ def run_model(
                 continue
             seen[key] = label
             plans.append((label, devices, cal.predict(step.graph, devices)))
+    walk_send: dict[str, float] = {}
     if in_situ:  # the headline: in-situ costs; the micro-benchmark-only model alongside
         micro = {label: predicted for label, _, predicted in plans}
-        calibrate_in_situ(cal)
+        situ = calibrate_in_situ(cal)
         plans = [(label, devices, cal.predict(step.graph, devices)) for label, devices, _ in plans]
+        # the ablation of the fitted end-of-step exchange (session 41): its messages at
+        # the walk's in-situ send cost, as before
+        cal.messages = {
+            **cal.messages,
+            "in_situ": {k: v for k, v in situ.items() if k != "update_s"},
+        }
+        walk_send = {label: cal.predict(step.graph, devices) for label, devices, _ in plans}
+        cal.messages = {**cal.messages, "in_situ": situ}
     # Every plan runs once per pass, passes one after the other, so a slow spell of the
     # host spreads over all plans instead of landing on one; a plan's measured time is the
     # median of its timed steps pooled over the passes.
@@ -193,6 +202,10 @@ def run_model(
                 "error": err,
                 "predicted_micro_s": micro.get(label),
                 "error_micro": (micro[label] - measured) / measured if label in micro else None,
+                "predicted_exchange_at_walk_send_s": walk_send.get(label),
+                "error_exchange_at_walk_send": (walk_send[label] - measured) / measured
+                if label in walk_send
+                else None,
             }
         )
         print(
@@ -791,6 +804,11 @@ def _summary(rows: list[dict]) -> dict[str, Any]:
         if len(rows) > 1 and None not in micro
         else None,
         "median_pass_spread": _median_abs(r["pass_spread"] for r in rows),
+        "median_abs_error_exchange_at_walk_send": _median_abs(
+            r["error_exchange_at_walk_send"]
+            for r in rows
+            if r.get("error_exchange_at_walk_send") is not None
+        ),
     }
 
 

@@ -514,7 +514,11 @@ def test_message_cost_inside_the_models_step() -> None:
 
 
 def test_in_situ_message_costs_from_probe_runs() -> None:
-    from meshplace.profile.calibrate import calibrate_in_situ, probe_placements
+    from meshplace.profile.calibrate import (
+        calibrate_in_situ,
+        probe_placements,
+        runtime_update_messages,
+    )
 
     step = trace_step(ModelSpec("mlp", batch=8))
     cal = calibrate(step, reps=3, link=FAKE_LINK, device=FAKE_DEVICE, messages=FAKE_MESSAGES)
@@ -544,6 +548,18 @@ def test_in_situ_message_costs_from_probe_runs() -> None:
     # two workers: the in-situ costs replace the micro-benchmark's (and a split step still
     # takes at least half the lone one)
     assert after[0] != before[0] and after[0] > 0.5 * before[1]
+    # the exchange that ends a step (new values sent to their owners after the walk) has
+    # its own fitted cost per message, from every probe's measured walk ends and step
+    assert 0 <= report["update_s"] <= 1e-3
+    assert [e["placement"] for e in report["exchanges"]] == list(probes)
+    assert any(e["update_messages"] > 0 for e in report["exchanges"])
+    assert all(e["step_s"] >= e["walk_end_s"] > 0 for e in report["exchanges"])
+    # and the prediction charges it: the half split sends values after its walk, so a
+    # dearer exchange makes it dearer, while the lone worker's step stays as it was
+    assert runtime_update_messages(step, np.array([int(d[-1]) for d in half]))
+    cal.messages = {**cal.messages, "in_situ": {**report, "update_s": report["update_s"] + 1e-3}}
+    assert cal.predict(step.graph, half) > after[0]
+    assert cal.predict(step.graph, lone) == pytest.approx(after[1])
     with pytest.raises(InputError):
         calibrate_in_situ(Calibration(cal.cluster, cal.cost_model, cal.op_times, {}, {}, {}))
 

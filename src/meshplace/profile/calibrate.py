@@ -559,6 +559,8 @@ class Calibration:
                 woken = extra.copy()
                 woken[blocked] += wake
                 res = sim.simulate(placement, extra_time=woken)
+        if "update_s" in situ:  # the exchange after the walk, at its own fitted cost
+            costs = {**costs, "send_s": float(situ["update_s"]), "recv_s": 0.0}
         return self._end_of_step(sim, placement, res, costs)
 
     def simulator(self) -> Any:
@@ -923,7 +925,10 @@ def calibrate_in_situ(
     (``start_s``: what starting a step costs each worker of a multi-worker run; medians
     over the steps per worker and probe). ``recv_s`` is the median span of the receives
     that did not block. Per-byte costs stay those of
-    :func:`meshplace.profile.link.measure_message_cost`.
+    :func:`meshplace.profile.link.measure_message_cost`. The exchange after the walk (new
+    parameter and state values to their owners) gets its own cost per message,
+    ``update_s`` (:func:`fit_update_cost`, from each probe's walk ends and step time;
+    ``exchanges`` in the report).
 
     Why: the isolated micro-benchmarks time a message in a loop of small kernels, and the
     predictions built on them were mostly low for plans with few messages (whose
@@ -958,6 +963,7 @@ def calibrate_in_situ(
     )
     lone_node = _node_medians(lone, 0, warmup)
     rows, features, excess, quick = [], [], [], []
+    exchanges: list[tuple[list[float], list[tuple[int, int, float]], float, str]] = []
     for name, devices in probe_placements(step, seed).items():
         run = run_placement(
             None,
@@ -970,6 +976,15 @@ def calibrate_in_situ(
         )
         assert run.timelines is not None
         sched = schedule_nodes(step, [int(d[-1]) for d in devices])
+        placement = np.array([int(d[-1]) for d in devices])
+        # each worker's walk ends at its last event; the step ends after the exchange
+        walk_ends = [
+            float(np.median([spans[-1][2] if spans else 0.0 for spans in tl[warmup:]]))
+            for tl in run.timelines
+        ]
+        exchanges.append(
+            (walk_ends, runtime_update_messages(step, placement), run.step_time_s, name)
+        )
         for worker in range(len(run.timelines)):
             per_step = []
             for spans in run.timelines[worker][warmup:]:
@@ -1006,8 +1021,32 @@ def calibrate_in_situ(
     coef = _nonnegative_lstsq(a, y)
     fitted = a @ coef
     ss = float(((y - y.mean()) ** 2).sum())
+    latency, bandwidth = float(cal.link["latency"]), float(cal.link["bandwidth"])
+    update_s = fit_update_cost(
+        [(ends, updates, measured) for ends, updates, measured, _ in exchanges],
+        cal.messages,
+        latency,
+        bandwidth,
+    )
     report = {
         "start_s": float(coef[0]),
+        "update_s": update_s,
+        "exchanges": [
+            {
+                "placement": name,
+                "update_messages": len(updates),
+                "walk_end_s": max(ends),
+                "step_s": measured,
+                "predicted_step_s": end_of_step(
+                    ends,
+                    updates,
+                    {**cal.messages, "send_s": update_s, "recv_s": 0.0},
+                    latency,
+                    bandwidth,
+                ),
+            }
+            for ends, updates, measured, name in exchanges
+        ],
         "send_s": float(coef[1]),
         "wake_s": float(coef[2]),
         "compute_slowdown": float(coef[3]),
@@ -1018,6 +1057,44 @@ def calibrate_in_situ(
     }
     cal.messages = {**cal.messages, "in_situ": report}
     return report
+
+
+def fit_update_cost(
+    exchanges: Sequence[tuple[Sequence[float], Sequence[tuple[int, int, float]], float]],
+    messages: Mapping[str, Any],
+    latency: float,
+    bandwidth: float,
+) -> float:
+    """The cost per message of the exchange that ends a step (new parameter and optimizer
+    state values sent to their owners after the walk), fitted to measured steps: the
+    ``send_s`` (``recv_s`` 0, the per-byte costs of ``messages``) for which
+    :func:`end_of_step` from each step's measured walk ends ``(ends, updates, step_s)``
+    best matches its measured step time, least squares over ``[0, 1 ms]`` (Brent's
+    bounded method). The exchange's sends leave back to back after the walk, not one
+    between nodes, so what one costs is measured here rather than taken from the walk's
+    ``send_s`` (docs/runtime.md, "Session 41"). 0 when no step had such messages.
+    O(iterations x messages).
+
+    >>> cost = {"send_s_per_byte": 0.0, "recv_s_per_byte": 0.0}
+    >>> # worker 1 ends its walk at 0.5 s and sends 4 values; the step ended at 0.5009 s
+    >>> measured = [([0.0, 0.5], [(1, 0, 0.0)] * 4, 0.5009)]
+    >>> round(fit_update_cost(measured, cost, latency=1e-4, bandwidth=1e9), 6)
+    0.0002
+    """
+    from scipy.optimize import minimize_scalar
+
+    used = [(ends, updates, step_s) for ends, updates, step_s in exchanges if updates]
+    if not used:
+        return 0.0
+
+    def squared_error(update_s: float) -> float:
+        costs = {**messages, "send_s": update_s, "recv_s": 0.0}
+        return sum(
+            (end_of_step(ends, updates, costs, latency, bandwidth) - step_s) ** 2
+            for ends, updates, step_s in used
+        )
+
+    return float(minimize_scalar(squared_error, bounds=(0.0, 1e-3), method="bounded").x)
 
 
 def _nonnegative_lstsq(a: np.ndarray, y: np.ndarray) -> np.ndarray:

@@ -656,7 +656,11 @@ def _calibration_summary(cal: Any) -> dict[str, Any]:
         "message_cpu": {
             k: cal.messages[k] for k in ("send_s", "send_s_per_byte", "recv_s", "recv_s_per_byte")
         },
-        "in_situ": {k: v for k, v in (cal.messages.get("in_situ") or {}).items() if k != "probes"},
+        "in_situ": {
+            k: v
+            for k, v in (cal.messages.get("in_situ") or {}).items()
+            if k not in ("probes", "exchanges")
+        },
     }
 
 
