@@ -240,9 +240,10 @@ def _attention_rank(rank: int, store_path: str, out_dir: str) -> None:
     for case, placements in {
         "alike": [Shard(1)] * 3,
         "unlike": [Shard(1), Replicate(), Replicate()],
+        "plain": [None] * 3,  # DDP's and FSDP2's (gathered) tensors
     }.items():
         inputs = [
-            distribute_tensor(t, mesh, [p]).requires_grad_()
+            (t.clone() if p is None else distribute_tensor(t, mesh, [p])).requires_grad_()
             for t, p in zip((q, k, v), placements, strict=True)
         ]
         with torch.profiler.profile() as prof, sharded_step("cpu"):
@@ -250,10 +251,14 @@ def _attention_rank(rank: int, store_path: str, out_dir: str) -> None:
             # the view that fails on a block laid out unlike its DTensor
             (out.transpose(1, 2).reshape(2, 8, 64) * weight).sum().backward()
         kernels = {e.key for e in prof.key_averages()}
+        whole = [
+            x.full_tensor() if hasattr(x, "full_tensor") else x
+            for x in (out, *(t.grad for t in inputs))
+        ]
         result[case] = {
             "flash": "aten::_scaled_dot_product_flash_attention_for_cpu" in kernels,
-            "out": out.full_tensor(),
-            "grads": [t.grad.full_tensor() for t in inputs],
+            "out": whole[0],
+            "grads": whole[1:],
         }
     if rank == 0:
         torch.save(result, Path(out_dir) / "attention.pt")
@@ -266,8 +271,9 @@ def test_host_attention_runs_flash_on_blocks_split_alike_and_math_otherwise(
     """``sharded_step`` on the host: query, key and value split alike over heads run the
     CPU flash kernel under meshplace's sharding rule (DTensor has none for it), split
     unlike they run the math kernel (the flash kernel would lay a re-gathered query's
-    output out unlike its DTensor); both equal one process's attention, forward and
-    backward, and the model's ``view`` after it works."""
+    output out unlike its DTensor), plain tensors keep PyTorch's choice (flash); all
+    equal one process's attention, forward and backward, and the model's ``view`` after
+    it works."""
     store = str(tmp_path / "store")
     four_ranks("fork", _attention_rank, lambda r: (r, store, str(tmp_path)))
     torch.manual_seed(0)
@@ -276,8 +282,8 @@ def test_host_attention_runs_flash_on_blocks_split_alike_and_math_otherwise(
     out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
     (out.transpose(1, 2).reshape(2, 8, 64) * weight).sum().backward()
     got = torch.load(tmp_path / "attention.pt")
-    assert got["alike"]["flash"] and not got["unlike"]["flash"]
-    for case in ("alike", "unlike"):
+    assert got["alike"]["flash"] and not got["unlike"]["flash"] and got["plain"]["flash"]
+    for case in ("alike", "unlike", "plain"):
         assert torch.allclose(got[case]["out"], out, rtol=1e-5, atol=1e-6), case
         for mine, theirs in zip(got[case]["grads"], (q.grad, k.grad, v.grad), strict=True):
             assert torch.allclose(mine, theirs, rtol=1e-5, atol=1e-5), case

@@ -13,10 +13,10 @@ prediction byte for byte.
 
 :func:`sharded_step` is the context to run the step in: tensors the model creates inside
 its forward (rotary tables, masks, ``arange``) take part as replicated DTensors
-(``implicit_replication``), and attention on the host runs the CPU flash kernel where
-the query, key and value are split alike over batch or heads (a sharding rule DTensor lacks,
-:func:`register_cpu_attention_sharding`), PyTorch's math kernel elsewhere
-(:class:`CpuAttentionKernel`).
+(``implicit_replication``), and attention on host DTensors runs the CPU flash kernel
+where the query, key and value are split alike over batch or heads (a sharding rule
+DTensor lacks, :func:`register_cpu_attention_sharding`), PyTorch's math kernel on other
+DTensors, and PyTorch's own choice on plain tensors (:class:`CpuAttentionKernel`).
 
 :func:`parallelize_module_plan` exports the plan's choices along one mesh axis as
 PyTorch's ``parallelize_module`` styles (colwise / rowwise ``Linear`` and ``Embedding``).
@@ -311,44 +311,52 @@ def register_cpu_attention_sharding() -> None:
         return attention_shardings(3, [grad, q, k, v, out, lse], len(rest), attn_mask)
 
 
-def flash_attention_applies(args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
-    """Whether ``scaled_dot_product_attention(*args, **kwargs)`` on DTensors may run the
-    CPU flash kernel under :func:`attention_shardings`' rule without moving its query:
-    query, key and value 4-D DTensors of one and the same placements, each whole or split
-    over batch or heads, and no mask. The kernel lays its output out like the query it is
-    given, while DTensor derives the output's layout from the query before any
-    redistribution; a query gathered whole (contiguous) from another split would yield a
-    block laid out unlike its DTensor, whose next ``view`` then fails. O(mesh axes).
+def needs_math_attention(args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
+    """Whether ``scaled_dot_product_attention(*args, **kwargs)`` on the host must run
+    PyTorch's math kernel: some of query, key and value is a DTensor, and they are not
+    4-D DTensors of one and the same placements, each whole or split over batch or
+    heads, without a mask — where the CPU flash kernel runs under
+    :func:`attention_shardings`' rule without its query being moved. The kernel lays its
+    output out like the query it is given, while DTensor derives the output's layout from
+    the query before any redistribution; a query gathered whole (contiguous) from another
+    split would yield a block laid out unlike its DTensor, whose next ``view`` then fails.
+    Plain tensors (DDP's, FSDP2's gathered ones) keep PyTorch's own choice. O(mesh axes).
 
-    >>> flash_attention_applies([torch.ones(1, 1, 1, 1)] * 3, {})  # not DTensors
+    >>> needs_math_attention([torch.ones(1, 1, 1, 1)] * 3, {})  # plain tensors
     False
     """
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     names = ("query", "key", "value")
     qkv = [args[i] if i < len(args) else kwargs.get(n) for i, n in enumerate(names)]
+    if not any(isinstance(t, DTensor) for t in qkv):
+        return False
     mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
     if mask is not None or kwargs.get("enable_gqa", False):
-        return False
+        return True
     if not all(isinstance(t, DTensor) and t.dim() == 4 for t in qkv):
-        return False
+        return True
     placements = qkv[0].placements
-    return all(t.placements == placements for t in qkv) and all(
-        isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim in (0, 1)) for p in placements
+    return not (
+        all(t.placements == placements for t in qkv)
+        and all(
+            isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim in (0, 1))
+            for p in placements
+        )
     )
 
 
 class CpuAttentionKernel(torch.overrides.TorchFunctionMode):
-    """Attention on host DTensors: the flash kernel where
-    :func:`flash_attention_applies`, PyTorch's math kernel (ordinary DTensor ops)
-    elsewhere."""
+    """Attention on the host inside a sharded step: PyTorch's math kernel (ordinary
+    DTensor ops) where :func:`needs_math_attention`, PyTorch's own choice (the flash
+    kernel) elsewhere."""
 
     def __torch_function__(
         self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None
     ) -> Any:
         kwargs = kwargs or {}
-        if func is torch.nn.functional.scaled_dot_product_attention and not (
-            flash_attention_applies(args, kwargs)
+        if func is torch.nn.functional.scaled_dot_product_attention and needs_math_attention(
+            args, kwargs
         ):
             from torch.nn.attention import SDPBackend, sdpa_kernel
 
