@@ -240,7 +240,7 @@ def _attention_rank(rank: int, store_path: str, out_dir: str) -> None:
     for case, placements in {
         "alike": [Shard(1)] * 3,
         "unlike": [Shard(1), Replicate(), Replicate()],
-        "plain": [None] * 3,  # DDP's and FSDP2's (gathered) tensors
+        "plain": [None] * 3,  # tensors the model makes itself
     }.items():
         inputs = [
             (t.clone() if p is None else distribute_tensor(t, mesh, [p])).requires_grad_()

@@ -320,7 +320,7 @@ def needs_math_attention(args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool
     output out like the query it is given, while DTensor derives the output's layout from
     the query before any redistribution; a query gathered whole (contiguous) from another
     split would yield a block laid out unlike its DTensor, whose next ``view`` then fails.
-    Plain tensors (DDP's, FSDP2's gathered ones) keep PyTorch's own choice. O(mesh axes).
+    Plain tensors keep PyTorch's own choice. O(mesh axes).
 
     >>> needs_math_attention([torch.ones(1, 1, 1, 1)] * 3, {})  # plain tensors
     False
@@ -349,7 +349,9 @@ def needs_math_attention(args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool
 class CpuAttentionKernel(torch.overrides.TorchFunctionMode):
     """Attention on the host inside a sharded step: PyTorch's math kernel (ordinary
     DTensor ops) where :func:`needs_math_attention`, PyTorch's own choice (the flash
-    kernel) elsewhere."""
+    kernel) elsewhere. A mode sees every torch function the step calls: about 1-1.5 ms
+    per forward of the Llama example (docs/runtime.md, "Session 41"), small beside
+    DTensor's dispatch of the same ops."""
 
     def __torch_function__(
         self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None
