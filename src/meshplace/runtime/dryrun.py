@@ -661,7 +661,7 @@ def measure_dispatch_overhead(source: str, reps: int = 20) -> dict[str, Any]:
 
     from meshplace.graph.capture import as_loss
     from meshplace.graph.sources import build_on_two_rows
-    from meshplace.runtime.sharded import sharded_step
+    from meshplace.runtime.sharded import HostAttention, sharded_step
 
     def build() -> tuple[Any, tuple, dict]:
         return build_on_two_rows(source)
@@ -696,7 +696,9 @@ def measure_dispatch_overhead(source: str, reps: int = 20) -> dict[str, Any]:
 
         args = tuple(replicate(a) for a in args)
         kwargs = {k: replicate(v) for k, v in kwargs.items()}
-        dtensor_step = stepper(model, args, kwargs, sharded_step)
+        # the run's attention choice, kept from step to step as the runtime keeps it
+        attention = HostAttention()
+        dtensor_step = stepper(model, args, kwargs, lambda: sharded_step(attention=attention))
         # the two steps alternate and each pair's difference counts: the host's
         # speed drifts within seconds here, and a model whose step is mostly
         # arithmetic (Adam over the fidelity MLP's 2.1 M parameters) put the
@@ -709,7 +711,7 @@ def measure_dispatch_overhead(source: str, reps: int = 20) -> dict[str, Any]:
         program = EngineProgram(1)
         for recorded in (False, True):  # the second step: Adam's state exists
             with recorder(program) if recorded else contextlib.nullcontext():
-                with sharded_step():
+                with sharded_step(attention=attention):
                     loss, _how = as_loss(model(*args, **kwargs))
                     loss.backward()
                 optimizer.step()

@@ -367,6 +367,7 @@ def run_hybrid_plan(
         watch_stage,
     )
     from meshplace.runtime.sharded import (
+        HostAttention,
         local_nbytes,
         optimizer_state_bytes,
         peak_bytes,
@@ -534,6 +535,7 @@ def run_hybrid_plan(
     losses: list[float | None] = []
     grad_bytes = 0
     program = EngineProgram(dist.get_world_size())
+    host_attention = HostAttention()  # the kernels of every step, decided on the first
     from meshplace.runtime.activity import SYNC
 
     for step in range(steps):
@@ -553,7 +555,11 @@ def run_hybrid_plan(
             # the schedule runs the backward too: plain tensors (a rotary table) saved for
             # it meet DTensor gradients there, so the whole step is a sharded step; a
             # stage of plain tensors (DDP's, or one device's) runs as plain PyTorch
-            with contextlib.nullcontext() if plain_tensors else sharded_step(device_type):
+            with (
+                contextlib.nullcontext()
+                if plain_tensors
+                else sharded_step(device_type, host_attention)
+            ):
                 if runner is None:
                     micro = accumulate_micro_batches(
                         wrapped_modules[0], micro_batches, inputs, keywords

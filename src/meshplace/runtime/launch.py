@@ -459,6 +459,7 @@ class ShardedTraining:
         from meshplace.graph.sources import build_from_seed
         from meshplace.runtime.program import concrete_inputs
         from meshplace.runtime.sharded import (
+            HostAttention,
             apply_sharding_plan,
             device_mesh,
             distribute_inputs,
@@ -504,6 +505,7 @@ class ShardedTraining:
             self.zero.optimizer_parameters(model), lr=lr, foreach=True
         )
         self.model, self.mesh, self.device_type = model, mesh, device_type
+        self.attention = HostAttention()  # the steps' attention kernels, decided on the first
 
     def step(self) -> tuple[Any, int]:
         """One training step: forward and backward under DTensor
@@ -512,7 +514,7 @@ class ShardedTraining:
         from meshplace.graph.capture import as_loss
         from meshplace.runtime.sharded import sharded_step
 
-        with sharded_step(self.device_type):
+        with sharded_step(self.device_type, self.attention):
             loss, _how = as_loss(self.zero.forward(self.model, self.args, self.kwargs))
             loss.backward()
         return loss, self.zero.update(self.model, self.optimizer)

@@ -349,9 +349,12 @@ def needs_math_attention(args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool
 class CpuAttentionKernel(torch.overrides.TorchFunctionMode):
     """Attention on the host inside a sharded step: PyTorch's math kernel (ordinary
     DTensor ops) where :func:`needs_math_attention`, PyTorch's own choice (the flash
-    kernel) elsewhere. A mode sees every torch function the step calls: about 1-1.5 ms
-    per forward of the Llama example (docs/runtime.md, "Session 41"), small beside
-    DTensor's dispatch of the same ops."""
+    kernel) elsewhere. A mode sees every torch function the step calls, so a run keeps
+    it for its first step only (:class:`HostAttention`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.math_calls = 0  # attention calls that ran the math kernel
 
     def __torch_function__(
         self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None
@@ -362,21 +365,67 @@ class CpuAttentionKernel(torch.overrides.TorchFunctionMode):
         ):
             from torch.nn.attention import SDPBackend, sdpa_kernel
 
+            self.math_calls += 1
             with sdpa_kernel(SDPBackend.MATH):
                 return func(*args, **kwargs)
         return func(*args, **kwargs)
 
 
+class HostAttention:
+    """The attention kernel of one run's sharded steps on the host, decided on its first
+    step: that step runs under :class:`CpuAttentionKernel`, which counts the attention
+    calls that need the math kernel. When none did, later steps run as they are (every
+    attention call takes the flash kernel under the registered rule); when some did,
+    later steps run every attention call on the math kernel (``sdpa_kernel``, as before
+    session 41). Either way no mode stays: a ``TorchFunctionMode`` sees every torch call
+    and takes DTensor off its fast path — it cost a DTensor step of the Llama example
+    (batch 8, a 1-rank mesh) 37 against 29 ms without it (docs/runtime.md, "Session
+    41"). A plan's placements are the same every step, so the first step shows what
+    every step's attention sees. A step that raises decides nothing. ``kernel``:
+    ``None`` until decided, then ``"flash"`` or ``"math"``. O(1).
+
+    >>> attention = HostAttention()
+    >>> with attention.context():  # no attention call: nothing needs the math kernel
+    ...     _ = torch.ones(2) * 2
+    >>> attention.kernel
+    'flash'
+    """
+
+    def __init__(self) -> None:
+        self.kernel: str | None = None
+
+    @contextlib.contextmanager
+    def context(self) -> Iterator[None]:
+        """The context of one step (see the class)."""
+        if self.kernel == "flash":
+            yield
+            return
+        if self.kernel == "math":
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            with sdpa_kernel(SDPBackend.MATH):
+                yield
+            return
+        mode = CpuAttentionKernel()
+        with mode:
+            yield
+        self.kernel = "math" if mode.math_calls else "flash"
+
+
 @contextlib.contextmanager
-def sharded_step(device_type: str = "cpu") -> Iterator[None]:
-    """Run a forward and backward under DTensor (see the module docstring)."""
+def sharded_step(
+    device_type: str = "cpu", attention: HostAttention | None = None
+) -> Iterator[None]:
+    """Run a forward and backward under DTensor (see the module docstring). ``attention``:
+    the run's :class:`HostAttention`, kept from step to step (by default a fresh one: the
+    first step's careful choice every time)."""
     from torch.distributed.tensor.experimental import implicit_replication
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(implicit_replication())
         if device_type == "cpu":
             register_cpu_attention_sharding()
-            stack.enter_context(CpuAttentionKernel())
+            stack.enter_context((attention or HostAttention()).context())
         yield
 
 
