@@ -381,9 +381,10 @@ class HostAttention:
     session 41). Either way no mode stays: a ``TorchFunctionMode`` sees every torch call
     and takes DTensor off its fast path — a DTensor step of the Llama example (batch 8,
     a 1-rank mesh) took 51.9 ms with the flash kernel under it, 41.7 ms without it and
-    49.4 ms on the math kernel (``benchmarks/host_attention.py``). A plan's placements are the same every step, so the first step shows what
-    every step's attention sees. A step that raises decides nothing. ``kernel``:
-    ``None`` until decided, then ``"flash"`` or ``"math"``. O(1).
+    49.4 ms on the math kernel (``benchmarks/host_attention.py``). A plan's placements
+    are the same every step, so the first step shows what every step's attention sees.
+    A step that raises decides nothing. ``kernel``: ``None`` until decided, then
+    ``"flash"`` or ``"math"``. O(1).
 
     >>> attention = HostAttention()
     >>> with attention.context():  # no attention call: nothing needs the math kernel
