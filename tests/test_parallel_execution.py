@@ -28,6 +28,7 @@ from meshplace.runtime.sharded import (
     device_mesh,
     distribute_inputs,
     local_parameter_bytes,
+    needs_math_attention,
     parallelize_module_plan,
     sharded_step,
 )
@@ -224,37 +225,58 @@ def test_a_sharded_plan_runs_on_dtensor_and_matches_the_unsharded_step(tmp_path:
             assert torch.allclose(got["grads"][name], p.grad, rtol=1e-5, atol=1e-5), name
 
 
+# the attention test's cases: placements of q, k, v on a 1-D mesh of 4; heads of the query
+# and of key and value (fewer: grouped-query attention)
+ATTENTION_CASES: dict[str, tuple[list[Any], int, int]] = {
+    "alike": (["Shard(1)"] * 3, 4, 4),
+    "unlike": (["Shard(1)", "Replicate()", "Replicate()"], 4, 4),
+    "plain": ([None] * 3, 4, 4),  # tensors the model makes itself
+    "grouped": (["Shard(1)"] * 3, 8, 4),  # 2 query heads and their key/value head each
+    "grouped, batch": (["Shard(0)"] * 3, 4, 2),
+}
+
+
+def attention_inputs(heads: int, kv_heads: int) -> tuple[torch.Tensor, ...]:
+    """q, k, v of the attention test (batch 4, 8 tokens, head dim 16) laid out (batch,
+    sequence, heads, dim), as a model's projections make them (it views them as (batch,
+    heads, ...)); and the weight the output is multiplied by."""
+    torch.manual_seed(0)
+    q = torch.randn(4, 8, heads, 16)
+    k, v = (torch.randn(4, 8, kv_heads, 16) for _ in range(2))
+    return q, k, v, torch.randn(4, 8, heads * 16)
+
+
 def _attention_rank(rank: int, store_path: str, out_dir: str) -> None:
-    """One forked rank of the attention test: q, k, v of 4 heads on a 1-D mesh of 4, split
-    over heads alike (the flash kernel) and split unlike (math), forward and backward."""
+    """One forked rank of the attention test: each of ``ATTENTION_CASES``, forward and
+    backward, two steps."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, 4), rank=rank, world_size=4)
     mesh = init_device_mesh("cpu", (4,))
-    torch.manual_seed(0)
-    # laid out (batch, sequence, heads, dim) and viewed as (batch, heads, ...), as models do
-    q, k, v = (torch.randn(2, 8, 4, 16).transpose(1, 2) for _ in range(3))
-    weight = torch.randn(2, 8, 64)
+    # the placements of the (batch, heads, ...) views on the (batch, sequence, heads, ...)
+    # tensors they view
+    named = {"Shard(0)": Shard(0), "Shard(1)": Shard(2), "Replicate()": Replicate()}
     result = {}
-    for case, placements in {
-        "alike": [Shard(1)] * 3,
-        "unlike": [Shard(1), Replicate(), Replicate()],
-        "plain": [None] * 3,  # tensors the model makes itself
-    }.items():
+    for case, (placements, heads, kv_heads) in ATTENTION_CASES.items():
+        *qkv, weight = attention_inputs(heads, kv_heads)
         inputs = [
-            (t.clone() if p is None else distribute_tensor(t, mesh, [p])).requires_grad_()
-            for t, p in zip((q, k, v), placements, strict=True)
+            (t.clone() if p is None else distribute_tensor(t, mesh, [named[p]])).requires_grad_()
+            for t, p in zip(qkv, placements, strict=True)
         ]
         attention = HostAttention()
         for _step in range(2):  # the first step decides, the second runs as decided
             for t in inputs:
                 t.grad = None
             with torch.profiler.profile() as prof, sharded_step("cpu", attention):
-                out = torch.nn.functional.scaled_dot_product_attention(*inputs, is_causal=True)
+                out = torch.nn.functional.scaled_dot_product_attention(
+                    *(t.transpose(1, 2) for t in inputs),
+                    is_causal=True,
+                    enable_gqa=kv_heads != heads,
+                )
                 # the view that fails on a block laid out unlike its DTensor
-                (out.transpose(1, 2).reshape(2, 8, 64) * weight).sum().backward()
+                (out.transpose(1, 2).reshape(4, 8, heads * 16) * weight).sum().backward()
         kernels = {e.key for e in prof.key_averages()}
         whole = [
             x.full_tensor() if hasattr(x, "full_tensor") else x
@@ -266,6 +288,11 @@ def _attention_rank(rank: int, store_path: str, out_dir: str) -> None:
             "out": whole[0],
             "grads": whole[1:],
         }
+    # 2 key/value heads over 4 devices: no equal blocks of them, so no flash kernel (and
+    # DTensor cannot flatten the math kernel's views of them either: such a plan fails)
+    *qkv, _weight = attention_inputs(8, 2)
+    uneven = [distribute_tensor(t, mesh, [Shard(2)]).transpose(1, 2) for t in qkv]
+    result["grouped, uneven"] = needs_math_attention(uneven, {"enable_gqa": True})
     if rank == 0:
         torch.save(result, Path(out_dir) / "attention.pt")
     leave_and_exit()
@@ -274,24 +301,36 @@ def _attention_rank(rank: int, store_path: str, out_dir: str) -> None:
 def test_host_attention_runs_flash_on_blocks_split_alike_and_math_otherwise(
     tmp_path: Path,
 ) -> None:
-    """``sharded_step`` on the host: query, key and value split alike over heads run the
-    CPU flash kernel under meshplace's sharding rule (DTensor has none for it), split
+    """``sharded_step`` on the host: query, key and value split alike over heads or batch
+    run the CPU flash kernel under meshplace's sharding rule (DTensor has none for it),
+    grouped-query attention included where the key/value heads split evenly; split
     unlike they run the math kernel (the flash kernel would lay a re-gathered query's
-    output out unlike its DTensor), plain tensors keep PyTorch's choice (flash); all
-    equal one process's attention, forward and backward, and the model's ``view`` after
-    it works."""
+    output out unlike its DTensor), as key/value heads split unevenly would (the flash
+    kernel would pair query heads with others' key/value heads); plain tensors keep
+    PyTorch's choice (flash).
+    All equal one process's attention, forward and backward, and the model's ``view``
+    after it works."""
     store = str(tmp_path / "store")
     four_ranks("fork", _attention_rank, lambda r: (r, store, str(tmp_path)))
-    torch.manual_seed(0)
-    q, k, v = (torch.randn(2, 8, 4, 16).transpose(1, 2).requires_grad_() for _ in range(3))
-    weight = torch.randn(2, 8, 64)
-    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-    (out.transpose(1, 2).reshape(2, 8, 64) * weight).sum().backward()
     got = torch.load(tmp_path / "attention.pt")
-    assert got["alike"]["flash"] and not got["unlike"]["flash"] and got["plain"]["flash"]
     # the first step decided the kernel of the later ones (the profiled second step)
-    assert [got[c]["kernel"] for c in ("alike", "unlike", "plain")] == ["flash", "math", "flash"]
-    for case in ("alike", "unlike", "plain"):
+    kernels = {case: got[case]["kernel"] for case in ATTENTION_CASES}
+    assert kernels == {
+        "alike": "flash",
+        "unlike": "math",
+        "plain": "flash",
+        "grouped": "flash",
+        "grouped, batch": "flash",
+    }
+    assert got["grouped, uneven"] is True
+    for case, (_placements, heads, kv_heads) in ATTENTION_CASES.items():
+        assert got[case]["flash"] == (kernels[case] == "flash"), case
+        *qkv, weight = attention_inputs(heads, kv_heads)
+        qkv = [t.requires_grad_() for t in qkv]
+        out = torch.nn.functional.scaled_dot_product_attention(
+            *(t.transpose(1, 2) for t in qkv), is_causal=True, enable_gqa=kv_heads != heads
+        )
+        (out.transpose(1, 2).reshape(4, 8, heads * 16) * weight).sum().backward()
         assert torch.allclose(got[case]["out"], out, rtol=1e-5, atol=1e-6), case
-        for mine, theirs in zip(got[case]["grads"], (q.grad, k.grad, v.grad), strict=True):
+        for mine, theirs in zip(got[case]["grads"], (t.grad for t in qkv), strict=True):
             assert torch.allclose(mine, theirs, rtol=1e-5, atol=1e-5), case

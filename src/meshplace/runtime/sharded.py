@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -321,7 +322,14 @@ def needs_math_attention(args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool
     output out like the query it is given, while DTensor derives the output's layout from
     the query before any redistribution; a query gathered whole (contiguous) from another
     split would yield a block laid out unlike its DTensor, whose next ``view`` then fails.
-    Plain tensors keep PyTorch's own choice. O(mesh axes).
+    Grouped-query attention (``enable_gqa``: fewer key/value heads than query heads)
+    takes the flash kernel too, which reads the groups from the blocks' head counts,
+    where the heads split into as many equal blocks of key/value heads as of query heads:
+    query head ``h`` then meets key/value head ``h // group`` on the same device, as
+    in one process (Ainslie et al. 2023, GQA). Its math kernel repeats the key/value
+    heads and multiplies ``(batch x heads)`` views, whose strided blocks cost DTensor
+    seconds of redistribution planning a call on a 2-D mesh. Plain tensors keep
+    PyTorch's own choice. O(mesh axes).
 
     >>> needs_math_attention([torch.ones(1, 1, 1, 1)] * 3, {})  # plain tensors
     False
@@ -333,18 +341,26 @@ def needs_math_attention(args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool
     if not any(isinstance(t, DTensor) for t in qkv):
         return False
     mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
-    if mask is not None or kwargs.get("enable_gqa", False):
+    if mask is not None:
         return True
     if not all(isinstance(t, DTensor) and t.dim() == 4 for t in qkv):
         return True
     placements = qkv[0].placements
-    return not (
+    if not (
         all(t.placements == placements for t in qkv)
         and all(
             isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim in (0, 1))
             for p in placements
         )
+    ):
+        return True
+    mesh_shape = qkv[0].device_mesh.shape
+    head_blocks = math.prod(
+        size for size, p in zip(mesh_shape, placements, strict=True) if p == Shard(1)
     )
+    # equal blocks of heads on every device (an uneven split would pair query heads with
+    # the wrong key/value heads under grouping)
+    return any(t.shape[1] % head_blocks for t in qkv)
 
 
 class CpuAttentionKernel(torch.overrides.TorchFunctionMode):
