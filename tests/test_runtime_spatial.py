@@ -160,7 +160,8 @@ def test_the_solvers_spatial_plan_of_a_conv_net_trains_under_torchrun_like_one_p
     from meshplace.graph.sources import load_build_function
     from meshplace.hardware import load_cluster
     from meshplace.parallel.search import shard_graph
-    from tests.test_runtime_torchrun import _meshplace_run, one_process_losses
+    from tests.forked_ranks import run_forked_ranks
+    from tests.test_runtime_torchrun import one_process_losses
 
     (tmp_path / "convnet.py").write_text(CONV_NET)
     source = f"{tmp_path / 'convnet.py'}:build"
@@ -173,8 +174,8 @@ def test_the_solvers_spatial_plan_of_a_conv_net_trains_under_torchrun_like_one_p
     assert len(convolutions) == 6 and set(convolutions.values()) <= {"h@x", "w@x"}, convolutions
     (tmp_path / "plan.json").write_text(json.dumps(plan))
 
-    done = _meshplace_run(
-        tmp_path, "--plan", "plan.json", "--steps", "3", "--warmup", "1", "--json",
+    done = run_forked_ranks(
+        tmp_path, 2, "--plan", "plan.json", "--steps", "3", "--warmup", "1", "--json",
         "--checkpoint-dir", "ck",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]

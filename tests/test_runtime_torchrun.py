@@ -17,6 +17,7 @@ from meshplace.graph.capture import as_loss, capture
 from meshplace.graph.sources import load_build_function
 from meshplace.hardware import load_cluster
 from meshplace.parallel.search import shard_graph
+from tests.forked_ranks import run_forked_ranks
 from tests.test_runtime_faults import session_processes, wait_for
 
 MODEL = """\
@@ -163,8 +164,8 @@ def test_a_pure_data_parallel_plan_runs_on_ddp_or_fsdp2_like_one_process(
     point = next(p for p in grid.points if p.dp == 2 and p.fits)
     (tmp_path / "plan.json").write_text(json.dumps(point.plan.plan_file(source, "dgx-h100")))
     # three warm-up steps: the one recorded for the prediction is DDP's steady step
-    done = _meshplace_run(
-        tmp_path, "--plan", "plan.json", "--steps", "4", "--warmup", "3", "--json",
+    done = run_forked_ranks(
+        tmp_path, 2, "--plan", "plan.json", "--steps", "4", "--warmup", "3", "--json",
         "--checkpoint-dir", "ck",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]

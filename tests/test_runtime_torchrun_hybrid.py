@@ -9,8 +9,6 @@ import dataclasses
 import itertools
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +21,7 @@ from meshplace.hardware import load_cluster
 from meshplace.parallel.cli import hybrid_plan_file
 from meshplace.parallel.hybrid import hybrid_search
 from meshplace.runtime import hybrid
+from tests.forked_ranks import run_forked_ranks
 from tests.test_runtime_torchrun import _meshplace_run, one_process_losses
 
 LLAMA_BATCH_8 = """
@@ -101,16 +100,17 @@ def _check_memory(report: dict[str, Any]) -> None:
 def test_stages_with_data_parallel_replicas_train_like_one_process(
     tmp_path: Path, llama8: Llama8
 ) -> None:
-    """pipe 2 x data 2 (ZeRO-1), 1F1B over 4 micro-batches, started by `meshplace run`:
-    three losses and every parameter after them equal one process's within 1e-5, and each
-    rank holds exactly its stage's predicted bytes."""
+    """pipe 2 x data 2 (ZeRO-1), 1F1B over 4 micro-batches on 4 ranks: three losses and
+    every parameter after them equal one process's within 1e-5, and each rank holds
+    exactly its stage's predicted bytes."""
     source = llama8.source
     plan = _hybrid_plan(source, tp=1, dp=2, micro_batch=1, zero=1)
     assert plan["mesh"]["shape"] == [2, 2, 1] and plan["pipeline"]["micro_batches"] == 4
     assert plan["pipeline"]["zero"] == 1
     (tmp_path / "hybrid.json").write_text(json.dumps(plan))
-    done = _meshplace_run(
+    done = run_forked_ranks(
         tmp_path,
+        4,
         *["--plan", "hybrid.json", "--steps", "3", "--warmup", "1"],
         *["--json", "--checkpoint-dir", "ck"],
     )
@@ -148,8 +148,9 @@ def test_data_parallel_stages_without_zero_run_on_ddp_like_one_process(
     plan = _hybrid_plan(source, tp=1, dp=2, micro_batch=1, zero=0)
     assert plan["mesh"]["shape"] == [2, 2, 1] and plan["pipeline"]["zero"] == 0
     (tmp_path / "hybrid.json").write_text(json.dumps(plan))
-    done = _meshplace_run(
+    done = run_forked_ranks(
         tmp_path,
+        4,
         *["--plan", "hybrid.json", "--steps", "3", "--warmup", "1"],
         *["--json", "--checkpoint-dir", "ck"],
     )
@@ -186,17 +187,8 @@ def test_stages_split_over_tensor_parallel_devices_recompute_like_one_process(
     for stage in plan["stages"]:
         stage["recompute"] = "full"
     (tmp_path / "hybrid.json").write_text(json.dumps(plan))
-    done = subprocess.run(
-        [
-            *[sys.executable, "-m", "torch.distributed.run", "--standalone"],
-            *["--nproc-per-node", "4", "-m", "meshplace.runtime", "--plan", "hybrid.json"],
-            *["--steps", "3", "--warmup", "1", "--json"],
-        ],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        timeout=240,
+    done = run_forked_ranks(
+        tmp_path, 4, *["--plan", "hybrid.json", "--steps", "3", "--warmup", "1", "--json"]
     )
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout)
@@ -468,8 +460,9 @@ def test_a_gpt_under_data_and_tensor_parallelism_trains_like_one_process(
     assert "layers.0.attn.q_proj.weight" in split and "layers.1.mlp.down_proj.weight" in split
     assert all(p["placements"][data] == "Replicate()" for p in plan["parameters"].values())
     (tmp_path / "plan.json").write_text(json.dumps(plan))
-    done = _meshplace_run(
+    done = run_forked_ranks(
         tmp_path,
+        4,
         *["--plan", "plan.json", "--steps", "3", "--warmup", "1"],
         *["--json", "--checkpoint-dir", "ck"],
     )

@@ -6,10 +6,7 @@ own, so that the test runner can spread the torchrun tests over its workers."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -19,6 +16,7 @@ import torch
 from meshplace.graph.capture import capture
 from meshplace.graph.sources import load_build_function
 from meshplace.hardware import load_cluster
+from tests.forked_ranks import run_forked_ranks
 from tests.test_runtime_torchrun import _free_port, _meshplace_run, one_process_losses
 
 
@@ -64,10 +62,10 @@ def test_an_op_placement_runs_under_torchrun_each_rank_building_only_its_ops(
     budget = str(whole * 2 // 3)
     model = ["--batch", "4", "--size", "tiny"]
     steps = ["--steps", "3", "--warmup", "1", "--memory-budget", budget, "--json"]
-    done = _meshplace_run(
+    done = run_forked_ranks(
         tmp_path,
-        *["--plan", plan, "--graph", "nmt-small", *model, "--launcher", "torchrun"],
-        *[*steps, "--checkpoint-dir", "ck"],
+        2,
+        *["--plan", plan, "--model", "nmt-small", *model, *steps, "--checkpoint-dir", "ck"],
     )
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout)
@@ -112,7 +110,8 @@ def test_an_op_placement_runs_under_torchrun_each_rank_building_only_its_ops(
     assert refused.err.count("\n") == 1 and f"--memory-budget {int(budget):,}" in refused.err
     assert refused.out == "" and not warned, [str(w.message) for w in warned]
 
-    # rank 1 killed in the second step: named with the op it was running
+    # started by `meshplace run`, rank 1 killed in the second step: named with the op it
+    # was running
     killed = _meshplace_run(
         tmp_path,
         *["--plan", plan, "--graph", "nmt-small", *model, "--launcher", "torchrun"],
@@ -189,19 +188,12 @@ def test_a_pipelined_placement_runs_as_a_1f1b_pipeline_like_one_process(tmp_path
         pipeline_message_s=5e-4,
     )
     save_calibration(calibration, tmp_path / "k80.json")
-    done = subprocess.run(
-        [
-            *[sys.executable, "-m", "torch.distributed.run", "--standalone"],
-            *["--nproc-per-node", "2", "-m", "meshplace.runtime", "--plan", "pipe.json"],
-            *["--model", source, "--schedule", "1F1B", "--micro-batches", "4"],
-            *["--steps", "3", "--warmup", "1", "--json", "--checkpoint-dir", "ck"],
-            *["--calibration", "k80.json"],  # the run predicted by the simulator as well
-        ],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        timeout=240,
+    done = run_forked_ranks(
+        tmp_path,
+        2,
+        *["--plan", "pipe.json", "--model", source, "--schedule", "1F1B", "--micro-batches", "4"],
+        *["--steps", "3", "--warmup", "1", "--json", "--checkpoint-dir", "ck"],
+        *["--calibration", "k80.json"],  # the run predicted by the simulator as well
     )
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout)

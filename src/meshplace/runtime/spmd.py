@@ -146,6 +146,8 @@ class PlanInterpreter(torch.fx.Interpreter):
         self.op_index = {o.name: i for i, o in enumerate(problem.graph.ops)}
         self.gathered: list[str] = []  # views whose input had to be gathered first
         self.peak_bytes = 0
+        #: fx node -> its value's storages (data pointer -> bytes), read when it is made
+        self.storages: dict[torch.fx.Node, dict[int, int]] = {}
         self.peak_node = ""
         #: bytes of this rank's blocks of the parameters, their gradients (as the optimizer
         #: update reads them) and the optimizer state
@@ -195,23 +197,27 @@ class PlanInterpreter(torch.fx.Interpreter):
 
     def _account(self, n: torch.fx.Node, out: Any) -> None:
         """Peak of this rank's live tensor bytes: every value the step still holds (the
-        interpreter drops a value after its last use), each storage counted once."""
+        interpreter drops a value after its last use), each storage counted once. Each
+        value's storages are read once, when it is made (``DTensor.to_local`` is an
+        autograd call: reading every live value's again at every node made the walk
+        quadratic in them, most of a Llama step's time); O(live values) a node."""
         from torch.distributed.tensor import DTensor
 
         self.env[n] = out  # counted with the rest; the interpreter stores it again
-        seen: set[int] = set()
-        live = 0
-        for v in self.env.values():
-            for t in torch.utils._pytree.tree_leaves(v):
-                if isinstance(t, DTensor):
-                    t = t.to_local()
-                if isinstance(t, torch.Tensor):
-                    st = t.untyped_storage()
-                    if st.data_ptr() not in seen:
-                        seen.add(st.data_ptr())
-                        live += st.nbytes()
-        if live > self.peak_bytes:
-            self.peak_bytes, self.peak_node = live, n.name
+        storages: dict[int, int] = {}
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, DTensor):
+                t = t.to_local()
+            if isinstance(t, torch.Tensor):
+                st = t.untyped_storage()
+                storages[st.data_ptr()] = st.nbytes()
+        self.storages[n] = storages
+        live: dict[int, int] = {}
+        for m in self.env:
+            live.update(self.storages.get(m, {}))
+        total = sum(live.values())
+        if total > self.peak_bytes:
+            self.peak_bytes, self.peak_node = total, n.name
 
     def _owner(self, n: torch.fx.Node) -> str:
         """The planned op a node's collectives belong to: itself, or for a view the first
