@@ -14,6 +14,7 @@ processes (tests/test_runtime_torchrun*.py)."""
 
 from __future__ import annotations
 
+import importlib
 import multiprocessing
 import os
 import socket
@@ -63,6 +64,29 @@ def _rank(rank: int, world: int, port: int, cwd: str, argv: list[str], logs: str
         os._exit(status)
 
 
+# What a rank imports on its way (most of it lazily, inside functions): imported here once
+# per test process, so that no fork of it imports them again (torch's pipelining alone
+# took ~3.7 s a rank)
+RANK_MODULES = (
+    "torch.distributed.fsdp",
+    "torch.distributed.pipelining",
+    "torch.distributed.tensor",
+    "torch.distributed.tensor.parallel",
+    "torch.export",
+    "torch.nn.parallel",
+    "meshplace.plan.placement",
+    "meshplace.runtime.data_parallel",
+    "meshplace.runtime.dryrun",
+    "meshplace.runtime.hybrid",
+    "meshplace.runtime.hybrid_plan",
+    "meshplace.runtime.launch",
+    "meshplace.runtime.pipelined",
+    "meshplace.runtime.placed",
+    "meshplace.runtime.sharded",
+    "meshplace.runtime.spatial",
+)
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 free a moment ago (rank 0's store binds it)."""
     with socket.socket() as s:
@@ -78,6 +102,8 @@ def run_forked_ranks(
     (the first rank's in rank order that is not 0, else 0), rank 0's standard output (a
     report) and every rank's standard error, in the form ``subprocess.run`` returns. A
     job that outlives ``timeout`` seconds is killed and fails the test."""
+    for module in RANK_MODULES:
+        importlib.import_module(module)
     context = multiprocessing.get_context("fork")
     with tempfile.TemporaryDirectory(prefix="meshplace-ranks-") as logs:
         port = free_port()
