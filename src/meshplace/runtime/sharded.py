@@ -396,8 +396,8 @@ class HostAttention:
     later steps run every attention call on the math kernel (``sdpa_kernel``, as before
     session 41). Either way no mode stays: a ``TorchFunctionMode`` sees every torch call
     and takes DTensor off its fast path — a DTensor step of the Llama example (batch 8,
-    a 1-rank mesh) took 51.9 ms with the flash kernel under it, 41.7 ms without it and
-    49.4 ms on the math kernel (``benchmarks/host_attention.py``). A plan's placements
+    a 1-rank mesh) took 21.7 ms with the flash kernel under it, 20.2 ms without it and
+    24.3 ms on the math kernel (``benchmarks/host_attention.py``). A plan's placements
     are the same every step, so the first step shows what every step's attention sees.
     A step that raises decides nothing. ``kernel``: ``None`` until decided, then
     ``"flash"`` or ``"math"``. O(1).
