@@ -328,8 +328,9 @@ def needs_math_attention(args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool
     query head ``h`` then meets key/value head ``h // group`` on the same device, as
     in one process (Ainslie et al. 2023, GQA). Its math kernel repeats the key/value
     heads and multiplies ``(batch x heads)`` views, whose strided blocks cost DTensor
-    seconds of redistribution planning a call on a 2-D mesh. Plain tensors keep
-    PyTorch's own choice. O(mesh axes).
+    seconds of redistribution planning a call on a 2-D mesh. Heads split unevenly take
+    the math kernel, grouped or not. Plain tensors keep PyTorch's own choice. O(mesh
+    axes).
 
     >>> needs_math_attention([torch.ones(1, 1, 1, 1)] * 3, {})  # plain tensors
     False

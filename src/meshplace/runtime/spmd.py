@@ -200,7 +200,8 @@ class PlanInterpreter(torch.fx.Interpreter):
         interpreter drops a value after its last use), each storage counted once. Each
         value's storages are read once, when it is made (``DTensor.to_local`` is an
         autograd call: reading every live value's again at every node made the walk
-        quadratic in them, most of a Llama step's time); O(live values) a node."""
+        quadratic in them, a third of the ranks' time in tests/test_parallel_spmd.py);
+        O(live values) a node."""
         from torch.distributed.tensor import DTensor
 
         self.env[n] = out  # counted with the rest; the interpreter stores it again
