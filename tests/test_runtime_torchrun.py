@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +16,7 @@ from meshplace.graph.capture import as_loss, capture
 from meshplace.graph.sources import load_build_function
 from meshplace.hardware import load_cluster
 from meshplace.parallel.search import shard_graph
-from tests.forked_ranks import run_forked_ranks
+from tests.forked_ranks import free_port, run_forked_ranks
 from tests.test_runtime_faults import session_processes, wait_for
 
 MODEL = """\
@@ -318,12 +317,6 @@ def test_a_plan_splitting_a_convolution_over_its_channels_is_refused_in_one_sent
             refuse_channel_split_convolutions({"ops": {"convolution_2": strategy}})
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_nodes_on_this_host_run_the_llama_plan(tmp_path: Path) -> None:
     """torchrun's multi-host launch (``--nnodes 2``, one process per "node", rendezvous on
     127.0.0.1) runs the Llama example's plan; the losses are the one-process run's."""
@@ -333,7 +326,7 @@ def test_two_nodes_on_this_host_run_the_llama_plan(tmp_path: Path) -> None:
     graph = capture(model, args, example_kwargs=kwargs, training=True)
     plan = shard_graph(graph, load_cluster("dgx-h100"), chips=2).best.plan_file(source, "dgx-h100")
     (tmp_path / "plan.json").write_text(json.dumps(plan))
-    port = str(_free_port())
+    port = str(free_port())
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2"]
     launch += ["--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", port]

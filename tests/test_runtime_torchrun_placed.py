@@ -16,8 +16,8 @@ import torch
 from meshplace.graph.capture import capture
 from meshplace.graph.sources import load_build_function
 from meshplace.hardware import load_cluster
-from tests.forked_ranks import run_forked_ranks
-from tests.test_runtime_torchrun import _free_port, _meshplace_run, one_process_losses
+from tests.forked_ranks import free_port, run_forked_ranks
+from tests.test_runtime_torchrun import _meshplace_run, one_process_losses
 
 
 def _gpus_only(problem: object) -> object:
@@ -99,7 +99,7 @@ def test_an_op_placement_runs_under_torchrun_each_rank_building_only_its_ops(
         quiet = (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning)
         for category in quiet:
             warnings.simplefilter("ignore", category)
-        for name, value in {**one, "MASTER_PORT": str(_free_port())}.items():
+        for name, value in {**one, "MASTER_PORT": str(free_port())}.items():
             env.setenv(name, value)
         env.chdir(tmp_path)
         capfd.readouterr()
