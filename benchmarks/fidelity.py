@@ -475,6 +475,7 @@ def run_sharded_model(source: str, steps: int, warmup: int, passes: int) -> dict
     return {
         "model": _short_name(source),
         "ops": step.graph.num_ops,
+        "kept": kept_plans(rows),
         "link": {"bandwidth": cal.link["bandwidth"], "latency": cal.link["latency"]},
         "calibration": engine.model_dump(mode="json"),
         "dtensor_dispatch": dispatch,
@@ -484,6 +485,28 @@ def run_sharded_model(source: str, steps: int, warmup: int, passes: int) -> dict
         "kendall_tau_solver": kendall_tau(meas, [r["predicted_solver_s"] for r in rows])
         if len(rows) > 1
         else None,
+    }
+
+
+def kept_plans(rows: list[dict]) -> dict[str, dict[str, Any]]:
+    """Which plan each way of choosing keeps, and how fast it ran against the fastest
+    measured: ``shard`` keeps the solver's plan (its own estimate ranks the meshes it
+    tried, and the grid's points are special cases of its search); ``shard
+    --engine-costs`` the plan of least engine-priced step (``predicted_s``: the dry run of
+    what the runtime runs, costed by the calibrated cost model) among all of them."""
+    if not rows:
+        return {}
+    fastest = min(r["measured_s"] for r in rows)
+    solver = next((r for r in rows if r["placement"] == "solver"), None)
+    engine = min(rows, key=lambda r: r["predicted_s"])
+    return {
+        how: {
+            "plan": r["placement"],
+            "measured_s": r["measured_s"],
+            "vs_fastest": r["measured_s"] / fastest,
+        }
+        for how, r in (("shard", solver), ("shard --engine-costs", engine))
+        if r is not None
     }
 
 
@@ -934,6 +957,16 @@ def main(argv: list[str] | None = None) -> int:
             "message at its idle CPU (an ablation, the prediction before session 35)",
         }[args.family]
     )
+    if sharded:
+        for m in results:
+            print(
+                f"kept on {m['model']}: "
+                + "; ".join(
+                    f"{how}: {k['plan']}, measured {k['measured_s'] * 1e3:.2f} ms "
+                    f"({k['vs_fastest']:.2f}x the fastest measured)"
+                    for how, k in m["kept"].items()
+                )
+            )
     if args.family == "pipelined":
         for name, m in [(m["model"], m) for m in results] + [("overall", overall)]:
             print(

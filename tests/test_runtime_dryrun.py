@@ -22,7 +22,7 @@ from meshplace.graph.sources import load_build_function
 from meshplace.hardware import load_cluster
 from meshplace.mesh.layout import accelerators, mesh_over
 from meshplace.parallel.grid import megatron_grid
-from meshplace.runtime.dryrun import EngineProgram, dry_run
+from meshplace.runtime.dryrun import EngineProgram, dry_run, dry_runs, program_cost
 
 MODEL = """\
 import torch
@@ -297,7 +297,7 @@ def test_the_hybrid_search_prices_tensor_parallelism_by_the_engines_program(
     plain = program_cost(program, plan, cluster, CostModel(), gpus)
     assert tensor["time_per_batch_s"] == pytest.approx(plain["step_s"], rel=1e-9)
     for extra, words in (
-        (["--engine-costs"], "applies to --pipeline auto"),
+        (["--engine-costs"], "is not one"),
         (["--pipeline", "auto", "--global-batch", "8", "--engine-costs"], "is not one"),
     ):
         bad = [sys.executable, "-m", "meshplace.cli", "shard", "gpt", "--cluster", "dgx-h100"]
@@ -307,3 +307,96 @@ def test_the_hybrid_search_prices_tensor_parallelism_by_the_engines_program(
     piped = {**plan, "mesh": {**plan["mesh"], "shape": [2, 1, 1]}}
     with pytest.raises(InputError, match="pipelines over 2 stages"):
         dry_run(piped, source)
+
+
+def test_shard_engine_costs_ranks_the_candidates_as_the_runtime_runs_them(tmp_path: Path) -> None:
+    """``meshplace shard FILE.py:build --engine-costs`` (no pipeline): the solver's plan
+    and every Megatron grid point that fits, each distinct plan dry-run (one child for
+    all) and priced by the same cost model, fastest kept: its one JSON document ranks
+    them by that price, the kept plan is the one printed and written (``--out``, its
+    engine price in ``predicted.engine``), and that price is what a dry run of the
+    written plan on its own gives. ``dry_runs`` answers a plan its engine cannot run
+    with a sentence and still records the others."""
+    (tmp_path / "mlp.py").write_text(MODEL)
+    source = f"{tmp_path / 'mlp.py'}:build"
+    out = tmp_path / "plan.json"
+    command = [sys.executable, "-m", "meshplace.cli", "shard", source, "--cluster", "dgx-h100"]
+    command += ["--chips", "2", "--engine-costs", "--json", "--out", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    data = json.loads(done.stdout)
+    assert data["search"]["ranked_by"] == "engine dry run"
+    ranking = data["engine_ranking"]
+    labels = [r["plan"] for r in ranking] + [a for r in ranking for a in r["same_as"]]
+    assert "solver 2" in labels
+    assert {"dp2 x tp1 zero0", "dp2 x tp1 zero3", "dp1 x tp2 zero0"} <= set(labels)
+    steps = [r["engine"]["step_s"] for r in ranking]
+    assert steps == sorted(steps) and all(s > 0 for s in steps)
+    assert [r["chosen"] for r in ranking] == [True] + [False] * (len(ranking) - 1)
+    # the DDP plan dispatches nothing through DTensor; the tensor-parallel one collects
+    # over its tensor axis
+    by_label = {label: r for r in ranking for label in [r["plan"], *r["same_as"]]}
+    assert by_label["dp2 x tp1 zero0"]["engine"]["dispatched"] == 0
+    assert by_label["dp1 x tp2 zero0"]["engine"]["collectives"]
+    plan = json.loads(out.read_text())
+    assert plan["parameters"] == data["parameters"]
+    assert plan["predicted"]["engine"] == data["engine"] == ranking[0]["engine"]
+    broken = {**plan, "parameters": {"not.a.parameter": plan["parameters"]["0.weight"]}}
+    again, refused = dry_runs([plan, broken], source)
+    assert isinstance(again, EngineProgram)
+    cost = program_cost(again, plan, load_cluster("dgx-h100"), CostModel())
+    assert cost["step_s"] == pytest.approx(ranking[0]["engine"]["step_s"], rel=1e-9)
+    assert isinstance(refused, str) and "does not match the model" in refused
+
+
+def test_rank_by_engine_keeps_the_cheapest_plan_its_engine_runs(tmp_path: Path) -> None:
+    """The ranking itself, with a pricer standing in for the dry runs: each distinct plan
+    priced once (a grid point equal to the solver's plan is listed beside it), a plan
+    the engine cannot run ranked last with its sentence, the cheapest priced plan kept
+    whatever the solver thought of it; when none runs, one sentence."""
+    import argparse
+
+    from rich.console import Console
+
+    from meshplace.parallel.cli import print_engine_ranking, rank_by_engine
+    from meshplace.parallel.search import shard_graph
+
+    (tmp_path / "mlp.py").write_text(MODEL)
+    source = f"{tmp_path / 'mlp.py'}:build"
+    model, (x,) = load_build_function(source)()
+    graph = capture(model, (x,), training=True)
+    cluster = load_cluster("dgx-h100")
+    result = shard_graph(graph, cluster, chips=2)
+    args = argparse.Namespace(model=source, cluster="dgx-h100", weight_update_sharding="off")
+    asked: list[list[dict]] = []
+
+    def pricer(plans: list[dict], model: str, cluster: object, cost_model: object) -> list:
+        asked.append(plans)
+        assert model == source and isinstance(cost_model, CostModel)
+
+        # the tensor-parallel plan cannot run; the others cost less the later they come
+        def cost(i: int) -> dict:
+            parts = {"compute_s": 1.0 / (i + 1), "dispatch_s": 0.0, "communication_s": 0.0}
+            return {"step_s": 1.0 / (i + 1), **parts}
+
+        return ["it cannot" if "Shard" in json.dumps(p["parameters"]) else cost(i)
+                for i, p in enumerate(plans)]  # fmt: skip
+
+    best, ranking = rank_by_engine(args, result, pricer)
+    (plans,) = asked
+    keys = [json.dumps([p["parameters"], p["inputs"]]) for p in plans]
+    assert len(set(keys)) == len(keys) == len(ranking)
+    priced = [r for r in ranking if "engine" in r]
+    assert [r["engine"]["step_s"] for r in priced] == sorted(r["engine"]["step_s"] for r in priced)
+    assert ranking[0]["chosen"] and not any(r["chosen"] for r in ranking[1:])
+    assert "error" in ranking[-1] and ranking[-1]["error"] == "it cannot"
+    kept = plans[round(1 / ranking[0]["engine"]["step_s"]) - 1]  # the pricer's order
+    assert best.parameters() == kept["parameters"]
+    assert kept is max((p for p in plans if "Shard" not in json.dumps(p["parameters"])),
+                       key=plans.index)  # fmt: skip
+    console = Console(record=True, width=120)
+    print_engine_ranking(console, ranking)
+    text = console.export_text()
+    assert f"* {ranking[0]['plan']}" in text and "cannot run: it cannot" in text
+    with pytest.raises(InputError, match="no candidate plan runs on its engine"):
+        rank_by_engine(args, result, lambda plans, *_: ["no"] * len(plans))

@@ -345,10 +345,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         return cmd_report(args)
     if args.command == "shard":
         from meshplace.parallel.cli import cmd_shard
-        from meshplace.runtime.dryrun import engine_pricer
+        from meshplace.runtime.dryrun import engine_pricer, plan_prices
 
-        # the sharding package never imports the runtime: its dry run is handed down
-        return cmd_shard(args, engine_pricer)
+        # the sharding package never imports the runtime: its dry runs are handed down
+        return cmd_shard(args, engine_pricer, plan_prices)
     if args.command == "simulate":
         return _cmd_simulate(args)
     raise AssertionError(args.command)  # pragma: no cover - argparse requires a command

@@ -29,6 +29,7 @@ Example
 from __future__ import annotations
 
 import argparse
+import json
 import math
 from collections.abc import Callable
 from typing import Any
@@ -112,10 +113,12 @@ def add_shard_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--engine-costs",
         action="store_true",
-        help="--pipeline auto on a FILE.py:build model: price tensor parallelism by the "
-        "program the torchrun runtime runs for it (a dry run per tensor-parallel degree and "
-        "micro-batch on a fake process group, seconds each) rather than by the solver's op "
-        "strategies",
+        help="FILE.py:build models: price plans by the program the torchrun runtime runs "
+        "for them (a dry run on a fake process group, seconds each) rather than by the "
+        "solver's op strategies; without --pipeline, rank the solver's plan of every mesh "
+        "and every Megatron grid point (data x tensor parallel x ZeRO) that fits this way "
+        "and keep the fastest; with --pipeline auto, price tensor parallelism per degree "
+        "and micro-batch",
     )
     parser.add_argument(
         "--calibration",
@@ -161,15 +164,36 @@ def _method(args: argparse.Namespace) -> str:
     return method
 
 
-def cmd_shard(args: argparse.Namespace, engine_pricer: Callable[..., Any] | None = None) -> int:
+def check_engine_costs(model: str, pricer: Callable[..., Any] | None) -> None:
+    """``--engine-costs`` needs a ``FILE.py:build`` model (the dry run builds it under the
+    torchrun runtime) and the runtime's pricer: one :class:`InputError` otherwise."""
+    from meshplace.models import available
+
+    if model in available() or model.endswith(".json"):
+        raise InputError(
+            f"--engine-costs dry-runs the model under the torchrun runtime, which builds a "
+            f"FILE.py:build model; {model!r} is not one"
+        )
+    if pricer is None:
+        raise InputError("--engine-costs needs the torchrun runtime (meshplace.runtime)")
+
+
+def cmd_shard(
+    args: argparse.Namespace,
+    engine_pricer: Callable[..., Any] | None = None,
+    plan_pricer: Callable[..., Any] | None = None,
+) -> int:
     """``meshplace shard``: dispatch to the program search or the captured-graph search
-    (or, with ``--pipeline auto``, the hybrid search; ``engine_pricer``: what
-    ``--engine-costs`` prices with, :func:`meshplace.runtime.dryrun.engine_pricer`, given
-    by the command line above this package)."""
+    (or, with ``--pipeline auto``, the hybrid search). What ``--engine-costs`` prices
+    with is given by the command line above this package: ``engine_pricer``
+    (:func:`meshplace.runtime.dryrun.engine_pricer`) for the hybrid search,
+    ``plan_pricer`` (:func:`meshplace.runtime.dryrun.plan_prices`) for the
+    captured-graph search (:func:`rank_by_engine`)."""
     if getattr(args, "pipeline", "off") == "auto":
         return cmd_hybrid(args, engine_pricer)
-    if getattr(args, "engine_costs", False):
-        raise InputError("--engine-costs applies to --pipeline auto")
+    engine_costs = bool(getattr(args, "engine_costs", False))
+    if engine_costs:
+        check_engine_costs(args.model, plan_pricer)
     if getattr(args, "global_batch", None) is not None:
         raise InputError("--global-batch applies to --pipeline auto; use --batch otherwise")
     if getattr(args, "style", "joint") == "megatron":
@@ -179,14 +203,136 @@ def cmd_shard(args: argparse.Namespace, engine_pricer: Callable[..., Any] | None
     out = getattr(args, "out", None)
     check_output_paths({"--out": out}, inputs=[args.model, args.cluster])
     result, data = shard_captured(args)
+    best, engine_cost = result.best, None
+    if engine_costs:
+        assert plan_pricer is not None  # check_engine_costs
+        best, ranking = rank_by_engine(args, result, plan_pricer)
+        engine_cost = next(r["engine"] for r in ranking if r["chosen"])
+        data.update(best.to_dict())
+        data["engine"] = engine_cost
+        data["engine_ranking"] = ranking
+        data["search"]["ranked_by"] = "engine dry run"
+    else:
+        data["search"]["ranked_by"] = "solver"
     if out:
-        plan = result.best.plan_file(args.model, data["cluster"])
+        plan = best.plan_file(args.model, data["cluster"])
+        if engine_cost is not None:
+            plan["predicted"]["engine"] = engine_cost
         write_text_atomic(out, dumps_strict_json(plan) + "\n")
     if getattr(args, "json", False):
         print_json(data)
     else:
-        print_captured(Console(), result, data)
+        console = Console()
+        print_captured(console, result, data, best)
+        if engine_costs:
+            print_engine_ranking(console, data["engine_ranking"])
     return 0
+
+
+def rank_by_engine(
+    args: argparse.Namespace, result: Any, pricer: Callable[..., Any]
+) -> tuple[Any, list[dict[str, Any]]]:
+    """``meshplace shard FILE.py:build --engine-costs``: the candidates — the solver's
+    plan of every mesh it tried and every point of the Megatron grid
+    (:func:`meshplace.parallel.grid.megatron_grid`: data x tensor parallel x ZeRO, the
+    plans users write by hand) on the same chips, those that fit, each distinct plan
+    once — priced by ``pricer(plan documents, model, cluster, cost model)``
+    (:func:`meshplace.runtime.dryrun.plan_prices`: what the torchrun runtime runs for
+    each, costed by the same cost model) and ranked by that price.
+
+    Why: the solver prices its own op strategies, but the runtime places the parameters
+    and lets PyTorch run the model — DTensor choosing each op's placement, data-parallel
+    plans on DDP or FSDP2 — so the program that runs, and what it costs, can differ from
+    the one the solver priced, and so can the order of the candidates (docs/parallel.md).
+    With ``--mesh`` or ``--rules`` the grid, which knows neither, is left out.
+
+    Returns the fastest candidate that its engine runs and the ranking, fastest first:
+    per candidate its ``plan`` label (``"solver 2x4"``, ``"dp2 x tp1 zero3"``; ``same_as``
+    lists other candidates with the same placements), ``mesh``, ``solver_step_s``,
+    ``engine`` (the price's parts) or ``error`` (why its engine cannot run it), and
+    ``chosen``. Raises :class:`InputError` when no candidate runs. O(candidates) integer
+    programs and dry runs."""
+    from meshplace.cost.compute import CostModel
+    from meshplace.hardware import load_cluster
+    from meshplace.parallel.grid import megatron_grid
+
+    cluster = load_cluster(args.cluster)
+    cost_model = calibrated_cost_model_of(args, cluster)
+    candidates = [(f"solver {c.mesh.label}", c) for c in result.candidates if c.fits]
+    if not getattr(args, "mesh", None) and not getattr(args, "rules", None):
+        wus = getattr(args, "weight_update_sharding", "auto") or "auto"
+        grid = megatron_grid(
+            result.best.problem.graph,
+            cluster,
+            chips=result.chips,
+            memory_fraction=memory_fraction_of(args),
+            zero_stages={"auto": (0, 1, 2, 3), "on": (1, 2, 3), "off": (0,)}[wus],
+            compute=getattr(args, "compute", "eager") or "eager",
+            cost_model=cost_model,
+        )
+        candidates += [(p.label, p.plan) for p in grid.points if p.fits]
+    distinct: dict[str, int] = {}
+    entries: list[dict[str, Any]] = []
+    plans: list[Any] = []
+    documents: list[dict[str, Any]] = []
+    for label, plan in candidates:
+        document = plan.plan_file(args.model, cluster.name)
+        key = json.dumps([document["mesh"], document["parameters"], document["inputs"]])
+        if key in distinct:
+            entries[distinct[key]]["same_as"].append(label)
+            continue
+        distinct[key] = len(entries)
+        entries.append(
+            {"plan": label, "mesh": plan.mesh.label, "solver_step_s": plan.step_time_s,
+             "same_as": []}
+        )  # fmt: skip
+        plans.append(plan)
+        documents.append(document)
+    costs = pricer(documents, args.model, cluster, cost_model or CostModel())
+    for entry, cost in zip(entries, costs, strict=True):
+        if isinstance(cost, str):
+            entry["error"] = cost
+        else:
+            entry["engine"] = cost
+    priced = [i for i, e in enumerate(entries) if "engine" in e]
+    if not priced:
+        raise InputError(
+            "no candidate plan runs on its engine: "
+            + "; ".join(f"{e['plan']}: {e['error']}" for e in entries[:3])
+        )
+    order = sorted(priced, key=lambda i: entries[i]["engine"]["step_s"])
+    order += [i for i in range(len(entries)) if i not in priced]
+    for rank, i in enumerate(order):
+        entries[i]["chosen"] = rank == 0
+    return plans[order[0]], [entries[i] for i in order]
+
+
+def print_engine_ranking(console: Console, ranking: list[dict[str, Any]]) -> None:
+    """The table of ``--engine-costs``: every candidate's price as its engine runs it
+    (and its parts) beside the solver's; ``*`` marks the plan kept."""
+    table = Table(
+        title="step time (ms) as the torchrun runtime runs each candidate (* kept), and as "
+        "the solver priced it",
+        title_justify="left",
+    )
+    columns = ("plan", "mesh", "engine", "compute", "dispatch", "comm.", "solver")
+    for col in columns:
+        left = col in ("plan", "mesh")
+        table.add_column(col, justify="left" if left else "right", no_wrap=True)
+    for r in ranking:
+        label = ("* " if r["chosen"] else "  ") + r["plan"]
+        label += f" (= {', '.join(r['same_as'])})" if r["same_as"] else ""
+        solver = f"{r['solver_step_s'] * 1e3:.3f}"
+        if "engine" in r:
+            e = r["engine"]
+            parts = (e["step_s"], e["compute_s"], e["dispatch_s"], e["communication_s"])
+            table.add_row(label, r["mesh"], *(f"{x * 1e3:.3f}" for x in parts), solver)
+        else:
+            table.add_row(label, r["mesh"], "cannot run", "", "", "", solver)
+    console.print(table)
+    for r in ranking:
+        if "error" in r:
+            console.print(f"{r['plan']} cannot run: {r['error']}", highlight=False, markup=False)
 
 
 def shard_captured(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
@@ -271,9 +417,10 @@ def shard_captured(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     return result, data
 
 
-def print_captured(console: Console, result: Any, data: dict[str, Any]) -> None:
-    """The tables of ``meshplace shard`` on a captured graph."""
-    best = result.best
+def print_captured(console: Console, result: Any, data: dict[str, Any], best: Any = None) -> None:
+    """The tables of ``meshplace shard`` on a captured graph: of ``best`` (default the
+    solver's best plan)."""
+    best = result.best if best is None else best
     mesh = best.mesh
     head = mesh_cli.mesh_table(
         f"{data['graph']} ({data['ops']:,} ops) on {data['chips']} chips of {data['cluster']}",
@@ -404,13 +551,8 @@ def cmd_hybrid(args: argparse.Namespace, engine_pricer: Callable[..., Any] | Non
     wus = get(args, "weight_update_sharding", "auto") or "auto"
     zero_stages = {"auto": (0, 1, 2, 3), "on": (1, 2, 3), "off": (0,)}[wus]
     engine_costs = bool(get(args, "engine_costs", False))
-    if engine_costs and (args.model in available() or args.model.endswith(".json")):
-        raise InputError(
-            f"--engine-costs dry-runs the model under the torchrun runtime, which builds a "
-            f"FILE.py:build model; {args.model!r} is not one"
-        )
-    if engine_costs and engine_pricer is None:
-        raise InputError("--engine-costs needs the torchrun runtime (meshplace.runtime)")
+    if engine_costs:
+        check_engine_costs(args.model, engine_pricer)
     fraction = memory_fraction_of(args)
     cluster = load_cluster(args.cluster)
     cost_model = calibrated_cost_model_of(args, cluster)

@@ -51,7 +51,7 @@ import math
 import subprocess
 import sys
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -185,17 +185,21 @@ class EngineProgram:
         plus their fixed cost (:meth:`meshplace.cost.compute.CostModel.kernel_seconds`: the
         operator's or kind's calibrated one, else one launch); every DTensor-level op the
         dispatch overhead — except under FSDP2, whose units each cost the measured
-        ``fsdp_unit_overhead`` instead, the dispatch on its sharded parameters and its own
-        copies (:data:`FSDP_KERNELS`) included; the collectives the mesh's formula.
+        ``fsdp_unit_overhead`` instead, the dispatch on its sharded parameters and, where
+        that cost was measured, its own copies (:data:`FSDP_KERNELS`) included; the
+        collectives the mesh's formula.
         Returns ``step_s``, ``compute_s``, ``dispatch_s`` (the engine's: DTensor's or
         FSDP2's) and ``communication_s``, and ``update_s``: the part of ``step_s`` inside
         the optimizer's step (its kernels, their DTensor dispatch, its collectives).
         O(kernels + collectives)."""
         kind = device_kind or spec.kind
         compute = update = 0.0
+        # FSDP2's own copies are in its measured cost per unit, where one was measured;
+        # without one they are kernels like any other
+        per_unit = cost_model.fsdp_unit_overhead.get(kind, 0.0)
         for k in self.kernels:
-            if self.fsdp_units and k.name in FSDP_KERNELS:
-                continue  # in FSDP2's measured cost per unit
+            if self.fsdp_units and per_unit and k.name in FSDP_KERNELS:
+                continue
             seconds = cost_model.kernel_seconds(
                 kind, spec, k.kind, k.flops, k.bytes, k.dtype, k.target
             )
@@ -203,7 +207,7 @@ class EngineProgram:
             update += seconds if k.update else 0.0
         per_op = cost_model.dispatch_overhead.get(kind, 0.0)
         if self.fsdp_units:  # FSDP2's measured cost per unit holds its DTensor dispatch
-            dispatch = self.fsdp_units * cost_model.fsdp_unit_overhead.get(kind, 0.0)
+            dispatch = self.fsdp_units * per_unit
         else:
             dispatch = self.dispatched * per_op
             update += self.dispatched_update * per_op
@@ -439,35 +443,76 @@ def dry_run(
     in a fresh process on a fake process group of the plan's world size (module
     docstring); ``source`` overrides the plan's model. Raises :class:`InputError` with the
     child's last line when the model cannot run under the plan."""
+    if isinstance(plan, dict):  # refused here, without a process that imports torch
+        refuse_pipelines(plan, "the plan")
+    (program,) = _dry_run_child([plan], source, timeout_s=timeout_s, engine=engine)
+    if isinstance(program, str):
+        raise InputError(f"the dry run of the plan failed: {program}")
+    return program
+
+
+def dry_runs(
+    plans: Sequence[dict[str, Any]],
+    source: str | None = None,
+    *,
+    timeout_s: float = 600.0,
+    engine: str = "auto",
+) -> list[EngineProgram | str]:
+    """:func:`dry_run` of several plans (of one stage each) in one child process — torch
+    and the model's module are imported once, not once a plan (~3 s each here) — each on
+    a fake process group of its own world size. Per plan, its :class:`EngineProgram`, or
+    the sentence saying why its engine cannot run it. Raises :class:`InputError` when the
+    child itself fails. O(three training steps of one rank's share per plan)."""
+    for plan in plans:
+        refuse_pipelines(plan, "the plan")
+    return _dry_run_child(list(plans), source, timeout_s=timeout_s, engine=engine)
+
+
+def _dry_run_child(
+    plans: list[dict[str, Any] | str | Path],
+    source: str | None,
+    *,
+    timeout_s: float,
+    engine: str,
+) -> list[EngineProgram | str]:
     import os
     import tempfile
 
-    if isinstance(plan, dict):  # refused here, without a process that imports torch
-        refuse_pipelines(plan, "the plan")
     with tempfile.TemporaryDirectory(prefix="meshplace-dryrun-") as folder:
-        if isinstance(plan, dict):
-            path = Path(folder) / "plan.json"
-            path.write_text(json.dumps(plan))
-        else:
-            path = Path(plan)
-        command = [sys.executable, "-m", "meshplace.runtime.dryrun", str(path)]
+        paths = []
+        for i, plan in enumerate(plans):
+            if isinstance(plan, dict):
+                path = Path(folder) / f"plan{i}.json"
+                path.write_text(json.dumps(plan))
+            else:
+                path = Path(plan)
+            paths.append(str(path))
+        command = [sys.executable, "-m", "meshplace.runtime.dryrun", *paths]
         if source is not None:
             command += ["--model", source]
         command += ["--engine", engine]
+        if len(paths) > 1:
+            command.append("--each")
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         done = subprocess.run(
             command, capture_output=True, text=True, timeout=timeout_s, env=env, check=False
         )
+    last = (done.stderr.strip().splitlines() or ["no message"])[-1]
+    if done.returncode != 0 and len(paths) == 1:
+        return [last.removeprefix("meshplace: error: ")]
     if done.returncode != 0:
-        last = (done.stderr.strip().splitlines() or ["no message"])[-1]
-        raise InputError(f"the dry run of the plan failed: {last}")
-    return EngineProgram.from_dict(json.loads(done.stdout))
+        raise InputError(f"the dry run of the plans failed: {last}")
+    if len(paths) == 1:
+        return [EngineProgram.from_dict(json.loads(done.stdout))]
+    return [
+        EngineProgram.from_dict(entry["program"]) if "program" in entry else entry["error"]
+        for entry in json.loads(done.stdout)
+    ]
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m meshplace.runtime.dryrun PLAN [--model FILE.py:build]``: print rank 0's
-    recorded step (:class:`EngineProgram` as JSON)."""
-    import argparse
+def _record_plan(path: str, model: str | None, engine: str) -> EngineProgram:
+    """Rank 0's recorded step of the plan file at ``path`` (``main``'s work for one
+    plan): a fake process group of the plan's world size around it."""
     import contextlib
 
     import torch.distributed as dist
@@ -476,36 +521,59 @@ def main(argv: list[str] | None = None) -> int:
     from meshplace.runtime.hybrid_plan import is_hybrid
     from meshplace.runtime.launch import model_source, read_plan
 
+    plan = read_plan(path)
+    if plan.get("format") != "meshplace.parallel_plan":
+        raise InputError(
+            f"{path} is not a sharding plan (meshplace shard --out): the dry run "
+            "records DTensor's step of one"
+        )
+    hybrid = is_hybrid(plan)
+    refuse_pipelines(plan, path)
+    source = model_source(plan, model)
+    world = math.prod(int(s) for s in plan["mesh"]["shape"])
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        # whatever the model prints goes to stderr: stdout is the one JSON document
+        with contextlib.redirect_stdout(sys.stderr):
+            if hybrid:
+                return record_hybrid_step(plan, source, engine=engine)
+            return record_step(plan, source, engine=engine)
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m meshplace.runtime.dryrun PLAN [--model FILE.py:build]``: print rank 0's
+    recorded step (:class:`EngineProgram` as JSON). ``PLAN PLAN ... --each``: one JSON
+    list, per plan ``{"program": ...}`` or ``{"error": sentence}`` (a plan its engine
+    cannot run does not stop the others)."""
+    import argparse
+
     parser = argparse.ArgumentParser(prog="python -m meshplace.runtime.dryrun")
-    parser.add_argument("plan")
+    parser.add_argument("plan", nargs="+")
     parser.add_argument("--model", default=None)
     parser.add_argument("--engine", choices=("auto", "dtensor"), default="auto")
+    parser.add_argument("--each", action="store_true", help="one result per plan, in a list")
     args = parser.parse_args(argv)
-    try:
-        plan = read_plan(args.plan)
-        if plan.get("format") != "meshplace.parallel_plan":
-            raise InputError(
-                f"{args.plan} is not a sharding plan (meshplace shard --out): the dry run "
-                "records DTensor's step of one"
-            )
-        hybrid = is_hybrid(plan)
-        refuse_pipelines(plan, args.plan)
-        source = model_source(plan, args.model)
-        world = math.prod(int(s) for s in plan["mesh"]["shape"])
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    if not args.each:
+        if len(args.plan) != 1:
+            parser.error("several plans need --each")
         try:
-            # whatever the model prints goes to stderr: stdout is the one JSON document
-            with contextlib.redirect_stdout(sys.stderr):
-                if hybrid:
-                    program = record_hybrid_step(plan, source, engine=args.engine)
-                else:
-                    program = record_step(plan, source, engine=args.engine)
-        finally:
-            dist.destroy_process_group()
-    except InputError as exc:
-        print(f"meshplace: error: {exc}", file=sys.stderr)
-        return 2
-    print(json.dumps(program.to_dict()))
+            program = _record_plan(args.plan[0], args.model, args.engine)
+        except InputError as exc:
+            print(f"meshplace: error: {exc}", file=sys.stderr)
+            return 2
+        print(json.dumps(program.to_dict()))
+        return 0
+    results: list[dict[str, Any]] = []
+    for path in args.plan:
+        try:
+            results.append({"program": _record_plan(path, args.model, args.engine).to_dict()})
+        except Exception as exc:  # one plan's failure is that plan's answer, not the run's
+            words = str(exc).strip().splitlines() or [""]
+            known = isinstance(exc, InputError)
+            results.append({"error": words[-1] if known else f"{type(exc).__name__}: {words[-1]}"})
+    print(json.dumps(results))
     return 0
 
 
@@ -598,6 +666,35 @@ def engine_pricer(
         return EngineCost((cost["step_s"] - cost["update_s"]) / micro_batches, cost["update_s"])
 
     return price
+
+
+def plan_prices(
+    plans: Sequence[dict[str, Any]],
+    source: str,
+    cluster: Any,
+    cost_model: Any,
+    *,
+    engine: str = "auto",
+) -> list[dict[str, Any] | str]:
+    """Each sharding plan of ``source`` (``FILE.py:build``) priced as its engine runs it:
+    the plans dry-run in one child process (:func:`dry_runs`) and each program costed on
+    the plan's own devices of ``cluster`` by ``cost_model`` (:func:`program_cost`); per
+    plan the cost (``step_s`` and its parts), or the sentence saying why its engine cannot
+    run it. ``meshplace shard FILE.py:build --engine-costs`` ranks its candidates by
+    these (:func:`meshplace.parallel.cli.cmd_shard` receives this function from the
+    command line, the sharding package never importing the runtime). O(one dry run per
+    plan).
+
+    Example::
+
+        costs = plan_prices([plan_a, plan_b], "model.py:build", cluster, CostModel())
+        fastest = min(c["step_s"] for c in costs if not isinstance(c, str))
+    """
+    programs = dry_runs(plans, source, engine=engine)
+    return [
+        program if isinstance(program, str) else program_cost(program, plan, cluster, cost_model)
+        for program, plan in zip(programs, plans, strict=True)
+    ]
 
 
 def program_cost(

@@ -536,10 +536,12 @@ def sharding_training(
     ``engine``, ``uneven`` and ``meta_buffers``."""
     from meshplace.graph.sources import build_from_seed
     from meshplace.runtime.data_parallel import DataParallelTraining, data_parallel_stage
+    from meshplace.runtime.sharded import check_plan_matches
 
     if engine not in ENGINES:
         raise InputError(f"--engine {engine!r}: choose one of {', '.join(ENGINES)}")
     built = build_from_seed(source)  # the same on every rank
+    check_plan_matches(built[0], plan)  # DDP and FSDP2 would wrap any model
     stage = data_parallel_stage(plan) if engine == "auto" else None
     note = None
     if stage is not None:

@@ -88,6 +88,31 @@ def device_mesh(plan: Mapping[str, Any], device_type: str = "cpu") -> Any:
     return init_device_mesh(device_type, shape, mesh_dim_names=tuple(plan["mesh"]["axes"]))
 
 
+def check_plan_matches(model: torch.nn.Module, plan: Mapping[str, Any]) -> None:
+    """One :class:`InputError` sentence when the plan's parameters are not exactly the
+    model's (the plan was made for another model): the first of the model's parameters
+    it lacks, else the first name it has that the model does not. O(parameters).
+
+    >>> plan = {"format": "meshplace.parallel_plan", "parameters": {"weight": {}}}
+    >>> check_plan_matches(torch.nn.Linear(2, 2), plan)
+    Traceback (most recent call last):
+    ...
+    meshplace.errors.InputError: the plan does not match the model: the model's 'bias' is not in it
+    """
+    _check(plan)
+    planned = plan["parameters"]
+    names = [n for n, _ in model.named_parameters()]
+    missing = [n for n in names if n not in planned]
+    extra = [n for n in planned if n not in set(names)]
+    if missing or extra:
+        which = (
+            f"the model's {missing[0]!r} is not in it"
+            if missing
+            else f"{extra[0]!r} is not a parameter of the model"
+        )
+        raise InputError(f"the plan does not match the model: {which}")
+
+
 def apply_sharding_plan(model: torch.nn.Module, plan: Mapping[str, Any], mesh: Any) -> None:
     """Replace every parameter the plan names by a DTensor with the plan's placements.
 
@@ -102,7 +127,7 @@ def apply_sharding_plan(model: torch.nn.Module, plan: Mapping[str, Any], mesh: A
 
     from meshplace.runtime.program import initial_value
 
-    _check(plan)
+    check_plan_matches(model, plan)
     planned = plan["parameters"]
     # a tied parameter (a language model's embedding and head) is one parameter under its
     # first name, as the capture and named_parameters() see it: every alias must get the
@@ -111,15 +136,6 @@ def apply_sharding_plan(model: torch.nn.Module, plan: Mapping[str, Any], mesh: A
     for name, param in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(param), []).append(name)
     names = [n for n, _ in model.named_parameters()]
-    missing = [n for n in names if n not in planned]
-    extra = [n for n in planned if n not in set(names)]
-    if missing or extra:
-        which = (
-            f"the model's {missing[0]!r} is not in it"
-            if missing
-            else f"{extra[0]!r} is not a parameter of the model"
-        )
-        raise InputError(f"the plan does not match the model: {which}")
     for name in names:
         owner_name, _, attr = name.rpartition(".")
         owner = model.get_submodule(owner_name) if owner_name else model
