@@ -141,6 +141,13 @@ def memory_fraction_of(args: argparse.Namespace) -> float:
     return fraction
 
 
+def zero_stages_of(args: argparse.Namespace) -> tuple[int, ...]:
+    """The ZeRO stages ``--weight-update-sharding`` lets a plan use: ``auto`` 0-3, ``on``
+    1-3, ``off`` 0."""
+    wus = getattr(args, "weight_update_sharding", "auto") or "auto"
+    return {"auto": (0, 1, 2, 3), "on": (1, 2, 3), "off": (0,)}[wus]
+
+
 def calibrated_cost_model_of(args: argparse.Namespace, cluster: Any) -> Any:
     """The cost model ``--calibration FILE`` gives on ``cluster`` (``None`` without it)."""
     if not getattr(args, "calibration", None):
@@ -260,13 +267,12 @@ def rank_by_engine(
     cost_model = calibrated_cost_model_of(args, cluster)
     candidates = [(f"solver {c.mesh.label}", c) for c in result.candidates if c.fits]
     if not getattr(args, "mesh", None) and not getattr(args, "rules", None):
-        wus = getattr(args, "weight_update_sharding", "auto") or "auto"
         grid = megatron_grid(
             result.best.problem.graph,
             cluster,
             chips=result.chips,
             memory_fraction=memory_fraction_of(args),
-            zero_stages={"auto": (0, 1, 2, 3), "on": (1, 2, 3), "off": (0,)}[wus],
+            zero_stages=zero_stages_of(args),
             compute=getattr(args, "compute", "eager") or "eager",
             cost_model=cost_model,
         )
@@ -350,8 +356,7 @@ def shard_captured(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
             f"{', '.join(CAPTURE_OPTIMIZERS)} (lars and adafactor exist for the "
             "named-dimension programs only)"
         )
-    wus = get(args, "weight_update_sharding", "auto") or "auto"
-    stages = {"auto": (0, 1, 2, 3), "on": (1, 2, 3), "off": (0,)}[wus]
+    stages = zero_stages_of(args)
     cluster = load_cluster(args.cluster)
     cost_model = calibrated_cost_model_of(args, cluster)
     chips = get(args, "chips", None)
@@ -548,8 +553,7 @@ def cmd_hybrid(args: argparse.Namespace, engine_pricer: Callable[..., Any] | Non
                 f"{flag} does not apply to --pipeline auto (it captures the model's layers "
                 "with Adam under --autocast, default bf16, and ties identical layers)"
             )
-    wus = get(args, "weight_update_sharding", "auto") or "auto"
-    zero_stages = {"auto": (0, 1, 2, 3), "on": (1, 2, 3), "off": (0,)}[wus]
+    zero_stages = zero_stages_of(args)
     engine_costs = bool(get(args, "engine_costs", False))
     if engine_costs:
         check_engine_costs(args.model, engine_pricer)
