@@ -132,6 +132,9 @@ def test_a_plan_whose_model_cannot_be_built_is_one_sentence(tmp_path: Path) -> N
     }
     with pytest.raises(InputError, match=r"dry run of the plan failed: .*missing\.py"):
         dry_run(plan)
+    # a child that runs out of time is stopped: one sentence, not a traceback
+    with pytest.raises(InputError, match=r"dry run of the 2 plans took longer than 0.02 s"):
+        dry_runs([plan, plan], timeout_s=0.01)
     (tmp_path / "plan.json").write_text(json.dumps(plan))
     done = subprocess.run(
         [sys.executable, "-m", "meshplace.runtime.dryrun", str(tmp_path / "plan.json")],

@@ -461,8 +461,9 @@ def dry_runs(
     """:func:`dry_run` of several plans (of one stage each) in one child process — torch
     and the model's module are imported once, not once a plan (~3 s each here) — each on
     a fake process group of its own world size. Per plan, its :class:`EngineProgram`, or
-    the sentence saying why its engine cannot run it. Raises :class:`InputError` when the
-    child itself fails. O(three training steps of one rank's share per plan)."""
+    the sentence saying why its engine cannot run it. ``timeout_s`` is per plan. Raises
+    :class:`InputError` when the child itself fails or runs out of time. O(three training
+    steps of one rank's share per plan)."""
     for plan in plans:
         refuse_pipelines(plan, "the plan")
     return _dry_run_child(list(plans), source, timeout_s=timeout_s, engine=engine)
@@ -494,9 +495,17 @@ def _dry_run_child(
         if len(paths) > 1:
             command.append("--each")
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-        done = subprocess.run(
-            command, capture_output=True, text=True, timeout=timeout_s, env=env, check=False
-        )
+        limit = timeout_s * len(paths)
+        try:
+            done = subprocess.run(
+                command, capture_output=True, text=True, timeout=limit, env=env, check=False
+            )
+        except subprocess.TimeoutExpired:
+            which = "plan" if len(paths) == 1 else f"{len(paths)} plans"
+            seconds = f"{limit:.0f}" if limit >= 10 else f"{limit:.2g}"
+            raise InputError(
+                f"the dry run of the {which} took longer than {seconds} s and was stopped"
+            ) from None
     last = (done.stderr.strip().splitlines() or ["no message"])[-1]
     if done.returncode != 0 and len(paths) == 1:
         return [last.removeprefix("meshplace: error: ")]
