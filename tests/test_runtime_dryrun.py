@@ -386,7 +386,8 @@ def test_rank_by_engine_keeps_the_cheapest_plan_its_engine_runs(tmp_path: Path) 
         return ["it cannot" if "Shard" in json.dumps(p["parameters"]) else cost(i)
                 for i, p in enumerate(plans)]  # fmt: skip
 
-    best, ranking = rank_by_engine(args, result, pricer)
+    best, ranking, unplanned = rank_by_engine(args, result, pricer)
+    assert unplanned == []  # on 2 chips every grid point has a plan
     (plans,) = asked
     keys = [json.dumps([p["parameters"], p["inputs"]]) for p in plans]
     assert len(set(keys)) == len(keys) == len(ranking)
@@ -404,3 +405,13 @@ def test_rank_by_engine_keeps_the_cheapest_plan_its_engine_runs(tmp_path: Path) 
     assert f"* {ranking[0]['plan']}" in text and "cannot run: it cannot" in text
     with pytest.raises(InputError, match="no candidate plan runs on its engine"):
         rank_by_engine(args, result, lambda plans, *_: ["no"] * len(plans))
+    # a batch of 2 on 4 chips: the grid's dp4 has no plan, and says why
+    small = capture(model, (x[:2],), training=True)
+
+    def every(plans: list[dict], *_: object) -> list[dict]:
+        return [{"step_s": 1.0, "compute_s": 1.0, "dispatch_s": 0.0, "communication_s": 0.0}
+                for _ in plans]  # fmt: skip
+
+    _, _, unplanned = rank_by_engine(args, shard_graph(small, cluster, chips=4), every)
+    assert [u["plan"] for u in unplanned] == ["dp4 x tp1 zero0"]
+    assert "batch split 4 ways" in unplanned[0]["reason"]

@@ -213,11 +213,12 @@ def cmd_shard(
     best, engine_cost = result.best, None
     if engine_costs:
         assert plan_pricer is not None  # check_engine_costs
-        best, ranking = rank_by_engine(args, result, plan_pricer)
+        best, ranking, unplanned = rank_by_engine(args, result, plan_pricer)
         engine_cost = next(r["engine"] for r in ranking if r["chosen"])
         data.update(best.to_dict())
         data["engine"] = engine_cost
         data["engine_ranking"] = ranking
+        data["grid_unplanned"] = unplanned
         data["search"]["ranked_by"] = "engine dry run"
     else:
         data["search"]["ranked_by"] = "solver"
@@ -233,12 +234,15 @@ def cmd_shard(
         print_captured(console, result, data, best)
         if engine_costs:
             print_engine_ranking(console, data["engine_ranking"])
+            for u in unplanned:
+                line = f"{u['plan']}: no plan ({u['reason']})"
+                console.print(line, highlight=False, markup=False)
     return 0
 
 
 def rank_by_engine(
     args: argparse.Namespace, result: Any, pricer: Callable[..., Any]
-) -> tuple[Any, list[dict[str, Any]]]:
+) -> tuple[Any, list[dict[str, Any]], list[dict[str, str]]]:
     """``meshplace shard FILE.py:build --engine-costs``: the candidates — the solver's
     plan of every mesh it tried and every point of the Megatron grid
     (:func:`meshplace.parallel.grid.megatron_grid`: data x tensor parallel x ZeRO, the
@@ -253,12 +257,14 @@ def rank_by_engine(
     the one the solver priced, and so can the order of the candidates (docs/parallel.md).
     With ``--mesh`` or ``--rules`` the grid, which knows neither, is left out.
 
-    Returns the fastest candidate that its engine runs and the ranking, fastest first:
-    per candidate its ``plan`` label (``"solver 2x4"``, ``"dp2 x tp1 zero3"``; ``same_as``
+    Returns the fastest candidate that its engine runs; the ranking, fastest first: per
+    candidate its ``plan`` label (``"solver 2x4"``, ``"dp2 x tp1 zero3"``; ``same_as``
     lists other candidates with the same placements), ``mesh``, ``solver_step_s``,
     ``engine`` (the price's parts) or ``error`` (why its engine cannot run it), and
-    ``chosen``. Raises :class:`InputError` when no candidate runs. O(candidates) integer
-    programs and dry runs."""
+    ``chosen``; and the grid points without a plan that fits, each ``plan`` and
+    ``reason`` (a batch the data axis does not divide). Raises :class:`InputError`, naming
+    the first of both, when no candidate runs. O(candidates) integer programs and dry
+    runs."""
     from meshplace.cost.compute import CostModel
     from meshplace.hardware import load_cluster
     from meshplace.parallel.grid import megatron_grid
@@ -266,6 +272,7 @@ def rank_by_engine(
     cluster = load_cluster(args.cluster)
     cost_model = calibrated_cost_model_of(args, cluster)
     candidates = [(f"solver {c.mesh.label}", c) for c in result.candidates if c.fits]
+    unplanned: list[dict[str, str]] = []
     if not getattr(args, "mesh", None) and not getattr(args, "rules", None):
         grid = megatron_grid(
             result.best.problem.graph,
@@ -277,6 +284,11 @@ def rank_by_engine(
             cost_model=cost_model,
         )
         candidates += [(p.label, p.plan) for p in grid.points if p.fits]
+        unplanned = [
+            {"plan": p.label, "reason": p.reason or "does not fit"}
+            for p in grid.points
+            if not p.fits
+        ]
     distinct: dict[str, int] = {}
     entries: list[dict[str, Any]] = []
     plans: list[Any] = []
@@ -302,15 +314,14 @@ def rank_by_engine(
             entry["engine"] = cost
     priced = [i for i, e in enumerate(entries) if "engine" in e]
     if not priced:
-        raise InputError(
-            "no candidate plan runs on its engine: "
-            + "; ".join(f"{e['plan']}: {e['error']}" for e in entries[:3])
-        )
+        why = [f"{e['plan']}: {e['error']}" for e in entries[:3]]
+        why += [f"{u['plan']}: no plan ({u['reason']})" for u in unplanned[:1]]
+        raise InputError("no candidate plan runs on its engine: " + "; ".join(why))
     order = sorted(priced, key=lambda i: entries[i]["engine"]["step_s"])
     order += [i for i in range(len(entries)) if i not in priced]
     for rank, i in enumerate(order):
         entries[i]["chosen"] = rank == 0
-    return plans[order[0]], [entries[i] for i in order]
+    return plans[order[0]], [entries[i] for i in order], unplanned
 
 
 def print_engine_ranking(console: Console, ranking: list[dict[str, Any]]) -> None:
