@@ -377,8 +377,20 @@ def mesh_and_chips(mesh_text: str | None, chips: int | None) -> tuple[int, ...] 
 def accelerators(cluster: Cluster) -> list[int]:
     """Indices of the devices a mesh may use: the cluster's accelerators
     (:meth:`Cluster.accelerators`). A cluster of host CPUs only is a :class:`LayoutError`:
-    costing Xeons as if they were mesh chips would give a plan nobody can run as one."""
+    costing Xeons as if they were mesh chips would give a plan nobody can run as one —
+    except the calibrated cluster of local worker processes that ``meshplace run
+    --cluster-out`` writes (``meta.worker_device``): each of its devices is one process,
+    which torchrun runs as one rank (gloo), so a mesh over them is what runs.
+
+    >>> from meshplace.hardware import Cluster, Device, Link, device_spec
+    >>> cpus = [Device(f"cpu{i}", "xeon", device_spec("xeon")) for i in range(2)]
+    >>> lo = [Link("lo", "cpu0", "cpu1", 1e9, 1e-4), Link("lo", "cpu1", "cpu0", 1e9, 1e-4)]
+    >>> accelerators(Cluster("workers", cpus, lo, meta={"worker_device": "cpu"}))
+    [0, 1]
+    """
     out = cluster.accelerators()
+    if not out and cluster.meta.get("worker_device") is not None:
+        return list(range(len(cluster.devices)))
     if not out:
         kinds = sorted({d.kind for d in cluster.devices})
         raise LayoutError(
