@@ -250,3 +250,11 @@ def test_shard_refuses_a_cluster_of_cpus_only(tmp_path: Path) -> None:
     )
     done = cli("shard", "transformer", "--size", "base", "--cluster", "cpus.yaml", cwd=tmp_path)
     assert_bad(done, "cpus-only", "no accelerators", "xeon")
+    # the calibrated cluster of local worker processes (meshplace run --cluster-out) is the
+    # exception: each of its CPUs is one process, one torchrun rank
+    from meshplace.hardware import load_cluster
+    from meshplace.mesh.layout import accelerators
+
+    workers = (tmp_path / "cpus.yaml").read_text() + "meta:\n  worker_device: cpu\n"
+    (tmp_path / "workers.yaml").write_text(workers.replace("cpus-only", "workers"))
+    assert accelerators(load_cluster(str(tmp_path / "workers.yaml"))) == [0, 1, 2, 3]
