@@ -206,6 +206,21 @@ def test_a_runs_report_costs_the_recorded_step_by_the_calibration_it_is_given(
     assert calibrated["collectives"] == {"all_reduce": reduces}
     missing = engine(cluster=str(tmp_path / "none.yaml"))
     assert any("no prediction as its engine runs it" in n for n in missing["notes"])
+    # a plan chosen by its engine price (shard --engine-costs) keeps that price apart from
+    # the run's own, and the text report leads with it
+    import contextlib
+    import io
+
+    from meshplace.runtime.launch import print_report
+
+    priced = {**plan, "predicted": {**plan["predicted"], "engine": {"step_s": 0.0123}}}
+    report = summarise(priced, [rank, rank], source="m.py:build", warmup=1, device="cpu")
+    assert report["predicted"]["engine_planned"] == {"step_s": 0.0123}
+    assert report["predicted"]["engine"]["step_s"] == pytest.approx(catalogue["step_s"])
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        print_report(report)
+    assert "the plan predicted 12.30 ms as its engine runs it (the solver: " in text.getvalue()
 
 
 def test_dtensors_dispatch_is_measured_per_op_it_dispatches(tmp_path: Path) -> None:

@@ -686,13 +686,17 @@ def summarise(
     calibration: str | None = None,
 ) -> dict[str, Any]:
     """Rank 0's report: every rank's measurements beside the plan's predictions — the
-    solver's, and (``predicted.engine``) the step as its engine ran it on rank 0 (its
-    recorded warm-up step) costed by the cost model of ``calibration`` on ``cluster``'s
-    devices (:func:`meshplace.runtime.dryrun.engine_prediction`)."""
+    solver's, the engine price the plan was chosen by where it has one
+    (``predicted.engine_planned``: ``shard --engine-costs``), and (``predicted.engine``)
+    the step as its engine ran it on rank 0 (its recorded warm-up step) costed by the
+    cost model of ``calibration`` on ``cluster``'s devices
+    (:func:`meshplace.runtime.dryrun.engine_prediction`)."""
     from meshplace.runtime.dryrun import EngineProgram, engine_prediction
 
     timing = step_timing(per_rank, warmup)
     predicted = dict(plan.get("predicted") or {})
+    if "engine" in predicted:  # the price the plan was chosen by (shard --engine-costs)
+        predicted["engine_planned"] = predicted.pop("engine")
     memory = predicted.get("memory_bytes") or {}
     notes = []
     meta_buffers = per_rank[0].get("meta_buffers", [])
@@ -1253,10 +1257,17 @@ def print_report(report: dict[str, Any]) -> None:
     else:
         mesh = "x".join(map(str, report["mesh"]["shape"]))
         print(f"{report['model']} on a {mesh} mesh of {ranks}")
+    planned = p.get("engine_planned")
     print(
         f"step: {m['step_time_s'] * 1e3:.2f} ms measured (median of "
         f"{report['steps'] - report['warmup']}); the plan predicted "
-        f"{(p.get('step_time_s') or 0) * 1e3:.2f} ms on {p.get('cluster')}"
+        + (
+            f"{planned['step_s'] * 1e3:.2f} ms as its engine runs it (the solver: "
+            f"{(p.get('step_time_s') or 0) * 1e3:.2f} ms)"
+            if planned
+            else f"{(p.get('step_time_s') or 0) * 1e3:.2f} ms"
+        )
+        + f" on {p.get('cluster')}"
     )
     simulated = p.get("simulated")
     if simulated:
