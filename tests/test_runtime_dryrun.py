@@ -346,6 +346,7 @@ def test_shard_engine_costs_ranks_the_candidates_as_the_runtime_runs_them(tmp_pa
     data = json.loads(done.stdout)
     assert data["search"]["ranked_by"] == "engine dry run"
     ranking = data["engine_ranking"]
+    assert data["search"]["dry_runs"] == len(ranking) and data["search"]["engine_seconds"] > 0
     labels = [r["plan"] for r in ranking] + [a for r in ranking for a in r["same_as"]]
     assert "solver 2" in labels
     assert {"dp2 x tp1 zero0", "dp1 x tp2 zero0"} <= set(labels)

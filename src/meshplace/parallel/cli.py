@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -213,7 +214,11 @@ def cmd_shard(
     best, engine_cost = result.best, None
     if engine_costs:
         assert plan_pricer is not None  # check_engine_costs
+        started = time.perf_counter()
         best, ranking, unplanned = rank_by_engine(args, result, plan_pricer)
+        # the grid's integer programs and one dry run per distinct plan
+        data["search"]["engine_seconds"] = time.perf_counter() - started
+        data["search"]["dry_runs"] = len(ranking)
         engine_cost = next(r["engine"] for r in ranking if r["chosen"])
         data.update(best.to_dict())
         data["engine"] = engine_cost
@@ -234,6 +239,11 @@ def cmd_shard(
         print_captured(console, result, data, best)
         if engine_costs:
             print_engine_ranking(console, data["engine_ranking"])
+            console.print(
+                f"ranked by {data['search']['dry_runs']} dry runs in "
+                f"{data['search']['engine_seconds']:.1f} s (the grid's plans included)",
+                highlight=False,
+            )
             for u in unplanned:
                 line = f"{u['plan']}: no plan ({u['reason']})"
                 console.print(line, highlight=False, markup=False)
