@@ -491,9 +491,7 @@ def _dry_run_child(
         command = [sys.executable, "-m", "meshplace.runtime.dryrun", *paths]
         if source is not None:
             command += ["--model", source]
-        command += ["--engine", engine]
-        if len(paths) > 1:
-            command.append("--each")
+        command += ["--engine", engine, "--each"]
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         limit = timeout_s * len(paths)
         try:
@@ -506,13 +504,9 @@ def _dry_run_child(
             raise InputError(
                 f"the dry run of the {which} took longer than {seconds} s and was stopped"
             ) from None
-    last = (done.stderr.strip().splitlines() or ["no message"])[-1]
-    if done.returncode != 0 and len(paths) == 1:
-        return [last.removeprefix("meshplace: error: ")]
     if done.returncode != 0:
-        raise InputError(f"the dry run of the plans failed: {last}")
-    if len(paths) == 1:
-        return [EngineProgram.from_dict(json.loads(done.stdout))]
+        last = (done.stderr.strip().splitlines() or ["no message"])[-1]
+        raise InputError(f"the dry run failed: {last}")
     return [
         EngineProgram.from_dict(entry["program"]) if "program" in entry else entry["error"]
         for entry in json.loads(done.stdout)
