@@ -517,6 +517,7 @@ def predict_pipeline(
     micro_batches: int,
     engine_s: float = 0.0,
     exchange: Any = None,
+    accumulation: bool = True,
 ) -> tuple[float, dict[str, float]]:
     """A pipelined placement's step time on the calibrated workers, GPipe's model (Huang
     et al. 2019, Sec. 2.2): ``(M + S - 1)`` beats of the slowest stage's forward and
@@ -531,12 +532,17 @@ def predict_pipeline(
     ranks), a beat costs the stage's compute plus the measured exchange (the engine and
     one message each way included) plus ``message_s`` for each further message, plus
     every message's bytes over the bandwidth, and ``engine_s`` is not charged again.
+    Each stage's backward also pays its share of the step's ``M - 1`` passes adding a
+    micro-batch's gradients into the held ones
+    (:class:`meshplace.cost.pipeline.GradientAccumulation`, as the simulator and the
+    hybrid search charge it); ``accumulation=False`` leaves them out (the ablation).
     1F1B has the same bubble (it saves memory, not time), so both schedules get this
     prediction."""
     import numpy as np
     import torch
 
     from meshplace.cost.calibration import calibrated_cost_model
+    from meshplace.cost.pipeline import GradientAccumulation
     from meshplace.graph.capture import capture
     from meshplace.graph.sources import load_build_function
     from meshplace.sim.simulator import Simulator
@@ -563,6 +569,22 @@ def predict_pipeline(
     stages = sorted(set(placement.tolist()))
     phase = np.array([o.phase for o in graph.ops])
     per_stage = {d: float(seconds[(placement == d) & (phase != "update")].sum()) for d in stages}
+    trainable = np.array([o.kind == "parameter" for o in graph.ops])
+    param_bytes = graph.arrays().param_bytes
+    accumulate = {
+        d: float(
+            GradientAccumulation.of(
+                cost_model, cal.cluster.devices[d].kind, cal.cluster.devices[d].spec
+            ).per_micro_batch(
+                param_bytes[trainable & (placement == d)].sum(),
+                int((trainable & (placement == d)).sum()),
+                micro_batches,
+            )
+        )
+        if accumulation
+        else 0.0
+        for d in stages
+    }
     update = max(float(seconds[(placement == d) & (phase == "update")].sum()) for d in stages)
     arrays = graph.arrays()
     src, dst = placement[arrays.edge_src], placement[arrays.edge_dst]
@@ -580,7 +602,7 @@ def predict_pipeline(
         further = max(0, len(sent) - 2) * exchange.message_s
         messages = exchange.beat_s + further + sum(n / bandwidth for n in sent.values())
         engine_s = 0.0
-    beat = max(per_stage.values()) + messages + engine_s
+    beat = max(per_stage[d] + accumulate[d] for d in stages) + messages + engine_s
     predicted = (micro_batches + len(stages) - 1) * beat + update
     return predicted, {
         "beat_s": beat,
@@ -588,6 +610,7 @@ def predict_pipeline(
         "messages": len(sent),
         "engine_s": engine_s,
         "update_s": update,
+        "accumulate_s": max(accumulate.values()),
     }
 
 
@@ -658,6 +681,11 @@ def run_pipelined_model(source: str, steps: int, warmup: int, passes: int) -> di
         file=sys.stderr,
     )
     predictions = {m: predict_pipeline(source, plan, cal, m, exchange=exchange) for m in (2, 4, 8)}
+    # the ablation of the gradient accumulation (session 44): the same without it
+    unaccumulated = {
+        m: predict_pipeline(source, plan, cal, m, exchange=exchange, accumulation=False)[0]
+        for m in (2, 4, 8)
+    }
     # the library's pipeline model on the same calibration: the simulator's throughput
     # objective (meshplace simulate --calibration), each op's whole-batch time split
     # over the micro-batches, the exchange charged per beat (HostCosts)
@@ -679,6 +707,9 @@ def run_pipelined_model(source: str, steps: int, warmup: int, passes: int) -> di
             swapped[m],
             **{f"predicted_{k}": v for k, v in predictions[m][1].items()},
             predicted_simulator_s=simulated[(m, sched)],
+            predicted_without_accumulation_s=unaccumulated[m],
+            error_without_accumulation=(unaccumulated[m] - statistics.median(timed[(m, sched)]))
+            / statistics.median(timed[(m, sched)]),
             error_simulator=(simulated[(m, sched)] - statistics.median(timed[(m, sched)]))
             / statistics.median(timed[(m, sched)]),
         )
@@ -689,6 +720,14 @@ def run_pipelined_model(source: str, steps: int, warmup: int, passes: int) -> di
         "model": _short_name(source),
         "ops": step.graph.num_ops,
         "median_abs_error_simulator": _median_abs(r["error_simulator"] for r in rows),
+        "median_abs_error_without_accumulation": _median_abs(
+            r["error_without_accumulation"] for r in rows
+        ),
+        "kendall_tau_without_accumulation": kendall_tau(
+            [r["measured_s"] for r in rows], [r["predicted_without_accumulation_s"] for r in rows]
+        )
+        if len(rows) > 1
+        else None,
         "kendall_tau_simulator": kendall_tau(
             [r["measured_s"] for r in rows], [r["predicted_simulator_s"] for r in rows]
         )
@@ -912,6 +951,13 @@ def main(argv: list[str] | None = None) -> int:
         overall["median_abs_error_simulator"] = _median_abs(r["error_simulator"] for r in rows)
         taus = [m["kendall_tau_simulator"] for m in results if m["kendall_tau_simulator"]]
         overall["kendall_tau_simulator"] = statistics.mean(taus) if taus else None
+        overall["median_abs_error_without_accumulation"] = _median_abs(
+            r["error_without_accumulation"] for r in rows
+        )
+        taus = [m["kendall_tau_without_accumulation"] for m in results]
+        overall["kendall_tau_without_accumulation"] = (
+            statistics.mean([t for t in taus if t is not None]) if any(taus) else None
+        )
 
     def pct(x: Any) -> str:
         return f"{100 * x:.1f}%" if x is not None else "-"
@@ -972,6 +1018,11 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"simulator (meshplace simulate's pipeline model) {name}: median |err| "
                 f"{pct(m['median_abs_error_simulator'])}, tau {num(m['kendall_tau_simulator'])}"
+            )
+            print(
+                f"formula without the gradient accumulation (ablation) {name}: median |err| "
+                f"{pct(m['median_abs_error_without_accumulation'])}, "
+                f"tau {num(m['kendall_tau_without_accumulation'])}"
             )
     print(
         "load average (1, 5, 15 min) before "

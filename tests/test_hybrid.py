@@ -641,3 +641,38 @@ def test_a_measured_exchange_replaces_the_engine_and_messages_fixed_costs_of_a_p
     assert seconds(measured, 1) - seconds(plain, 1) == pytest.approx(
         micro_batches * engine, rel=1e-6
     )
+
+
+def test_each_micro_batch_after_the_first_adds_its_gradients_into_the_held_ones() -> None:
+    """A stage of ``m`` micro-batches makes ``m - 1`` passes adding a micro-batch's
+    gradients into the held ones, one add kernel per parameter tensor
+    (:class:`meshplace.cost.pipeline.GradientAccumulation`): raising that kernel's fixed
+    cost by ``x`` lengthens a one-stage plan of ``m`` micro-batches by exactly ``(m - 1)
+    x`` per parameter tensor and a two-stage pipeline by some of it, and leaves a plan of
+    one micro-batch as it was."""
+    from meshplace.cost.compute import CostModel
+    from meshplace.cost.pipeline import ACCUMULATE_TARGET
+
+    cluster = load_cluster("h2-8xh100")
+    device = cluster.devices[hybrid.accelerators(cluster)[0]]
+    extra = 1e-4
+    raised = CostModel(
+        kernel_overhead={device.kind: {ACCUMULATE_TARGET: device.spec.launch_overhead_s + extra}}
+    )
+
+    def times(model: CostModel, global_batch: int) -> dict[tuple[int, int], float]:
+        result = hybrid.hybrid_search(
+            "tiny", None, cluster, chips=2, global_batch=global_batch, tensor_parallel=(1,),
+            micro_batch_sizes=(1,), graphs=_tiny_graphs, layers=2, simulate_top=1000,
+            schedules=("gpipe",), zero_stages=(0,), pipeline_degrees=(1, 2), cost_model=model,
+        )  # fmt: skip
+        return {(p.pp, p.dp): p.time_per_batch_s for p in result.plans}
+
+    tensors = sum(o.kind == "parameter" for o in _tiny_graphs(1).ops)
+    plain, charged = times(CostModel(), 8), times(raised, 8)
+    micro_batches = 8 // 2  # one stage, two replicas, micro-batches of one sequence
+    added = charged[(1, 2)] - plain[(1, 2)]
+    assert added == pytest.approx((micro_batches - 1) * tensors * extra, rel=1e-6)
+    assert 0 < charged[(2, 1)] - plain[(2, 1)] < (8 + 1) * tensors * extra
+    one = times(CostModel(), 2), times(raised, 2)  # one micro-batch per replica
+    assert one[1][(1, 2)] == pytest.approx(one[0][(1, 2)], rel=1e-12)

@@ -99,6 +99,18 @@ def reference_pipeline(sim: Simulator, placement: np.ndarray, m: int):
             backward[j] += share
         else:
             update[j] += times[i]
+    # each micro-batch after the first adds its gradients into the held ones: per stage,
+    # one in-place add per trainable parameter, 3 x its bytes at the elementwise memory rate
+    for j, d in enumerate(stages):
+        dev = sim.cluster.devices[d]
+        mine = [o for i, o in enumerate(ops) if o.kind == "parameter" and placement[i] == d]
+        rate = (
+            dev.spec.memory_bandwidth
+            * sim.cost_model.efficiency_on(dev.kind, "elementwise", "aten.add_.Tensor")[1]
+        )
+        launch = sim.cost_model.kernel_launch(dev.kind, dev.spec, "elementwise", "aten.add_.Tensor")
+        one_pass = sum(3 * o.param_bytes / rate + launch for o in mine)
+        backward[j] += one_pass * (m - 1) / m
     sent, returned = np.zeros(p - 1), np.zeros(p - 1)
     for s, d, nbytes in graph.edges():
         js, jd = j_of.get(int(placement[s])), j_of.get(int(placement[d]))

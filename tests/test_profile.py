@@ -131,6 +131,55 @@ def test_calibrate_local_cluster_and_prediction() -> None:
     free = CostModel(cal.cost_model.efficiency, launch_overhead=cal.cost_model.launch_overhead)
     assert cal.predict(step.graph, split) > predict_step(step.graph, c, free, split)
     assert json.dumps(cal.to_dict())
+    assert FAKE_DEVICE.keys() == {"peak_flops", "memory_bandwidth", "launch_overhead_s"}
+
+
+def test_the_gradient_accumulation_is_measured_on_the_models_parameters(tmp_path) -> None:
+    """Every calibration times ``grad += new`` over tensors of the model's trainable
+    parameter sizes (:func:`measure_gradient_accumulation`: megabytes of gradients take
+    measurable time, a graph without parameters 0); the calibration file carries the
+    rate, and the cost model it makes prices a pass at it (per byte, plus the add
+    kernel's fixed cost per tensor), not at the device's streaming bandwidth."""
+    from meshplace.cost.calibration import (
+        calibrated_cost_model,
+        load_calibration,
+        save_calibration,
+    )
+    from meshplace.cost.pipeline import GradientAccumulation
+    from meshplace.graph.ir import Op, OpGraph
+    from meshplace.profile.calibrate import measure_gradient_accumulation
+
+    big = OpGraph("big")
+    for i in range(3):
+        big.add_op(Op(f"w{i}", "parameter", param_bytes=2**22, output_dtypes=["float32"]))
+    assert measure_gradient_accumulation(big, reps=3) > 0
+    empty = OpGraph("none")
+    empty.add_op(Op("x", "input"))
+    assert measure_gradient_accumulation(empty) == 0.0
+
+    step = trace_step(ModelSpec("mlp", batch=8))
+    measured = calibrate(step, reps=1, link=FAKE_LINK, device=FAKE_DEVICE, messages=FAKE_MESSAGES)
+    assert measured.device["gradient_accumulation_s_per_byte"] >= 0  # the mlp's: tiny
+    rate = 1e-10
+    device_with_rate = {**FAKE_DEVICE, "gradient_accumulation_s_per_byte": rate}
+    cal = calibrate(step, reps=1, link=FAKE_LINK, device=device_with_rate, messages=FAKE_MESSAGES)
+    assert cal.cost_model.gradient_accumulation["local-cpu"] == rate
+    save_calibration(cal.cost_calibration(), tmp_path / "cal.json")
+    written = load_calibration(tmp_path / "cal.json")
+    assert written.gradient_accumulation_s_per_byte == rate
+    model = calibrated_cost_model(written, cal.cluster)
+    device = cal.cluster.devices[0]
+    accumulation = GradientAccumulation.of(model, device.kind, device.spec)
+    assert accumulation.per_byte_s == rate
+    params = [o for o in step.graph.ops if o.kind == "parameter"]
+    nbytes = sum(o.param_bytes for o in params)
+    one_pass = float(accumulation.seconds(nbytes, len(params)))
+    assert one_pass == pytest.approx(rate * nbytes + len(params) * accumulation.per_tensor_s)
+    roofline = GradientAccumulation.of(CostModel(), device.kind, device.spec)
+    streaming = (
+        device.spec.memory_bandwidth * CostModel().efficiency_on(device.kind, "elementwise")[1]
+    )
+    assert roofline.per_byte_s == pytest.approx(3 / streaming)
 
 
 def test_op_times_in_the_worker_regime() -> None:

@@ -92,6 +92,12 @@ class CostCalibration(BaseModel):
         ddp_overhead_s: seconds DDP adds per micro-batch on a data-parallel stage it runs
             (:func:`meshplace.runtime.data_parallel.measure_ddp_overhead`), which the
             hybrid search charges every micro-batch of such a stage.
+        gradient_accumulation_s_per_byte: seconds per gradient byte of one pass adding a
+            micro-batch's gradients into the held ones, measured on the model's own
+            parameter sizes (:func:`meshplace.profile.calibrate.
+            measure_gradient_accumulation`), which every stage of ``m`` micro-batches pays
+            ``m - 1`` times (:class:`meshplace.cost.pipeline.GradientAccumulation`); 0: the
+            elementwise roofline at ``memory_bandwidth``.
         source: how and where it was measured.
     """
 
@@ -117,6 +123,7 @@ class CostCalibration(BaseModel):
     pipeline_message_s: _NonNegative = 0.0
     fsdp_unit_overhead_s: _NonNegative = 0.0
     ddp_overhead_s: _NonNegative = 0.0
+    gradient_accumulation_s_per_byte: _NonNegative = 0.0
     source: str = ""
 
 
@@ -217,6 +224,14 @@ def calibrated_cost_model(
             **base.ddp_overhead,
             **({kind: calibration.ddp_overhead_s} if calibration.ddp_overhead_s else {}),
         },
+        gradient_accumulation={
+            **base.gradient_accumulation,
+            **(
+                {kind: calibration.gradient_accumulation_s_per_byte}
+                if calibration.gradient_accumulation_s_per_byte
+                else {}
+            ),
+        },
         collectives={
             **base.collectives,
             kind: {
@@ -265,6 +280,7 @@ def calibration_from_fit(
             if not v.get("launch_bound")
         },
         message_cpu=message_cpu,
+        gradient_accumulation_s_per_byte=float(device.get("gradient_accumulation_s_per_byte", 0.0)),
         source=source,
     )
 

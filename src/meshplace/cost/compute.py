@@ -129,6 +129,10 @@ class CostModel:
             stage it runs (its forward's pre- and post-processing and a hook per
             parameter, :func:`meshplace.runtime.data_parallel.measure_ddp_overhead`);
             absent: 0.
+        gradient_accumulation: device kind → seconds per gradient byte of one pass adding
+            a micro-batch's gradients into the held ones, measured
+            (:func:`meshplace.profile.calibrate.measure_gradient_accumulation`); absent: the
+            elementwise roofline (:class:`meshplace.cost.pipeline.GradientAccumulation`).
     """
 
     efficiency: dict[str, tuple[float, float]] = field(
@@ -146,6 +150,7 @@ class CostModel:
     fsdp_unit_overhead: dict[str, float] = field(default_factory=dict)
     ddp_overhead: dict[str, float] = field(default_factory=dict)
     kernel_overhead: dict[str, dict[str, float]] = field(default_factory=dict)
+    gradient_accumulation: dict[str, float] = field(default_factory=dict)
 
     def efficiency_on(
         self, device_kind: str | None, op_kind: str, target: str = ""

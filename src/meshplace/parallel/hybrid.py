@@ -90,7 +90,7 @@ import numpy as np
 
 from meshplace.cost.collectives import GRADIENT_BUCKET_BYTES
 from meshplace.cost.compute import CostModel
-from meshplace.cost.pipeline import HostCosts
+from meshplace.cost.pipeline import GradientAccumulation, HostCosts
 from meshplace.errors import InputError
 from meshplace.graph.ir import OpGraph
 from meshplace.hardware.cluster import Cluster
@@ -1117,6 +1117,7 @@ def _evaluate_units(
     synchronous: bool = False,
     host: HostCosts | None = None,
     send_s: Callable[[int, int, float], float] | None = None,
+    accumulation: GradientAccumulation | None = None,
 ) -> HybridPlan | None:
     """:func:`_evaluate` for a model cut between heterogeneous units: the DP over (first
     unit, end unit) ranges (:func:`meshplace.parallel.units.best_unit_split`), each
@@ -1129,6 +1130,7 @@ def _evaluate_units(
         return None
     send_s = send_s or link_s
     model = _unit_stage_model(uc, config, stage_mesh, dp_axis)
+    model = (accumulation or GradientAccumulation()).charge(model, m)
     n = n_units + 1
     crossing = uc.boundary_bytes
     # a stage's messages are those of its first cut (activation in, gradient out) and of
@@ -1427,6 +1429,7 @@ def _evaluate(
     synchronous: bool = False,
     host: HostCosts | None = None,
     send_s: Callable[[int, int, float], float] | None = None,
+    accumulation: GradientAccumulation | None = None,
 ) -> HybridPlan | None:
     """The best split of one configuration by the DP (``uniform``: equal stages and one
     recomputation for all, as a Megatron-style grid sets them), ranked by its closed form;
@@ -1434,13 +1437,16 @@ def _evaluate(
     the stage messages' cost to the stages' compute (:class:`HostCosts`). ``None`` where
     the configuration has no split (more stages than layers, an interleaving the layers or
     micro-batches do not divide). ``send_s``: a micro-batch's message between two stages
-    (default ``link_s``, which also times the once-per-step exchanges)."""
+    (default ``link_s``, which also times the once-per-step exchanges). ``accumulation``:
+    what adding a micro-batch's gradients into the held ones costs a device
+    (:class:`GradientAccumulation`, charged on every stage's backward)."""
     p, m = config.pp, config.micro_batches
     if p > layers:
         return None
     host = host or HostCosts()
     send_s = send_s or link_s
     model = _stage_model(pc, config, layers, stage_mesh, dp_axis)
+    model = (accumulation or GradientAccumulation()).charge(model, m)
     nbytes = np.full((p, 1, 1), float(pc.boundary_bytes))
     model = host.charge(model, nbytes, nbytes, pc.boundary_values, pc.boundary_values)
     send = np.array([send_s(i, i + 1, pc.boundary_bytes) for i in range(max(p - 1, 0))])
@@ -1493,7 +1499,11 @@ def _evaluate(
     )  # fmt: skip
     plan.tensor_placements = pc.tensor_placements
     wrap = send_s(p - 1, 0, pc.boundary_bytes) if v > 1 else 0.0
-    plan.stage_times = _stage_times(pc, plan, send, wrap, v, host)
+    # a device's accumulation per micro-batch, its chunks' shares (interleaving)
+    accumulated = (accumulation or GradientAccumulation()).per_micro_batch(
+        model["held_gradients"][idx], model["tensors"][idx], m
+    )
+    plan.stage_times = _stage_times(pc, plan, send, wrap, v, host, accumulated)
     return plan
 
 
@@ -1504,11 +1514,14 @@ def _stage_times(
     wrap: float,
     v: int,
     host: HostCosts | None = None,
+    accumulated: np.ndarray | None = None,
 ) -> StageTimes:
     """The (virtual) stages' times for the schedule simulator: virtual stage ``s`` runs on
     device ``s mod p``, so its send crosses the link ``s mod p -> (s + 1) mod p``
     (``wrap`` from the last device back to the first); each virtual stage pays ``host``'s
-    costs as :meth:`HostCosts.charge` charges a stage."""
+    costs as :meth:`HostCosts.charge` charges a stage, and its share (``1 / v``) of its
+    device's gradient accumulation per micro-batch (``accumulated``, which a one-chunk
+    stage's backward already holds)."""
     p = plan.pp
     host = (host or HostCosts()).pipelined(p * v)
     sync, update = np.array(plan.sync_s), np.array(plan.update_s)
@@ -1542,6 +1555,7 @@ def _stage_times(
                 + (host.engine_s + host.data_parallel_s + cuts) / 2
                 + into[1]
                 + out[1]
+                + (0.0 if accumulated is None else float(accumulated[i]) / v)
             )
     per_device = [*(float(x) for x in send), float(wrap)]  # device d -> d + 1 (mod p)
     wire = np.array([per_device[s % p] for s in range(p * v - 1)])
@@ -1790,6 +1804,10 @@ def hybrid_search(
     # (host-staged devices) and what the pipelining engine adds per micro-batch and stage
     host = HostCosts.of(cost_model, kind)
     ddp_host = HostCosts.of(cost_model, kind, ddp=True)  # a stage DDP runs: its hooks too
+    # each micro-batch after the first adds its gradients into the held ones (on plain
+    # tensors, without the engine's dispatch, where a stage runs them)
+    accumulation = GradientAccumulation.of(cost_model, kind, device.spec)
+    plain_accumulation = GradientAccumulation.of(cost_model, kind, device.spec, dispatched=False)
 
     for (tp, b), pc in sorted(parts.items()):
         if tp == 0:  # one-device stages' plain-tensor costs: used for tp 1 below
@@ -1841,6 +1859,8 @@ def hybrid_search(
                     config = HybridConfig(pp, dp, tp, b, m, z, schedule)
                     configurations += 1
                     charged = ddp_host if ddp else host
+                    plain = (0, b) in parts and staged is parts[(0, b)]
+                    adding = plain_accumulation if plain else accumulation
                     if pp == 1 and schedule == "1f1b":
                         # the runtime accumulates one stage's micro-batches without a
                         # schedule (runtime.hybrid.accumulate_micro_batches): no engine
@@ -1849,12 +1869,14 @@ def hybrid_search(
                         plan = _evaluate_units(
                             staged, config, capacity, mesh, dp_axis, link_s, peak, global_batch,
                             n, synchronous=synchronous, host=charged, send_s=send_s,
+                            accumulation=adding,
                         )  # fmt: skip
                     else:
                         plan = _evaluate(
                             staged, config, layers, capacity, mesh, dp_axis, link_s, peak,
                             global_batch, n, uniform=style == "megatron",
                             synchronous=synchronous, host=charged, send_s=send_s,
+                            accumulation=adding,
                         )  # fmt: skip
                     if plan is not None:
                         candidates.append(plan)

@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 from numba import njit
 
-from meshplace.cost.pipeline import HostCosts
+from meshplace.cost.pipeline import GradientAccumulation, HostCosts
 from meshplace.errors import InputError
 from meshplace.graph.ir import PHASE_INDEX
 
@@ -437,6 +437,15 @@ class PipelineReader:
         self.host_by_kind = {
             kind: HostCosts.of(sim.cost_model, kind) for kind in set(sim.device_kinds)
         }
+        # each micro-batch after the first adds its gradients into the held ones: a
+        # stage's trainable parameters' bytes and tensors, priced on its device kind
+        self.accumulation_by_kind = {
+            kind: GradientAccumulation.of(sim.cost_model, kind, specs_by_kind[kind])
+            for kind in set(sim.device_kinds)
+        }
+        trainable = np.array([o.kind == "parameter" for o in sim.graph.ops], dtype=bool)
+        self.gradient_bytes_per_op = np.where(trainable, a.param_bytes, 0.0)
+        self.gradient_tensors_per_op = trainable.astype(np.float64)
         src, dst = a.edge_src, a.edge_dst
         fwd, bwd, upd = (PHASE_INDEX[k] for k in ("forward", "backward", "update"))
         self.edge_src, self.edge_dst, self.edge_bytes = src, dst, a.edge_bytes
@@ -581,6 +590,22 @@ class PipelineReader:
         kept_stage = op_stage[self.kept_ops]
         held = kept_stage >= 0
         hosts = [self.host_by_kind[sim.device_kinds[int(d)]] for d in stages]
+        gradients = np.bincount(
+            placement, weights=self.gradient_bytes_per_op, minlength=sim.num_devices
+        )
+        tensors = np.bincount(
+            placement, weights=self.gradient_tensors_per_op, minlength=sim.num_devices
+        )
+        accumulate = np.array(
+            [
+                float(
+                    self.accumulation_by_kind[sim.device_kinds[int(d)]].seconds(
+                        gradients[d], tensors[d]
+                    )
+                )
+                for d in stages
+            ]
+        )
         kernel = np.maximum(work - launch, 0.0)
         whole_forward = is_forward & self.per_step_work
         whole_backward = is_backward & self.per_step_work
@@ -627,6 +652,7 @@ class PipelineReader:
             forward_whole_s=per_stage(whole_forward, kernel),
             backward_whole_s=per_stage(whole_backward, kernel),
             rereads=rereads,
+            accumulate_s=accumulate,
         )
 
 
@@ -662,7 +688,9 @@ class PipelineTotals:
     its forward, backward and update seconds, the launch overhead inside the forward and
     backward seconds (paid again per micro-batch), the bytes it sends to the next stage
     (activations) and to the previous one (gradients), its resident and kept bytes, and
-    the (latency, bandwidth) of the routes between consecutive stages, both ways.
+    the (latency, bandwidth) of the routes between consecutive stages, both ways, and
+    one pass of adding a micro-batch's gradients into the held ones on each stage
+    (``accumulate_s``, :class:`~meshplace.cost.pipeline.GradientAccumulation`).
     :meth:`split` divides it into micro-batches."""
 
     devices: list[int]
@@ -682,6 +710,7 @@ class PipelineTotals:
     forward_whole_s: np.ndarray | None = None
     backward_whole_s: np.ndarray | None = None
     rereads: MicroBatchRereads | None = None
+    accumulate_s: np.ndarray | None = None
 
     def split(self, micro_batches: int) -> PipelineOfPlacement:
         """The pipeline of ``micro_batches``: each op's time split over the micro-batches
@@ -695,7 +724,8 @@ class PipelineTotals:
         beyond its kernels (:meth:`meshplace.cost.pipeline.HostCosts.charge`: the
         pipelining engine, the messages' CPU, or the measured exchange at each of its
         cuts plus each further value crossing it; nothing for a cost model without
-        them). O(p)."""
+        them), and each stage's backward its share of the ``m - 1`` gradient
+        accumulations of a step (``accumulate_s (m - 1) / m``). O(p)."""
         m = int(micro_batches)
         forward = self._per_micro_batch(
             self.forward_s, self.forward_launch_s, self.forward_whole_s, True, m
@@ -704,6 +734,8 @@ class PipelineTotals:
             self.backward_s, self.backward_launch_s, self.backward_whole_s, False, m
         )
         forward, backward = self._host_charged(forward, backward, m)
+        if self.accumulate_s is not None and m > 1:
+            backward = backward + self.accumulate_s * ((m - 1) / m)
         activation = self._cut_wire(self.activation_bytes / m, self.activation_route)
         gradient = self._cut_wire(self.gradient_bytes / m, self.gradient_route)
         return PipelineOfPlacement(
