@@ -757,6 +757,7 @@ def test_mixed_cpu_and_gpu_calibration_costs_each_kind_by_its_own_times() -> Non
         cost_model=CostModel(
             launch_overhead={LOCAL_GPU_KIND: 1e-6},
             message_cpu={LOCAL_GPU_KIND: cpu.cost_model.message_cpu[LOCAL_KIND]},
+            gradient_accumulation={LOCAL_GPU_KIND: 2e-11},
         ),
         op_times=halved,
         device={**FAKE_DEVICE, "peak_flops": 1e12},
@@ -765,6 +766,7 @@ def test_mixed_cpu_and_gpu_calibration_costs_each_kind_by_its_own_times() -> Non
     both = combine_calibrations(cpu, gpu, ["cuda:0", "cpu"])
     assert both.cluster.device_names == ["gpu0", "cpu0"]
     assert [d.kind for d in both.cluster.devices] == [LOCAL_GPU_KIND, LOCAL_KIND]
+    assert both.cost_model.gradient_accumulation[LOCAL_GPU_KIND] == 2e-11  # each kind's own
     n = step.graph.num_ops
     on_cpu = both.predict(step.graph, ["cpu0"] * n)
     on_gpu = both.predict(step.graph, ["gpu0"] * n)

@@ -886,6 +886,11 @@ def combine_calibrations(
         kernel_overhead={
             k: dict(c.cost_model.kernel_overhead.get(k, {})) for k, c in kinds.items()
         },
+        gradient_accumulation={
+            k: c.cost_model.gradient_accumulation[k]
+            for k, c in kinds.items()
+            if k in c.cost_model.gradient_accumulation
+        },
     )
     meta = {
         "calibrated": True,
