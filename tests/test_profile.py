@@ -152,7 +152,17 @@ def test_the_gradient_accumulation_is_measured_on_the_models_parameters(tmp_path
     big = OpGraph("big")
     for i in range(3):
         big.add_op(Op(f"w{i}", "parameter", param_bytes=2**22, output_dtypes=["float32"]))
-    assert measure_gradient_accumulation(big, reps=3) > 0
+    timed: list[float] = []
+
+    def timer(fn, reps: int, sync=None) -> float:
+        fn()  # the pass runs (over three 4 MiB tensors, then their halves)
+        timed.append(reps)
+        return [6e-3, 2e-3][len(timed) - 1]  # fixed seconds: the arithmetic, not the host
+
+    assert measure_gradient_accumulation(big, timer=timer) == 2 * 4e-3 / (3 * 2**22)
+    assert timed == [7, 7]
+    late = iter([1e-3, 2e-3])  # the host slowed between the two timings: never below 0
+    assert measure_gradient_accumulation(big, timer=lambda fn, reps, sync: next(late)) == 0.0
     empty = OpGraph("none")
     empty.add_op(Op("x", "input"))
     assert measure_gradient_accumulation(empty) == 0.0

@@ -144,6 +144,17 @@ def build():
 """
 
 
+def _llama_batch_8(tmp_path: Path) -> tuple[str, object]:
+    """The Llama example at batch 8 as a ``FILE.py:build`` source in ``tmp_path``, and its
+    captured training step (built from seed 0, as every rank builds it)."""
+    example = Path(__file__).resolve().parents[1] / "examples" / "llama.py"
+    (tmp_path / "llama8.py").write_text(LLAMA_BATCH_8.format(folder=str(example.parent)))
+    source = f"{tmp_path / 'llama8.py'}:build"
+    torch.manual_seed(0)
+    model, args, kwargs = load_build_function(source)()
+    return source, capture(model, args, example_kwargs=kwargs, training=True)
+
+
 def test_a_pipelined_placement_runs_as_a_1f1b_pipeline_like_one_process(tmp_path: Path) -> None:
     """The pipeline placer's 2-stage plan of a Llama (batch 8) runs under torchrun as a
     torch.distributed.pipelining 1F1B schedule of 4 micro-batches: the losses are one
@@ -160,12 +171,7 @@ def test_a_pipelined_placement_runs_as_a_1f1b_pipeline_like_one_process(tmp_path
     from meshplace.planning import best_plan
     from meshplace.runtime.launch import simulated_placement_step
 
-    example = Path(__file__).resolve().parents[1] / "examples" / "llama.py"
-    (tmp_path / "llama8.py").write_text(LLAMA_BATCH_8.format(folder=str(example.parent)))
-    source = f"{tmp_path / 'llama8.py'}:build"
-    torch.manual_seed(0)
-    model, args, kwargs = load_build_function(source)()
-    graph = capture(model, args, example_kwargs=kwargs, training=True)
+    source, graph = _llama_batch_8(tmp_path)
     # Kernel launches free (as a calibration file may say of a device): on K80s' launch
     # overhead the throughput objective would rightly run this tiny model unsplit, one
     # plain step; without it, pipelining pays and the plan carries its micro-batches.
@@ -239,3 +245,44 @@ def test_a_pipelined_placement_runs_as_a_1f1b_pipeline_like_one_process(tmp_path
         "micro-batch 1 of 4 on stage 1 in step 2; torchrun stopped the other ranks "
         "(exit status 1)"
     ), killed.stderr[-2000:]
+
+
+def test_a_stage_that_begins_inside_attention_receives_its_views_contiguous(
+    tmp_path: Path,
+) -> None:
+    """A pipelined placement whose second stage begins at ``layers.1.attn.k_proj`` (a cut
+    the pipeline placer made on a calibrated host) hands that stage the queries as a
+    transposed view, which neither gloo nor NCCL sends ("input tensor has to be
+    contiguous"); the runtime sends every value between stages contiguous
+    (``contiguous_between_stages``), so the 2-stage GPipe run of 4 micro-batches trains
+    as one process does (losses within 1e-5)."""
+    import numpy as np
+
+    from meshplace.placers.colocate import complete_placement
+    from meshplace.plan import Plan, save_plan
+
+    source, graph = _llama_batch_8(tmp_path)
+    compute = [
+        i
+        for i, o in enumerate(graph.ops)
+        if o.phase == "forward" and o.kind not in ("parameter", "buffer", "input")
+    ]
+    cut = next(k for k, i in enumerate(compute) if graph.ops[i].module == "layers.1.attn.k_proj")
+    partial = np.full(graph.num_ops, -1, dtype=np.int64)
+    partial[compute[:cut]], partial[compute[cut:]] = 0, 1
+    names = [f"gpu{d}" for d in complete_placement(graph, partial, default=0).tolist()]
+    plan = Plan.from_devices(graph, "colocrl-2gpu", names, objective="throughput", micro_batches=4)
+    save_plan(plan, tmp_path / "cut.json")
+    done = run_forked_ranks(
+        tmp_path,
+        2,
+        *["--plan", "cut.json", "--model", source, "--schedule", "GPipe"],
+        *["--micro-batches", "4", "--steps", "2", "--warmup", "1", "--json"],
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    assert report["stage_begins"] == ["", "layers.1.attn.k_proj"]
+    expected, _trained = one_process_losses(source, 2)
+    assert torch.allclose(
+        torch.tensor(report["measured"]["losses"]), torch.tensor(expected), rtol=0, atol=1e-5
+    )

@@ -36,6 +36,7 @@ Example (2 ranks)::
 
 from __future__ import annotations
 
+import operator
 import os
 import signal
 import time
@@ -148,6 +149,85 @@ def run_stage_compiled(module: torch.nn.Module) -> int:
             sub._run_with_interpreter = False
             done += 1
     return done
+
+
+def contiguous_between_stages(pipe: Any) -> int:
+    """Make every tensor that one stage of ``pipe`` (``torch.distributed.pipelining``'s
+    ``Pipe``, before ``build_stage``) sends another contiguous, at both ends: each stage
+    module returns its tensor outputs through ``.contiguous()``, and a stage's inputs
+    received from another stage are declared contiguous, so the receive buffers torch's
+    stages allocate from that declaration (``empty_strided`` with the traced strides) are
+    too. Why: torch keeps a value's traced strides, and neither gloo nor NCCL sends or
+    receives a non-contiguous tensor ("input tensor has to be contiguous"), so a stage
+    that began inside a module, where a transposed view crosses the cut (the Llama's
+    queries when a stage begins at ``layers.1.attn.k_proj``), failed at its first message.
+    The values and their gradients are unchanged (a copy, or nothing where a value is
+    contiguous already); gradients w.r.t. a contiguous input come back contiguous
+    (autograd's layout contract for leaves). Returns how many values it made contiguous.
+    O(nodes of the split graph and the stage modules' outputs).
+    """
+    split = pipe.split_gm
+    made = 0
+    for node in split.graph.nodes:
+        if node.op != "call_module":
+            continue
+        module = split.get_submodule(node.target)
+        graph = module.graph
+        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        for value, placeholder in zip(node.args, placeholders):
+            source = value
+            while (
+                isinstance(source, torch.fx.Node)
+                and source.op == "call_function"
+                and source.target is operator.getitem
+            ):
+                source = source.args[0]
+            received = isinstance(source, torch.fx.Node) and source.op == "call_module"
+            if received and _contiguous_value(placeholder):
+                made += 1
+        output = next(n for n in graph.nodes if n.op == "output")
+        copies: list[torch.fx.Node] = []
+
+        def through_contiguous(
+            x: torch.fx.Node, graph: torch.fx.Graph = graph, output: torch.fx.Node = output
+        ) -> torch.fx.Node:
+            # every tensor output: its traced strides may say contiguous where the run's
+            # kernel returns a view (a no-op where the tensor is contiguous)
+            val = x.meta.get("val")
+            if not isinstance(val, torch.Tensor):
+                return x
+            with graph.inserting_before(output):
+                copy = graph.call_method("contiguous", (x,))
+            copy.meta = {**x.meta, "val": _contiguous_copy(val)}
+            copies.append(copy)  # noqa: B023 (called at once, below, in this iteration)
+            return copy
+
+        output.args = torch.fx.node.map_arg(output.args, through_contiguous)
+        made += len(copies)
+        graph.lint()
+        if isinstance(module, torch.fx.GraphModule):
+            module.recompile()  # its code, generated from the graph as it is now
+        elif getattr(module, "graph_module", None) is not None:
+            module.graph_module.recompile()
+    return made
+
+
+def _contiguous_copy(val: torch.Tensor) -> torch.Tensor:
+    """``val.contiguous()`` for a traced value (a fake tensor computes under its own mode)."""
+    mode = getattr(val, "fake_mode", None)
+    if mode is None:
+        return val.contiguous()
+    with mode:
+        return val.contiguous()
+
+
+def _contiguous_value(placeholder: torch.fx.Node) -> bool:
+    """Declare ``placeholder``'s traced value contiguous; whether it was not."""
+    val = placeholder.meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.is_contiguous():
+        return False
+    placeholder.meta["val"] = _contiguous_copy(val)
+    return True
 
 
 class InputsEnterFirst(torch.nn.Module):
@@ -381,6 +461,7 @@ def run_pipelined_plan(
         mb_kwargs={k: _chunk(v, micro_batches) for k, v in kwargs.items()},
         split_spec={f"model.{b}": SplitPoint.BEGINNING for b in boundaries},
     )
+    contiguous_between_stages(pipe)  # gloo and NCCL send contiguous tensors only
     stage = pipe.build_stage(rank, device)
     del pipe, model  # each rank keeps its stage only
     run_stage_compiled(stage.submod)
