@@ -50,7 +50,7 @@ import dataclasses
 import platform
 import statistics
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,7 +88,10 @@ def _median_time(fn: Any, reps: int, warmup: int = 2, sync: Any = None) -> float
 
 
 def measure_gradient_accumulation(
-    graph: OpGraph, device: str = "cpu", reps: int = 7, timer: Any = None
+    graph: OpGraph,
+    device: str = "cpu",
+    reps: int = 7,
+    timer: Callable[..., float] | None = None,
 ) -> float:
     """Seconds per gradient byte of one pass adding a micro-batch's gradients into the held
     ones (``grad += new`` per trainable parameter, as autograd accumulates over
