@@ -252,8 +252,14 @@ class GradientAccumulation:
     def per_micro_batch(self, gradient_bytes: Any, tensors: Any, micro_batches: int) -> Any:
         """A step's ``micro_batches - 1`` passes spread over its ``micro_batches``
         backwards."""
+        return self.spread(self.seconds(gradient_bytes, tensors), micro_batches)
+
+    @staticmethod
+    def spread(one_pass_s: Any, micro_batches: int) -> Any:
+        """``micro_batches - 1`` passes of ``one_pass_s`` seconds each spread over the
+        step's ``micro_batches`` backwards: per backward, ``one_pass_s (m - 1) / m``."""
         m = max(int(micro_batches), 1)
-        return self.seconds(gradient_bytes, tensors) * ((m - 1) / m)
+        return one_pass_s * ((m - 1) / m)
 
     def charge(self, model: dict[str, np.ndarray], micro_batches: int) -> dict[str, np.ndarray]:
         """``model`` (a stage model's arrays, with the gradient bytes each device holds,

@@ -186,24 +186,17 @@ def contiguous_between_stages(pipe: Any) -> int:
             if received and _contiguous_value(placeholder):
                 made += 1
         output = next(n for n in graph.nodes if n.op == "output")
-        copies: list[torch.fx.Node] = []
-
-        def through_contiguous(
-            x: torch.fx.Node, graph: torch.fx.Graph = graph, output: torch.fx.Node = output
-        ) -> torch.fx.Node:
-            # every tensor output: its traced strides may say contiguous where the run's
-            # kernel returns a view (a no-op where the tensor is contiguous)
+        # every tensor output: its traced strides may say contiguous where the run's
+        # kernel returns a view (``.contiguous()`` is a no-op where the tensor is)
+        copy_of = {x: x for x in output.all_input_nodes}
+        for x in output.all_input_nodes:
             val = x.meta.get("val")
-            if not isinstance(val, torch.Tensor):
-                return x
-            with graph.inserting_before(output):
-                copy = graph.call_method("contiguous", (x,))
-            copy.meta = {**x.meta, "val": _contiguous_copy(val)}
-            copies.append(copy)  # noqa: B023 (called at once, below, in this iteration)
-            return copy
-
-        output.args = torch.fx.node.map_arg(output.args, through_contiguous)
-        made += len(copies)
+            if isinstance(val, torch.Tensor):
+                with graph.inserting_before(output):
+                    copy_of[x] = graph.call_method("contiguous", (x,))
+                copy_of[x].meta = {**x.meta, "val": _contiguous_copy(val)}
+                made += 1
+        output.args = torch.fx.node.map_arg(output.args, copy_of.__getitem__)
         graph.lint()
         if isinstance(module, torch.fx.GraphModule):
             module.recompile()  # its code, generated from the graph as it is now

@@ -734,8 +734,8 @@ class PipelineTotals:
             self.backward_s, self.backward_launch_s, self.backward_whole_s, False, m
         )
         forward, backward = self._host_charged(forward, backward, m)
-        if self.accumulate_s is not None and m > 1:
-            backward = backward + self.accumulate_s * ((m - 1) / m)
+        if self.accumulate_s is not None:
+            backward = backward + GradientAccumulation.spread(self.accumulate_s, m)
         activation = self._cut_wire(self.activation_bytes / m, self.activation_route)
         gradient = self._cut_wire(self.gradient_bytes / m, self.gradient_route)
         return PipelineOfPlacement(
