@@ -97,6 +97,35 @@ def _check_memory(report: dict[str, Any]) -> None:
         assert values["measured"] == [int(v) for v in values["predicted"]], kind
 
 
+def _train_with_checkpoints(folder: Path, plan: dict, world: int) -> dict[str, Any]:
+    """Three Adam steps (one of warm-up) of ``plan`` on ``world`` forked ranks in
+    ``folder``, each stage's parameters saved to ``folder/ck``; the report."""
+    (folder / "hybrid.json").write_text(json.dumps(plan))
+    done = run_forked_ranks(
+        folder,
+        world,
+        *["--plan", "hybrid.json", "--steps", "3", "--warmup", "1"],
+        *["--json", "--checkpoint-dir", "ck"],
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
+def _check_trained(
+    report: dict[str, Any], folder: Path, ranks: tuple[int, ...], losses: list[float], trained: Any
+) -> None:
+    """The run's losses and the parameters its ``ranks`` saved to ``folder`` equal one
+    process's ``losses`` and ``trained`` model within 1e-5."""
+    assert torch.allclose(
+        torch.tensor(report["measured"]["losses"]), torch.tensor(losses), rtol=0, atol=1e-5
+    )
+    saved = {k: v for r in ranks for k, v in torch.load(folder / f"rank{r}.pt").items()}
+    reference = dict(trained.named_parameters())
+    assert sorted(saved) == sorted(reference)
+    for name, value in saved.items():
+        assert torch.allclose(value, reference[name].detach(), rtol=0, atol=1e-5), name
+
+
 def test_stages_with_data_parallel_replicas_train_like_one_process(
     tmp_path: Path, llama8: Llama8
 ) -> None:
@@ -107,15 +136,7 @@ def test_stages_with_data_parallel_replicas_train_like_one_process(
     plan = _hybrid_plan(source, tp=1, dp=2, micro_batch=1, zero=1)
     assert plan["mesh"]["shape"] == [2, 2, 1] and plan["pipeline"]["micro_batches"] == 4
     assert plan["pipeline"]["zero"] == 1
-    (tmp_path / "hybrid.json").write_text(json.dumps(plan))
-    done = run_forked_ranks(
-        tmp_path,
-        4,
-        *["--plan", "hybrid.json", "--steps", "3", "--warmup", "1"],
-        *["--json", "--checkpoint-dir", "ck"],
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(done.stdout)
+    report = _train_with_checkpoints(tmp_path, plan, 4)
     assert report["plan"] == "hybrid" and report["world_size"] == 4
     assert report["engine"] == "dtensor"  # ZeRO-1: the optimizer state sharded on DTensor
     assert report["schedule"] == "1f1b" and report["micro_batches"] == 4
@@ -136,6 +157,52 @@ def test_stages_with_data_parallel_replicas_train_like_one_process(
         assert torch.allclose(value, reference[name].detach(), rtol=0, atol=1e-5), name
 
 
+TRANSPOSING_STACK = """
+import torch
+from torch import nn
+
+
+class Layer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        # square rows and width: the transposed view has its input's shape, not its strides
+        return torch.tanh(self.lin(x)).transpose(1, 2)
+
+
+class Stack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(Layer() for _ in range(4))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x.pow(2).mean()
+
+
+def build():
+    return Stack(), (torch.randn(8, 16, 16),), {}
+"""
+
+
+def test_a_stage_boundary_that_carries_a_view_is_sent_contiguous(tmp_path: Path) -> None:
+    """A layer stack whose layers end in a transposed view: the value between the two
+    stages is not contiguous, which neither gloo nor NCCL sends (each run died at its
+    first message, "input tensor has to be contiguous", before the stages sent what they
+    return through ``.contiguous()``). pipe 2 under 1F1B over 4 micro-batches: three
+    losses and every parameter equal one process's within 1e-5."""
+    (tmp_path / "stack.py").write_text(TRANSPOSING_STACK)
+    source = f"{tmp_path / 'stack.py'}:build"
+    plan = _hybrid_plan(source, tp=1, dp=1, micro_batch=2, zero=0)
+    assert plan["mesh"]["shape"] == [2, 1, 1] and plan["pipeline"]["micro_batches"] == 4
+    report = _train_with_checkpoints(tmp_path, plan, 2)
+    assert report["stage_begins"] == ["", "layers.2"]
+    _check_trained(report, tmp_path / "ck", (0, 1), *one_process_losses(source, 3))
+
+
 def test_data_parallel_stages_without_zero_run_on_ddp_like_one_process(
     tmp_path: Path, llama8: Llama8
 ) -> None:
@@ -147,26 +214,10 @@ def test_data_parallel_stages_without_zero_run_on_ddp_like_one_process(
     source = llama8.source
     plan = _hybrid_plan(source, tp=1, dp=2, micro_batch=1, zero=0)
     assert plan["mesh"]["shape"] == [2, 2, 1] and plan["pipeline"]["zero"] == 0
-    (tmp_path / "hybrid.json").write_text(json.dumps(plan))
-    done = run_forked_ranks(
-        tmp_path,
-        4,
-        *["--plan", "hybrid.json", "--steps", "3", "--warmup", "1"],
-        *["--json", "--checkpoint-dir", "ck"],
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(done.stdout)
+    report = _train_with_checkpoints(tmp_path, plan, 4)
     assert report["engine"] == "ddp" and report["notes"] == []
-    expected, trained = llama8.losses, llama8.trained
-    assert torch.allclose(
-        torch.tensor(report["measured"]["losses"]), torch.tensor(expected), rtol=0, atol=1e-5
-    )
     _check_memory(report)
-    saved = {**torch.load(tmp_path / "ck" / "rank0.pt"), **torch.load(tmp_path / "ck" / "rank2.pt")}
-    reference = dict(trained.named_parameters())
-    assert sorted(saved) == sorted(reference)
-    for name, value in saved.items():
-        assert torch.allclose(value, reference[name].detach(), rtol=0, atol=1e-5), name
+    _check_trained(report, tmp_path / "ck", (0, 2), llama8.losses, llama8.trained)
 
 
 def test_stages_split_over_tensor_parallel_devices_recompute_like_one_process(

@@ -226,7 +226,14 @@ class StageOnMesh(torch.nn.Module):
             return out
         made = out if isinstance(out, tuple) else (out,)
         values.update(zip(self.route.makes, made, strict=True))
-        return tuple(values[v] for v in self.route.sends)
+        # neither gloo nor NCCL sends or receives a non-contiguous tensor, and the next
+        # stage allocates its receive buffers with the strides of what this one returns
+        # (a layer stack whose layer ends in a transposed view died at its first message):
+        # a copy where a value is a view, nothing where it is contiguous already
+        return tuple(
+            values[v].contiguous() if isinstance(values[v], torch.Tensor) else values[v]
+            for v in self.route.sends
+        )
 
 
 class WholeModelStage(torch.nn.Module):
