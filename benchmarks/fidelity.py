@@ -18,7 +18,9 @@ medians is reported as the measurement's own noise. The predictions use, as ``me
 run`` does, the message costs :func:`~meshplace.profile.calibrate.calibrate_in_situ`
 measures inside steps of probe placements; every plan is also predicted with the
 micro-benchmarks' message costs alone, on the same runs (an ablation; ``--no-in-situ``
-predicts that way only).
+predicts that way only), and with the in-situ costs but every message at the ping-pong's
+latency rather than the hop latency measured inside the probes' steps
+(``*_ping_pong_latency``, an ablation).
 
 ``--family sharded`` measures sharding plans instead (``run_sharded_model``): for each
 ``FILE.py:build`` in :data:`SHARDED_MODELS`, the machine is calibrated as above, the two
@@ -153,6 +155,7 @@ def run_model(
             seen[key] = label
             plans.append((label, devices, cal.predict(step.graph, devices)))
     walk_send: dict[str, float] = {}
+    ping_pong_latency: dict[str, float] = {}
     if in_situ:  # the headline: in-situ costs; the micro-benchmark-only model alongside
         micro = {label: predicted for label, _, predicted in plans}
         situ = calibrate_in_situ(cal)
@@ -164,6 +167,13 @@ def run_model(
             "in_situ": {k: v for k, v in situ.items() if k != "update_s"},
         }
         walk_send = {label: cal.predict(step.graph, devices) for label, devices, _ in plans}
+        # the ablation of the in-situ hop latency (session 45): every message at the
+        # ping-pong's latency, as before
+        cal.messages = {
+            **cal.messages,
+            "in_situ": {k: v for k, v in situ.items() if k != "hop_latency_s"},
+        }
+        ping_pong_latency = {label: cal.predict(step.graph, devices) for label, devices, _ in plans}
         cal.messages = {**cal.messages, "in_situ": situ}
     # Every plan runs once per pass, passes one after the other, so a slow spell of the
     # host spreads over all plans instead of landing on one; a plan's measured time is the
@@ -202,6 +212,10 @@ def run_model(
                 "error": err,
                 "predicted_micro_s": micro.get(label),
                 "error_micro": (micro[label] - measured) / measured if label in micro else None,
+                "predicted_ping_pong_latency_s": ping_pong_latency.get(label),
+                "error_ping_pong_latency": (ping_pong_latency[label] - measured) / measured
+                if label in ping_pong_latency
+                else None,
                 "predicted_exchange_at_walk_send_s": walk_send.get(label),
                 "error_exchange_at_walk_send": (walk_send[label] - measured) / measured
                 if label in walk_send
@@ -866,6 +880,16 @@ def _summary(rows: list[dict]) -> dict[str, Any]:
         if len(rows) > 1 and None not in micro
         else None,
         "median_pass_spread": _median_abs(r["pass_spread"] for r in rows),
+        "median_abs_error_ping_pong_latency": _median_abs(
+            r["error_ping_pong_latency"]
+            for r in rows
+            if r.get("error_ping_pong_latency") is not None
+        ),
+        "kendall_tau_ping_pong_latency": kendall_tau(
+            meas, [r["predicted_ping_pong_latency_s"] for r in rows]
+        )
+        if len(rows) > 1 and all(r.get("predicted_ping_pong_latency_s") for r in rows)
+        else None,
         "median_abs_error_exchange_at_walk_send": _median_abs(
             r["error_exchange_at_walk_send"]
             for r in rows
@@ -944,8 +968,8 @@ def main(argv: list[str] | None = None) -> int:
         "load_average_after": os.getloadavg(),
     }
     # Kendall's tau overall: the mean of the per-model values (rankings within a model)
-    for key in ("kendall_tau", "kendall_tau_micro"):
-        vals = [m[key] for m in results if m[key] is not None]
+    for key in ("kendall_tau", "kendall_tau_micro", "kendall_tau_ping_pong_latency"):
+        vals = [m[key] for m in results if m.get(key) is not None]
         overall[key] = statistics.mean(vals) if vals else None
     if args.family == "pipelined":  # the library simulator's prediction, beside the formula
         overall["median_abs_error_simulator"] = _median_abs(r["error_simulator"] for r in rows)
@@ -1012,6 +1036,13 @@ def main(argv: list[str] | None = None) -> int:
                     f"({k['vs_fastest']:.2f}x the fastest measured)"
                     for how, k in m["kept"].items()
                 )
+            )
+    if args.family == "placed" and overall.get("median_abs_error_ping_pong_latency") is not None:
+        for name, m in [(m["model"], m) for m in results] + [("overall", overall)]:
+            print(
+                f"in situ, messages at the ping-pong's latency (ablation) {name}: median |err| "
+                f"{pct(m['median_abs_error_ping_pong_latency'])}, "
+                f"tau {num(m['kendall_tau_ping_pong_latency'])}"
             )
     if args.family == "pipelined":
         for name, m in [(m["model"], m) for m in results] + [("overall", overall)]:

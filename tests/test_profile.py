@@ -619,6 +619,23 @@ def test_in_situ_message_costs_from_probe_runs() -> None:
     cal.messages = {**cal.messages, "in_situ": {**report, "update_s": report["update_s"] + 1e-3}}
     assert cal.predict(step.graph, half) > after[0]
     assert cal.predict(step.graph, lone) == pytest.approx(after[1])
+    # what a message took to a worker already waiting for it, inside the probes' steps
+    # (every probe waits on some message: its later worker on its first value at least):
+    # the links the predictions simulate on take it as their latency
+    assert report["hops"] > 0 and np.isfinite(report["hop_latency_s"])
+    assert report["hop_latency_s"] >= 0 and report["hop_latency_p90_s"] >= 0
+    assert {lk.latency for lk in cal.simulated_cluster().links} == {report["hop_latency_s"]}
+    assert {lk.latency for lk in cal.simulator().cluster.links} == {report["hop_latency_s"]}
+    # a slower hop makes the split step (whose second worker waits on the first) dearer
+    # and leaves the lone worker's as it was; without an in-situ report the calibrated
+    # latency stands
+    now = cal.predict(step.graph, half)
+    cal.messages = {**cal.messages, "in_situ": {**report, "hop_latency_s": 0.01}}
+    assert cal.predict(step.graph, half) > now + 0.009
+    assert cal.predict(step.graph, lone) == pytest.approx(after[1])
+    assert cal.simulated_cluster().links[0].latency == 0.01
+    cal.messages = {k: v for k, v in cal.messages.items() if k != "in_situ"}
+    assert cal.simulated_cluster() is cal.cluster
     with pytest.raises(InputError):
         calibrate_in_situ(Calibration(cal.cluster, cal.cost_model, cal.op_times, {}, {}, {}))
 

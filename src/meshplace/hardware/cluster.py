@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import networkx as nx
@@ -212,6 +212,29 @@ class Cluster:
             self.name,
             [d.with_transfers(mode) for d in self.devices],
             self.links,
+            self.switches,
+            self.topology,
+            self.source,
+            meta=self.meta,
+            origin=self.origin,
+            recipe=self.recipe,
+            torus=self._torus,
+        )
+
+    def with_link_latency(self, latency: float) -> Cluster:
+        """The same cluster with every link's latency ``latency`` seconds: what an in-situ
+        calibration measured a message to take on the local workers' loopback links
+        (:func:`meshplace.profile.calibrate.calibrate_in_situ`).
+
+        >>> from meshplace.hardware import load_cluster
+        >>> c = load_cluster("colocrl-2gpu").with_link_latency(1e-3)
+        >>> {lk.latency for lk in c.links}
+        {0.001}
+        """
+        return Cluster(
+            self.name,
+            self.devices,
+            [replace(lk, latency=float(latency)) for lk in self.links],
             self.switches,
             self.topology,
             self.source,

@@ -558,11 +558,11 @@ class Calibration:
         # messages are charged below, each at its runtime cost, not per transfer
         free = dataclasses.replace(self.cost_model, message_cpu={})
         order = runtime_order(self.step)
-        sim = Simulator(graph, self.cluster, free, in_order=True, order=order)
+        situ = self.messages.get("in_situ")
+        sim = Simulator(graph, self.simulated_cluster(), free, in_order=True, order=order)
         placement = sim.placement_of(devices)
         msgs = runtime_messages(self.step, placement)
         n = graph.num_ops
-        situ = self.messages.get("in_situ")
         if situ:
             return self._predict_in_situ(sim, placement, msgs, situ)
         extra = charge_messages(
@@ -638,11 +638,20 @@ class Calibration:
             raise InputError("this calibration has no traced step to simulate")
         return Simulator(
             self.step.graph,
-            self.cluster,
+            self.simulated_cluster(),
             self.cost_model,
             in_order=True,
             order=runtime_order(self.step),
         )
+
+    def simulated_cluster(self) -> Cluster:
+        """The cluster predictions simulate on: the calibrated one, its links' latency the
+        in-situ hop latency where :func:`calibrate_in_situ` measured one (what a message
+        took to a worker already waiting for it, inside steps: on the 2-core development
+        VM a median near the ping-pong's but a tail to milliseconds, which the ping-pong
+        between two otherwise idle processes does not see)."""
+        hop = (self.messages.get("in_situ") or {}).get("hop_latency_s")
+        return self.cluster if hop is None else self.cluster.with_link_latency(float(hop))
 
     def _end_of_step(
         self, sim: Any, placement: np.ndarray, res: Any, end_costs: Mapping[str, Any]
@@ -971,6 +980,48 @@ def probe_placements(step: Any, seed: int = 1000) -> dict[str, list[str]]:
     return out
 
 
+def waited_hop_latencies(
+    timelines: Sequence[Sequence[Sequence[tuple[int, float, float]]]],
+    warmup: int,
+    value_bytes: Mapping[int, float],
+    bandwidth: float,
+) -> list[float]:
+    """How long a message took from its sender to a worker that was already waiting for
+    it, in a run's per-node ``timelines`` (``RunResult.timelines``: per worker, per step,
+    ``(node, start, end)`` on one clock; a receive of fx node *j*'s value is the span
+    ``(-1 - j, start, end)``, a node's span ends after its sends were posted): for every
+    receive that began before the node it reads ended on its worker, the receive's end
+    minus that node's end, less the value's ``value_bytes[j] / bandwidth`` on the wire.
+    The timed steps (after ``warmup``) only. Only these hops matter to a step: a message
+    that arrives before its reader asks for it costs no waiting, whatever it took.
+    O(spans).
+
+    >>> timelines = [[[(0, 0.0, 1.0)]], [[(-1, 0.5, 1.4), (1, 1.4, 2.0)]]]
+    >>> [round(x, 6) for x in waited_hop_latencies(timelines, 0, {0: 100.0}, 1000.0)]
+    [0.3]
+    """
+    hops: list[float] = []
+    steps = min(len(worker) for worker in timelines) if timelines else 0
+    for s in range(warmup, steps):
+        ended = {node: end for worker in timelines for node, _, end in worker[s] if node >= 0}
+        for worker in timelines:
+            for node, start, end in worker[s]:
+                value = -1 - node
+                if node < 0 and value in ended and ended[value] > start:
+                    wire = value_bytes.get(value, 0.0) / bandwidth
+                    hops.append(max(0.0, end - ended[value] - wire))
+    return hops
+
+
+def node_value_bytes(step: Any) -> dict[int, float]:
+    """The bytes of every fx node's value in ``step`` (its tensor leaves), by position."""
+    nodes = list(step.gm.graph.nodes)
+    return {
+        i: float(sum(t.numel() * t.element_size() for t in flatten_values(n.meta.get("val"))))
+        for i, n in enumerate(nodes)
+    }
+
+
 def _node_medians(run: Any, worker: int, warmup: int) -> dict[int, float]:
     """Median span per fx node (from the previous event's end) over the timed steps."""
     per: dict[int, list[float]] = {}
@@ -1002,7 +1053,10 @@ def calibrate_in_situ(
     :func:`meshplace.profile.link.measure_message_cost`. The exchange after the walk (new
     parameter and state values to their owners) gets its own cost per message,
     ``update_s`` (:func:`fit_update_cost`, from each probe's walk ends and step time;
-    ``exchanges`` in the report).
+    ``exchanges`` in the report). ``hop_latency_s`` is the mean time a message took to a
+    worker already waiting for it (:func:`waited_hop_latencies`, over every probe's timed
+    steps; its median and 90th percentile beside it), which predictions then take as the
+    links' latency (:meth:`Calibration.simulated_cluster`) in place of the ping-pong's.
 
     Why: the isolated micro-benchmarks time a message in a loop of small kernels, and the
     predictions built on them were mostly low for plans with few messages (whose
@@ -1036,6 +1090,8 @@ def calibrate_in_situ(
         timeline=True,
     )
     lone_node = _node_medians(lone, 0, warmup)
+    value_bytes = node_value_bytes(step)
+    hops: list[float] = []
     rows, features, excess, quick = [], [], [], []
     exchanges: list[tuple[list[float], list[tuple[int, int, float]], float, str]] = []
     for name, devices in probe_placements(step, seed).items():
@@ -1049,6 +1105,9 @@ def calibrate_in_situ(
             timeline=True,
         )
         assert run.timelines is not None
+        hops += waited_hop_latencies(
+            run.timelines, warmup, value_bytes, float(cal.link["bandwidth"])
+        )
         sched = schedule_nodes(step, [int(d[-1]) for d in devices])
         placement = np.array([int(d[-1]) for d in devices])
         # each worker's walk ends at its last event; the step ends after the exchange
@@ -1125,6 +1184,11 @@ def calibrate_in_situ(
         "wake_s": float(coef[2]),
         "compute_slowdown": float(coef[3]),
         "recv_s": float(statistics.median(quick)) if quick else float(cal.messages["recv_s"]),
+        # the mean, not the median: a step waits for the sum of its hops, tail included
+        "hop_latency_s": float(np.mean(hops)) if hops else float(cal.link["latency"]),
+        "hop_latency_median_s": float(np.median(hops)) if hops else None,
+        "hop_latency_p90_s": float(np.percentile(hops, 90)) if hops else None,
+        "hops": len(hops),
         "r2": 1.0 - float(((y - fitted) ** 2).sum()) / ss if ss > 0 else 0.0,
         "lone_step_s": lone.step_time_s,
         "probes": rows,
