@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         worker(args.worker, args.steps, args.warmup, args.cut, args.schedules)
         return 0
     schedules = args.schedules.split(",")
-    if not schedules or any(s not in ("1F1B", "GPipe") for s in schedules):
+    if any(s not in ("1F1B", "GPipe") for s in schedules):
         parser.error(f"--schedules {args.schedules!r}: a comma-separated list of 1F1B, GPipe")
     from meshplace.provenance import write_result
 

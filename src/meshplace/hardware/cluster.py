@@ -222,9 +222,11 @@ class Cluster:
         )
 
     def with_link_latency(self, latency: float) -> Cluster:
-        """The same cluster with every link's latency ``latency`` seconds: what an in-situ
-        calibration measured a message to take on the local workers' loopback links
-        (:func:`meshplace.profile.calibrate.calibrate_in_situ`).
+        """The same cluster with every link's latency ``latency`` seconds (a route of
+        several links pays it per link): for the calibrated ``local`` cluster, whose
+        workers are joined by one loopback link each way, the hop latency an in-situ
+        calibration measured (:func:`meshplace.profile.calibrate.calibrate_in_situ`). The
+        copy has no generator recipe, so a saved copy lists its links.
 
         >>> from meshplace.hardware import load_cluster
         >>> c = load_cluster("colocrl-2gpu").with_link_latency(1e-3)
@@ -240,7 +242,7 @@ class Cluster:
             self.source,
             meta=self.meta,
             origin=self.origin,
-            recipe=self.recipe,
+            recipe=None,  # a recipe would rebuild the links at their old latency
             torus=self._torus,
         )
 

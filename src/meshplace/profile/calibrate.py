@@ -552,7 +552,9 @@ class Calibration:
         in the simulated step, refined over :data:`SPACING_ROUNDS` further simulations,
         and the end-of-step exchange is charged as a burst."""
         if self.step is None or graph is not self.step.graph or not self.messages:
-            return predict_step(graph, self.cluster, self.cost_model, devices, in_order=True)
+            return predict_step(
+                graph, self.simulated_cluster(), self.cost_model, devices, in_order=True
+            )
         from meshplace.sim.simulator import Simulator
 
         # messages are charged below, each at its runtime cost, not per transfer
@@ -659,6 +661,7 @@ class Calibration:
         device_end = np.zeros(sim.num_devices)
         np.maximum.at(device_end, placement, res.op_end)
         updates = runtime_update_messages(self.step, placement)
+        # the ping-pong's latency, not the in-situ hop's: update_s was fitted with it
         bandwidth, latency = float(self.link["bandwidth"]), float(self.link["latency"])
         return end_of_step(device_end, updates, end_costs, latency, bandwidth)
 
@@ -1055,8 +1058,10 @@ def calibrate_in_situ(
     ``update_s`` (:func:`fit_update_cost`, from each probe's walk ends and step time;
     ``exchanges`` in the report). ``hop_latency_s`` is the mean time a message took to a
     worker already waiting for it (:func:`waited_hop_latencies`, over every probe's timed
-    steps; its median and 90th percentile beside it), which predictions then take as the
-    links' latency (:meth:`Calibration.simulated_cluster`) in place of the ping-pong's.
+    steps; its median and 90th percentile beside it) less ``recv_s`` (charged to the
+    reader besides), which predictions of the walk then take as the links' latency
+    (:meth:`Calibration.simulated_cluster`) in place of the ping-pong's; ``None`` where no
+    probe waited on a message.
 
     Why: the isolated micro-benchmarks time a message in a loop of small kernels, and the
     predictions built on them were mostly low for plans with few messages (whose
@@ -1070,8 +1075,10 @@ def calibrate_in_situ(
 
     Measured effect (``benchmarks/fidelity.py``, which predicts every plan both ways on the
     same runs, gloo threads in ``SCHED_IDLE``): median error 12.3 % / tau 0.79 against
-    15.5 % / 0.76, and 14.9 % / 0.83 against 18.0 % / 0.79. ``meshplace run`` calls it for
-    CPU workers unless ``--no-in-situ``.
+    15.5 % / 0.76, and 14.9 % / 0.83 against 18.0 % / 0.79 (session 33); session 45's,
+    with the hop latency, on a host 2-4x slower: 12.2 % / 0.87 against 12.3 % / 0.87, and
+    against 14.7 % / 0.88 with the ping-pong's latency instead of the hop's.
+    ``meshplace run`` calls it for CPU workers unless ``--no-in-situ``.
     """
     from meshplace.runtime.executor import run_placement
     from meshplace.runtime.program import schedule_nodes
@@ -1161,6 +1168,7 @@ def calibrate_in_situ(
         latency,
         bandwidth,
     )
+    recv_s = float(statistics.median(quick)) if quick else float(cal.messages["recv_s"])
     report = {
         "start_s": float(coef[0]),
         "update_s": update_s,
@@ -1183,9 +1191,10 @@ def calibrate_in_situ(
         "send_s": float(coef[1]),
         "wake_s": float(coef[2]),
         "compute_slowdown": float(coef[3]),
-        "recv_s": float(statistics.median(quick)) if quick else float(cal.messages["recv_s"]),
-        # the mean, not the median: a step waits for the sum of its hops, tail included
-        "hop_latency_s": float(np.mean(hops)) if hops else float(cal.link["latency"]),
+        "recv_s": recv_s,
+        # the mean, not the median: a step waits for the sum of its hops, tail included;
+        # less the quick receive, which the prediction charges the reader besides
+        "hop_latency_s": max(0.0, float(np.mean(hops)) - recv_s) if hops else None,
         "hop_latency_median_s": float(np.median(hops)) if hops else None,
         "hop_latency_p90_s": float(np.percentile(hops, 90)) if hops else None,
         "hops": len(hops),

@@ -260,7 +260,7 @@ def _devices_for(
     from meshplace.placers.base import PlacementProblem, run_placer
 
     # search with the calibrated model of the workers, not the default simulator
-    problem = PlacementProblem(step.graph, cal.cluster, simulator=cal.simulator())
+    problem = PlacementProblem(step.graph, cal.simulated_cluster(), simulator=cal.simulator())
     res = run_placer(args.placer, problem, 10.0, 0)
     return [local[i] for i in res.op_devices.tolist()], f"placer {args.placer}"
 
@@ -515,7 +515,7 @@ def _run(args: argparse.Namespace, plan: Any) -> int:
     if args.cluster_out and cal is not None:
         from meshplace.hardware import save_cluster
 
-        save_cluster(cal.cluster, args.cluster_out)
+        save_cluster(cal.simulated_cluster(), args.cluster_out)  # in-situ hop latency
     if getattr(args, "calibration_out", None) and cal is not None:
         from meshplace.cost.calibration import save_calibration, with_collectives
         from meshplace.profile.link import measure_collectives

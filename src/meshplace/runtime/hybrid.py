@@ -175,6 +175,31 @@ def stage_routes(split_graph: torch.fx.Graph) -> list[StageRoute]:
     return routes
 
 
+class _ContiguousGradient(torch.autograd.Function):
+    """The identity, whose backward makes the gradient contiguous."""
+
+    @staticmethod
+    def forward(ctx: Any, value: torch.Tensor) -> torch.Tensor:
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx: Any, gradient: torch.Tensor) -> torch.Tensor:
+        return gradient.contiguous()
+
+
+def contiguous_gradient(value: Any) -> Any:
+    """``value`` unchanged, its gradient made contiguous on the way back (a tensor that
+    requires one; anything else as it is). Why: a stage sends the gradients of what it
+    received back to the stage before, and neither gloo nor NCCL sends a non-contiguous
+    tensor; a stage whose first op transposes its input gets that gradient transposed,
+    and autograd's layout contract (a leaf's gradient takes the leaf's strides) does not
+    reach a DTensor's local tensor, so a hybrid stage died at its first backward send.
+    """
+    if isinstance(value, torch.Tensor) and value.requires_grad:
+        return _ContiguousGradient.apply(value)
+    return value
+
+
 class StageOnMesh(torch.nn.Module):
     """A pipeline stage's module run on its ``(data, tensor)`` mesh, along its
     :class:`StageRoute`. The first stage's inputs (this rank's rows of a micro-batch)
@@ -211,6 +236,8 @@ class StageOnMesh(torch.nn.Module):
         # a multi-stage schedule hands the model's keyword inputs to each of a rank's
         # stages; only the first takes them (later ones get theirs along the route)
         given = [*args, *kwargs.values()] if self.first else list(args)
+        if not self.first:  # what it received goes back as a gradient: contiguous too
+            given = [contiguous_gradient(a) for a in given]
         values = dict(zip(self.route.receives, given, strict=True))
         if self.distribute and self.first and self.mesh.size() > 1:  # this rank's rows
             # (no data parallelism: replicated; export may have specialised a batch of
