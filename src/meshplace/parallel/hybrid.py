@@ -1445,8 +1445,8 @@ def _evaluate(
         return None
     host = host or HostCosts()
     send_s = send_s or link_s
-    model = _stage_model(pc, config, layers, stage_mesh, dp_axis)
-    model = (accumulation or GradientAccumulation()).charge(model, m)
+    accumulation = accumulation or GradientAccumulation()
+    model = accumulation.charge(_stage_model(pc, config, layers, stage_mesh, dp_axis), m)
     nbytes = np.full((p, 1, 1), float(pc.boundary_bytes))
     model = host.charge(model, nbytes, nbytes, pc.boundary_values, pc.boundary_values)
     send = np.array([send_s(i, i + 1, pc.boundary_bytes) for i in range(max(p - 1, 0))])
@@ -1500,7 +1500,7 @@ def _evaluate(
     plan.tensor_placements = pc.tensor_placements
     wrap = send_s(p - 1, 0, pc.boundary_bytes) if v > 1 else 0.0
     # a device's accumulation per micro-batch, its chunks' shares (interleaving)
-    accumulated = (accumulation or GradientAccumulation()).per_micro_batch(
+    accumulated = accumulation.per_micro_batch(
         model["held_gradients"][idx], model["tensors"][idx], m
     )
     plan.stage_times = _stage_times(pc, plan, send, wrap, v, host, accumulated)
