@@ -1,10 +1,11 @@
-"""Bad input through the real command line (a subprocess each): one sentence on stderr,
-exit 2, no traceback, nothing written — and with ``--json``, one JSON document on stdout.
+"""Bad input through the command line (a process each, forked from the test's: see
+tests/forked_cli.py): one sentence on stderr, exit 2, no traceback, nothing written — and
+with ``--json``, one JSON document on stdout. Ctrl-C and the lazy import of torch are
+tested on the real console script.
 
 One test per class of the bad-input audit (issue 13) that the command line itself owns;
 file formats (graph, plan, cluster) are tested in test_graph_io.py / test_hardware.py and
-the runtime's in test_runtime.py. Most cases fail before torch is imported, so each
-subprocess costs a fraction of a second.
+the runtime's in test_runtime.py.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from tests.forked_cli import run_meshplace
 
 MESHPLACE = str(Path(sys.executable).with_name("meshplace"))
 
@@ -57,9 +60,7 @@ def small_devices(n: int) -> str:
 
 
 def cli(*argv: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [MESHPLACE, *argv], cwd=cwd, capture_output=True, text=True, timeout=timeout
-    )
+    return run_meshplace(argv, cwd=cwd, timeout=timeout)
 
 
 def assert_bad(done: subprocess.CompletedProcess[str], *words: str) -> str:

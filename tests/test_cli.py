@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from meshplace.cli import main
 from meshplace.graph import load_graph
+from tests.forked_cli import run_meshplace
 
 USER_MODEL = textwrap.dedent(
     """
@@ -170,8 +168,7 @@ def test_console_script_exit_code_without_traceback(tmp_path) -> None:
             }
         )
     )
-    exe = Path(sys.executable).with_name("meshplace")
-    proc = subprocess.run([str(exe), "graph", str(bad)], capture_output=True, text=True)
+    proc = run_meshplace(["graph", str(bad)])
     assert proc.returncode == 2
     assert "has a cycle: a -> b -> a" in proc.stderr or "has a cycle: b -> a -> b" in proc.stderr
     assert "Traceback" not in proc.stderr

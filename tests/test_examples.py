@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -22,6 +21,7 @@ import torch
 
 from meshplace.graph.capture import capture
 from meshplace.runtime.program import ModelSpec, RuntimeInputError
+from tests.forked_cli import run_meshplace
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -42,13 +42,7 @@ def _example(name: str) -> ModuleType:
 
 def _graph_json(spec: str) -> dict[str, Any]:
     """``meshplace graph SPEC --json --no-cache`` run from the repository root."""
-    done = subprocess.run(
-        [MESHPLACE, "graph", spec, "--json", "--no-cache"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    done = run_meshplace(["graph", spec, "--json", "--no-cache"], cwd=ROOT)
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout)
 

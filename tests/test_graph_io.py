@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import math
 import subprocess
-import sys
-from pathlib import Path
 
 import networkx as nx
 import numpy as np
@@ -15,6 +13,7 @@ from hypothesis import given, settings
 
 from meshplace.graph import GraphError, Op, OpGraph, graph_from_json, graph_to_json
 from meshplace.graph.io import graph_from_dict, load_graph, save_graph
+from tests.forked_cli import run_meshplace
 
 from .strategies import random_dags
 
@@ -374,8 +373,7 @@ def test_plan_files_that_python_reads_badly(tmp_path) -> None:
 
 # ------------------------------------------------------------------ the command line
 def _meshplace(*argv: str, cwd) -> subprocess.CompletedProcess:
-    exe = Path(sys.executable).with_name("meshplace")
-    return subprocess.run([str(exe), *argv], capture_output=True, text=True, cwd=cwd, timeout=120)
+    return run_meshplace(argv, cwd=cwd, timeout=120)
 
 
 def _graph_text(op: dict) -> str:

@@ -40,6 +40,7 @@ from meshplace.hardware import (
     torus,
 )
 from meshplace.hardware.units import parse_quantity
+from tests.forked_cli import run_meshplace
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "clusters.md"
 
@@ -615,18 +616,8 @@ def test_cluster_files_that_are_not_yaml_text(tmp_path):
 
 
 def test_alias_bomb_through_the_command_line_exits_2(tmp_path):
-    import subprocess
-    import sys
-
     (tmp_path / "bomb.yaml").write_text(ALIAS_BOMB)
-    exe = Path(sys.executable).with_name("meshplace")
-    proc = subprocess.run(
-        [str(exe), "cluster", "bomb.yaml"],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        timeout=120,
-    )
+    proc = run_meshplace(["cluster", "bomb.yaml"], cwd=tmp_path, timeout=120)
     assert proc.returncode == 2
     assert proc.stdout == ""
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr

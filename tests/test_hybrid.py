@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import functools
 import json
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -25,6 +23,7 @@ from meshplace.hardware import load_cluster
 from meshplace.models import gpt
 from meshplace.parallel import hybrid
 from meshplace.parallel.sharding import ShardingError
+from tests.forked_cli import run_meshplace
 
 
 @settings(max_examples=80, deadline=None)
@@ -257,12 +256,8 @@ def test_the_joint_search_is_no_worse_than_the_megatron_grid() -> None:
 def test_cli_prints_one_plan_and_writes_it(tmp_path: Path, capsys) -> None:
     out = tmp_path / "hybrid.json"
     argv = ["shard", "gpt", "--size", "124m", "--cluster", "h1-8xh100", "--pipeline", "auto"]
-    # through a subprocess: stdout is exactly one JSON document, whatever HiGHS prints
-    done = subprocess.run(
-        [sys.executable, "-m", "meshplace.cli", *argv, "--chips", "2", "--global-batch", "2",
-         "--json", "--out", str(out)],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    # in a process of its own: stdout is exactly one JSON document, whatever HiGHS prints
+    done = run_meshplace([*argv, "--chips", "2", "--global-batch", "2", "--json", "--out", out])
     assert done.returncode == 0, done.stderr[-2000:]
     data = json.loads(done.stdout)
     best = data["best"]

@@ -1,7 +1,10 @@
-"""``--json`` through the real console script: stdout is exactly one strict JSON document
-for every command, whatever solvers and libraries print (HiGHS writes a banner to the
+"""``--json`` in a process of its own: stdout is exactly one strict JSON document for
+every command, whatever solvers and libraries print (HiGHS writes a banner to the
 process's stdout from C when a model is built), and the documents chain: plan → simulate
-→ report."""
+→ report. ``plan --placer all``, which loads every placer and solver, runs as the real
+console script in a fresh interpreter (so a library that prints while it is imported
+is caught too); the other commands run in forks of the test's process
+(tests/forked_cli.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tests.forked_cli import run_meshplace
+
 MESHPLACE = str(Path(sys.executable).with_name("meshplace"))
 
 
@@ -18,10 +23,15 @@ def _no_constants(name: str) -> Any:
     raise AssertionError(f"{name} is not JSON")
 
 
-def json_of(*argv: str, cwd: Path) -> Any:
-    done = subprocess.run(
-        [MESHPLACE, *argv, "--json"], cwd=cwd, capture_output=True, text=True, timeout=600
-    )
+def json_of(*argv: str, cwd: Path, fresh: bool = False) -> Any:
+    """``meshplace ARGV --json``'s one document; ``fresh``: the real console script in a
+    new interpreter, else a fork of this process."""
+    if fresh:
+        done = subprocess.run(
+            [MESHPLACE, *argv, "--json"], cwd=cwd, capture_output=True, text=True, timeout=600
+        )
+    else:
+        done = run_meshplace([*argv, "--json"], cwd=cwd)
     assert done.returncode == 0, done.stderr[-2000:]
     # json.loads refuses a second document or a banner before it; NaN/Infinity refused too
     return json.loads(done.stdout, parse_constant=_no_constants)
@@ -30,7 +40,7 @@ def json_of(*argv: str, cwd: Path) -> Any:
 def test_every_command_prints_one_json_document(tmp_path: Path) -> None:
     plan = json_of(
         "plan", "dmcca", "--cluster", "colocrl-2gpu", "--placer", "all", "--budget", "0.05",
-        "--out", "p.json", "--result", "r.json", cwd=tmp_path,
+        "--out", "p.json", "--result", "r.json", cwd=tmp_path, fresh=True,
     )  # fmt: skip
     names = {r["placer"] for r in plan["results"]}
     assert {"m_sct", "anneal", "rl", "gnn", "metis", "pipeline"} <= names  # HiGHS ran

@@ -25,6 +25,7 @@ from meshplace.mesh.layout import build_mesh
 from meshplace.parallel import ilp
 from meshplace.parallel.search import ShardingError, shard_graph
 from meshplace.parallel.sharding import FLAT, P, R, ShardingProblem
+from tests.forked_cli import run_meshplace
 
 MESHPLACE = str(Path(sys.executable).with_name("meshplace"))
 ROOT = Path(__file__).resolve().parents[1]
@@ -410,7 +411,7 @@ def test_solver_works_after_highs_ran_elsewhere_in_the_process() -> None:
 
 # ------------------------------------------------------------------ command line
 def run(*argv: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([MESHPLACE, *argv], cwd=cwd, capture_output=True, text=True, timeout=600)
+    return run_meshplace(argv, cwd=cwd)
 
 
 def test_shard_any_model_through_the_command_line(tmp_path: Path) -> None:

@@ -23,6 +23,7 @@ from meshplace.hardware import load_cluster
 from meshplace.mesh.layout import accelerators, mesh_over
 from meshplace.parallel.grid import megatron_grid
 from meshplace.runtime.dryrun import EngineProgram, dry_run, dry_runs, program_cost
+from tests.forked_cli import run_meshplace
 
 MODEL = """\
 import torch
@@ -303,11 +304,9 @@ def test_the_hybrid_search_prices_tensor_parallelism_by_the_engines_program(
     assert (best.tp, best.pp, best.dp, best.config.micro_batches) == (2, 1, 1, 1)
     assert best.time_per_batch_s == pytest.approx(cost["step_s"], rel=1e-9)
     # the command line: the same search, its cost model the catalogue's (no dispatch)
-    command = [sys.executable, "-m", "meshplace.cli", "shard", source, "--cluster", "dgx-h100"]
-    command += ["--chips", "2", "--pipeline", "auto", "--global-batch", "1", "--json"]
-    done = subprocess.run(
-        [*command, "--engine-costs"], capture_output=True, text=True, timeout=300, cwd=tmp_path
-    )
+    command = ["shard", source, "--cluster", "dgx-h100", "--chips", "2", "--pipeline", "auto"]
+    command += ["--global-batch", "1", "--json", "--engine-costs"]
+    done = run_meshplace(command, cwd=tmp_path, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     data = json.loads(done.stdout)
     assert data["search"]["tensor_parallelism_priced_by"] == "engine dry run"
@@ -318,8 +317,7 @@ def test_the_hybrid_search_prices_tensor_parallelism_by_the_engines_program(
         (["--engine-costs"], "is not one"),
         (["--pipeline", "auto", "--global-batch", "8", "--engine-costs"], "is not one"),
     ):
-        bad = [sys.executable, "-m", "meshplace.cli", "shard", "gpt", "--cluster", "dgx-h100"]
-        done = subprocess.run([*bad, *extra], capture_output=True, text=True, timeout=120)
+        done = run_meshplace(["shard", "gpt", "--cluster", "dgx-h100", *extra], timeout=120)
         assert done.returncode == 2 and words in done.stderr, done.stderr
         assert len(done.stderr.strip().splitlines()) == 1
     piped = {**plan, "mesh": {**plan["mesh"], "shape": [2, 1, 1]}}
@@ -338,10 +336,9 @@ def test_shard_engine_costs_ranks_the_candidates_as_the_runtime_runs_them(tmp_pa
     (tmp_path / "mlp.py").write_text(MODEL)
     source = f"{tmp_path / 'mlp.py'}:build"
     out = tmp_path / "plan.json"
-    command = [sys.executable, "-m", "meshplace.cli", "shard", source, "--cluster", "dgx-h100"]
-    command += ["--chips", "2", "--weight-update-sharding", "off", "--engine-costs", "--json"]
-    command += ["--out", str(out)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    command = ["shard", source, "--cluster", "dgx-h100", "--chips", "2"]
+    command += ["--weight-update-sharding", "off", "--engine-costs", "--json", "--out", str(out)]
+    done = run_meshplace(command, cwd=tmp_path, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     data = json.loads(done.stdout)
     assert data["search"]["ranked_by"] == "engine dry run"

@@ -16,6 +16,7 @@ from meshplace.graph.capture import as_loss, capture
 from meshplace.graph.sources import load_build_function
 from meshplace.hardware import load_cluster
 from meshplace.parallel.search import shard_graph
+from tests.forked_cli import run_meshplace
 from tests.forked_ranks import free_port, run_forked_ranks
 from tests.test_runtime_faults import session_processes, wait_for
 
@@ -83,16 +84,10 @@ def trained_like_one_process(report: dict, source: str, checkpoint: Path, steps:
 def _meshplace_run(tmp_path: Path, *args: str, fault: str = "") -> subprocess.CompletedProcess:
     """``meshplace run ARGS`` (a sharding plan: torchrun ``--standalone``, so a free
     rendezvous port on 127.0.0.1 for this test alone); ``fault``: ``"RANK:STEP"``, that
-    rank kills itself in that step (``MESHPLACE_TORCHRUN_FAULT``)."""
+    rank kills itself in that step (``MESHPLACE_TORCHRUN_FAULT``). The command runs in a
+    fork of this process (tests/forked_cli.py); torchrun and its ranks are real processes."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MESHPLACE_TORCHRUN_FAULT": fault}
-    return subprocess.run(
-        [sys.executable, "-m", "meshplace.cli", "run", *args],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env=env,
-        timeout=240,
-    )
+    return run_meshplace(["run", *args], cwd=tmp_path, env=env, timeout=240)
 
 
 def test_a_plan_trains_under_torchrun_like_one_process_and_each_rank_holds_its_share(

@@ -16,6 +16,7 @@ from meshplace.graph.ir import Op, OpGraph
 from meshplace.hardware import load_cluster, nvlink_mesh, pcie_tree, torus
 from meshplace.sim.simulator import Simulator
 from meshplace.sim.trace import chrome_trace
+from tests.forked_cli import run_meshplace
 
 from .strategies import random_dags
 
@@ -411,9 +412,6 @@ def test_a_2000_device_hand_written_cluster_simulates_a_small_plan() -> None:
 
 
 def test_a_plan_for_another_graph_of_the_same_name_exits_2(tmp_path) -> None:
-    import subprocess
-    import sys
-    from pathlib import Path
 
     from meshplace.graph.io import save_graph
     from meshplace.plan import Plan, save_plan
@@ -421,10 +419,9 @@ def test_a_plan_for_another_graph_of_the_same_name_exits_2(tmp_path) -> None:
     plan = Plan.for_graph(_five_ops(), "colocrl-2gpu", {}, default_device="gpu0")
     save_plan(plan, tmp_path / "p.json")
     save_graph(_five_ops(mm="matmul"), tmp_path / "g.json")  # same name and size, other ops
-    exe = Path(sys.executable).with_name("meshplace")
-    argv = [str(exe), "simulate", "--graph", "g.json", "--cluster", "colocrl-2gpu"]
+    argv = ["simulate", "--graph", "g.json", "--cluster", "colocrl-2gpu"]
     argv += ["--plan", "p.json", "--trace", "t.json"]
-    proc = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    proc = run_meshplace(argv, cwd=tmp_path, timeout=120)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
     assert "p.json: was made for graph 'five' with 5 ops, but the graph given, 'five' (also 5 " in (
