@@ -77,6 +77,14 @@ SHARDED_MODELS = (
     f"{ROOT / 'examples' / 'llama.py'}:build_tiny",
 )
 HYBRID_MODELS = (f"{ROOT / 'benchmarks' / 'fidelity_models.py'}:build_llama_batch8",)
+# The placed family's ablations, each the in-situ prediction less some of what
+# calibrate_in_situ measured: name -> (the report's keys dropped, what is left, in words)
+PLACED_ABLATIONS = {
+    # the exchange after the walk at the walk's send cost (before session 41)
+    "exchange_at_walk_send": (("update_s",), "the end-of-step exchange at the walk's send cost"),
+    # every message at the ping-pong's latency (before session 45)
+    "ping_pong_latency": (("hop_latency_s",), "messages at the ping-pong's latency"),
+}
 PLACERS = (
     "single",
     "expert",
@@ -154,26 +162,19 @@ def run_model(
                 continue
             seen[key] = label
             plans.append((label, devices, cal.predict(step.graph, devices)))
-    walk_send: dict[str, float] = {}
-    ping_pong_latency: dict[str, float] = {}
+    ablations: dict[str, dict[str, float]] = {}
     if in_situ:  # the headline: in-situ costs; the micro-benchmark-only model alongside
         micro = {label: predicted for label, _, predicted in plans}
         situ = calibrate_in_situ(cal)
         plans = [(label, devices, cal.predict(step.graph, devices)) for label, devices, _ in plans]
-        # the ablation of the fitted end-of-step exchange (session 41): its messages at
-        # the walk's in-situ send cost, as before
-        cal.messages = {
-            **cal.messages,
-            "in_situ": {k: v for k, v in situ.items() if k != "update_s"},
-        }
-        walk_send = {label: cal.predict(step.graph, devices) for label, devices, _ in plans}
-        # the ablation of the in-situ hop latency (session 45): every message at the
-        # ping-pong's latency, as before
-        cal.messages = {
-            **cal.messages,
-            "in_situ": {k: v for k, v in situ.items() if k != "hop_latency_s"},
-        }
-        ping_pong_latency = {label: cal.predict(step.graph, devices) for label, devices, _ in plans}
+        for ablation, (dropped, _) in PLACED_ABLATIONS.items():
+            cal.messages = {
+                **cal.messages,
+                "in_situ": {k: v for k, v in situ.items() if k not in dropped},
+            }
+            ablations[ablation] = {
+                label: cal.predict(step.graph, devices) for label, devices, _ in plans
+            }
         cal.messages = {**cal.messages, "in_situ": situ}
     # Every plan runs once per pass, passes one after the other, so a slow spell of the
     # host spreads over all plans instead of landing on one; a plan's measured time is the
@@ -212,16 +213,11 @@ def run_model(
                 "error": err,
                 "predicted_micro_s": micro.get(label),
                 "error_micro": (micro[label] - measured) / measured if label in micro else None,
-                "predicted_ping_pong_latency_s": ping_pong_latency.get(label),
-                "error_ping_pong_latency": (ping_pong_latency[label] - measured) / measured
-                if label in ping_pong_latency
-                else None,
-                "predicted_exchange_at_walk_send_s": walk_send.get(label),
-                "error_exchange_at_walk_send": (walk_send[label] - measured) / measured
-                if label in walk_send
-                else None,
             }
         )
+        for ablation, predictions in ablations.items():
+            rows[-1][f"predicted_{ablation}_s"] = predictions[label]
+            rows[-1][f"error_{ablation}"] = (predictions[label] - measured) / measured
         print(
             f"  {label:12} measured {measured * 1e3:9.2f} ms (passes spread {100 * spread:5.1f} %)"
             f"  predicted {predicted * 1e3:9.2f} ms  error {100 * err:+7.1f} %  "
@@ -880,21 +876,20 @@ def _summary(rows: list[dict]) -> dict[str, Any]:
         if len(rows) > 1 and None not in micro
         else None,
         "median_pass_spread": _median_abs(r["pass_spread"] for r in rows),
-        "median_abs_error_ping_pong_latency": _median_abs(
-            r["error_ping_pong_latency"]
-            for r in rows
-            if r.get("error_ping_pong_latency") is not None
-        ),
-        "kendall_tau_ping_pong_latency": kendall_tau(
-            meas, [r["predicted_ping_pong_latency_s"] for r in rows]
-        )
-        if len(rows) > 1 and all(r.get("predicted_ping_pong_latency_s") for r in rows)
-        else None,
-        "median_abs_error_exchange_at_walk_send": _median_abs(
-            r["error_exchange_at_walk_send"]
-            for r in rows
-            if r.get("error_exchange_at_walk_send") is not None
-        ),
+        **{
+            f"{measure}_{ablation}": value
+            for ablation in PLACED_ABLATIONS
+            if all(r.get(f"predicted_{ablation}_s") is not None for r in rows)
+            for measure, value in (
+                ("median_abs_error", _median_abs(r[f"error_{ablation}"] for r in rows)),
+                (
+                    "kendall_tau",
+                    kendall_tau(meas, [r[f"predicted_{ablation}_s"] for r in rows])
+                    if len(rows) > 1
+                    else None,
+                ),
+            )
+        },
     }
 
 
@@ -968,7 +963,8 @@ def main(argv: list[str] | None = None) -> int:
         "load_average_after": os.getloadavg(),
     }
     # Kendall's tau overall: the mean of the per-model values (rankings within a model)
-    for key in ("kendall_tau", "kendall_tau_micro", "kendall_tau_ping_pong_latency"):
+    taus = ["kendall_tau", "kendall_tau_micro", *(f"kendall_tau_{a}" for a in PLACED_ABLATIONS)]
+    for key in taus:
         vals = [m[key] for m in results if m.get(key) is not None]
         overall[key] = statistics.mean(vals) if vals else None
     if args.family == "pipelined":  # the library simulator's prediction, beside the formula
@@ -1037,13 +1033,14 @@ def main(argv: list[str] | None = None) -> int:
                     for how, k in m["kept"].items()
                 )
             )
-    if args.family == "placed" and overall.get("median_abs_error_ping_pong_latency") is not None:
+    for ablation, (_, words) in PLACED_ABLATIONS.items() if args.family == "placed" else ():
         for name, m in [(m["model"], m) for m in results] + [("overall", overall)]:
-            print(
-                f"in situ, messages at the ping-pong's latency (ablation) {name}: median |err| "
-                f"{pct(m['median_abs_error_ping_pong_latency'])}, "
-                f"tau {num(m['kendall_tau_ping_pong_latency'])}"
-            )
+            if m.get(f"median_abs_error_{ablation}") is not None:
+                print(
+                    f"in situ, {words} (ablation) {name}: median |err| "
+                    f"{pct(m[f'median_abs_error_{ablation}'])}, "
+                    f"tau {num(m[f'kendall_tau_{ablation}'])}"
+                )
     if args.family == "pipelined":
         for name, m in [(m["model"], m) for m in results] + [("overall", overall)]:
             print(
