@@ -84,6 +84,8 @@ PLACED_ABLATIONS = {
     "exchange_at_walk_send": (("update_s",), "the end-of-step exchange at the walk's send cost"),
     # every message at the ping-pong's latency (before session 45)
     "ping_pong_latency": (("hop_latency_s",), "messages at the ping-pong's latency"),
+    # each message's latency holding the link (before session 46; not a dropped key)
+    "latency_holds_link": ((), "each message's latency holding the link"),
 }
 PLACERS = (
     "single",
@@ -168,6 +170,7 @@ def run_model(
         situ = calibrate_in_situ(cal)
         plans = [(label, devices, cal.predict(step.graph, devices)) for label, devices, _ in plans]
         for ablation, (dropped, _) in PLACED_ABLATIONS.items():
+            cal.latency_overlaps = ablation != "latency_holds_link"
             cal.messages = {
                 **cal.messages,
                 "in_situ": {k: v for k, v in situ.items() if k not in dropped},
@@ -176,6 +179,7 @@ def run_model(
                 label: cal.predict(step.graph, devices) for label, devices, _ in plans
             }
         cal.messages = {**cal.messages, "in_situ": situ}
+        cal.latency_overlaps = True
     # Every plan runs once per pass, passes one after the other, so a slow spell of the
     # host spreads over all plans instead of landing on one; a plan's measured time is the
     # median of its timed steps pooled over the passes.

@@ -629,6 +629,7 @@ def test_in_situ_message_costs_from_probe_runs() -> None:
     # a slower hop makes the split step (whose second worker waits on the first) dearer
     # and leaves the lone worker's as it was; without an in-situ report the calibrated
     # latency stands
+    cal.messages = {**cal.messages, "in_situ": report}
     now = cal.predict(step.graph, half)
     cal.messages = {**cal.messages, "in_situ": {**report, "hop_latency_s": 0.01}}
     assert cal.predict(step.graph, half) > now + 0.009

@@ -57,6 +57,39 @@ def _scenario():
 _hypo = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
+def test_overlapping_latencies_pay_a_burst_of_messages_latency_once() -> None:
+    """Four ops on cpu0 end at once, each sending 8 kB to its reader on cpu1 (link: 0.1 ms,
+    1 GB/s). A link held for each message's latency delivers them 0.1 ms apart; with the
+    latencies overlapping (``latency_overlaps``: the next message leaves while one is in
+    flight) the k-th arrives after one latency and k messages' bytes, and the step (the
+    last reader ends) is shorter by the three latencies the burst no longer queues."""
+    g = OpGraph("burst")
+    for i in range(4):
+        _ = g.add_op(Op(f"a{i}", "matmul", output_dtypes=["float32"]))
+        g.ops[-1].measured_time["local-cpu"] = 0.0
+    for i in range(4):
+        _ = g.add_op(Op(f"b{i}", "matmul", output_dtypes=["float32"]))
+        g.ops[-1].measured_time["local-cpu"] = 1e-6
+        g.add_edge(f"a{i}", f"b{i}", 8e3)
+    cluster = _two_cpu_cluster()
+    place = ["cpu0"] * 4 + ["cpu1"] * 4
+    wire = 8e3 / 1e9
+    held = Simulator(g, cluster)
+    overlapping = Simulator(g, cluster, latency_overlaps=True)
+    r_held = held.simulate(held.placement_of(place))
+    r_over = overlapping.simulate(overlapping.placement_of(place))
+    arrivals = [(k + 1) * (1e-4 + wire) for k in range(4)]
+    assert sorted(r_held.transfer_end) == pytest.approx(arrivals)
+    assert sorted(r_over.transfer_end) == pytest.approx([1e-4 + (k + 1) * wire for k in range(4)])
+    assert r_held.step_time_s - r_over.step_time_s == pytest.approx(3e-4, rel=1e-6)
+    # one message: nothing to overlap, the two models agree
+    single = ["cpu0"] + ["cpu1"] * 7
+    one_held = held.simulate(held.placement_of(single))
+    one_over = overlapping.simulate(overlapping.placement_of(single))
+    assert one_held.step_time_s == one_over.step_time_s
+    assert one_held.transfer_end.tolist() == one_over.transfer_end.tolist()
+
+
 @_hypo
 @given(_scenario())
 def test_step_time_is_at_least_the_lower_bound(scenario) -> None:

@@ -538,6 +538,9 @@ class Calibration:
 
     messages: dict[str, Any] = field(default_factory=dict)
     step: Any = None
+    #: whether predictions let a message's latency overlap the next message's (the
+    #: simulator's ``latency_overlaps``): the workers' loopback TCP holds no link for it
+    latency_overlaps: bool = True
 
     def predict(self, graph: OpGraph, devices: list[str]) -> float:
         """Predicted step time of ``devices`` (one per op) on the calibrated cluster, with
@@ -550,10 +553,17 @@ class Calibration:
         ``message_cpu``). With a spacing table (``messages["spacing"]``), each message's
         fixed cost is :func:`spacing_cost` at the time since its worker's previous message
         in the simulated step, refined over :data:`SPACING_ROUNDS` further simulations,
-        and the end-of-step exchange is charged as a burst."""
+        and the end-of-step exchange is charged as a burst. With ``latency_overlaps`` (the
+        default) a message's latency does not hold the link: a burst of messages between
+        the workers pays it once, as their loopback TCP connection does."""
         if self.step is None or graph is not self.step.graph or not self.messages:
             return predict_step(
-                graph, self.simulated_cluster(), self.cost_model, devices, in_order=True
+                graph,
+                self.simulated_cluster(),
+                self.cost_model,
+                devices,
+                in_order=True,
+                latency_overlaps=self.latency_overlaps,
             )
         from meshplace.sim.simulator import Simulator
 
@@ -561,7 +571,14 @@ class Calibration:
         free = dataclasses.replace(self.cost_model, message_cpu={})
         order = runtime_order(self.step)
         situ = self.messages.get("in_situ")
-        sim = Simulator(graph, self.simulated_cluster(), free, in_order=True, order=order)
+        sim = Simulator(
+            graph,
+            self.simulated_cluster(),
+            free,
+            in_order=True,
+            order=order,
+            latency_overlaps=self.latency_overlaps,
+        )
         placement = sim.placement_of(devices)
         msgs = runtime_messages(self.step, placement)
         n = graph.num_ops
@@ -644,6 +661,7 @@ class Calibration:
             self.cost_model,
             in_order=True,
             order=runtime_order(self.step),
+            latency_overlaps=self.latency_overlaps,
         )
 
     def simulated_cluster(self) -> Cluster:
@@ -990,20 +1008,36 @@ def waited_hop_latencies(
     bandwidth: float,
 ) -> list[float]:
     """How long a message took from its sender to a worker that was already waiting for
-    it, in a run's per-node ``timelines`` (``RunResult.timelines``: per worker, per step,
-    ``(node, start, end)`` on one clock; a receive of fx node *j*'s value is the span
-    ``(-1 - j, start, end)``, a node's span ends after its sends were posted): for every
-    receive that began before the node it reads ended on its worker, the receive's end
-    minus that node's end, less the value's ``value_bytes[j] / bandwidth`` on the wire.
-    The timed steps (after ``warmup``) only. Only these hops matter to a step: a message
+    it: the latencies of :func:`waited_hops`. Only these hops matter to a step: a message
     that arrives before its reader asks for it costs no waiting, whatever it took.
-    O(spans).
 
     >>> timelines = [[[(0, 0.0, 1.0)]], [[(-1, 0.5, 1.4), (1, 1.4, 2.0)]]]
     >>> [round(x, 6) for x in waited_hop_latencies(timelines, 0, {0: 100.0}, 1000.0)]
     [0.3]
     """
-    hops: list[float] = []
+    return [latency for _, latency in waited_hops(timelines, warmup, value_bytes, bandwidth)]
+
+
+def waited_hops(
+    timelines: Sequence[Sequence[Sequence[tuple[int, float, float]]]],
+    warmup: int,
+    value_bytes: Mapping[int, float],
+    bandwidth: float,
+) -> list[tuple[float, float]]:
+    """Every receive in a run's per-node ``timelines`` (``RunResult.timelines``: per
+    worker, per step, ``(node, start, end)`` on one clock; a receive of fx node *j*'s value
+    is the span ``(-1 - j, start, end)``, a node's span ends after its sends were posted)
+    that began before the node it reads ended on its worker, as ``(wait, latency)``: how
+    long the reader had waited when that node ended (the node's end minus the receive's
+    start), and the receive's end minus the node's end less the value's
+    ``value_bytes[j] / bandwidth`` on the wire (at least 0). The timed steps (after
+    ``warmup``) only. O(spans).
+
+    >>> timelines = [[[(0, 0.0, 1.0)]], [[(-1, 0.5, 1.4), (1, 1.4, 2.0)]]]
+    >>> [(round(w, 6), round(x, 6)) for w, x in waited_hops(timelines, 0, {0: 100.0}, 1000.0)]
+    [(0.5, 0.3)]
+    """
+    hops: list[tuple[float, float]] = []
     steps = min(len(worker) for worker in timelines) if timelines else 0
     for s in range(warmup, steps):
         ended = {node: end for worker in timelines for node, _, end in worker[s] if node >= 0}
@@ -1012,7 +1046,7 @@ def waited_hop_latencies(
                 value = -1 - node
                 if node < 0 and value in ended and ended[value] > start:
                     wire = value_bytes.get(value, 0.0) / bandwidth
-                    hops.append(max(0.0, end - ended[value] - wire))
+                    hops.append((ended[value] - start, max(0.0, end - ended[value] - wire)))
     return hops
 
 
@@ -1502,11 +1536,15 @@ def predict_step(
     devices: list[str],
     *,
     in_order: bool = False,
+    latency_overlaps: bool = False,
 ) -> float:
     """Simulated step time of ``devices`` (one device name per op) on ``cluster`` with
     ``cost_model`` (whose ``message_cpu`` charges messages to the workers' compute);
-    ``in_order`` as in :class:`~meshplace.sim.simulator.Simulator`. One simulation."""
+    ``in_order`` and ``latency_overlaps`` as in :class:`~meshplace.sim.simulator.Simulator`.
+    One simulation."""
     from meshplace.sim.simulator import Simulator
 
-    sim = Simulator(graph, cluster, cost_model, in_order=in_order)
+    sim = Simulator(
+        graph, cluster, cost_model, in_order=in_order, latency_overlaps=latency_overlaps
+    )
     return float(sim.simulate(sim.placement_of(devices)).step_time_s)

@@ -32,7 +32,15 @@ model above, bit for bit):
   waiting for the next one's inputs even when a later op is ready, as an interpreter that
   walks the graph in one global order does (``meshplace.runtime``).
 
-A third is a property of the hardware (``occupy``, per device; the cluster's
+A third models links whose latency is time in flight, not time on the wire
+(``latency_overlaps``: a TCP connection between two processes, where a message's
+latency is both ends' software and the next message leaves while it is in flight, as in
+LogP's latency against its gap, Culler et al., PPoPP 1993): a transfer holds its links
+for its bytes over the bandwidth only and still arrives after the latency as well, so a
+burst of small messages pays the latency once rather than once per message. Off by
+default (the links are held for the latency too, the model above).
+
+A fourth is a property of the hardware (``occupy``, per device; the cluster's
 ``transfers: occupy``): a device with no engine that moves data for it (CPUs, FPGAs, many
 accelerators — PipeDream's and the host/FPGA literature's model) spends a transfer's whole
 duration (route latency plus bytes over the bottleneck bandwidth) on it, at both ends:
@@ -222,12 +230,14 @@ def simulate_kernel(
     msg_cpu,
     in_order,
     occupy,
+    latency_overlaps,
 ):
     """Simulate one step. Returns per-op start/end, the transfers, per-device busy time and
     peak memory, and per-link busy time and bytes. ``time_scale`` multiplies every
     duration (op and transfer), which the scaling property tests use. ``msg_cpu``
-    (``[n_dev, 4]``, zeros: off), ``in_order`` and ``occupy`` (``[n_dev]`` booleans: the
-    device spends each transfer's time at both ends) are the options in the module doc.
+    (``[n_dev, 4]``, zeros: off), ``in_order``, ``occupy`` (``[n_dev]`` booleans: the
+    device spends each transfer's time at both ends) and ``latency_overlaps`` are the
+    options in the module doc.
 
     Routes are CSR (``route_links[route_ptr[r] : route_ptr[r + 1]]``). With ``pair_keys``
     empty, ``r`` is ``src_device * n_dev + dst_device`` (a table of all pairs); otherwise
@@ -434,10 +444,13 @@ def simulate_kernel(
                     lat += link_lat[link]
                 dur = (lat + x_bytes[x] / bw) * time_scale
                 end = start + dur
+                # the links are held for the whole transfer, or with overlapping latencies
+                # for its bytes only (the next message leaves while this one is in flight)
+                held = x_bytes[x] / bw * time_scale if latency_overlaps else dur
                 for r in range(route_ptr[pair], route_ptr[pair + 1]):
                     link = route_links[r]
-                    link_free[link] = end
-                    link_busy[link] += dur
+                    link_free[link] = start + held
+                    link_busy[link] += held
                     link_bytes[link] += x_bytes[x]
                 x_start[x] = start
                 x_end[x] = end
