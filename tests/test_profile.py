@@ -626,15 +626,16 @@ def test_in_situ_message_costs_from_probe_runs() -> None:
     assert report["hop_latency_p90_s"] >= report["hop_latency_median_s"]
     assert {lk.latency for lk in cal.simulated_cluster().links} == {report["hop_latency_s"]}
     assert {lk.latency for lk in cal.simulator().cluster.links} == {report["hop_latency_s"]}
-    # a slower hop makes the split step (whose second worker waits on the first) dearer
-    # and leaves the lone worker's as it was; without an in-situ report the calibrated
-    # latency stands
+    # a hop 10 ms slower makes the split step (whose second worker waits on the first at
+    # least once) dearer by about that and leaves the lone worker's as it was; without
+    # an in-situ report the calibrated latency stands
     cal.messages = {**cal.messages, "in_situ": report}
     now = cal.predict(step.graph, half)
-    cal.messages = {**cal.messages, "in_situ": {**report, "hop_latency_s": 0.01}}
-    assert cal.predict(step.graph, half) > now + 0.009
+    slower = report["hop_latency_s"] + 0.01
+    cal.messages = {**cal.messages, "in_situ": {**report, "hop_latency_s": slower}}
+    assert cal.predict(step.graph, half) > now + 0.009, (now, slower)
     assert cal.predict(step.graph, lone) == pytest.approx(after[1])
-    assert cal.simulated_cluster().links[0].latency == 0.01
+    assert cal.simulated_cluster().links[0].latency == slower
     cal.messages = {k: v for k, v in cal.messages.items() if k != "in_situ"}
     assert cal.simulated_cluster() is cal.cluster
     with pytest.raises(InputError):
