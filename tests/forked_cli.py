@@ -4,7 +4,7 @@ check what a command prints, writes and exits with rather than how an interprete
 A fresh ``meshplace`` process imports torch and the command line before its first line
 of work: about 3 s of CPU, most of a small command's on this 2-core host, and the suite
 ran some sixty of them. A fork starts with all of that imported. It is still a process
-of its own: its standard output and error are files descriptors 1 and 2 of its own
+of its own: its standard output and error are file descriptors 1 and 2 of its own
 (anything HiGHS or another library writes from C lands in them as it would from a fresh
 process), its working folder and environment are the test's choice, it exits with the
 command's status through :func:`os._exit`, and nothing it changes reaches the test's
@@ -85,10 +85,10 @@ def run_meshplace(
     timeout: float = 600,
 ) -> subprocess.CompletedProcess[str]:
     """``meshplace ARGV`` (no program name) in a fork of this process, started in ``cwd``
-    (the test's folder if ``None``) with environment ``env`` (this process's if ``None``):
-    its exit status, standard output and standard error in the form ``subprocess.run``
-    returns with ``capture_output=True, text=True``. A command that outlives ``timeout``
-    seconds is killed and fails the test."""
+    (this process's working folder if ``None``) with environment ``env`` (this process's
+    if ``None``): its exit status, standard output and standard error in the form
+    ``subprocess.run`` returns with ``capture_output=True, text=True``. A command that
+    outlives ``timeout`` seconds is killed and fails the test."""
     argv = [str(a) for a in argv]
     for module in COMMAND_MODULES:
         importlib.import_module(module)

@@ -25,7 +25,6 @@ from tests.forked_cli import run_meshplace
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
-MESHPLACE = str(Path(sys.executable).with_name("meshplace"))
 
 
 def _example(name: str) -> ModuleType:

@@ -1,13 +1,13 @@
 """Sharding any captured model (issue 14): index notation and view maps at capture, the
 resharding table, the training-memory terms, the integer program against brute force, and
-``meshplace shard`` on captured graphs through the console script."""
+``meshplace shard`` on captured graphs through the command line (forked,
+tests/forked_cli.py)."""
 
 from __future__ import annotations
 
 import json
 import math
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,6 @@ from meshplace.parallel.search import ShardingError, shard_graph
 from meshplace.parallel.sharding import FLAT, P, R, ShardingProblem
 from tests.forked_cli import run_meshplace
 
-MESHPLACE = str(Path(sys.executable).with_name("meshplace"))
 ROOT = Path(__file__).resolve().parents[1]
 
 
