@@ -18,9 +18,10 @@ medians is reported as the measurement's own noise. The predictions use, as ``me
 run`` does, the message costs :func:`~meshplace.profile.calibrate.calibrate_in_situ`
 measures inside steps of probe placements; every plan is also predicted with the
 micro-benchmarks' message costs alone, on the same runs (an ablation; ``--no-in-situ``
-predicts that way only), and with the in-situ costs but every message at the ping-pong's
-latency rather than the hop latency measured inside the probes' steps
-(``*_ping_pong_latency``, an ablation).
+predicts that way only), and with the in-situ prediction less one of what it models
+(:data:`PLACED_ABLATIONS`: the end-of-step exchange's own cost, the hop latency measured
+inside the probes' steps, latencies in flight rather than holding the link; columns
+``*_{ablation}``).
 
 ``--family sharded`` measures sharding plans instead (``run_sharded_model``): for each
 ``FILE.py:build`` in :data:`SHARDED_MODELS`, the machine is calibrated as above, the two
@@ -77,15 +78,19 @@ SHARDED_MODELS = (
     f"{ROOT / 'examples' / 'llama.py'}:build_tiny",
 )
 HYBRID_MODELS = (f"{ROOT / 'benchmarks' / 'fidelity_models.py'}:build_llama_batch8",)
-# The placed family's ablations, each the in-situ prediction less some of what
-# calibrate_in_situ measured: name -> (the report's keys dropped, what is left, in words)
+# The placed family's ablations, each the in-situ prediction less one thing it models:
+# name -> (calibrate_in_situ's report keys dropped, Calibration.latency_overlaps, words)
 PLACED_ABLATIONS = {
     # the exchange after the walk at the walk's send cost (before session 41)
-    "exchange_at_walk_send": (("update_s",), "the end-of-step exchange at the walk's send cost"),
+    "exchange_at_walk_send": (
+        ("update_s",),
+        True,
+        "the end-of-step exchange at the walk's send cost",
+    ),
     # every message at the ping-pong's latency (before session 45)
-    "ping_pong_latency": (("hop_latency_s",), "messages at the ping-pong's latency"),
-    # each message's latency holding the link (before session 46; not a dropped key)
-    "latency_holds_link": ((), "each message's latency holding the link"),
+    "ping_pong_latency": (("hop_latency_s",), True, "messages at the ping-pong's latency"),
+    # each message's latency holding the link (before session 46)
+    "latency_holds_link": ((), False, "each message's latency holding the link"),
 }
 PLACERS = (
     "single",
@@ -169,8 +174,9 @@ def run_model(
         micro = {label: predicted for label, _, predicted in plans}
         situ = calibrate_in_situ(cal)
         plans = [(label, devices, cal.predict(step.graph, devices)) for label, devices, _ in plans]
-        for ablation, (dropped, _) in PLACED_ABLATIONS.items():
-            cal.latency_overlaps = ablation != "latency_holds_link"
+        headline_overlaps = cal.latency_overlaps
+        for ablation, (dropped, overlaps, _) in PLACED_ABLATIONS.items():
+            cal.latency_overlaps = overlaps
             cal.messages = {
                 **cal.messages,
                 "in_situ": {k: v for k, v in situ.items() if k not in dropped},
@@ -179,7 +185,7 @@ def run_model(
                 label: cal.predict(step.graph, devices) for label, devices, _ in plans
             }
         cal.messages = {**cal.messages, "in_situ": situ}
-        cal.latency_overlaps = True
+        cal.latency_overlaps = headline_overlaps
     # Every plan runs once per pass, passes one after the other, so a slow spell of the
     # host spreads over all plans instead of landing on one; a plan's measured time is the
     # median of its timed steps pooled over the passes.
@@ -1037,7 +1043,7 @@ def main(argv: list[str] | None = None) -> int:
                     for how, k in m["kept"].items()
                 )
             )
-    for ablation, (_, words) in PLACED_ABLATIONS.items() if args.family == "placed" else ():
+    for ablation, (_, _, words) in PLACED_ABLATIONS.items() if args.family == "placed" else ():
         for name, m in [(m["model"], m) for m in results] + [("overall", overall)]:
             if m.get(f"median_abs_error_{ablation}") is not None:
                 print(
