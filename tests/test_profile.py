@@ -637,7 +637,9 @@ def test_in_situ_message_costs_from_probe_runs() -> None:
     assert cal.predict(step.graph, lone) == pytest.approx(after[1])
     assert cal.simulated_cluster().links[0].latency == slower
     cal.messages = {k: v for k, v in cal.messages.items() if k != "in_situ"}
-    assert cal.simulated_cluster() is cal.cluster
+    kept = cal.simulated_cluster()  # the calibrated latency, spent in flight
+    assert [lk.latency for lk in kept.links] == [lk.latency for lk in cal.cluster.links]
+    assert all(lk.latency_overlaps for lk in kept.links)
     with pytest.raises(InputError):
         calibrate_in_situ(Calibration(cal.cluster, cal.cost_model, cal.op_times, {}, {}, {}))
 

@@ -302,6 +302,9 @@ def test_run_cli_prints_measured_and_predicted(tmp_path, capsys, monkeypatch) ->
     saved = load_calibration(tmp_path / "calibration.json")
     local = load_cluster(str(tmp_path / "local.yaml"))
     assert saved.device_kind == local.devices[0].kind
+    # the cluster file's loopback links spend their latency in flight, as the run's
+    # prediction simulated them: plan and simulate on the file do the same
+    assert local.links and all(lk.latency_overlaps for lk in local.links)
     assert saved.launch_overhead_s == out["calibration"]["launch_overhead_s"]
     assert saved.peak_flops == out["calibration"]["device"]["peak_flops"]
     applied = calibrated_cost_model(saved, local)

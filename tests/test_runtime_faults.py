@@ -1,7 +1,8 @@
 """``meshplace run`` through the real console script when things go wrong: the driver is
-killed, a worker is stopped, the command is terminated, a build never returns. No process
-may outlive the driver, no temporary folder may be left, and a worker failure is one
-sentence on stderr (exit 1) with, under ``--json``, one JSON object on stdout.
+killed, a worker is stopped, the command is terminated; and (in a fork of the test's
+process) a build that never returns. No process may outlive the driver, no temporary
+folder may be left, and a worker failure is one sentence on stderr (exit 1) with, under
+``--json``, one JSON object on stdout.
 
 Each test waits on explicit signals read from ``/proc`` — a worker's name (the workers
 call themselves ``meshplace-w<rank>``), its gloo threads (it has joined the group) — and
@@ -23,6 +24,7 @@ import pytest
 
 from meshplace.plan.placement import Plan, save_plan
 from meshplace.runtime.program import ModelSpec, trace_step
+from tests.forked_cli import run_meshplace
 
 MESHPLACE = str(Path(sys.executable).with_name("meshplace"))
 
@@ -204,10 +206,11 @@ def test_sigterm_stops_the_workers_and_removes_the_temporary_folder(run_env) -> 
 
 
 def test_a_build_that_never_returns_is_one_sentence(tmp_path: Path) -> None:
+    # what the command prints and leaves, not how a process starts or stops: the command
+    # in a fork of this process (tests/forked_cli.py)
     (tmp_path / "slow.py").write_text("import time\n\ndef build():\n    time.sleep(3600)\n")
-    done = subprocess.run(
+    done = run_meshplace(
         [
-            MESHPLACE,
             "run",
             "--graph",
             "slow.py:build",
@@ -219,8 +222,6 @@ def test_a_build_that_never_returns_is_one_sentence(tmp_path: Path) -> None:
             "local.yaml",
         ],
         cwd=tmp_path,
-        capture_output=True,
-        text=True,
         timeout=300,
     )
     assert done.returncode == 2, done.stderr[-2000:]

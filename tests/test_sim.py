@@ -88,6 +88,23 @@ def test_overlapping_latencies_pay_a_burst_of_messages_latency_once() -> None:
     one_over = overlapping.simulate(overlapping.placement_of(single))
     assert one_held.step_time_s == one_over.step_time_s
     assert one_held.transfer_end.tolist() == one_over.transfer_end.tolist()
+    # the same as a property of the cluster's links (``latency_overlaps: true``, what
+    # ``meshplace run --cluster-out`` writes for its loopback links): the cluster's file
+    # says so, reads back so, and its simulation is the overlapping one, bit for bit;
+    # ``latency_overlaps=False`` still holds every link for the latency
+    from meshplace.hardware import cluster_from_yaml, cluster_to_yaml
+
+    text = cluster_to_yaml(cluster.with_link_latency(None, latency_overlaps=True))
+    assert text.count("latency_overlaps: true") == len(cluster.links) == 2
+    flagged = cluster_from_yaml(text, "local.yaml")
+    assert all(lk.latency_overlaps for lk in flagged.links)
+    assert "latency_overlaps" not in cluster_to_yaml(cluster)  # off: written as before
+    by_link = Simulator(g, flagged)
+    r_link = by_link.simulate(by_link.placement_of(place))
+    assert r_link.transfer_end.tolist() == r_over.transfer_end.tolist()
+    assert r_link.step_time_s == r_over.step_time_s
+    forced = Simulator(g, flagged, latency_overlaps=False)
+    assert forced.simulate(forced.placement_of(place)).step_time_s == r_held.step_time_s
 
 
 @_hypo

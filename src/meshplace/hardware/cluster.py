@@ -93,7 +93,11 @@ class Link:
     """One direction of a physical link between two nodes (device or switch names).
 
     ``bandwidth`` in bytes/s, ``latency`` in seconds; ``kind`` is a free label such as
-    ``"pcie3"``, ``"nvlink"``, ``"ici"`` or ``"network"``, used only for summaries."""
+    ``"pcie3"``, ``"nvlink"``, ``"ici"`` or ``"network"``, used only for summaries.
+    ``latency_overlaps``: the latency is time in flight, not on the wire — a transfer
+    holds the link for its bytes only and the next one leaves while it travels (a TCP
+    connection between processes, whose latency is both ends' software; see
+    :mod:`meshplace.sim.engine`); by default a transfer holds it for its latency too."""
 
     name: str
     src: str
@@ -101,6 +105,7 @@ class Link:
     bandwidth: float
     latency: float
     kind: str = ""
+    latency_overlaps: bool = False
 
 
 @dataclass(frozen=True)
@@ -221,22 +226,30 @@ class Cluster:
             torus=self._torus,
         )
 
-    def with_link_latency(self, latency: float) -> Cluster:
+    def with_link_latency(
+        self, latency: float | None, *, latency_overlaps: bool | None = None
+    ) -> Cluster:
         """The same cluster with every link's latency ``latency`` seconds (a route of
-        several links pays it per link): for the calibrated ``local`` cluster, whose
-        workers are joined by one loopback link each way, the hop latency an in-situ
-        calibration measured (:func:`meshplace.profile.calibrate.calibrate_in_situ`). The
-        copy has no generator recipe, so a saved copy lists its links.
+        several links pays it per link; ``None``: as it is) and, unless ``None``, every
+        link's ``latency_overlaps``: for the calibrated ``local`` cluster, whose workers are
+        joined by one loopback TCP link each way, the hop latency an in-situ calibration
+        measured (:func:`meshplace.profile.calibrate.calibrate_in_situ`), spent in flight.
+        The copy has no generator recipe, so a saved copy lists its links.
 
         >>> from meshplace.hardware import load_cluster
-        >>> c = load_cluster("colocrl-2gpu").with_link_latency(1e-3)
-        >>> {lk.latency for lk in c.links}
-        {0.001}
+        >>> c = load_cluster("colocrl-2gpu").with_link_latency(1e-3, latency_overlaps=True)
+        >>> {(lk.latency, lk.latency_overlaps) for lk in c.links}
+        {(0.001, True)}
         """
+        changes: dict[str, Any] = {}
+        if latency is not None:
+            changes["latency"] = float(latency)
+        if latency_overlaps is not None:
+            changes["latency_overlaps"] = bool(latency_overlaps)
         return Cluster(
             self.name,
             self.devices,
-            [replace(lk, latency=float(latency)) for lk in self.links],
+            [replace(lk, **changes) for lk in self.links],
             self.switches,
             self.topology,
             self.source,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -503,7 +504,7 @@ def multi_host(
             switches.append(rename[s])
         for lk in sub.links:
             src, dst = rename[lk.src], rename[lk.dst]
-            links.append(Link(f"{src}->{dst}", src, dst, lk.bandwidth, lk.latency, lk.kind))
+            links.append(replace(lk, name=f"{src}->{dst}", src=src, dst=dst))
         if nic_per_device:
             points = [prefix + d.name for d in sub.devices]
         elif nic_attach is not None:

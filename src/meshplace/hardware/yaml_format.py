@@ -135,6 +135,7 @@ class _LinkModel(_Strict):
     name: Name | None = None
     kind: str = ""
     bidirectional: Flag = True
+    latency_overlaps: Flag = False
 
 
 class _PcieTree(_Strict):
@@ -519,10 +520,11 @@ def _build(model: _ClusterModel, source: str, default_name: str) -> Cluster:
                     f"known nodes include: {allowed(sorted(nodes), 8)}"
                 )
         fwd = lm.name or f"{lm.src}->{lm.dst}"
-        links.append(Link(fwd, lm.src, lm.dst, lm.bandwidth, lm.latency, lm.kind))
+        overlaps = lm.latency_overlaps
+        links.append(Link(fwd, lm.src, lm.dst, lm.bandwidth, lm.latency, lm.kind, overlaps))
         if lm.bidirectional:
             rev = f"{lm.name}:reverse" if lm.name else f"{lm.dst}->{lm.src}"
-            links.append(Link(rev, lm.dst, lm.src, lm.bandwidth, lm.latency, lm.kind))
+            links.append(Link(rev, lm.dst, lm.src, lm.bandwidth, lm.latency, lm.kind, overlaps))
     pure = base is not None and not (model.devices or model.switches or model.links)
     meta = dict(base.meta) if base is not None else {}
     meta.pop("nic_attach", None)
@@ -753,6 +755,8 @@ def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
             "latency": float(lk.latency),
             "kind": lk.kind,
             "bidirectional": False,
+            # written only where set, so that other clusters' files read as they did
+            **({"latency_overlaps": True} if lk.latency_overlaps else {}),
         }
         for lk in cluster.links
     ]

@@ -538,8 +538,8 @@ class Calibration:
 
     messages: dict[str, Any] = field(default_factory=dict)
     step: Any = None
-    #: whether predictions let a message's latency overlap the next message's (the
-    #: simulator's ``latency_overlaps``): the workers' loopback TCP holds no link for it
+    #: whether the simulated cluster's links let a message's latency overlap the next
+    #: message's (``Link.latency_overlaps``): the workers' loopback TCP holds no link for it
     latency_overlaps: bool = True
 
     def predict(self, graph: OpGraph, devices: list[str]) -> float:
@@ -563,7 +563,6 @@ class Calibration:
                 self.cost_model,
                 devices,
                 in_order=True,
-                latency_overlaps=self.latency_overlaps,
             )
         from meshplace.sim.simulator import Simulator
 
@@ -577,7 +576,6 @@ class Calibration:
             free,
             in_order=True,
             order=order,
-            latency_overlaps=self.latency_overlaps,
         )
         placement = sim.placement_of(devices)
         msgs = runtime_messages(self.step, placement)
@@ -661,17 +659,20 @@ class Calibration:
             self.cost_model,
             in_order=True,
             order=runtime_order(self.step),
-            latency_overlaps=self.latency_overlaps,
         )
 
     def simulated_cluster(self) -> Cluster:
-        """The cluster predictions simulate on: the calibrated one, its links' latency the
-        in-situ hop latency where :func:`calibrate_in_situ` measured one (what a message
-        took to a worker already waiting for it, inside steps: on the 2-core development
-        VM a median near the ping-pong's but a tail to milliseconds, which the ping-pong
-        between two otherwise idle processes does not see)."""
+        """The cluster predictions simulate on, and ``meshplace run --cluster-out``
+        writes: the calibrated one, its links' latency the in-situ hop latency where
+        :func:`calibrate_in_situ` measured one (what a message took to a worker already
+        waiting for it, inside steps: on the 2-core development VM a median near the
+        ping-pong's but a tail to milliseconds, which the ping-pong between two otherwise
+        idle processes does not see), and spent in flight (``Link.latency_overlaps``) as
+        :attr:`latency_overlaps` says."""
         hop = (self.messages.get("in_situ") or {}).get("hop_latency_s")
-        return self.cluster if hop is None else self.cluster.with_link_latency(float(hop))
+        return self.cluster.with_link_latency(
+            None if hop is None else float(hop), latency_overlaps=self.latency_overlaps
+        )
 
     def _end_of_step(
         self, sim: Any, placement: np.ndarray, res: Any, end_costs: Mapping[str, Any]
@@ -1536,12 +1537,12 @@ def predict_step(
     devices: list[str],
     *,
     in_order: bool = False,
-    latency_overlaps: bool = False,
+    latency_overlaps: bool | None = None,
 ) -> float:
     """Simulated step time of ``devices`` (one device name per op) on ``cluster`` with
     ``cost_model`` (whose ``message_cpu`` charges messages to the workers' compute);
-    ``in_order`` and ``latency_overlaps`` as in :class:`~meshplace.sim.simulator.Simulator`.
-    One simulation."""
+    ``in_order`` and ``latency_overlaps`` (``None``: as the cluster's links say) as in
+    :class:`~meshplace.sim.simulator.Simulator`. One simulation."""
     from meshplace.sim.simulator import Simulator
 
     sim = Simulator(

@@ -476,6 +476,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace, plan: Any) -> int:
     from meshplace.runtime.executor import natural_key, resolve_worker_devices, run_placement
+    from meshplace.runtime.processes import safe_start_method
     from meshplace.runtime.program import ModelSpec, trace_step
     from meshplace.util import print_json
 
@@ -511,6 +512,10 @@ def _run(args: argparse.Namespace, plan: Any) -> int:
         step=step,
         worker_devices=where,
         hang_timeout=getattr(args, "hang_timeout", DEFAULT_HANG_TIMEOUT_S),
+        # host workers are forks of this process, which has imported torch and traced the
+        # step: they start in milliseconds rather than importing and tracing it again
+        # (~3 s of CPU each); GPU workers must be spawned
+        start_method="spawn" if gpus else safe_start_method(),
     )
     if args.cluster_out and cal is not None:
         from meshplace.hardware import save_cluster

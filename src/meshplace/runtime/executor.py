@@ -292,6 +292,9 @@ def _worker(
 
     if parent_pid is not None:  # first: die with the driver, whatever happens next
         die_with_parent(parent_pid, f"meshplace-w{rank}")
+    # a forked worker inherits the driver's handlers: SIGTERM from the driver ends it at
+    # once, as it ends a spawned one, rather than raising in whatever it is doing
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     torch.set_num_threads(threads)
     sched: NodeSchedule | None = None
     try:

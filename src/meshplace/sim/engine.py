@@ -33,12 +33,13 @@ model above, bit for bit):
   walks the graph in one global order does (``meshplace.runtime``).
 
 A third models links whose latency is time in flight, not time on the wire
-(``latency_overlaps``: a TCP connection between two processes, where a message's
-latency is both ends' software and the next message leaves while it is in flight, as in
-LogP's latency against its gap, Culler et al., PPoPP 1993): a transfer holds its links
-for its bytes over the bandwidth only and still arrives after the latency as well, so a
-burst of small messages pays the latency once rather than once per message. Off by
-default (the links are held for the latency too, the model above).
+(``link_overlaps``, per link; the cluster's ``latency_overlaps: true`` on a link: a TCP
+connection between two processes, where a message's latency is both ends' software and
+the next message leaves while it is in flight, as in LogP's latency against its gap,
+Culler et al., PPoPP 1993): a transfer holds such a link for its bytes over the
+bandwidth only and still arrives after the latency as well, so a burst of small
+messages pays the latency once rather than once per message. Off by default (a link is
+held for the latency too, the model above).
 
 A fourth is a property of the hardware (``occupy``, per device; the cluster's
 ``transfers: occupy``): a device with no engine that moves data for it (CPUs, FPGAs, many
@@ -230,14 +231,14 @@ def simulate_kernel(
     msg_cpu,
     in_order,
     occupy,
-    latency_overlaps,
+    link_overlaps,
 ):
     """Simulate one step. Returns per-op start/end, the transfers, per-device busy time and
     peak memory, and per-link busy time and bytes. ``time_scale`` multiplies every
     duration (op and transfer), which the scaling property tests use. ``msg_cpu``
     (``[n_dev, 4]``, zeros: off), ``in_order``, ``occupy`` (``[n_dev]`` booleans: the
-    device spends each transfer's time at both ends) and ``latency_overlaps`` are the
-    options in the module doc.
+    device spends each transfer's time at both ends) and ``link_overlaps`` (``[n_links]``
+    booleans) are the options in the module doc.
 
     Routes are CSR (``route_links[route_ptr[r] : route_ptr[r + 1]]``). With ``pair_keys``
     empty, ``r`` is ``src_device * n_dev + dst_device`` (a table of all pairs); otherwise
@@ -444,11 +445,12 @@ def simulate_kernel(
                     lat += link_lat[link]
                 dur = (lat + x_bytes[x] / bw) * time_scale
                 end = start + dur
-                # the links are held for the whole transfer, or with overlapping latencies
-                # for its bytes only (the next message leaves while this one is in flight)
-                held = x_bytes[x] / bw * time_scale if latency_overlaps else dur
+                # a link is held for the whole transfer, or with an overlapping latency for
+                # the bytes only (the next message leaves while this one is in flight)
+                wire = x_bytes[x] / bw * time_scale
                 for r in range(route_ptr[pair], route_ptr[pair + 1]):
                     link = route_links[r]
+                    held = wire if link_overlaps[link] else dur
                     link_free[link] = start + held
                     link_busy[link] += held
                     link_bytes[link] += x_bytes[x]

@@ -180,20 +180,28 @@ class Simulator:
         in_order: bool = False,
         order: np.ndarray | None = None,
         dense_routes: bool | None = None,
-        latency_overlaps: bool = False,
+        latency_overlaps: bool | None = None,
     ) -> None:
         """``in_order``: each device runs its ops strictly in priority order (an
         interpreter's fixed program order) instead of starting any ready op; ``order``
         (op indices, a topological order) replaces the graph's topological order as the
         priority — e.g. the order a runtime executes the ops in; the cost model's
         ``message_cpu`` charges transfers to the devices' compute; ``latency_overlaps``: a
-        transfer holds its links for its bytes only, its latency spent in flight while the
-        next one leaves (:mod:`meshplace.sim.engine`). All default to the original model.
+        transfer holds a link for its bytes only, its latency spent in flight while the
+        next one leaves (:mod:`meshplace.sim.engine`) — ``None`` (default) where the
+        cluster's link says so (``Link.latency_overlaps``), ``True``/``False`` on every
+        link. The others default to the original model.
         ``dense_routes``: build every route up front (True) or route per placement (False);
         the default picks by size (:data:`DENSE_ROUTE_DEVICES`). Results are identical."""
         self.graph = graph
         self.in_order = bool(in_order)
-        self.latency_overlaps = bool(latency_overlaps)
+        self.link_overlaps = np.array(
+            [
+                link.latency_overlaps if latency_overlaps is None else bool(latency_overlaps)
+                for link in cluster.links
+            ],
+            dtype=np.bool_,
+        )
         self.cluster = cluster
         self.cost_model = cost_model or CostModel()
         a = graph.arrays()
@@ -518,7 +526,7 @@ class Simulator:
             self.msg_cpu,
             self.in_order,
             self.occupy,
-            self.latency_overlaps,
+            self.link_overlaps,
         )
         steady = float(max(busy.max(initial=0.0), link_busy.max(initial=0.0)))
         throughput, m, scheduled, model = None, 1, None, None
