@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 # What the commands import on their way (most of it lazily, inside functions): imported
@@ -42,10 +42,16 @@ COMMAND_MODULES = (
 )
 
 
-def _command(argv: list[str], cwd: str, env: dict[str, str] | None, logs: str) -> None:
+def _child(
+    entry: Callable[[list[str]], int],
+    argv: list[str],
+    cwd: str,
+    env: dict[str, str] | None,
+    logs: str,
+) -> None:
     """The child: its own descriptors 0, 1 and 2, the test's folder and environment, then
-    ``meshplace.cli.main(argv)`` and out with its status without interpreter finalisation
-    (the test's process was forked mid-run)."""
+    ``entry(argv)`` and out with its status without interpreter finalisation (the test's
+    process was forked mid-run)."""
     status = 1
     try:
         out = open(Path(logs) / "out", "w")  # noqa: SIM115 - kept to os._exit
@@ -64,9 +70,7 @@ def _command(argv: list[str], cwd: str, env: dict[str, str] | None, logs: str) -
 
         # one thread: the parent's OpenMP pool does not survive the fork
         torch.set_num_threads(1)
-        from meshplace.cli import main
-
-        status = main(argv)
+        status = entry(argv)
     except SystemExit as exc:  # argparse's --help
         status = exc.code if isinstance(exc.code, int) else 1
     except BaseException:  # a crash: its traceback on the command's standard error
@@ -77,6 +81,48 @@ def _command(argv: list[str], cwd: str, env: dict[str, str] | None, logs: str) -
         os._exit(status)
 
 
+def run_forked(
+    entry: Callable[[list[str]], int],
+    argv: Sequence[str],
+    *,
+    cwd: Path | str | None = None,
+    env: Mapping[str, str] | None = None,
+    timeout: float = 600,
+) -> tuple[int | None, str, str]:
+    """``entry(argv)`` (a command's ``main``) in a fork of this process, started in
+    ``cwd`` (this process's working folder if ``None``) with environment ``env`` (this
+    process's if ``None``): ``(exit status, standard output, standard error)``, the
+    status ``None`` for a child that outlived ``timeout`` seconds and was killed."""
+    with tempfile.TemporaryDirectory(prefix="meshplace-fork-") as logs:
+        for name in ("out", "err"):  # there to read even if the child dies at once
+            (Path(logs) / name).touch()
+        child = multiprocessing.get_context("fork").Process(
+            target=_child,
+            args=(
+                entry,
+                list(argv),
+                str(cwd or os.getcwd()),
+                None if env is None else dict(env),
+                logs,
+            ),
+        )
+        child.start()
+        child.join(timeout=timeout)
+        if child.exitcode is None:
+            child.kill()
+            child.join()
+            status = None
+        else:
+            status = child.exitcode
+        return status, (Path(logs) / "out").read_text(), (Path(logs) / "err").read_text()
+
+
+def _meshplace_main(argv: list[str]) -> int:
+    from meshplace.cli import main
+
+    return main(argv)
+
+
 def run_meshplace(
     argv: Sequence[str | Path],
     *,
@@ -84,32 +130,18 @@ def run_meshplace(
     env: Mapping[str, str] | None = None,
     timeout: float = 600,
 ) -> subprocess.CompletedProcess[str]:
-    """``meshplace ARGV`` (no program name) in a fork of this process, started in ``cwd``
-    (this process's working folder if ``None``) with environment ``env`` (this process's
-    if ``None``): its exit status, standard output and standard error in the form
-    ``subprocess.run`` returns with ``capture_output=True, text=True``. A command that
-    outlives ``timeout`` seconds is killed and fails the test."""
+    """``meshplace ARGV`` (no program name) in a fork of this process (:func:`run_forked`),
+    started in ``cwd`` (this process's working folder if ``None``) with environment
+    ``env`` (this process's if ``None``): its exit status, standard output and standard
+    error in the form ``subprocess.run`` returns with ``capture_output=True, text=True``.
+    A command that outlives ``timeout`` seconds is killed and fails the test."""
     argv = [str(a) for a in argv]
     for module in COMMAND_MODULES:
         importlib.import_module(module)
-    with tempfile.TemporaryDirectory(prefix="meshplace-cli-") as logs:
-        for name in ("out", "err"):  # there to read even if the child dies at once
-            (Path(logs) / name).touch()
-        child = multiprocessing.get_context("fork").Process(
-            target=_command,
-            args=(argv, str(cwd or os.getcwd()), None if env is None else dict(env), logs),
-        )
-        started = time.monotonic()
-        child.start()
-        child.join(timeout=timeout)
-        hung = child.exitcode is None
-        if hung:
-            child.kill()
-            child.join()
-        stdout = (Path(logs) / "out").read_text()
-        stderr = (Path(logs) / "err").read_text()
-    assert not hung, (
+    started = time.monotonic()
+    status, stdout, stderr = run_forked(_meshplace_main, argv, cwd=cwd, env=env, timeout=timeout)
+    assert status is not None, (
         f"meshplace {' '.join(argv)} still running after {time.monotonic() - started:.0f} s:\n"
         f"{stderr[-3000:]}"
     )
-    return subprocess.CompletedProcess(["meshplace", *argv], child.exitcode, stdout, stderr)
+    return subprocess.CompletedProcess(["meshplace", *argv], status, stdout, stderr)

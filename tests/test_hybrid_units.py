@@ -159,7 +159,7 @@ def test_the_cli_cuts_a_users_model_between_units(tmp_path: Path, capsys) -> Non
         "from test_hybrid_units import TinyResNet\n"
         "def build():\n"
         "    torch.manual_seed(0)\n"
-        "    return TinyResNet(), (torch.zeros(8, 3, 16, 16), torch.zeros(8, dtype=torch.int64))\n"
+        "    return TinyResNet(), (torch.zeros(4, 3, 16, 16), torch.zeros(4, dtype=torch.int64))\n"
     )
     argv = ["shard", f"{source}:build", "--cluster", "dgx-h100", "--chips", "2"]
     out = tmp_path / "plan.json"

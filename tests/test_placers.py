@@ -71,10 +71,18 @@ def _cluster(name: str):
     return load_cluster(name)
 
 
+@functools.cache
+def _problem(workload: str, cluster: str) -> PlacementProblem:
+    """One problem per workload and cluster for the tests that only run placers on it
+    (run_placer changes nothing in a problem but its evaluation count, which it resets
+    first, and its one-off warm-up): built once, not once per test."""
+    return PlacementProblem.build(_graph(workload), _cluster(cluster))
+
+
 @pytest.mark.parametrize("cluster", CLUSTERS)
 @pytest.mark.parametrize("workload", WORKLOADS)
 def test_every_placer_returns_a_valid_plan_within_budget(workload: str, cluster: str) -> None:
-    problem = PlacementProblem.build(_graph(workload), _cluster(cluster))
+    problem = _problem(workload, cluster)
     for name in _not_learned():
         result = run_placer(name, problem, GRID_BUDGET_S, seed=0)
         devices = result.op_devices
@@ -97,7 +105,7 @@ def test_placers_are_deterministic_for_a_seed(workload: str) -> None:
     # skip metis or pipeline too, each checked on its own below) and then its two walks,
     # 131-1,213 simulations in all: every random choice the placers make, at half the
     # work of twice the budget.
-    problem = PlacementProblem.build(_graph(workload), _cluster("colocrl-4gpu"))
+    problem = _problem(workload, "colocrl-4gpu")
     for name in _not_learned():
         first = run_placer(name, problem, BUDGET_S, seed=3)
         again = run_placer(name, problem, BUDGET_S, seed=3)
@@ -107,7 +115,7 @@ def test_placers_are_deterministic_for_a_seed(workload: str) -> None:
 
 @pytest.mark.parametrize("workload", ["dmcca", "nmt", "inception_v3"])
 def test_anneal_never_returns_a_plan_worse_than_its_seed(workload: str) -> None:
-    problem = PlacementProblem.build(_graph(workload), _cluster("colocrl-4gpu"))
+    problem = _problem(workload, "colocrl-4gpu")
     result = run_placer("anneal", problem, BUDGET_S, seed=1)
     assert result.stats["best_score_s"] <= result.stats["seed_score_s"]
     assert problem.score(result.sim) == pytest.approx(result.stats["best_score_s"])
@@ -115,11 +123,26 @@ def test_anneal_never_returns_a_plan_worse_than_its_seed(workload: str) -> None:
     assert problem.score(result.sim) <= problem.score(seed.sim) * (1 + 1e-12)
 
 
+@pytest.mark.parametrize("kind", ["input", "parameter", "buffer"])
+def test_anneal_walks_a_graph_whose_every_plan_takes_no_time(kind: str) -> None:
+    """A graph of one op that costs nothing scores 0 s under every plan: the walk's
+    temperatures are then 0 too (it divided the two by each other), and it returns a
+    plan of that score."""
+    graph = OpGraph("nothing")
+    graph.add_op(Op("a", kind))
+    problem = PlacementProblem.build(graph, _cluster("colocrl-4gpu"))
+    result = run_placer("anneal", problem, 0.05, seed=0)
+    assert result.op_devices.shape == (1,) and result.step_time_s == 0.0
+    assert result.stats["best_score_s"] == 0.0
+
+
 def test_anneal_charges_its_seeding_to_the_budget() -> None:
-    problem = PlacementProblem.build(_graph("dmcca"), _cluster("colocrl-4gpu"))
+    problem = _problem("dmcca", "colocrl-4gpu")
     n_ops = problem.graph.num_ops
-    for budget in (0.1, 2.0):
-        result = run_placer("anneal", problem, budget, seed=0)
+    # (anneal is deterministic for a seed: the checks of the small and the large budget
+    # below read these two runs rather than running them again)
+    results = {budget: run_placer("anneal", problem, budget, seed=0) for budget in (0.1, 2.0)}
+    for budget, result in results.items():
         stats = result.stats
         # The seeding's estimated cost and the walks together fill the budget's share, so
         # the walks get fewer simulations than the whole share would buy.
@@ -135,10 +158,10 @@ def test_anneal_charges_its_seeding_to_the_budget() -> None:
         assert stats["seed_evaluations"] >= len(stats["seed_placers"])
         assert stats["stopped_by"] == "budget"
     # A small budget runs only the seeds whose estimates fit it (expert and single always).
-    small = run_placer("anneal", problem, 0.1, seed=0).stats
+    small = results[0.1].stats
     assert small["seed_placers"][:2] == ["expert", "single"] and small["seeds_skipped_for_budget"]
     # 2 s is enough for every seed's estimate on dmcca
-    assert not run_placer("anneal", problem, 2.0, seed=0).stats["seeds_skipped_for_budget"]
+    assert not results[2.0].stats["seeds_skipped_for_budget"]
 
 
 def _clock_jumping_after(problem: PlacementProblem, evaluations: int):
@@ -148,7 +171,7 @@ def _clock_jumping_after(problem: PlacementProblem, evaluations: int):
 
 
 def test_anneal_stops_at_its_deadline_and_says_so() -> None:
-    problem = PlacementProblem.build(_graph("dmcca"), _cluster("colocrl-4gpu"))
+    problem = _problem("dmcca", "colocrl-4gpu")
     seed_plan = run_placer("expert", problem, BUDGET_S, seed=0)
     # Time runs out during the first walk, after 30 simulations (9 seeds, then the walk).
     with use_clock(_clock_jumping_after(problem, 30)):
@@ -168,7 +191,7 @@ def test_anneal_stops_at_its_deadline_and_says_so() -> None:
 
 
 def test_random_search_stops_at_its_deadline_and_says_so() -> None:
-    problem = PlacementProblem.build(_graph("dmcca"), _cluster("colocrl-4gpu"))
+    problem = _problem("dmcca", "colocrl-4gpu")
     full = run_placer("random_search", problem, BUDGET_S, seed=0).stats
     assert full["stopped_by"] == "budget" and full["simulations"] == full["planned_simulations"]
     with use_clock(_clock_jumping_after(problem, 10)):
@@ -225,7 +248,7 @@ def test_importing_the_placers_imports_no_learned_placer() -> None:
 
 
 def test_expert_places_rnn_layers_one_per_gpu_and_embeddings_on_the_cpu() -> None:
-    problem = PlacementProblem.build(_graph("nmt"), _cluster("colocrl-4gpu"))
+    problem = _problem("nmt", "colocrl-4gpu")
     result = run_placer("expert", problem, BUDGET_S, seed=0)
     names = problem.device_names
     where: dict[str, set[str]] = {}

@@ -78,21 +78,23 @@ def test_valid_deterministic_fitting_and_fast(placer: str, workload: str, cluste
     # Fast as fixed work: no simulations, and the budget is ignored (a tiny one gives the
     # same plan below); how fast in seconds: benchmarks/budgets.py.
     assert r.evaluations == 0
-    fn = registry()[placer].fn
-    devices, stats = fn(p, 5.0, 0)
+    # The placer's own plan at a budget 1,000x smaller: it is the plan run_placer reported
+    # at 5 s (every group holds an op, so expanded plans are equal only if the group plans
+    # are), so the one comparison checks both that run_placer reports the placer's plan
+    # and that the budget changes nothing, without running the placer a third time.
+    devices, stats = registry()[placer].fn(p, 5e-3, 0)
     assert devices.shape == (p.num_groups,)
     assert np.issubdtype(devices.dtype, np.integer)
     assert devices.min() >= 0 and devices.max() < p.num_devices
+    assert np.all(np.bincount(p.group_of, minlength=p.num_groups) > 0)
     np.testing.assert_array_equal(p.expand(devices), r.op_devices)
-    again, stats_again = fn(p, 5e-3, 0)
-    np.testing.assert_array_equal(devices, again)
-    assert stats["schedule_makespan_s"] == stats_again["schedule_makespan_s"]
+    assert stats["schedule_makespan_s"] == r.stats["schedule_makespan_s"]
     # Memory is plentiful here: every plan fits, on accelerators only.
     assert p.fits(devices) and not r.oom
     assert set(devices.tolist()) <= set(accelerators(p))
-    assert stats["memory_fallbacks"] == 0
+    assert r.stats["memory_fallbacks"] == 0  # (r.stats: the placer's stats at 5 s)
     if placer == "m_sct":
-        assert stats["lp_status"] == "optimal"
+        assert r.stats["lp_status"] == "optimal"
 
 
 @pytest.mark.parametrize("placer", PLACERS)

@@ -3,12 +3,15 @@ it, recorded on a fake process group in a child process, and its cost."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -22,8 +25,66 @@ from meshplace.graph.sources import load_build_function
 from meshplace.hardware import load_cluster
 from meshplace.mesh.layout import accelerators, mesh_over
 from meshplace.parallel.grid import megatron_grid
+from meshplace.runtime import dryrun
 from meshplace.runtime.dryrun import EngineProgram, dry_run, dry_runs, program_cost
-from tests.forked_cli import run_meshplace
+from tests.forked_cli import run_forked, run_meshplace
+
+# What a dry run's child imports on its way (DTensor, DDP, torch's pipelining, the fake
+# process group, the runtime): imported here once, so that no forked child imports them
+DRY_RUN_MODULES = (
+    "torch.distributed.fsdp",
+    "torch.distributed.pipelining",
+    "torch.distributed.tensor",
+    "torch.distributed.tensor.parallel",
+    "torch.nn.parallel",
+    "torch.testing._internal.distributed.fake_pg",
+    "meshplace.graph.capture",
+    "meshplace.runtime.data_parallel",
+    "meshplace.runtime.hybrid",
+    "meshplace.runtime.launch",
+    "meshplace.runtime.pipelined",
+    "meshplace.runtime.sharded",
+)
+
+
+def _dry_run_main(argv: list[str]) -> int:
+    return dryrun.main(argv)
+
+
+def _forked_run(
+    command: Sequence[str], *, timeout: float, env: dict[str, str], **_: object
+) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run(command, capture_output=True, text=True, timeout=, env=)`` for the
+    dry run's command, ``python -m meshplace.runtime.dryrun ARGS``, in a fork of this
+    process running the module's ``main`` (:func:`tests.forked_cli.run_forked`): its exit
+    status, standard output and error; past ``timeout`` it is killed and
+    :class:`subprocess.TimeoutExpired` raised, as ``subprocess.run`` does."""
+    assert list(command[:3]) == [sys.executable, "-m", "meshplace.runtime.dryrun"], command
+    status, stdout, stderr = run_forked(_dry_run_main, command[3:], env=env, timeout=timeout)
+    if status is None:
+        raise subprocess.TimeoutExpired(list(command), timeout)
+    return subprocess.CompletedProcess(list(command), status, stdout, stderr)
+
+
+def fork_the_dry_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """From here to the test's end, :func:`meshplace.runtime.dryrun.dry_run`'s process (in
+    this process, and in a command forked from it by :func:`run_meshplace`) is a fork of
+    this one running the module's own ``main``, not a fresh interpreter: importing torch,
+    DTensor and torch's pipelining there was most of this file's time. The dry run's own
+    process — a fresh interpreter recording a step, its exit status, its time limit — is
+    tested through real processes: the ``dp_program`` fixture's, and those of the test of
+    a plan whose model cannot be built."""
+    for module in DRY_RUN_MODULES:
+        importlib.import_module(module)
+    fake = SimpleNamespace(run=_forked_run, TimeoutExpired=subprocess.TimeoutExpired)
+    monkeypatch.setattr(dryrun, "subprocess", fake)
+
+
+@pytest.fixture
+def forked_dry_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """:func:`fork_the_dry_runs` for the whole test."""
+    fork_the_dry_runs(monkeypatch)
+
 
 MODEL = """\
 import torch
@@ -80,7 +141,7 @@ def test_data_parallelism_runs_one_bucketed_gradient_all_reduce(
 
 
 def test_tensor_parallelism_records_its_collectives_on_the_plans_mesh_axis(
-    grid_plans: tuple[str, dict[str, dict]],
+    grid_plans: tuple[str, dict[str, dict]], forked_dry_runs: None
 ) -> None:
     source, plans = grid_plans
     tp = next(p for label, p in plans.items() if label.startswith("dp1 x tp2"))
@@ -122,7 +183,9 @@ def test_the_prediction_costs_kernels_dispatch_and_collectives_by_the_cost_model
     assert base["step_s"] == pytest.approx(base["compute_s"] + base["communication_s"])
 
 
-def test_a_plan_whose_model_cannot_be_built_is_one_sentence(tmp_path: Path) -> None:
+def test_a_plan_whose_model_cannot_be_built_is_one_sentence(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     plan = {
         "format": "meshplace.parallel_plan",
         "version": 1,
@@ -131,9 +194,9 @@ def test_a_plan_whose_model_cannot_be_built_is_one_sentence(tmp_path: Path) -> N
         "parameters": {},
         "inputs": {},
     }
-    with pytest.raises(InputError, match=r"dry run of the plan failed: .*missing\.py"):
-        dry_run(plan)
-    # a child that runs out of time is stopped: one sentence, not a traceback
+    # the dry run's own process, a fresh interpreter: a child that runs out of time is
+    # stopped (one sentence, not a traceback); the module run as a command on this plan
+    # exits 2 with one sentence and prints nothing
     with pytest.raises(InputError, match=r"dry run of the 2 plans took longer than 0.02 s"):
         dry_runs([plan, plan], timeout_s=0.01)
     (tmp_path / "plan.json").write_text(json.dumps(plan))
@@ -146,6 +209,10 @@ def test_a_plan_whose_model_cannot_be_built_is_one_sentence(tmp_path: Path) -> N
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.strip().startswith("meshplace: error:")
     assert len(done.stderr.strip().splitlines()) == 1
+    # the rest in forks of this process running the same module
+    fork_the_dry_runs(monkeypatch)
+    with pytest.raises(InputError, match=r"dry run of the plan failed: .*missing\.py"):
+        dry_run(plan)
     # an op placement is not a sharding plan
     placed = {"format": "meshplace.plan", "version": 1, "graph": "g", "graph_ops": 1}
     (tmp_path / "placed.json").write_text(json.dumps({**placed, "placement": {"a": "gpu0"}}))
@@ -260,7 +327,7 @@ def build():
 
 
 def test_the_hybrid_search_prices_tensor_parallelism_by_the_engines_program(
-    tmp_path: Path,
+    tmp_path: Path, forked_dry_runs: None
 ) -> None:
     """``engine_pricer`` dry-runs the one-stage plan of a (tp, micro-batch) — the torchrun
     runtime's own step, its micro-batches under torch's pipelining schedule — and prices
@@ -325,7 +392,9 @@ def test_the_hybrid_search_prices_tensor_parallelism_by_the_engines_program(
         dry_run(piped, source)
 
 
-def test_shard_engine_costs_ranks_the_candidates_as_the_runtime_runs_them(tmp_path: Path) -> None:
+def test_shard_engine_costs_ranks_the_candidates_as_the_runtime_runs_them(
+    tmp_path: Path, forked_dry_runs: None
+) -> None:
     """``meshplace shard FILE.py:build --engine-costs`` (no pipeline): the solver's plan
     and every Megatron grid point that fits, each distinct plan dry-run (one child for
     all) and priced by the same cost model, fastest kept: its one JSON document ranks

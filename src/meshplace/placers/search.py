@@ -305,7 +305,6 @@ def _walk(
     ]
     partners = _colocation_partners(problem, group_of, n_groups)
     t_hot = HOT * current_score
-    t_cold = COLD * current_score
     accepted = 0
     done = 0
     stopped_at_deadline = False
@@ -315,7 +314,10 @@ def _walk(
             stopped_at_deadline = True
             break
         iterations += 1
-        temperature = t_hot * (t_cold / t_hot) ** (it / max(evaluations - 1, 1))
+        # geometric from t_hot to COLD * the seed's score; the ratio of the constants, not
+        # of the two temperatures, so that a seed scoring 0 s (a graph of inputs only) walks cold
+        # rather than dividing by zero
+        temperature = t_hot * (COLD / HOT) ** (it / max(evaluations - 1, 1))
         proposal = current.copy()
         move = rng.random()
         g = int(rng.integers(n_groups))
