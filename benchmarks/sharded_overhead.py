@@ -18,7 +18,11 @@ each, Adam, run two ways in alternation for two plans of the Megatron grid on 2 
 
 Each run: ``--warmup`` untimed then ``--steps`` timed steps, each step the slowest rank's,
 the median reported; ``--repeats`` alternating pairs per plan. The by-hand runs are this
-script's ``--worker``.
+script's ``--worker``. Beside the wall-clock step, each rank's CPU time per step (its
+process, all threads: ``time.process_time``; the mean of the ranks' medians) and its
+overhead: a rank that waits, for its peer or for a host busy with other jobs, spends wall
+time but no CPU, so on this shared 2-core host the CPU overhead is the steadier measure
+of the work the runtime adds (the wall-clock one is the target's).
 
 Usage: ``python benchmarks/sharded_overhead.py [--repeats 2] [--steps 20] [--warmup 3]``
 (about 2 minutes; ``benchmarks/results/sharded_overhead.json``).
@@ -37,7 +41,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from two_ranks import report_slowest_median, torchrun_json  # noqa: E402
+from two_ranks import relative_overhead, report_slowest_median, torchrun_json  # noqa: E402
 
 SOURCE = f"{ROOT / 'examples' / 'llama.py'}:build_tiny"
 PLANS = {"ddp": 0, "fsdp": 3}  # by-hand engine -> the ZeRO stage of meshplace's plan
@@ -80,10 +84,10 @@ def worker(engine: str, steps: int, warmup: int) -> None:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=True)
-    times = []
+    times, cpu_times = [], []
     for _ in range(steps + warmup):
         dist.barrier()
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         for k in range(micro_batches):
 
             def chunk(x: object, k: int = k) -> object:
@@ -98,7 +102,8 @@ def worker(engine: str, steps: int, warmup: int) -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - start)
-    report_slowest_median(times, warmup)
+        cpu_times.append(time.process_time() - cpu_start)
+    report_slowest_median(times, warmup, cpu_times)
 
 
 def grid_plans(folder: Path) -> dict[str, Path]:
@@ -161,15 +166,18 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = []
     common = ["--steps", str(args.steps), "--warmup", str(args.warmup)]
-    print("| plan | by hand | by hand ms | meshplace ms | overhead |\n|---|---|---:|---:|---:|")
+    print(
+        "| plan | by hand | by hand ms | meshplace ms | overhead | by hand CPU ms "
+        "| meshplace CPU ms | CPU overhead |\n|---|---|---:|---:|---:|---:|---:|---:|"
+    )
     with tempfile.TemporaryDirectory() as folder:
         plans = grid_plans(Path(folder))
         for engine, plan in plans.items():
-            by_hand, ours = [], []
+            by_hand, ours, by_hand_cpu, ours_cpu = [], [], [], []
             for _ in range(args.repeats):
-                by_hand.append(
-                    torchrun_json([__file__, "--worker", engine, *common])["step_time_s"]
-                )
+                done = torchrun_json([__file__, "--worker", engine, *common])
+                by_hand.append(done["step_time_s"])
+                by_hand_cpu.append(statistics.mean(done["cpu_time_s_per_rank"]))
                 source = ACCUMULATED if engine == "ddp-accumulate" else SOURCE
                 report = torchrun_json(
                     [
@@ -178,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
                     ]
                 )
                 ours.append(report["measured"]["step_time_s"])
+                ours_cpu.append(statistics.mean(report["measured"]["cpu_time_s_per_rank"]))
             row = {
                 "plan": f"dp2 zero{PLANS[engine]}"
                 if engine in PLANS
@@ -186,12 +195,17 @@ def main(argv: list[str] | None = None) -> int:
                 "by_hand": engine,
                 "by_hand_s": by_hand,
                 "meshplace_s": ours,
-                "overhead": statistics.median(ours) / statistics.median(by_hand) - 1,
+                "overhead": relative_overhead(ours, by_hand),
+                "by_hand_cpu_s": by_hand_cpu,
+                "meshplace_cpu_s": ours_cpu,
+                "cpu_overhead": relative_overhead(ours_cpu, by_hand_cpu),
             }
             rows.append(row)
             print(
                 f"| {row['plan']} | {engine} | {1e3 * statistics.median(by_hand):.1f} | "
-                f"{1e3 * statistics.median(ours):.1f} | {100 * row['overhead']:+.1f} % |",
+                f"{1e3 * statistics.median(ours):.1f} | {100 * row['overhead']:+.1f} % | "
+                f"{1e3 * statistics.median(by_hand_cpu):.1f} | "
+                f"{1e3 * statistics.median(ours_cpu):.1f} | {100 * row['cpu_overhead']:+.1f} % |",
                 flush=True,
             )
     write_result(args.out, {"model": SOURCE, "rows": rows})

@@ -34,16 +34,34 @@ def torchrun_json(args: list[str], attempts: int = 3) -> dict:
     raise RuntimeError(done.stderr[-3000:] if done.stderr else "failed")
 
 
-def report_slowest_median(times: list[float], warmup: int) -> None:
+def report_slowest_median(
+    times: list[float], warmup: int, cpu_times: list[float] | None = None
+) -> None:
     """On every rank of a torchrun program: gather each rank's step times; rank 0 prints
-    ``{"step_time_s": ...}`` (per step the slowest rank, median after ``warmup``); then
-    leave the process group."""
+    ``{"step_time_s": ...}`` (per step the slowest rank, median after ``warmup``) and,
+    given each step's CPU time of the rank's process (``time.process_time``),
+    ``"cpu_time_s_per_rank"`` (each rank's median after ``warmup``: as meshplace's
+    runtime reports it); then leave the process group."""
     import torch.distributed as dist
 
     every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, times)
+    dist.all_gather_object(every, (times, cpu_times))
     if dist.get_rank() == 0:
-        slowest = [max(r[k] for r in every) for k in range(len(times))]
-        print(json.dumps({"step_time_s": statistics.median(slowest[warmup:])}))
+        slowest = [max(r[0][k] for r in every) for k in range(len(times))]
+        report: dict = {"step_time_s": statistics.median(slowest[warmup:])}
+        if cpu_times is not None:
+            report["cpu_time_s_per_rank"] = [statistics.median(r[1][warmup:]) for r in every]
+        print(json.dumps(report))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def relative_overhead(ours: list[float], by_hand: list[float]) -> float:
+    """What meshplace adds to the same work by hand: the median of ``ours`` over the median
+    of ``by_hand``, less one (the repeats alternate, so a slow spell of the host falls on
+    both).
+
+    >>> round(relative_overhead([1.1, 1.2, 9.0], [1.0, 1.0, 1.1]), 6)
+    0.2
+    """
+    return statistics.median(ours) / statistics.median(by_hand) - 1

@@ -119,6 +119,8 @@ def test_a_plan_trains_under_torchrun_like_one_process_and_each_rank_holds_its_s
     trained_like_one_process(report, source, tmp_path / "ck", steps=3)
     assert report["world_size"] == 2 and report["steps"] == 3 and report["warmup"] == 1
     assert report["measured"]["step_time_s"] > 0
+    cpu = report["measured"]["cpu_time_s_per_rank"]  # each rank's process, in the step
+    assert len(cpu) == 2 and all(c > 0 for c in cpu), cpu
     # each rank holds its block of every parameter, gradient and Adam moment exactly as
     # predicted, ZeRO-3's parameter shards included
     assert 3 in zero.values(), zero

@@ -119,6 +119,8 @@ def _check_trained(
     assert torch.allclose(
         torch.tensor(report["measured"]["losses"]), torch.tensor(losses), rtol=0, atol=1e-5
     )
+    cpu = report["measured"]["cpu_time_s_per_rank"]  # each rank's process, in the step
+    assert len(cpu) == report["world_size"] and all(c > 0 for c in cpu), cpu
     saved = {k: v for r in ranks for k, v in torch.load(folder / f"rank{r}.pt").items()}
     reference = dict(trained.named_parameters())
     assert sorted(saved) == sorted(reference)

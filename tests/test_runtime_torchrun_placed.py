@@ -209,6 +209,8 @@ def test_a_pipelined_placement_runs_as_a_1f1b_pipeline_like_one_process(tmp_path
     assert torch.allclose(
         torch.tensor(report["measured"]["losses"]), torch.tensor(expected), rtol=0, atol=1e-5
     )
+    cpu = report["measured"]["cpu_time_s_per_rank"]  # each stage's process, in the step
+    assert len(cpu) == 2 and all(c > 0 for c in cpu), cpu
     # the parameters after the three steps: each stage's own, together the whole model's
     # (four micro-batches' gradients summed, so within 1e-5, not bit for bit)
     stages = [torch.load(tmp_path / "ck" / f"rank{r}.pt") for r in (0, 1)]

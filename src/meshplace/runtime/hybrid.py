@@ -566,6 +566,7 @@ def run_hybrid_plan(
     if device_type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     times: list[float] = []
+    cpu_times: list[float] = []  # the process's CPU time in each step (step_timing)
     losses: list[float | None] = []
     grad_bytes = 0
     program = EngineProgram(dist.get_world_size())
@@ -584,7 +585,7 @@ def run_hybrid_plan(
             if step == record_step and rank == 0
             else contextlib.nullcontext()
         )
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         with recording:
             # the schedule runs the backward too: plain tensors (a rotary table) saved for
             # it meet DTensor gradients there, so the whole step is a sharded step; a
@@ -613,6 +614,7 @@ def run_hybrid_plan(
         if device_type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
+        cpu_times.append(time.process_time() - cpu_start)
         if last_stage:
             values = [m.full_tensor() if hasattr(m, "full_tensor") else m for m in micro]
             loss = torch.stack([v.detach().reshape(()) for v in values]).mean()
@@ -642,6 +644,7 @@ def run_hybrid_plan(
         "stage_begins": splits[pipe_index - 1] if pipe_index else "",
         "virtual_stages": mine,
         "times_s": times,
+        "cpu_times_s": cpu_times,
         "losses": losses,
         "parameters": sum(local_nbytes(p) for m in modules for p in m.parameters()),
         "gradients": grad_bytes,
@@ -836,7 +839,7 @@ def summarise_hybrid(
     the losses (the last stage's) beside the plan's prediction for its own cluster, and
     every rank's parameter, gradient and optimizer-state bytes beside its stage's
     ``held_bytes``."""
-    from meshplace.runtime.launch import peak_kind, step_timing
+    from meshplace.runtime.launch import measured_times, peak_kind, step_timing
 
     timing = step_timing(per_rank, warmup)
     stages = plan["stages"]
@@ -884,8 +887,7 @@ def summarise_hybrid(
         "steps": timing["steps"],
         "warmup": timing["warmup"],
         "measured": {
-            "step_time_s": timing["step_time_s"],
-            "step_times_s": timing["step_times_s"],
+            **measured_times(timing),
             "losses": last["losses"],
         },
         "predicted": {

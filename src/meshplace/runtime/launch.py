@@ -590,6 +590,7 @@ def run_sharded_plan(
     if device_type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     times: list[float] = []
+    cpu_times: list[float] = []  # the process's CPU time in each step (step_timing)
     losses: list[float] = []
     grad_bytes = 0
     rank = torch.distributed.get_rank()
@@ -611,7 +612,7 @@ def run_sharded_plan(
         activity.at(0, SYNC)
         torch.distributed.barrier()
         activity.at(0)
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         if rank == 0 and step == warmup - 1:
             loss, grad_bytes, program = recorded_step(training)
         else:
@@ -619,6 +620,7 @@ def run_sharded_plan(
         if device_type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
+        cpu_times.append(time.process_time() - cpu_start)
         losses.append(training.loss_value(loss))
     state_bytes = optimizer_state_bytes(training.optimizer)
     peak = peak_bytes(device_type)
@@ -632,6 +634,7 @@ def run_sharded_plan(
             torch.save(whole, Path(checkpoint_dir) / "rank0.pt")
     return {
         "times_s": times,
+        "cpu_times_s": cpu_times,
         "losses": losses,
         "parameters": sum(local_nbytes(p) for p in model.parameters()),
         "gradients": grad_bytes,
@@ -659,20 +662,45 @@ def fault_step_of(fault: str, rank: int) -> int | None:
 def step_timing(per_rank: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
     """The step times of a run from every rank's ``times_s``: per step the slowest rank's
     (a step ends when its last rank does), and their median after ``warmup`` steps (at
-    least one step is timed).
+    least one step is timed). Where every rank also gives ``cpu_times_s`` (the CPU time
+    its process spent in each step, all its threads: ``time.process_time``),
+    ``cpu_time_s_per_rank`` is each rank's median after ``warmup``: the step's work without
+    the time the rank waited, for its peers or for a host busy with other jobs (on a
+    shared host the steadier measure of what a runtime adds; ``benchmarks/
+    sharded_overhead.py``).
 
     >>> step_timing([{"times_s": [5.0, 1.0, 2.0]}, {"times_s": [4.0, 3.0, 1.0]}], 1)
     {'steps': 3, 'warmup': 1, 'step_time_s': 2.5, 'step_times_s': [5.0, 3.0, 2.0]}
+    >>> ranks = [{"times_s": [5.0, 2.0], "cpu_times_s": [4.0, 1.0]}] * 2
+    >>> step_timing(ranks, 1)["cpu_time_s_per_rank"]
+    [1.0, 1.0]
     """
     steps = len(per_rank[0]["times_s"])
     slowest = [max(r["times_s"][k] for r in per_rank) for k in range(steps)]
     skip = min(warmup, steps - 1)
-    return {
+    timing = {
         "steps": steps,
         "warmup": skip,
         "step_time_s": statistics.median(slowest[skip:]),
         "step_times_s": slowest,
     }
+    if all("cpu_times_s" in r for r in per_rank):
+        timing["cpu_time_s_per_rank"] = [
+            statistics.median(r["cpu_times_s"][skip:]) for r in per_rank
+        ]
+    return timing
+
+
+def measured_times(timing: dict[str, Any]) -> dict[str, Any]:
+    """The step-time entries of a run report's ``measured`` from :func:`step_timing`'s
+    result: ``step_time_s``, ``step_times_s`` and, where the ranks measured it,
+    ``cpu_time_s_per_rank``.
+
+    >>> measured_times({"steps": 1, "warmup": 0, "step_time_s": 2.0, "step_times_s": [2.0]})
+    {'step_time_s': 2.0, 'step_times_s': [2.0]}
+    """
+    keys = ("step_time_s", "step_times_s", "cpu_time_s_per_rank")
+    return {key: timing[key] for key in keys if key in timing}
 
 
 def summarise(
@@ -742,8 +770,7 @@ def summarise(
         "steps": timing["steps"],
         "warmup": timing["warmup"],
         "measured": {
-            "step_time_s": timing["step_time_s"],
-            "step_times_s": timing["step_times_s"],
+            **measured_times(timing),
             "losses": per_rank[0]["losses"],
         },
         "predicted": {"cluster": plan.get("cluster"), **predicted},
@@ -1181,8 +1208,7 @@ def summarise_pipeline(
         "steps": timing["steps"],
         "warmup": timing["warmup"],
         "measured": {
-            "step_time_s": timing["step_time_s"],
-            "step_times_s": timing["step_times_s"],
+            **measured_times(timing),
             "losses": per_rank[-1]["losses"],
         },
         "predicted": _placement_prediction(plan),
@@ -1216,8 +1242,7 @@ def summarise_placement(
         "steps": timing["steps"],
         "warmup": timing["warmup"],
         "measured": {
-            "step_time_s": timing["step_time_s"],
-            "step_times_s": timing["step_times_s"],
+            **measured_times(timing),
             "losses": losses,
             "wait_s_per_rank": [statistics.median(r["wait_s"][-timed:]) for r in per_rank],
             "bytes_sent_per_rank": [r["bytes_sent"] for r in per_rank],

@@ -468,6 +468,7 @@ def run_pipelined_plan(
     target = torch.zeros(micro_batches, device=device)  # the loss is the model's own
     activity = watch_stage(stage.submod, rank, world, micro_batches)
     times: list[float] = []
+    cpu_times: list[float] = []  # the process's CPU time in each step (step_timing)
     losses: list[float | None] = []
     for step in range(steps):
         activity.start_step(step)
@@ -476,7 +477,7 @@ def run_pipelined_plan(
         activity.at(0)
         if step == fault_step:
             activity.kill_at_forward = True
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         micro = run_schedule(runner, first, last, inputs, keywords, target)
         activity.at(2 * micro_batches)
         optimizer.step()
@@ -484,6 +485,7 @@ def run_pipelined_plan(
         if device_type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
+        cpu_times.append(time.process_time() - cpu_start)
         losses.append(float(torch.stack(micro).detach().mean()) if last else None)
     # parameters and buffers, as the OpGraph's param_bytes counts them
     held = [*stage.submod.parameters(), *stage.submod.buffers()]
@@ -503,6 +505,7 @@ def run_pipelined_plan(
         "stage_begins": boundaries[rank - 1] if rank else "",
         "ops_moved": moved[rank - 1] if rank else 0,
         "times_s": times,
+        "cpu_times_s": cpu_times,
         "losses": losses,
         "predicted_bytes": predicted,
         "held_bytes": {"parameters": params, "optimizer_state": state},
