@@ -202,6 +202,35 @@ def test_op_times_in_the_worker_regime() -> None:
     assert ((seconds > 0) == (time_step_ops(step, reps=1) > 0)).all()
 
 
+def test_op_times_pool_runs_so_one_slow_run_moves_no_median(monkeypatch) -> None:
+    """The runs between bursts pool their timed steps: with one of three runs 10x slow
+    (a slow spell of the host), every op's time and the step are the fast runs'; each
+    burst runs once, between runs."""
+    import types
+
+    import meshplace.runtime.executor as executor
+
+    step = trace_step(ModelSpec("mlp", batch=8))
+    owned = [k for k, n in enumerate(step.gm.graph.nodes) if step.node_op.get(n.name, -1) >= 0]
+    order: list[str] = []
+
+    def fake_run(spec, devices, steps, *, warmup, **_options):
+        slow = 10.0 if not order else 1.0  # the first run: in a slow spell
+        order.append("run")
+        spans = [(node, 0.0, slow * 1e-6 * (1 + k)) for k, node in enumerate(owned)]
+        total = sum(end for _, _, end in spans)
+        return types.SimpleNamespace(timelines=[[spans] * steps], step_times=[total] * steps)
+
+    monkeypatch.setattr(executor, "run_placement", fake_run)
+    bursts = [lambda: order.append("burst")] * 2
+    pooled = time_ops_in_worker(step, reps=3, warmup=1, bursts=bursts)
+    assert order == ["run", "burst", "run", "burst", "run"]
+    order.clear()
+    order.append("no slow spell")  # every run fast
+    fast = time_ops_in_worker(step, reps=3, warmup=1)
+    assert np.array_equal(pooled, fast) and fast.sum() > 0
+
+
 def _two_operator_graph(rows: int) -> OpGraph:
     """GELUs and Adam-like muls of one kind (elementwise), ``rows`` x 512 floats each, and
     a bias-sized mul that does not change with the batch."""

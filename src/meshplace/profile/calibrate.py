@@ -294,8 +294,20 @@ def time_step_ops(step: Any, reps: int = 5, warmup: int = 1, threads: int = 1) -
     return out
 
 
+#: how many runs of a worker :func:`calibrate` times a CPU step's ops in (the link and the
+#: message measurements between them): a slow spell of the host in one of them moves no
+#: median (:func:`time_ops_in_worker`)
+OP_TIMING_RUNS = 3
+
+
 def time_ops_in_worker(
-    step: Any, reps: int = 5, warmup: int = 2, *, device: str = "cpu", spec: Any = None
+    step: Any,
+    reps: int = 5,
+    warmup: int = 2,
+    *,
+    device: str = "cpu",
+    spec: Any = None,
+    bursts: Sequence[Callable[[], Any]] = (),
 ) -> np.ndarray:
     """Seconds per OpGraph op of a traced step, timed on a runtime worker: the step runs
     ``warmup + reps`` times on one forked worker process (one intra-op thread) of
@@ -304,6 +316,14 @@ def time_ops_in_worker(
     median per op over the timed steps, rescaled so the ops add up to the median step (the
     worker's per-step work outside the nodes, spread over the ops). Non-kernel ops get 0.
     Cost: ``warmup + reps`` steps plus a fork (~0.1 s).
+
+    ``bursts``: work to do between further runs of as many steps, each on a new worker
+    (``calibrate`` measures the link and the messages there): the medians are over the
+    timed steps of all runs, so a slow spell of a shared host (other jobs; it lasts longer
+    than one run's steps) makes at most one run slow and moves no median while most runs
+    are not slow — one run in a slow spell had a model's calibrated step 4.5x its measured
+    one (dmcca-small in ``benchmarks/fidelity.py``, session 48). Each run costs another
+    ``warmup + reps`` steps and fork.
 
     With ``device="cuda:i"`` the worker runs on that GPU: it is spawned (a forked process
     cannot use CUDA), so ``spec`` (the step's :class:`~meshplace.runtime.program.ModelSpec`)
@@ -317,26 +337,33 @@ def time_ops_in_worker(
     gpu = torch.device(device).type == "cuda"
     if gpu and spec is None:
         raise InputError("timing ops on a GPU worker needs the step's ModelSpec (spec=...)")
-    run = run_placement(
-        spec if gpu else None,
-        ["w0"] * step.graph.num_ops,
-        warmup + reps,
-        warmup=warmup,
-        step=step,
-        start_method="spawn" if gpu else "fork",
-        timeline=True,
-        worker_devices=[device],
-    )
-    assert run.timelines is not None
     names = [n.name for n in step.gm.graph.nodes]
     owner = [step.node_op.get(name, -1) for name in names]
-    samples = np.zeros((reps, step.graph.num_ops))
-    for r, spans in enumerate(run.timelines[0][warmup:]):
-        for node, start, end in spans:
-            if node >= 0 and owner[node] >= 0:
-                samples[r, owner[node]] += end - start
-    out = np.median(samples, axis=0)
-    total = float(np.median(run.step_times[warmup:]))
+    samples: list[np.ndarray] = []
+    totals: list[float] = []
+    for between in [None, *bursts]:
+        if between is not None:
+            between()
+        run = run_placement(
+            spec if gpu else None,
+            ["w0"] * step.graph.num_ops,
+            warmup + reps,
+            warmup=warmup,
+            step=step,
+            start_method="spawn" if gpu else "fork",
+            timeline=True,
+            worker_devices=[device],
+        )
+        assert run.timelines is not None
+        for spans in run.timelines[0][warmup:]:
+            sample = np.zeros(step.graph.num_ops)
+            for node, start, end in spans:
+                if node >= 0 and owner[node] >= 0:
+                    sample[owner[node]] += end - start
+            samples.append(sample)
+        totals += run.step_times[warmup:]
+    out = np.median(np.stack(samples), axis=0)
+    total = float(np.median(totals))
     if gpu:
         plain = run_placement(
             spec,
@@ -755,11 +782,14 @@ def calibrate(
     spec: Any = None,
     micro_batches: int | None = None,
 ) -> Calibration:
-    """Measure the device, time ``step``'s ops (on a forked runtime worker, or in this
+    """Measure the device, time ``step``'s ops (on forked runtime workers, or in this
     process with ``in_worker=False``), measure the link and the message CPU cost (unless
     given; with ``spacing``, also its dependence on spacing, ~2.5 s more), fit the cost
     model and attach the op times to ``step.graph``. Starts two
-    processes for the link and two for the messages (~1-2 s each) unless given.
+    processes for the link and two for the messages (~1-2 s each) unless given. On CPU
+    workers the ops are timed in :data:`OP_TIMING_RUNS` runs of ``reps`` steps, one before
+    and the others after the link's and the messages' measurements, so that the runs
+    spread over the calibration's seconds (:func:`time_ops_in_worker`).
 
     ``worker_device="cuda:i"`` calibrates GPU workers (``local-cuda`` devices ``gpu0``…):
     the device is measured and the ops timed on that GPU (a spawned worker: pass the
@@ -787,16 +817,37 @@ def calibrate(
             raise InputError("GPU calibration times the ops on a GPU worker (in_worker=True)")
         if spec is None:
             raise InputError("GPU calibration needs the step's ModelSpec (spec=...)")
-    link = link or measure_link()
-    if messages is None:
-        messages = measure_message_cost()
+    measured: dict[str, Any] = {"link": link, "messages": messages}
+
+    def measure_the_link() -> None:
+        measured["link"] = measure_link()
+
+    def measure_the_messages() -> None:
+        costs = measure_message_cost()
         if spacing:
-            messages["spacing"] = measure_message_spacing()["rows"]
-    if in_worker:
-        # before measure_device, which initialises CUDA in this process for a GPU
-        seconds = time_ops_in_worker(step, reps=reps, device=worker_device, spec=spec)
+            costs["spacing"] = measure_message_spacing()["rows"]
+        measured["messages"] = costs
+
+    work = [
+        measure
+        for measure, given in ((measure_the_link, link), (measure_the_messages, messages))
+        if not given
+    ]
+    if in_worker and not gpu:
+        # the ops timed in OP_TIMING_RUNS runs, the link and message measurements between
+        # them: the runs spread over the seconds those take (time_ops_in_worker's bursts)
+        between = [*work, *[lambda: None] * (OP_TIMING_RUNS - 1 - len(work))]
+        seconds = time_ops_in_worker(step, reps=reps, bursts=between)
     else:
-        seconds = time_step_ops(step, reps)
+        for measure in work:
+            measure()
+        seconds = (
+            # before measure_device, which initialises CUDA in this process for a GPU
+            time_ops_in_worker(step, reps=reps, device=worker_device, spec=spec)
+            if in_worker
+            else time_step_ops(step, reps)
+        )
+    link, messages = measured["link"], measured["messages"]
     more = []
     micro_note = "none: the full batch only"
     for micro in [] if gpu else micro_steps(step, micro_batches):
