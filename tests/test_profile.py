@@ -671,6 +671,8 @@ def test_in_situ_message_costs_from_probe_runs() -> None:
     assert all(lk.latency_overlaps for lk in kept.links)
     with pytest.raises(InputError):
         calibrate_in_situ(Calibration(cal.cluster, cal.cost_model, cal.op_times, {}, {}, {}))
+    with pytest.raises(InputError, match="at least one round"):
+        calibrate_in_situ(cal, rounds=0)
 
 
 def test_waited_hop_latencies_count_only_the_receives_that_waited() -> None:

@@ -1123,14 +1123,43 @@ def _node_medians(run: Any, worker: int, warmup: int) -> dict[int, float]:
     return {node: statistics.median(v) for node, v in per.items()}
 
 
+def pooled_runs(runs: Sequence[Any], warmup: int) -> Any:
+    """Runs of one placement (:func:`meshplace.runtime.executor.run_placement` results
+    with timelines) as one: each worker's timed steps of every run, in order, without
+    the ``warmup`` steps each run began with, and ``step_time_s`` the median of all those
+    steps. A slow spell of the host over one run of three moves no median taken over
+    the pooled steps. O(steps x nodes).
+
+    >>> from types import SimpleNamespace as Run
+    >>> times = {1: 1.0, 2: 5.0, 3: 2.0}  # round -> its timed step; each began with 9.0
+    >>> runs = [Run(timelines=[["w", f"t{r}"]], step_times=[9.0, t]) for r, t in times.items()]
+    >>> pooled = pooled_runs(runs, 1)
+    >>> pooled.timelines, pooled.step_time_s
+    ([['t1', 't2', 't3']], 2.0)
+    """
+    from types import SimpleNamespace
+
+    workers = len(runs[0].timelines)
+    timelines = [
+        [spans for run in runs for spans in run.timelines[w][warmup:]] for w in range(workers)
+    ]
+    steps = [t for run in runs for t in run.step_times[warmup:]]
+    return SimpleNamespace(timelines=timelines, step_time_s=float(statistics.median(steps)))
+
+
 def calibrate_in_situ(
-    cal: Calibration, *, steps: int = 10, warmup: int = 3, seed: int = 1000
+    cal: Calibration, *, steps: int = 12, warmup: int = 3, seed: int = 1000, rounds: int = 3
 ) -> dict[str, Any]:
     """Measure what messages cost *inside* a training step, from per-node timelines, and
     make :meth:`Calibration.predict` use it (``cal.messages["in_situ"]``).
 
-    The step runs once on one worker and under each :func:`probe_placements` on two
-    (``warmup + steps`` steps each, timelines on). For every worker and timed step of a
+    The step runs on one worker and under each :func:`probe_placements` on two, timelines
+    on, in ``rounds`` rounds (each placement once a round, ``warmup`` then
+    ``steps / rounds`` steps, rounded up), each placement's timed steps pooled
+    (:func:`pooled_runs`): the rounds spread every placement's steps over the
+    calibration's seconds, so that a slow spell of a shared host inflates no message
+    cost (one run each had mlp's send cost at 5x and its exchange's at 20x in a slow
+    spell: ``benchmarks/fidelity.py``, session 48). For every worker and timed step of a
     probe, its *excess* — the time its nodes took minus what the same nodes took on the
     lone worker — is regressed (least squares, coefficients kept non-negative) on the
     messages it sent and the receives it blocked in (a receive span over
@@ -1156,8 +1185,8 @@ def calibrate_in_situ(
     ~110 µs after each blocking receive (the woken worker's next node), no extra cost for
     a receive whose data is there, and nodes 10-20 % slower in a two-worker run than on a
     lone worker, R² 0.9 (docs/runtime.md). The probes are separate runs of placements no
-    placer makes, so benchmarks of placers' plans stay out of sample. Cost: 5 runs of
-    ``warmup + steps`` steps. Returns the report, also stored.
+    placer makes, so benchmarks of placers' plans stay out of sample. Cost: ``5 x rounds``
+    runs of ``warmup + steps / rounds`` steps. Returns the report, also stored.
 
     Measured effect (``benchmarks/fidelity.py``, which predicts every plan both ways on the
     same runs, gloo threads in ``SCHED_IDLE``): median error 12.3 % / tau 0.79 against
@@ -1171,33 +1200,36 @@ def calibrate_in_situ(
 
     if cal.step is None or not cal.messages:
         raise InputError("in-situ calibration needs the calibrated step and its message costs")
+    if rounds < 1:
+        raise InputError(f"in-situ calibration needs at least one round, not {rounds}")
     step = cal.step
     n = step.graph.num_ops
-    lone = run_placement(
-        None,
-        ["cpu0"] * n,
-        warmup + steps,
-        warmup=warmup,
-        step=step,
-        start_method="fork",
-        timeline=True,
-    )
+    placements = {"lone": ["cpu0"] * n, **probe_placements(step, seed)}
+    per_round = -(-steps // rounds)  # the timed steps, spread over the rounds
+    ran: dict[str, list[Any]] = {name: [] for name in placements}
+    for _ in range(rounds):  # round after round of every placement: time spreads them
+        for name, devices in placements.items():
+            run = run_placement(
+                None,
+                devices,
+                warmup + per_round,
+                warmup=warmup,
+                step=step,
+                start_method="fork",
+                timeline=True,
+            )
+            assert run.timelines is not None
+            ran[name].append(run)
+    pooled = {name: pooled_runs(runs, warmup) for name, runs in ran.items()}
+    warmup = 0  # the pooled runs hold timed steps only
+    lone = pooled.pop("lone")
     lone_node = _node_medians(lone, 0, warmup)
     value_bytes = node_value_bytes(step)
     hops: list[float] = []
     rows, features, excess, quick = [], [], [], []
     exchanges: list[tuple[list[float], list[tuple[int, int, float]], float, str]] = []
-    for name, devices in probe_placements(step, seed).items():
-        run = run_placement(
-            None,
-            devices,
-            warmup + steps,
-            warmup=warmup,
-            step=step,
-            start_method="fork",
-            timeline=True,
-        )
-        assert run.timelines is not None
+    for name, run in pooled.items():
+        devices = placements[name]
         hops += waited_hop_latencies(
             run.timelines, warmup, value_bytes, float(cal.link["bandwidth"])
         )
