@@ -1148,7 +1148,7 @@ def pooled_runs(runs: Sequence[Any], warmup: int) -> Any:
 
 
 def calibrate_in_situ(
-    cal: Calibration, *, steps: int = 12, warmup: int = 3, seed: int = 1000, rounds: int = 3
+    cal: Calibration, *, steps: int = 9, warmup: int = 2, seed: int = 1000, rounds: int = 3
 ) -> dict[str, Any]:
     """Measure what messages cost *inside* a training step, from per-node timelines, and
     make :meth:`Calibration.predict` use it (``cal.messages["in_situ"]``).

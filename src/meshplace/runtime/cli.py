@@ -641,7 +641,7 @@ def _calibrate(args: argparse.Namespace, step: Any, spec: Any, gpus: list[str]) 
         micro_batches=None if written else 1,
     )
     if not gpus and not args.no_in_situ:
-        calibrate_in_situ(cal)  # message costs inside a step, from probe runs (~1-6 s)
+        calibrate_in_situ(cal)  # message costs inside a step, from probe runs (~1-14 s)
     if args.workers != 2:
         cal.cluster = local_cluster(
             cal.cluster.devices[0].spec,
