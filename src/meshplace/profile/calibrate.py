@@ -789,7 +789,8 @@ def calibrate(
     processes for the link and two for the messages (~1-2 s each) unless given. On CPU
     workers the ops are timed in :data:`OP_TIMING_RUNS` runs of ``reps`` steps, one before
     and the others after the link's and the messages' measurements, so that the runs
-    spread over the calibration's seconds (:func:`time_ops_in_worker`).
+    spread over the calibration's seconds (:func:`time_ops_in_worker`); the micro-batch
+    step's too, the device's measurement between its first and second runs.
 
     ``worker_device="cuda:i"`` calibrates GPU workers (``local-cuda`` devices ``gpu0``…):
     the device is measured and the ops timed on that GPU (a spawned worker: pass the
@@ -848,12 +849,28 @@ def calibrate(
             else time_step_ops(step, reps)
         )
     link, messages = measured["link"], measured["messages"]
+    measured["device"] = None
+
+    def measure_the_device() -> None:  # once, however many micro-batch runs ask
+        if measured["device"] is not None:
+            return
+        found = dict(device or measure_device(device=worker_device))
+        if "gradient_accumulation_s_per_byte" not in found:
+            found["gradient_accumulation_s_per_byte"] = measure_gradient_accumulation(
+                step.graph, worker_device
+            )
+        measured["device"] = found
+
     more = []
     micro_note = "none: the full batch only"
     for micro in [] if gpu else micro_steps(step, micro_batches):
         try:
+            # as the full batch's: runs with the device's measurement between them
+            between = [measure_the_device, *[lambda: None] * (OP_TIMING_RUNS - 2)]
             timed = (
-                time_ops_in_worker(micro, reps=reps) if in_worker else time_step_ops(micro, reps)
+                time_ops_in_worker(micro, reps=reps, bursts=between)
+                if in_worker
+                else time_step_ops(micro, reps)
             )
         except (RuntimeError, ValueError) as exc:  # traced, yet the model cannot run it
             if micro_batches is not None:
@@ -863,11 +880,8 @@ def calibrate(
         more.append((micro.graph, timed))
         micro_note = f"timed: {micro.graph.num_ops} ops"
         break
-    device = dict(device or measure_device(device=worker_device))
-    if "gradient_accumulation_s_per_byte" not in device:
-        device["gradient_accumulation_s_per_byte"] = measure_gradient_accumulation(
-            step.graph, worker_device
-        )
+    measure_the_device()
+    device = measured["device"]
     memory = 8 * 2**30
     if gpu:
         memory = torch.cuda.get_device_properties(torch.device(worker_device)).total_memory
