@@ -300,3 +300,24 @@ def test_weights_are_read_and_cast_whole_in_every_micro_batch() -> None:
     assert pipe.times.forward_s[1] == pytest.approx(forward, rel=1e-9)
     assert pipe.times.backward_s[1] == pytest.approx(backward, rel=1e-9)
     assert backward > 0.9 * t["b1"] and forward > 0.9 * (t["c1"] + t["f1"])
+
+
+def test_the_exchange_is_the_median_of_its_probes(monkeypatch) -> None:
+    """Each of the beat and the further values' cost is the median over the probes'
+    pairs of processes, each pair timing its share of the rounds: one pair in a slow
+    spell of the host (a beat 7x the others') moves neither."""
+    from meshplace.runtime import pipeline_exchange
+
+    seen: list[int] = []
+    beats = iter([5.4e-3, 0.8e-3, 0.7e-3])  # the first pair: in a slow spell
+
+    def one_pair(micro_batches: int, reps: int, rows: int, width: int):
+        seen.append(reps)
+        return pipeline_exchange.PipelineExchange(beat_s=next(beats), message_s=3e-4 * len(seen))
+
+    monkeypatch.setattr(pipeline_exchange, "_probe_once", one_pair)
+    measured = pipeline_exchange.measure_pipeline_exchange(reps=20)
+    assert seen == [7, 7, 7]  # 20 rounds over 3 pairs, rounded up
+    assert measured.beat_s == 0.8e-3 and measured.message_s == pytest.approx(6e-4)
+    with pytest.raises(InputError, match="1 probe or more"):
+        pipeline_exchange.measure_pipeline_exchange(probes=0)

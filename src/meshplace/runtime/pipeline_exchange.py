@@ -180,14 +180,24 @@ def _through(layers: Any, x: torch.Tensor) -> torch.Tensor:
 
 
 def measure_pipeline_exchange(
-    micro_batches: int = 8, reps: int = 20, *, rows: int = ROWS, width: int = WIDTH
+    micro_batches: int = 8,
+    reps: int = 20,
+    *,
+    rows: int = ROWS,
+    width: int = WIDTH,
+    probes: int = 3,
 ) -> PipelineExchange:
     """What a beat of a 2-stage ``Schedule1F1B`` pipeline on two gloo processes of this
     host costs beyond its slower stage's forward and backward of one micro-batch (module
     docstring): ``beat_s = step / (M + 1) - max(stage eager) / M`` with one value crossing
     the cut, and ``message_s``, what each of ``EXTRA`` further values adds per beat;
-    medians over ``reps`` interleaved rounds, never below 0. About 4 s plus ``reps x 3``
-    probe steps of ~15 ms.
+    medians over ``reps / probes`` (rounded up) interleaved rounds of each of ``probes``
+    pairs of processes, one after the other, never below 0; each of ``beat_s`` and
+    ``message_s`` the median over the pairs. Why several pairs: one pair's rounds last
+    about a second, and a slow spell of a shared host over all of them had a beat at
+    5.41 ms against 0.78 ms before and after (the Llama's pipelines predicted 95 % slow in
+    ``benchmarks/fidelity.py --family pipelined``, session 48). About 4 s a pair plus
+    ``reps x 3`` probe steps of ~15 ms in all.
 
     >>> measure_pipeline_exchange(micro_batches=0)
     Traceback (most recent call last):
@@ -198,6 +208,19 @@ def measure_pipeline_exchange(
         raise InputError(f"a pipeline needs 1 micro-batch or more, not {micro_batches}")
     if reps < 1:
         raise InputError(f"the probe needs 1 repetition or more, not {reps}")
+    if probes < 1:
+        raise InputError(f"the exchange needs 1 probe or more, not {probes}")
+    per_probe = -(-reps // probes)
+    measured = [_probe_once(micro_batches, per_probe, rows, width) for _ in range(probes)]
+    return PipelineExchange(
+        beat_s=float(statistics.median(m.beat_s for m in measured)),
+        message_s=float(statistics.median(m.message_s for m in measured)),
+    )
+
+
+def _probe_once(micro_batches: int, reps: int, rows: int, width: int) -> PipelineExchange:
+    """One pair of :func:`_probe_rank` processes: the beat and the further values' cost
+    from their medians over ``reps`` rounds."""
     import queue
 
     import torch.multiprocessing as mp
