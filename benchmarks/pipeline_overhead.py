@@ -32,7 +32,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from two_ranks import report_slowest_median, torchrun_json  # noqa: E402
+from two_ranks import relative_overhead, report_slowest_median, torchrun_json  # noqa: E402
 
 SOURCE = f"{ROOT / 'benchmarks' / 'fidelity_models.py'}:build_deep_mlp"
 
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
                 "micro_batches": micro_batches,
                 "by_hand_s": by_hand,
                 "meshplace_s": ours,
-                "overhead": statistics.median(ours) / statistics.median(by_hand) - 1,
+                "overhead": relative_overhead(ours, by_hand),
             }
             rows.append(row)
             print(

@@ -20,12 +20,14 @@ Each run: ``--warmup`` untimed then ``--steps`` timed steps, each step the slowe
 the median reported; ``--repeats`` alternating pairs per plan. The by-hand runs are this
 script's ``--worker``. Beside the wall-clock step, each rank's CPU time per step (its
 process, all threads: ``time.process_time``; the mean of the ranks' medians) and its
-overhead: a rank that waits, for its peer or for a host busy with other jobs, spends wall
-time but no CPU, so on this shared 2-core host the CPU overhead is the steadier measure
-of the work the runtime adds (the wall-clock one is the target's).
+overhead: a rank that waits for its peer spends wall time but no CPU, so the CPU time
+separates the work the runtime adds from waiting (the wall-clock overhead is the
+target's). On a virtual machine whose host is busy the CPU time moves too (a slowed vCPU
+is charged more of it): session 48 saw the same by-hand DDP step at 5.7-8.7 ms of CPU.
 
 Usage: ``python benchmarks/sharded_overhead.py [--repeats 2] [--steps 20] [--warmup 3]``
-(about 2 minutes; ``benchmarks/results/sharded_overhead.json``).
+(about 2 minutes; 4 with ``--repeats 5 --steps 30``;
+``benchmarks/results/sharded_overhead.json``).
 """
 
 from __future__ import annotations

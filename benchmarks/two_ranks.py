@@ -40,18 +40,20 @@ def report_slowest_median(
     """On every rank of a torchrun program: gather each rank's step times; rank 0 prints
     ``{"step_time_s": ...}`` (per step the slowest rank, median after ``warmup``) and,
     given each step's CPU time of the rank's process (``time.process_time``),
-    ``"cpu_time_s_per_rank"`` (each rank's median after ``warmup``: as meshplace's
-    runtime reports it); then leave the process group."""
+    ``"cpu_time_s_per_rank"`` (each rank's median after ``warmup``), by meshplace's own
+    :func:`meshplace.runtime.launch.step_timing`, so both sides are timed alike; then
+    leave the process group."""
     import torch.distributed as dist
 
+    from meshplace.runtime.launch import step_timing
+
+    mine = {"times_s": times} if cpu_times is None else {"times_s": times, "cpu_times_s": cpu_times}
     every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, (times, cpu_times))
+    dist.all_gather_object(every, mine)
     if dist.get_rank() == 0:
-        slowest = [max(r[0][k] for r in every) for k in range(len(times))]
-        report: dict = {"step_time_s": statistics.median(slowest[warmup:])}
-        if cpu_times is not None:
-            report["cpu_time_s_per_rank"] = [statistics.median(r[1][warmup:]) for r in every]
-        print(json.dumps(report))
+        timing = step_timing(every, warmup)
+        keys = ("step_time_s", "cpu_time_s_per_rank")
+        print(json.dumps({key: timing[key] for key in keys if key in timing}))
     dist.barrier()
     dist.destroy_process_group()
 
