@@ -40,6 +40,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -52,17 +53,16 @@ MICRO_BATCHES = 4  # of the accumulated row: global batch 8 over 2 replicas, 1 r
 WORKERS = (*PLANS, "ddp-accumulate")
 
 
-def worker(engine: str, steps: int, warmup: int) -> None:
-    """One rank of the hand-written data parallelism (under torchrun); rank 0 prints the
-    median step time (the slowest rank's per step) as JSON."""
+def by_hand_steps(engine: str) -> Any:
+    """This rank's hand-written data parallelism of ``engine`` (a :data:`WORKERS` name;
+    ``torch.distributed`` initialised): a function that runs one step after a barrier of
+    the ranks and returns its wall-clock and CPU seconds (this process, all threads)."""
     import torch
     import torch.distributed as dist
 
     from meshplace.graph.capture import as_loss
     from meshplace.graph.sources import build_from_seed
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     accumulating = engine == "ddp-accumulate"
     model, args, kwargs = build_from_seed(ACCUMULATED if accumulating else SOURCE)
@@ -86,8 +86,8 @@ def worker(engine: str, steps: int, warmup: int) -> None:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=True)
-    times, cpu_times = [], []
-    for _ in range(steps + warmup):
+
+    def step() -> tuple[float, float]:
         dist.barrier()
         start, cpu_start = time.perf_counter(), time.process_time()
         for k in range(micro_batches):
@@ -103,9 +103,99 @@ def worker(engine: str, steps: int, warmup: int) -> None:
                 (loss / micro_batches).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - start)
-        cpu_times.append(time.process_time() - cpu_start)
-    report_slowest_median(times, warmup, cpu_times)
+        return time.perf_counter() - start, time.process_time() - cpu_start
+
+    return step
+
+
+def worker(engine: str, steps: int, warmup: int) -> None:
+    """One rank of the hand-written data parallelism (under torchrun); rank 0 prints the
+    median step time (the slowest rank's per step) as JSON."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    step = by_hand_steps(engine)
+    times, cpu_times = zip(*(step() for _ in range(steps + warmup)), strict=True)
+    report_slowest_median(list(times), warmup, list(cpu_times))
+
+
+def interleaved_worker(
+    engine: str, plan: str, steps: int, warmup: int, without_hooks: bool = False
+) -> None:
+    """One rank running meshplace's steps of ``plan`` (the runtime's own
+    :class:`meshplace.runtime.launch.ShardedRankSteps`, or
+    :class:`meshplace.runtime.hybrid.HybridRankSteps` for the accumulated row) and the
+    hand-written ``engine`` in one process, step by step in alternation (meshplace first
+    in even steps, the hand second, then the other way round), each step after a barrier
+    of the ranks; rank 0 prints, per step after ``warmup``, each side's slowest rank's
+    wall-clock seconds and its ranks' mean CPU seconds. A slow spell of the host then
+    falls on both sides of a pair of steps, a few milliseconds apart, rather than on one
+    of two runs. With ``without_hooks`` (the sharding plans' rows), a third side:
+    meshplace's steps on a second copy whose rank-activity hooks are removed (what naming
+    a dying rank's module costs); the three sides take turns in rotation."""
+    import torch
+    import torch.distributed as dist
+
+    from meshplace.runtime.hybrid import HybridRankSteps
+    from meshplace.runtime.launch import ShardedRankSteps
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank_steps = HybridRankSteps if engine == "ddp-accumulate" else ShardedRankSteps
+    source = ACCUMULATED if engine == "ddp-accumulate" else SOURCE
+    ours = rank_steps(json.loads(Path(plan).read_text()), source, lr=1e-3, device_type="cpu")
+    theirs = by_hand_steps(engine)
+    sides: list[tuple[str, Any]] = [
+        ("meshplace", lambda i: ours.step(i)[2:4]),
+        ("by_hand", lambda _i: theirs()),
+    ]
+    if without_hooks and rank_steps is ShardedRankSteps:
+        bare = ShardedRankSteps(
+            json.loads(Path(plan).read_text()), source, lr=1e-3, device_type="cpu"
+        )
+        for handle in bare.hooks:
+            handle.remove()
+        sides.append(("meshplace_without_hooks", lambda i: bare.step(i)[2:4]))
+    mine: dict[str, list[tuple[float, float]]] = {name: [] for name, _ in sides}
+    for i in range(steps + warmup):
+        turn = i % len(sides)  # who goes first rotates, as does the order after
+        for name, run in sides[turn:] + sides[:turn]:
+            mine[name].append(tuple(run(i)))
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    if dist.get_rank() == 0:
+        out = {}
+        for name in mine:
+            per_rank = [ranks[name][warmup:] for ranks in every]
+            out[f"{name}_s"] = [max(t[0] for t in ts) for ts in zip(*per_rank, strict=True)]
+            out[f"{name}_cpu_s"] = [
+                statistics.mean(t[1] for t in ts) for ts in zip(*per_rank, strict=True)
+            ]
+        out["engine"] = "ddp" if engine == "ddp-accumulate" else ours.training.engine
+        print(json.dumps(out))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def plan_label(engine: str) -> str:
+    """The row's plan in words, by the by-hand engine it is compared with."""
+    return (
+        f"dp2 zero{PLANS[engine]}"
+        if engine in PLANS
+        else f"dp2 zero0, {MICRO_BATCHES} micro-batches"
+    )
+
+
+def paired_overhead(ours: list[float], by_hand: list[float]) -> float:
+    """The median over pairs of steps of ``ours / by_hand``, less one: each pair ran a few
+    milliseconds apart, so what the host does to one it mostly does to the other.
+
+    >>> paired_overhead([1.1, 2.2, 9.0], [1.0, 2.0, 3.0])
+    0.10000000000000009
+    """
+    return statistics.median(a / b for a, b in zip(ours, by_hand, strict=True)) - 1
 
 
 def grid_plans(folder: Path) -> dict[str, Path]:
@@ -153,18 +243,108 @@ def accumulated_plan(folder: Path) -> Path:
     return path
 
 
+def interleaved(args: argparse.Namespace) -> int:
+    """``--interleaved``: for the dp2 ZeRO 0 and ZeRO 3 plans, ``--repeats`` torchrun jobs
+    of :func:`interleaved_worker`; per plan the pairs of steps of all jobs, the paired
+    overhead (:func:`paired_overhead`) of the wall-clock and CPU times, and the medians."""
+    from meshplace.provenance import write_result
+
+    rows = []
+    common = ["--steps", str(args.steps), "--warmup", str(args.warmup)]
+    print(
+        "| plan | by hand | by hand ms | meshplace ms | paired overhead | by hand CPU ms "
+        "| meshplace CPU ms | paired CPU overhead | pairs |\n"
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|"
+    )
+    with tempfile.TemporaryDirectory() as folder:
+        plans = grid_plans(Path(folder))
+        for engine in WORKERS:
+            pairs: dict[str, list[float]] = {}
+            for _ in range(args.repeats):
+                plan = str(plans[engine])
+                hooks = ["--without-hooks"] if args.without_hooks else []
+                done = torchrun_json(
+                    [__file__, "--interleaved-worker", engine, "--plan", plan, *common, *hooks]
+                )
+                for key, values in done.items():
+                    if isinstance(values, list):
+                        pairs.setdefault(key, []).extend(values)
+            row = {
+                "plan": plan_label(engine),
+                "model": ACCUMULATED if engine == "ddp-accumulate" else SOURCE,
+                "by_hand": engine,
+                "engine": done["engine"],
+                **pairs,
+                "pairs": len(pairs["by_hand_s"]),
+                "by_hand_median_s": statistics.median(pairs["by_hand_s"]),
+                "meshplace_median_s": statistics.median(pairs["meshplace_s"]),
+                "overhead": paired_overhead(pairs["meshplace_s"], pairs["by_hand_s"]),
+                "cpu_overhead": paired_overhead(pairs["meshplace_cpu_s"], pairs["by_hand_cpu_s"]),
+                "overhead_of_medians": relative_overhead(pairs["meshplace_s"], pairs["by_hand_s"]),
+            }
+            if "meshplace_without_hooks_s" in pairs:
+                bare = pairs["meshplace_without_hooks_s"]
+                bare_cpu = pairs["meshplace_without_hooks_cpu_s"]
+                row["overhead_without_hooks"] = paired_overhead(bare, pairs["by_hand_s"])
+                row["cpu_overhead_without_hooks"] = paired_overhead(
+                    bare_cpu, pairs["by_hand_cpu_s"]
+                )
+                print(
+                    f"  {row['plan']} without the activity hooks: "
+                    f"{100 * row['overhead_without_hooks']:+.1f} % "
+                    f"(CPU {100 * row['cpu_overhead_without_hooks']:+.1f} %)",
+                    flush=True,
+                )
+            rows.append(row)
+            print(
+                f"| {row['plan']} | {engine} | {1e3 * row['by_hand_median_s']:.2f} | "
+                f"{1e3 * row['meshplace_median_s']:.2f} | {100 * row['overhead']:+.1f} % | "
+                f"{1e3 * statistics.median(pairs['by_hand_cpu_s']):.2f} | "
+                f"{1e3 * statistics.median(pairs['meshplace_cpu_s']):.2f} | "
+                f"{100 * row['cpu_overhead']:+.1f} % | {row['pairs']} |",
+                flush=True,
+            )
+    out = args.out or str(ROOT / "benchmarks/results/sharded_overhead_interleaved.json")
+    write_result(out, {"model": SOURCE, "protocol": "interleaved", "rows": rows})
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=2, help="alternating pairs (default 2)")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument(
+        "--interleaved",
+        action="store_true",
+        help="meshplace and the hand-written engine in one torchrun job, step by step in "
+        "alternation",
+    )
+    parser.add_argument(
+        "--without-hooks",
+        action="store_true",
+        help="with --interleaved: also meshplace without its rank-activity hooks",
+    )
     parser.add_argument("--worker", choices=WORKERS, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--out", default=str(ROOT / "benchmarks/results/sharded_overhead.json"))
+    parser.add_argument("--interleaved-worker", choices=WORKERS, help=argparse.SUPPRESS)
+    parser.add_argument("--plan", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--out", default=None, help="default results/sharded_overhead[_interleaved].json"
+    )
     args = parser.parse_args(argv)
     if args.worker is not None:
         worker(args.worker, args.steps, args.warmup)
         return 0
+    if args.interleaved_worker is not None:
+        interleaved_worker(
+            args.interleaved_worker, args.plan, args.steps, args.warmup, args.without_hooks
+        )
+        return 0
+    if args.interleaved:
+        return interleaved(args)
     from meshplace.provenance import write_result
+
+    args.out = args.out or str(ROOT / "benchmarks/results/sharded_overhead.json")
 
     rows = []
     common = ["--steps", str(args.steps), "--warmup", str(args.warmup)]
@@ -190,9 +370,7 @@ def main(argv: list[str] | None = None) -> int:
                 ours.append(report["measured"]["step_time_s"])
                 ours_cpu.append(statistics.mean(report["measured"]["cpu_time_s_per_rank"]))
             row = {
-                "plan": f"dp2 zero{PLANS[engine]}"
-                if engine in PLANS
-                else f"dp2 zero0, {MICRO_BATCHES} micro-batches",
+                "plan": plan_label(engine),
                 "model": source,
                 "by_hand": engine,
                 "by_hand_s": by_hand,

@@ -62,6 +62,53 @@ def test_watched_modules_publish_each_forward_and_the_backward_that_runs() -> No
     ]
 
 
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Tanh())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+
+def test_modules_below_the_forward_depth_are_not_watched() -> None:
+    """Depth 1 the blocks, 2 their Sequential, 3 its Linear and Tanh: down to depth 2, the
+    Sequentials are the watched modules none of whose children is, and the modules below
+    run on PyTorch's hook-free path; every depth watches every module."""
+    model = torch.nn.Sequential(_Block(), _Block())
+    places = module_places(model)
+    activity = RankActivity(0, 1, places, directory="")
+    leaves: list[int] = []
+    handles = watch_modules(
+        model,
+        activity,
+        on_leaf=lambda: leaves.append(int(activity.status[NODE])),
+        forward_depth=2,
+    )
+    model(torch.randn(2, 3, requires_grad=True)).sum().backward()
+    assert [places[i] for i in leaves] == [
+        "the forward of module '0.inner' (Sequential)",
+        "the forward of module '1.inner' (Sequential)",
+    ]
+    assert len(handles) == 2 * 5  # the model, two blocks, two Sequentials: pre and post
+    assert not model[0].inner[0]._forward_pre_hooks and not model[0].inner[0]._forward_hooks
+    for handle in handles:
+        handle.remove()
+    leaves.clear()
+    watch_modules(
+        model,
+        activity,
+        on_leaf=lambda: leaves.append(int(activity.status[NODE])),
+        forward_depth=None,
+    )
+    model(torch.randn(2, 3))
+    assert [places[i] for i in leaves] == [
+        f"the forward of module '{b}.inner.{k}' ({kind})"
+        for b in (0, 1)
+        for k, kind in ((0, "Linear"), (1, "Tanh"))
+    ]
+
+
 KILLED = """\
 import os, signal, sys
 from meshplace.runtime.activity import RECV, RankActivity

@@ -8,11 +8,11 @@ sharding plan) each rank writes it to a small memory-mapped file in the folder n
 ``MESHPLACE_ACTIVITY_DIR``, beside the names of its places (written once, at setup), and
 the launcher reads the dead rank's file after torchrun has stopped the job
 (:func:`last_activity`). A write is a store into shared memory, no system call, so ranks
-publish every op (placements) or every module's forward and the backward of the model's
-top levels (sharded and pipelined plans, :func:`watch_modules`: the Python hooks, not the
-writes, cost about 0.1-0.2 ms of a 3 ms step). A rank killed outright
-(``SIGKILL``, the kernel's OOM killer) can still be named: the words are in the page
-cache, not in the process.
+publish every op (placements) or the forward of every module down to three levels and the
+backward of the model's top levels (sharded and pipelined plans, :func:`watch_modules`:
+what costs is the Python hooks, not the writes — about 0.16 ms of a 3.5-4.3 ms step).
+A rank killed outright (``SIGKILL``, the kernel's OOM killer) can still be named: the
+words are in the page cache, not in the process.
 
 Each rank's words sit in their own 128 bytes (``SLOT`` words) of the array: with every
 rank's words in one cache line, each write would take the line from the other ranks' cores.
@@ -161,26 +161,37 @@ def watch_modules(
     activity: RankActivity,
     on_leaf: Callable[[], None] | None = None,
     backward_depth: int = 2,
+    forward_depth: int | None = 3,
 ) -> list[Any]:
     """Publish the module whose forward or backward this rank runs (the places of
-    :func:`module_places`): a forward pre-hook marks a module's forward and a forward
-    hook marks its parent's again; for the modules at most ``backward_depth`` levels below
-    the model (its children and theirs: a transformer's blocks), the forward hook also
-    hooks the autograd node that made the module's output, which marks the module's
-    backward as it starts. ``on_leaf`` is called at every leaf module's forward (fault
-    injection in tests). Returns the hook handles.
+    :func:`module_places`): for the modules at most ``forward_depth`` levels below the
+    model (``None``: every module), a forward pre-hook marks a module's forward and a
+    forward hook marks its parent's again; for those at most ``backward_depth`` levels
+    below (its children and theirs: a transformer's blocks), the forward hook also hooks
+    the autograd node that made the module's output, which marks the module's backward as
+    it starts. ``on_leaf`` is called at the forward of every watched module none of whose
+    children is watched (fault injection in tests). Returns the hook handles.
 
-    Cost per step: two Python calls per module and one per hooked backward. Why not every
-    module's backward: a tensor hook on every output cost 0.46 ms of the Llama example's
-    3.1 ms local step (15 %), node pre-hooks on every module 0.28 ms; the forward marks
-    alone 0.1 ms.
+    Cost per step: two Python calls per watched module and one per hooked backward. Why
+    not every module: on the Llama example's half-batch step (29 modules, 14 of them the
+    linear layers at depth 4; 3.5-4.6 ms of CPU), every module's forward hooks and the
+    backward marks at depth 2 cost 0.25-0.34 ms (7 %, 300 steps paired in one process),
+    and under torchrun the hooks were all of the runtime's CPU overhead over DDP by hand
+    (``benchmarks/sharded_overhead.py --interleaved --without-hooks``: +6.3 % with them,
+    −0.8 % without). Down to depth 3 (the blocks' attention, MLP and norms, not their
+    linear layers) they cost 0.16-0.18 ms (4.2-4.6 %; without the backward marks 1 %,
+    with the backward marked at depth 1 only 2.6-3.0 %), against 0.27-0.29 ms (6.3-8.1 %) for
+    every module, in the same runs (session 49, docs/runtime.md). A tensor hook on every
+    output cost 0.46 ms of a 3.1 ms step, node pre-hooks on every module 0.28 ms.
     """
     stack: list[int] = []
     handles = []
 
     for k, (name, module) in enumerate(model.named_modules()):
-        leaf = next(module.children(), None) is None
         depth = name.count(".") + 1 if name else 0
+        if forward_depth is not None and depth > forward_depth:
+            continue
+        leaf = forward_depth == depth or next(module.children(), None) is None
 
         def pre(_module: Any, _args: Any, forward: int = 2 * k, leaf: bool = leaf) -> None:
             stack.append(forward)

@@ -365,6 +365,279 @@ def recompute_layers(stage: torch.nn.Module, container: str, layers: Sequence[in
     return done
 
 
+class HybridRankSteps:
+    """One rank's timed steps of a hybrid plan, as :func:`run_hybrid_plan` runs them: the
+    rank's stages cut from the model (torch's pipelining, or the whole model for one stage
+    of accumulated micro-batches), placed on the stage's data x tensor mesh or run on DDP
+    (:func:`ddp_stages`), their schedule, optimizer and inputs, the rank's activity
+    published for the launcher; each :meth:`step` after a barrier, its wall-clock and CPU
+    time measured around the schedule and the optimizer's step. A benchmark that sets the
+    runtime beside a hand-written pipeline or data parallelism step by step calls the
+    same :meth:`step` (``benchmarks/sharded_overhead.py --interleaved``).
+    ``torch.distributed`` must be initialised with ``pp * dp * tp`` ranks; ``engine``
+    as :func:`run_hybrid_plan`'s."""
+
+    def __init__(
+        self,
+        plan: dict[str, Any],
+        source: str,
+        *,
+        lr: float,
+        device_type: str,
+        engine: str = "auto",
+    ) -> None:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.pipelining import SplitPoint, pipeline
+        from torch.distributed.pipelining import schedules as torch_schedules
+
+        from meshplace.graph.sources import build_from_seed
+        from meshplace.runtime.dryrun import EngineProgram
+        from meshplace.runtime.pipelined import (
+            InputsEnterFirst,
+            run_stage_compiled,
+            watch_stage,
+        )
+        from meshplace.runtime.sharded import HostAttention, rank_device
+
+        pp, dp, tp = (int(x) for x in plan["mesh"]["shape"])
+        pipeline_spec = plan["pipeline"]
+        micro_batches = int(pipeline_spec["micro_batches"])
+        global_batch = int(pipeline_spec["global_batch"])
+        splits = stage_splits(plan)
+        virtual = (len(splits) + 1) // pp  # stages per rank (interleaved: more than one)
+        rank = dist.get_rank()
+        mesh = init_device_mesh(
+            device_type, (pp, dp, tp), mesh_dim_names=("pipe", "data", "tensor")
+        )
+        stage_mesh = mesh["data", "tensor"]
+        pipe_index, data_index, _ = (int(c) for c in mesh.get_coordinate())
+        device = rank_device(device_type)
+
+        model, args, kwargs = build_from_seed(source)  # the same on every rank
+        check_global_batch((*args, *kwargs.values()), global_batch, source)
+        # checked on every rank, before any stage's rank could go on without the others
+        names = {n for n, _ in model.named_parameters()}
+        missing = sorted(names - set(plan["parameters"]))
+        extra = sorted(set(plan["parameters"]) - names)
+        if missing or extra:
+            which = (
+                f"the model's {missing[0]!r} is not in it"
+                if missing
+                else (f"{extra[0]!r} is not a parameter of the model")
+            )
+            raise InputError(f"the plan does not match the model: {which}")
+        if any(p.is_meta for p in model.parameters()):
+            raise InputError(
+                f"{source} builds its model on the meta device; a hybrid plan's stages are cut "
+                "from a model built for real"
+            )
+        rows = global_batch // micro_batches  # one micro-batch of every replica together
+        ddp, engine_note = ddp_stages(plan, model, args, kwargs, rows, engine)
+        schedule_name = pipeline_spec["schedule"]
+        if schedule_name == "1f1b" and micro_batches < pp:
+            # torch's 1F1B wants a micro-batch per stage; with fewer, 1F1B's order on every
+            # stage is GPipe's (all forwards, then all backwards)
+            schedule_name = "gpipe"
+        # one stage in 1F1B order: the model itself, eager, its micro-batches accumulated
+        # (no export trace, whose aten-level graph ran the Llama example's forward and
+        # backward 1.6x slower than eager, and no schedule)
+        accumulate = pp * virtual == 1 and schedule_name == "1f1b"
+        # this rank's (virtual) stages: i, i + pp, ... in pipeline order
+        mine = [pipe_index + j * pp for j in range(virtual)]
+        if accumulate:
+            whole = WholeModelStage(model.to(device), len(args), list(kwargs))
+            modules: list[Any] = [whole]
+            routes = [whole.route()]
+        else:
+            # export specialises the shapes it traces: DTensor stages see a micro-batch's
+            # global shape, DDP stages (plain tensors) their replica's rows of it
+            traced = rows if ddp is None else rows // dp
+            pipe = pipeline(
+                InputsEnterFirst(model.to(device)),
+                mb_args=tuple(
+                    a[:traced].to(device) if isinstance(a, torch.Tensor) else a for a in args
+                ),
+                mb_kwargs={
+                    k: v[:traced].to(device) if isinstance(v, torch.Tensor) else v
+                    for k, v in kwargs.items()
+                },
+                split_spec={f"model.{s}": SplitPoint.BEGINNING for s in splits},
+            )
+            if pipe.num_stages != pp * virtual:
+                raise InputError(
+                    f"torch's pipelining cut the model into {pipe.num_stages} stages at "
+                    f"{', '.join(splits)}; the plan has {pp * virtual}"
+                )
+            modules = [pipe.get_stage_module(s) for s in mine]
+            routes = stage_routes(pipe.split_gm.graph)
+            del pipe  # each rank keeps its stages only
+        del model
+        spec = plan["stages"][pipe_index]
+        runs = spec.get("chunks") or [spec["layers"]]
+        weight_updates = []
+        recomputed = not_recomputed = 0
+        stages = []
+
+        def get_mesh(names: tuple[str, ...], _layout: Any) -> Any:
+            return mesh[names] if len(names) > 1 else mesh[names[0]]
+
+        wrapped_modules = []
+
+        for s, module, (first, end) in zip(mine, modules, runs, strict=True):
+            if not accumulate:  # a pipelining stage's graph
+                drop_export_assertions(module)
+                run_stage_compiled(module)
+            if ddp is None:
+                weight_update = place_stage_parameters(module, plan, stage_mesh)
+            else:
+                check_stage_parameters(module, plan)
+                weight_update = PlainStageUpdate()
+            weight_updates.append(weight_update)
+            if spec.get("recompute", "none") == "full":
+                layers = range(int(first), int(end))
+                found = recompute_layers(module, plan["graph"]["layer_container"], layers)
+                # (a note, not a refusal: this stage's ranks alone would refuse, and the
+                # others would wait for them in the schedule)
+                not_recomputed += len(layers) - found
+                recomputed += found
+            last = s == pp * virtual - 1
+            route = routes[0] if accumulate else routes[s]
+            wrapped: Any = StageOnMesh(
+                module, stage_mesh, weight_update, route, s == 0, last, distribute=ddp is None
+            )
+            if ddp is not None:  # DDP's reduction deferred to the last micro-batch's backward
+                wrapped = data_parallel_stage_module(wrapped, mesh["data"], ddp, device)
+            wrapped_modules.append(wrapped)
+            if accumulate:
+                continue
+            stages.append(
+                zero_filled_stage_class()(
+                    wrapped,
+                    s,
+                    pp * virtual,
+                    device,
+                    group=mesh["pipe"].get_group(),
+                    get_mesh=get_mesh,
+                )
+            )
+        runner = None
+        if not accumulate:
+            schedule_class = getattr(torch_schedules, HYBRID_RUNTIME_SCHEDULES[schedule_name])
+            runner = schedule_class(
+                stages if virtual > 1 else stages[0],
+                n_microbatches=micro_batches,
+                loss_fn=lambda out, _target: out.sum(),
+            )
+        self.optimizer = torch.optim.Adam(
+            [
+                p
+                for module, update in zip(modules, weight_updates, strict=True)
+                for p in update.optimizer_parameters(module)
+            ],
+            lr=lr,
+            foreach=True,
+        )
+        self.inputs = [
+            replica_rows(a, micro_batches, dp, data_index).to(device)
+            if isinstance(a, torch.Tensor)
+            else a
+            for a in args
+        ]
+        self.keywords = {
+            k: replica_rows(v, micro_batches, dp, data_index).to(device)
+            if isinstance(v, torch.Tensor)
+            else v
+            for k, v in kwargs.items()
+        }
+        self.target = torch.zeros(micro_batches, device=device)  # the loss is the model's own
+        # where this rank is, for the launcher to name if it dies: its first stage's
+        # micro-batches (an interleaved rank's later stages are not told apart)
+        self.activity = watch_stage(
+            modules[0], rank, dist.get_world_size(), micro_batches, pipe_index
+        )
+        self.plain_tensors = all(isinstance(u, PlainStageUpdate) for u in weight_updates)
+        self.program = EngineProgram(dist.get_world_size())
+        self.host_attention = HostAttention()  # the kernels of every step, decided on the first
+        self.first_stage, self.last_stage = pipe_index == 0, pipe_index == pp - 1
+        self.rank, self.dp, self.device_type = rank, dp, device_type
+        self.mesh, self.stage_mesh, self.pipe_index = mesh, stage_mesh, pipe_index
+        self.micro_batches, self.splits, self.mine = micro_batches, splits, mine
+        self.modules, self.weight_updates = modules, weight_updates
+        self.wrapped_modules, self.runner = wrapped_modules, runner
+        self.ddp, self.engine_note, self.schedule_name = ddp, engine_note, schedule_name
+        self.recomputed, self.not_recomputed = recomputed, not_recomputed
+
+    def step(
+        self, index: int, *, fault: bool = False, record: bool = False
+    ) -> tuple[float | None, int, float, float]:
+        """Step ``index`` (0-based) after a barrier of the ranks: the batch's loss (on the
+        last stage's ranks, else None), the rank's gradient bytes, and the step's
+        wall-clock and CPU seconds (this process, all threads). ``fault`` (tests): the rank
+        kills itself in the step's first micro-batch forward; ``record``: the step's
+        kernels and collectives go into ``program``
+        (:func:`meshplace.runtime.dryrun.recorder`)."""
+        import torch.distributed as dist
+
+        from meshplace.runtime.activity import SYNC
+        from meshplace.runtime.dryrun import mesh_axes, recorder
+        from meshplace.runtime.pipelined import run_schedule
+        from meshplace.runtime.sharded import sharded_step
+
+        activity = self.activity
+        activity.start_step(index)
+        activity.at(0, SYNC)
+        dist.barrier()
+        activity.at(0)
+        if fault:
+            activity.kill_at_forward = True
+        recording = (
+            recorder(self.program, mesh_axes(self.mesh)) if record else contextlib.nullcontext()
+        )
+        start, cpu_start = time.perf_counter(), time.process_time()
+        with recording:
+            # the schedule runs the backward too: plain tensors (a rotary table) saved for
+            # it meet DTensor gradients there, so the whole step is a sharded step; a
+            # stage of plain tensors (DDP's, or one device's) runs as plain PyTorch
+            with (
+                contextlib.nullcontext()
+                if self.plain_tensors
+                else sharded_step(self.device_type, self.host_attention)
+            ):
+                if self.runner is None:
+                    micro = accumulate_micro_batches(
+                        self.wrapped_modules[0], self.micro_batches, self.inputs, self.keywords
+                    )
+                else:
+                    micro = run_schedule(
+                        self.runner,
+                        self.first_stage,
+                        self.last_stage,
+                        self.inputs,
+                        self.keywords,
+                        self.target,
+                    )
+            activity.at(2 * self.micro_batches)
+            pairs = list(zip(self.modules, self.weight_updates, strict=True))
+            grad_bytes = sum(update.gradients_placed(module) for module, update in pairs)
+            self.optimizer.step()
+            for module, update in pairs:
+                update.after_step()
+                module.zero_grad(set_to_none=True)
+            self.optimizer.zero_grad(set_to_none=True)
+        if self.device_type == "cuda":
+            torch.cuda.synchronize()
+        wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+        if not self.last_stage:
+            return None, grad_bytes, wall, cpu
+        values = [m.full_tensor() if hasattr(m, "full_tensor") else m for m in micro]
+        loss = torch.stack([v.detach().reshape(()) for v in values]).mean()
+        if self.ddp is not None:  # each replica's loss on its rows: the batch's, as DDP's
+            dist.all_reduce(loss, group=self.mesh["data"].get_group())
+            loss = loss / self.dp if self.ddp == "mean" else loss
+        return float(loss), grad_bytes, wall, cpu
+
+
 def run_hybrid_plan(
     plan: dict[str, Any],
     source: str,
@@ -379,252 +652,35 @@ def run_hybrid_plan(
 ) -> dict[str, Any]:
     """Train the ``FILE.py:build`` model of ``source`` under the hybrid ``plan`` for
     ``steps`` Adam steps on this rank (``torch.distributed`` initialised with ``pp * dp *
-    tp`` ranks); what this rank measured (module docstring). ``checkpoint_dir``: after the
-    last step each stage gathers its parameters whole and the stage's first rank writes
-    them (``rank{R}.pt``, the model's own names). ``fault_step`` (tests): this rank kills
-    itself (SIGKILL) in that step's first micro-batch forward. ``engine``: ``"auto"`` runs
-    data-parallel stages without tensor parallelism or ZeRO on DDP (:func:`ddp_stages`),
-    ``"dtensor"`` every stage on DTensor. ``record_step``: rank 0 records that step's
-    kernels and collectives (:func:`meshplace.runtime.dryrun.recorder`) as ``program``,
-    what :func:`meshplace.runtime.dryrun.dry_run` prices."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.pipelining import SplitPoint, pipeline
-    from torch.distributed.pipelining import schedules as torch_schedules
+    tp`` ranks; :class:`HybridRankSteps`); what this rank measured (module docstring).
+    ``checkpoint_dir``: after the last step each stage gathers its parameters whole and
+    the stage's first rank writes them (``rank{R}.pt``, the model's own names).
+    ``fault_step`` (tests): this rank kills itself (SIGKILL) in that step's first
+    micro-batch forward. ``engine``: ``"auto"`` runs data-parallel stages without tensor
+    parallelism or ZeRO on DDP (:func:`ddp_stages`), ``"dtensor"`` every stage on
+    DTensor. ``record_step``: rank 0 records that step's kernels and collectives
+    (:func:`meshplace.runtime.dryrun.recorder`) as ``program``, what
+    :func:`meshplace.runtime.dryrun.dry_run` prices."""
+    from meshplace.runtime.sharded import local_nbytes, optimizer_state_bytes, peak_bytes
 
-    from meshplace.graph.sources import build_from_seed
-    from meshplace.runtime.dryrun import EngineProgram, mesh_axes, recorder
-    from meshplace.runtime.pipelined import (
-        InputsEnterFirst,
-        run_schedule,
-        run_stage_compiled,
-        watch_stage,
-    )
-    from meshplace.runtime.sharded import (
-        HostAttention,
-        local_nbytes,
-        optimizer_state_bytes,
-        peak_bytes,
-        rank_device,
-        sharded_step,
-    )
-
-    pp, dp, tp = (int(x) for x in plan["mesh"]["shape"])
-    pipeline_spec = plan["pipeline"]
-    micro_batches = int(pipeline_spec["micro_batches"])
-    global_batch = int(pipeline_spec["global_batch"])
-    splits = stage_splits(plan)
-    virtual = (len(splits) + 1) // pp  # stages per rank (interleaved: more than one)
-    rank = dist.get_rank()
-    mesh = init_device_mesh(device_type, (pp, dp, tp), mesh_dim_names=("pipe", "data", "tensor"))
-    stage_mesh = mesh["data", "tensor"]
-    pipe_index, data_index, _ = (int(c) for c in mesh.get_coordinate())
-    device = rank_device(device_type)
-
-    model, args, kwargs = build_from_seed(source)  # the same on every rank
-    check_global_batch((*args, *kwargs.values()), global_batch, source)
-    # checked on every rank, before any stage's rank could go on without the others
-    names = {n for n, _ in model.named_parameters()}
-    missing = sorted(names - set(plan["parameters"]))
-    extra = sorted(set(plan["parameters"]) - names)
-    if missing or extra:
-        which = (
-            f"the model's {missing[0]!r} is not in it"
-            if missing
-            else (f"{extra[0]!r} is not a parameter of the model")
-        )
-        raise InputError(f"the plan does not match the model: {which}")
-    if any(p.is_meta for p in model.parameters()):
-        raise InputError(
-            f"{source} builds its model on the meta device; a hybrid plan's stages are cut "
-            "from a model built for real"
-        )
-    rows = global_batch // micro_batches  # one micro-batch of every replica together
-    ddp, engine_note = ddp_stages(plan, model, args, kwargs, rows, engine)
-    schedule_name = pipeline_spec["schedule"]
-    if schedule_name == "1f1b" and micro_batches < pp:
-        # torch's 1F1B wants a micro-batch per stage; with fewer, 1F1B's order on every
-        # stage is GPipe's (all forwards, then all backwards)
-        schedule_name = "gpipe"
-    # one stage in 1F1B order: the model itself, eager, its micro-batches accumulated (no
-    # export trace, whose aten-level graph ran the Llama example's forward and backward
-    # 1.6x slower than eager, and no schedule)
-    accumulate = pp * virtual == 1 and schedule_name == "1f1b"
-    # this rank's (virtual) stages: i, i + pp, ... in pipeline order
-    mine = [pipe_index + j * pp for j in range(virtual)]
-    if accumulate:
-        whole = WholeModelStage(model.to(device), len(args), list(kwargs))
-        modules: list[Any] = [whole]
-        routes = [whole.route()]
-    else:
-        # export specialises the shapes it traces: DTensor stages see a micro-batch's
-        # global shape, DDP stages (plain tensors) their replica's rows of it
-        traced = rows if ddp is None else rows // dp
-        pipe = pipeline(
-            InputsEnterFirst(model.to(device)),
-            mb_args=tuple(
-                a[:traced].to(device) if isinstance(a, torch.Tensor) else a for a in args
-            ),
-            mb_kwargs={
-                k: v[:traced].to(device) if isinstance(v, torch.Tensor) else v
-                for k, v in kwargs.items()
-            },
-            split_spec={f"model.{s}": SplitPoint.BEGINNING for s in splits},
-        )
-        if pipe.num_stages != pp * virtual:
-            raise InputError(
-                f"torch's pipelining cut the model into {pipe.num_stages} stages at "
-                f"{', '.join(splits)}; the plan has {pp * virtual}"
-            )
-        modules = [pipe.get_stage_module(s) for s in mine]
-        routes = stage_routes(pipe.split_gm.graph)
-        del pipe  # each rank keeps its stages only
-    del model
-    spec = plan["stages"][pipe_index]
-    runs = spec.get("chunks") or [spec["layers"]]
-    weight_updates = []
-    recomputed = not_recomputed = 0
-    stages = []
-
-    def get_mesh(names: tuple[str, ...], _layout: Any) -> Any:
-        return mesh[names] if len(names) > 1 else mesh[names[0]]
-
-    wrapped_modules = []
-
-    for s, module, (first, end) in zip(mine, modules, runs, strict=True):
-        if not accumulate:  # a pipelining stage's graph
-            drop_export_assertions(module)
-            run_stage_compiled(module)
-        if ddp is None:
-            weight_update = place_stage_parameters(module, plan, stage_mesh)
-        else:
-            check_stage_parameters(module, plan)
-            weight_update = PlainStageUpdate()
-        weight_updates.append(weight_update)
-        if spec.get("recompute", "none") == "full":
-            layers = range(int(first), int(end))
-            found = recompute_layers(module, plan["graph"]["layer_container"], layers)
-            # (a note, not a refusal: this stage's ranks alone would refuse, and the
-            # others would wait for them in the schedule)
-            not_recomputed += len(layers) - found
-            recomputed += found
-        last = s == pp * virtual - 1
-        route = routes[0] if accumulate else routes[s]
-        wrapped: Any = StageOnMesh(
-            module, stage_mesh, weight_update, route, s == 0, last, distribute=ddp is None
-        )
-        if ddp is not None:  # DDP's reduction deferred to the last micro-batch's backward
-            wrapped = data_parallel_stage_module(wrapped, mesh["data"], ddp, device)
-        wrapped_modules.append(wrapped)
-        if accumulate:
-            continue
-        stages.append(
-            zero_filled_stage_class()(
-                wrapped,
-                s,
-                pp * virtual,
-                device,
-                group=mesh["pipe"].get_group(),
-                get_mesh=get_mesh,
-            )
-        )
-    plain_tensors = all(isinstance(u, PlainStageUpdate) for u in weight_updates)
-    runner = None
-    if not accumulate:
-        schedule_class = getattr(torch_schedules, HYBRID_RUNTIME_SCHEDULES[schedule_name])
-        runner = schedule_class(
-            stages if virtual > 1 else stages[0],
-            n_microbatches=micro_batches,
-            loss_fn=lambda out, _target: out.sum(),
-        )
-    optimizer = torch.optim.Adam(
-        [
-            p
-            for module, update in zip(modules, weight_updates, strict=True)
-            for p in update.optimizer_parameters(module)
-        ],
-        lr=lr,
-        foreach=True,
-    )
-    first_stage, last_stage = pipe_index == 0, pipe_index == pp - 1
-    inputs = [
-        replica_rows(a, micro_batches, dp, data_index).to(device)
-        if isinstance(a, torch.Tensor)
-        else a
-        for a in args
-    ]
-    keywords = {
-        k: replica_rows(v, micro_batches, dp, data_index).to(device)
-        if isinstance(v, torch.Tensor)
-        else v
-        for k, v in kwargs.items()
-    }
-    target = torch.zeros(micro_batches, device=device)  # the loss is the model's own
-    # where this rank is, for the launcher to name if it dies: its first stage's
-    # micro-batches (an interleaved rank's later stages are not told apart)
-    activity = watch_stage(modules[0], rank, dist.get_world_size(), micro_batches, pipe_index)
+    rank_steps = HybridRankSteps(plan, source, lr=lr, device_type=device_type, engine=engine)
     if device_type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     times: list[float] = []
     cpu_times: list[float] = []  # the process's CPU time in each step (step_timing)
     losses: list[float | None] = []
     grad_bytes = 0
-    program = EngineProgram(dist.get_world_size())
-    host_attention = HostAttention()  # the kernels of every step, decided on the first
-    from meshplace.runtime.activity import SYNC
-
     for step in range(steps):
-        activity.start_step(step)
-        activity.at(0, SYNC)
-        dist.barrier()
-        activity.at(0)
-        if step == fault_step:
-            activity.kill_at_forward = True
-        recording = (
-            recorder(program, mesh_axes(mesh))
-            if step == record_step and rank == 0
-            else contextlib.nullcontext()
+        loss, grad_bytes, wall, cpu = rank_steps.step(
+            step,
+            fault=step == fault_step,
+            record=step == record_step and rank_steps.rank == 0,
         )
-        start, cpu_start = time.perf_counter(), time.process_time()
-        with recording:
-            # the schedule runs the backward too: plain tensors (a rotary table) saved for
-            # it meet DTensor gradients there, so the whole step is a sharded step; a
-            # stage of plain tensors (DDP's, or one device's) runs as plain PyTorch
-            with (
-                contextlib.nullcontext()
-                if plain_tensors
-                else sharded_step(device_type, host_attention)
-            ):
-                if runner is None:
-                    micro = accumulate_micro_batches(
-                        wrapped_modules[0], micro_batches, inputs, keywords
-                    )
-                else:
-                    micro = run_schedule(runner, first_stage, last_stage, inputs, keywords, target)
-            activity.at(2 * micro_batches)
-            grad_bytes = sum(
-                update.gradients_placed(module)
-                for module, update in zip(modules, weight_updates, strict=True)
-            )
-            optimizer.step()
-            for module, update in zip(modules, weight_updates, strict=True):
-                update.after_step()
-                module.zero_grad(set_to_none=True)
-            optimizer.zero_grad(set_to_none=True)
-        if device_type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-        cpu_times.append(time.process_time() - cpu_start)
-        if last_stage:
-            values = [m.full_tensor() if hasattr(m, "full_tensor") else m for m in micro]
-            loss = torch.stack([v.detach().reshape(()) for v in values]).mean()
-            if ddp is not None:  # each replica's loss on its rows: the batch's, as DDP's
-                dist.all_reduce(loss, group=mesh["data"].get_group())
-                loss = loss / dp if ddp == "mean" else loss
-            losses.append(float(loss))
-        else:
-            losses.append(None)
-    state_bytes = optimizer_state_bytes(optimizer)
+        times.append(wall)
+        cpu_times.append(cpu)
+        losses.append(loss)
+    modules, weight_updates = rank_steps.modules, rank_steps.weight_updates
+    state_bytes = optimizer_state_bytes(rank_steps.optimizer)
     if checkpoint_dir is not None:
         whole = {
             name.removeprefix("model."): (p.full_tensor() if hasattr(p, "full_tensor") else p)
@@ -633,16 +689,18 @@ def run_hybrid_plan(
             for module in modules
             for name, p in module.named_parameters()
         }
+        stage_mesh = rank_steps.stage_mesh
         if (
             int(stage_mesh.get_local_rank("data")) == 0
             and int(stage_mesh.get_local_rank("tensor")) == 0
         ):
             Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
-            torch.save(whole, Path(checkpoint_dir) / f"rank{rank}.pt")
+            torch.save(whole, Path(checkpoint_dir) / f"rank{rank_steps.rank}.pt")
+    pipe_index, splits = rank_steps.pipe_index, rank_steps.splits
     return {
         "stage": pipe_index,
         "stage_begins": splits[pipe_index - 1] if pipe_index else "",
-        "virtual_stages": mine,
+        "virtual_stages": rank_steps.mine,
         "times_s": times,
         "cpu_times_s": cpu_times,
         "losses": losses,
@@ -651,13 +709,15 @@ def run_hybrid_plan(
         "optimizer_state": state_bytes,
         "buffers": sum(local_nbytes(b) for m in modules for b in m.buffers()),
         "peak_bytes": peak_bytes(device_type),
-        "recomputed_layers": recomputed,
-        "layers_not_recomputed": not_recomputed,
-        "schedule": schedule_name,
+        "recomputed_layers": rank_steps.recomputed,
+        "layers_not_recomputed": rank_steps.not_recomputed,
+        "schedule": rank_steps.schedule_name,
         "uneven": [n for update in weight_updates for n in update.uneven],
-        "engine": "dtensor" if ddp is None else "ddp",
-        "engine_note": engine_note,
-        "program": program.to_dict() if record_step is not None and rank == 0 else None,
+        "engine": "dtensor" if rank_steps.ddp is None else "ddp",
+        "engine_note": rank_steps.engine_note,
+        "program": rank_steps.program.to_dict()
+        if record_step is not None and rank_steps.rank == 0
+        else None,
     }
 
 

@@ -558,6 +558,76 @@ def sharding_training(
     return ShardedTraining(plan, source, lr=lr, device_type=device_type, built=built), note
 
 
+class ShardedRankSteps:
+    """One rank's timed steps of a sharding plan, as :func:`run_sharded_plan` runs them:
+    the training on its engine (:func:`sharding_training`), the rank's activity published
+    for the launcher (:func:`meshplace.runtime.activity.watch_modules`, the fault hook of
+    ``MESHPLACE_TORCHRUN_FAULT``), and each :meth:`step` after a barrier, its wall-clock
+    and CPU time measured around the engine's step alone. A benchmark that sets the
+    runtime beside a hand-written engine step by step calls the same :meth:`step`
+    (``benchmarks/sharded_overhead.py --interleaved``). ``torch.distributed`` must be
+    initialised. O(modules) to set up."""
+
+    def __init__(
+        self,
+        plan: dict[str, Any],
+        source: str,
+        *,
+        lr: float,
+        device_type: str,
+        engine: str = "auto",
+    ) -> None:
+        import torch
+
+        from meshplace.runtime.activity import RankActivity, module_places, watch_modules
+
+        self.training, self.engine_note = sharding_training(
+            plan, source, lr=lr, device_type=device_type, engine=engine
+        )
+        self.device_type = device_type
+        self.rank = torch.distributed.get_rank()
+        # where this rank is, for the launcher to name if it dies (runtime/activity.py)
+        self.activity = RankActivity(
+            self.rank, torch.distributed.get_world_size(), module_places(self.training.model)
+        )
+        self.fault_step = fault_step_of(os.environ.get(FAULT_ENV, ""), self.rank)
+        self.current = 0
+        #: the activity hooks' handles (``handle.remove()`` takes one off)
+        self.hooks = watch_modules(
+            self.training.model, self.activity, on_leaf=self._kill_if_faulted
+        )
+
+    def _kill_if_faulted(self) -> None:  # tests: die in the forward, as a crash would
+        if self.current == self.fault_step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def step(self, index: int, record: bool = False) -> tuple[Any, int, float, float, Any]:
+        """Step ``index`` (0-based) after a barrier of the ranks: the rank's loss, its
+        gradient bytes, the step's wall-clock and CPU seconds (this process, all threads),
+        and with ``record`` the step's kernels and collectives
+        (:func:`meshplace.runtime.dryrun.recorded_step`; the recording is in the times)."""
+        import torch
+
+        from meshplace.runtime.activity import SYNC
+        from meshplace.runtime.dryrun import recorded_step
+
+        self.current = index
+        self.activity.start_step(index)
+        self.activity.at(0, SYNC)
+        torch.distributed.barrier()
+        self.activity.at(0)
+        program = None
+        start, cpu_start = time.perf_counter(), time.process_time()
+        if record:
+            loss, grad_bytes, program = recorded_step(self.training)
+        else:
+            loss, grad_bytes = self.training.step()
+        if self.device_type == "cuda":
+            torch.cuda.synchronize()
+        wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+        return loss, grad_bytes, wall, cpu, program
+
+
 def run_sharded_plan(
     plan: dict[str, Any],
     source: str,
@@ -579,48 +649,25 @@ def run_sharded_plan(
     measured time) as ``program``, for the prediction of the step as its engine runs it."""
     import torch
 
-    from meshplace.runtime.activity import SYNC, RankActivity, module_places, watch_modules
-    from meshplace.runtime.dryrun import EngineProgram, recorded_step
+    from meshplace.runtime.dryrun import EngineProgram
     from meshplace.runtime.sharded import local_nbytes, optimizer_state_bytes, peak_bytes
 
-    training, engine_note = sharding_training(
-        plan, source, lr=lr, device_type=device_type, engine=engine
-    )
-    model = training.model
+    rank_steps = ShardedRankSteps(plan, source, lr=lr, device_type=device_type, engine=engine)
+    training = rank_steps.training
     if device_type == "cuda":
         torch.cuda.reset_peak_memory_stats()
+    model = training.model
     times: list[float] = []
     cpu_times: list[float] = []  # the process's CPU time in each step (step_timing)
     losses: list[float] = []
     grad_bytes = 0
-    rank = torch.distributed.get_rank()
-    # where this rank is, for the launcher to name if it dies (runtime/activity.py)
-    places = module_places(model)
-    activity = RankActivity(rank, torch.distributed.get_world_size(), places)
-    fault_step = fault_step_of(os.environ.get(FAULT_ENV, ""), rank)
-    current = [0]
-
-    def kill_if_faulted() -> None:  # tests: die in the forward, as a crash would
-        if current[0] == fault_step:
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    watch_modules(model, activity, on_leaf=kill_if_faulted)
     program: EngineProgram | None = None
     for step in range(steps):
-        current[0] = step
-        activity.start_step(step)
-        activity.at(0, SYNC)
-        torch.distributed.barrier()
-        activity.at(0)
-        start, cpu_start = time.perf_counter(), time.process_time()
-        if rank == 0 and step == warmup - 1:
-            loss, grad_bytes, program = recorded_step(training)
-        else:
-            loss, grad_bytes = training.step()
-        if device_type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-        cpu_times.append(time.process_time() - cpu_start)
+        record = rank_steps.rank == 0 and step == warmup - 1
+        loss, grad_bytes, wall, cpu, recorded = rank_steps.step(step, record=record)
+        program = recorded or program
+        times.append(wall)
+        cpu_times.append(cpu)
         losses.append(training.loss_value(loss))
     state_bytes = optimizer_state_bytes(training.optimizer)
     peak = peak_bytes(device_type)
@@ -629,7 +676,7 @@ def run_sharded_plan(
             name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu()
             for name, p in model.named_parameters()
         }
-        if rank == 0:
+        if rank_steps.rank == 0:
             Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
             torch.save(whole, Path(checkpoint_dir) / "rank0.pt")
     return {
@@ -643,7 +690,7 @@ def run_sharded_plan(
         "uneven": training.uneven,
         "meta_buffers": training.meta_buffers,
         "engine": training.engine,
-        "engine_note": engine_note,
+        "engine_note": rank_steps.engine_note,
         "program": program.to_dict() if program is not None else None,
     }
 
