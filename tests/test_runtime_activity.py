@@ -49,11 +49,27 @@ def test_watched_modules_publish_each_forward_and_the_backward_that_runs() -> No
     activity = RankActivity(0, 1, places, directory="")
     _Probe.activity, _Probe.seen = activity, []
     leaves: list[int] = []
-    watch_modules(model, activity, on_leaf=lambda: leaves.append(int(activity.status[NODE])))
+    handles = watch_modules(
+        model,
+        activity,
+        on_leaf=lambda: leaves.append(int(activity.status[NODE])),
+        backward_depth=1,
+    )
     model(torch.randn(2, 3, requires_grad=True)).sum().backward()
     forward, backward = (places[i] for i in _Probe.seen)
     assert forward == "the forward of module '1' (_ProbeModule)"
     assert backward == "the backward of module '1' (_ProbeModule)"
+    # by default only the model's own backward is marked: the probe's backward then runs
+    # under the model's mark (the sum after the model has no mark of its own)
+    for handle in handles:
+        handle.remove()
+    _Probe.seen = []
+    watch_modules(model, activity)
+    model(torch.randn(2, 3, requires_grad=True)).sum().backward()
+    assert [places[i] for i in _Probe.seen] == [
+        "the forward of module '1' (_ProbeModule)",
+        "the backward of the model (Sequential)",
+    ]
     # every leaf module's forward, in the order they ran
     assert [places[i] for i in leaves] == [
         "the forward of module '0' (Linear)",

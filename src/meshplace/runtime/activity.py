@@ -160,29 +160,35 @@ def watch_modules(
     model: Any,
     activity: RankActivity,
     on_leaf: Callable[[], None] | None = None,
-    backward_depth: int = 2,
+    backward_depth: int = 0,
     forward_depth: int | None = 3,
 ) -> list[Any]:
     """Publish the module whose forward or backward this rank runs (the places of
     :func:`module_places`): for the modules at most ``forward_depth`` levels below the
     model (``None``: every module), a forward pre-hook marks a module's forward and a
     forward hook marks its parent's again; for those at most ``backward_depth`` levels
-    below (its children and theirs: a transformer's blocks), the forward hook also hooks
-    the autograd node that made the module's output, which marks the module's backward as
-    it starts. ``on_leaf`` is called at the forward of every watched module none of whose
-    children is watched (fault injection in tests). Returns the hook handles.
+    below (0, the default: the model itself; 2: its children and theirs, a transformer's
+    blocks), the forward hook also hooks the autograd node that made the module's output,
+    which marks the module's backward as it starts. ``on_leaf`` is called at the forward
+    of every watched module none of whose children is watched (fault injection in tests).
+    Returns the hook handles.
 
-    Cost per step: two Python calls per watched module and one per hooked backward. Why
-    not every module: on the Llama example's half-batch step (29 modules, 14 of them the
-    linear layers at depth 4; 3.5-4.6 ms of CPU), every module's forward hooks and the
-    backward marks at depth 2 cost 0.25-0.34 ms (7 %, 300 steps paired in one process),
-    and under torchrun the hooks were all of the runtime's CPU overhead over DDP by hand
-    (``benchmarks/sharded_overhead.py --interleaved --without-hooks``: +6.3 % with them,
-    −0.8 % without). Down to depth 3 (the blocks' attention, MLP and norms, not their
-    linear layers) they cost 0.16-0.18 ms (4.2-4.6 %; without the backward marks 1 %,
-    with the backward marked at depth 1 only 2.6-3.0 %), against 0.27-0.29 ms (6.3-8.1 %) for
-    every module, in the same runs (session 49, docs/runtime.md). A tensor hook on every
-    output cost 0.46 ms of a 3.1 ms step, node pre-hooks on every module 0.28 ms.
+    Cost per step: two Python calls per watched module and one Python autograd hook per
+    marked backward — 18 µs each on this host, an empty hook as much as ours, against
+    ~4 µs for a module's two forward hooks. Why the defaults, measured on the Llama
+    example's half-batch step (29 modules, 14 of them the linear layers at depth 4;
+    3.5-5 ms of CPU; 300 steps paired in one process, session 49, docs/runtime.md): every
+    module's forward and the backward marks down to depth 2 cost 0.25-0.34 ms (6-8 %);
+    the forward down to depth 3 (the blocks' attention, MLP and norms, not their linear
+    layers) 1-1.5 % alone, 4.2-4.6 % with the backward marks down to depth 2. Under
+    torchrun, against DDP and FSDP2 written by hand step by step
+    (``benchmarks/sharded_overhead.py --interleaved --without-hooks``), the hooks were the
+    whole of the runtime's overhead: with the backward marks down to depth 2, +5.5 % and
+    +8.4 % of the wall-clock step (+0.8 % and +0.6 % without any hook); with the model's
+    backward marked alone, +0.8 % and −2.9 %. A tensor hook on every output cost 0.46 ms
+    of a 3.1 ms step, node pre-hooks on every module 0.28 ms. So a rank that dies in the
+    backward is named "the backward of the model" unless a larger ``backward_depth`` is
+    asked for (a long step pays for it less).
     """
     stack: list[int] = []
     handles = []
