@@ -174,7 +174,7 @@ def watch_modules(
     Returns the hook handles.
 
     Cost per step: two Python calls per watched module and one Python autograd hook per
-    marked backward — 18 µs each on this host, an empty hook as much as ours, against
+    marked backward — about 20 µs each on this host, an empty hook as much as ours, against
     ~4 µs for a module's two forward hooks. Why the defaults, measured on the Llama
     example's half-batch step (29 modules, 14 of them the linear layers at depth 4;
     3.5-5 ms of CPU; 300 steps paired in one process, session 49, docs/runtime.md): every
@@ -184,8 +184,9 @@ def watch_modules(
     torchrun, against DDP and FSDP2 written by hand step by step
     (``benchmarks/sharded_overhead.py --interleaved --without-hooks``), the hooks were the
     whole of the runtime's overhead: with the backward marks down to depth 2, +5.5 % and
-    +8.4 % of the wall-clock step (+0.8 % and +0.6 % without any hook); with the model's
-    backward marked alone, +0.8 % and −2.9 %. A tensor hook on every output cost 0.46 ms
+    +8.4 % of the wall-clock step (+2.6 % and +0.6 % without any hook, the same run);
+    with the model's backward marked alone, +0.8 / −2.9 % and +4.6 / −1.6 % in two runs
+    (−3.9 / −3.9 % and −1.3 / −0.9 % without). A tensor hook on every output cost 0.46 ms
     of a 3.1 ms step, node pre-hooks on every module 0.28 ms. So a rank that dies in the
     backward is named "the backward of the model" unless a larger ``backward_depth`` is
     asked for (a long step pays for it less).
