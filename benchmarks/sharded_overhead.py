@@ -25,9 +25,18 @@ separates the work the runtime adds from waiting (the wall-clock overhead is the
 target's). On a virtual machine whose host is busy the CPU time moves too (a slowed vCPU
 is charged more of it): session 48 saw the same by-hand DDP step at 5.7-8.7 ms of CPU.
 
-Usage: ``python benchmarks/sharded_overhead.py [--repeats 2] [--steps 20] [--warmup 3]``
-(about 2 minutes; 4 with ``--repeats 5 --steps 30``;
-``benchmarks/results/sharded_overhead.json``).
+``--interleaved`` runs both sides in one torchrun job instead, step by step in
+alternation on the same ranks (:func:`interleaved_worker`: meshplace's own
+:class:`~meshplace.runtime.launch.ShardedRankSteps` and
+:class:`~meshplace.runtime.hybrid.HybridRankSteps`), and reports the median over the
+pairs of steps of meshplace's over the hand's (:func:`two_ranks.paired_overhead`): a slow
+spell of the host falls on both steps of a pair. ``--without-hooks`` adds a third side,
+meshplace without its rank-activity hooks, on the sharding plans' rows.
+
+Usage: ``python benchmarks/sharded_overhead.py [--repeats 2] [--steps 20] [--warmup 3]
+[--interleaved [--without-hooks]]`` (about 2 minutes; 4 with ``--repeats 5 --steps 30``;
+``benchmarks/results/sharded_overhead.json``; ``--interleaved --without-hooks --repeats 5
+--steps 40``: about 3 minutes, ``benchmarks/results/sharded_overhead_interleaved.json``).
 """
 
 from __future__ import annotations
@@ -44,7 +53,13 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from two_ranks import relative_overhead, report_slowest_median, torchrun_json  # noqa: E402
+from two_ranks import (  # noqa: E402
+    paired_overhead,
+    relative_overhead,
+    report_alternating,
+    report_slowest_median,
+    torchrun_json,
+)
 
 SOURCE = f"{ROOT / 'examples' / 'llama.py'}:build_tiny"
 PLANS = {"ddp": 0, "fsdp": 3}  # by-hand engine -> the ZeRO stage of meshplace's plan
@@ -158,25 +173,8 @@ def interleaved_worker(
         for handle in bare.hooks:
             handle.remove()
         sides.append(("meshplace_without_hooks", lambda i: bare.step(i)[2:4]))
-    mine: dict[str, list[tuple[float, float]]] = {name: [] for name, _ in sides}
-    for i in range(steps + warmup):
-        turn = i % len(sides)  # who goes first rotates, as does the order after
-        for name, run in sides[turn:] + sides[:turn]:
-            mine[name].append(tuple(run(i)))
-    every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    if dist.get_rank() == 0:
-        out = {}
-        for name in mine:
-            per_rank = [ranks[name][warmup:] for ranks in every]
-            out[f"{name}_s"] = [max(t[0] for t in ts) for ts in zip(*per_rank, strict=True)]
-            out[f"{name}_cpu_s"] = [
-                statistics.mean(t[1] for t in ts) for ts in zip(*per_rank, strict=True)
-            ]
-        out["engine"] = "ddp" if engine == "ddp-accumulate" else ours.training.engine
-        print(json.dumps(out))
-    dist.barrier()
-    dist.destroy_process_group()
+    engine_name = "ddp" if engine == "ddp-accumulate" else ours.training.engine
+    report_alternating(sides, steps, warmup, {"engine": engine_name})
 
 
 def plan_label(engine: str) -> str:
@@ -186,16 +184,6 @@ def plan_label(engine: str) -> str:
         if engine in PLANS
         else f"dp2 zero0, {MICRO_BATCHES} micro-batches"
     )
-
-
-def paired_overhead(ours: list[float], by_hand: list[float]) -> float:
-    """The median over pairs of steps of ``ours / by_hand``, less one: each pair ran a few
-    milliseconds apart, so what the host does to one it mostly does to the other.
-
-    >>> paired_overhead([1.1, 2.2, 9.0], [1.0, 2.0, 3.0])
-    0.10000000000000009
-    """
-    return statistics.median(a / b for a, b in zip(ours, by_hand, strict=True)) - 1
 
 
 def grid_plans(folder: Path) -> dict[str, Path]:

@@ -579,18 +579,12 @@ class HybridRankSteps:
         (:func:`meshplace.runtime.dryrun.recorder`)."""
         import torch.distributed as dist
 
-        from meshplace.runtime.activity import SYNC
         from meshplace.runtime.dryrun import mesh_axes, recorder
-        from meshplace.runtime.pipelined import run_schedule
+        from meshplace.runtime.pipelined import begin_stage_step, run_schedule
         from meshplace.runtime.sharded import sharded_step
 
         activity = self.activity
-        activity.start_step(index)
-        activity.at(0, SYNC)
-        dist.barrier()
-        activity.at(0)
-        if fault:
-            activity.kill_at_forward = True
+        begin_stage_step(activity, index, fault)
         recording = (
             recorder(self.program, mesh_axes(self.mesh)) if record else contextlib.nullcontext()
         )

@@ -300,6 +300,21 @@ def watch_stage(
     return activity
 
 
+def begin_stage_step(activity: StageActivity, index: int, fault: bool = False) -> None:
+    """What a stage's rank does before step ``index`` (0-based) of a pipeline: it
+    publishes that it waits for the other ranks, meets them at a barrier, and is then at
+    the step's first forward; with ``fault`` (tests) it is to kill itself in that
+    forward."""
+    import torch.distributed as dist
+
+    activity.start_step(index)
+    activity.at(0, SYNC)
+    dist.barrier()
+    activity.at(0)
+    if fault:
+        activity.kill_at_forward = True
+
+
 def _chunk(value: Any, micro_batches: int) -> Any:
     if not isinstance(value, torch.Tensor):
         return value
@@ -400,6 +415,98 @@ def measure_engine_overhead(source: str, micro_batches: int | None = None, reps:
     return max(0.0, statistics.median(differences) / micro_batches)
 
 
+class PipelinedRankSteps:
+    """One rank's timed steps of a pipelined placement, as :func:`run_pipelined_plan` runs
+    them: the rank's stage cut from the model (torch's pipelining at the plan's stage
+    boundaries), run as generated code, its schedule, Adam and inputs, the rank's
+    activity published for the launcher; each :meth:`step` after a barrier, its
+    wall-clock and CPU time measured around the schedule and the optimizer's step. A
+    benchmark that sets the runtime beside torch's pipelining by hand step by step calls
+    the same :meth:`step` (``benchmarks/pipeline_overhead.py --interleaved``).
+    ``torch.distributed`` must be initialised, one rank per stage."""
+
+    def __init__(
+        self,
+        plan: Any,
+        plan_path: str,
+        source: str,
+        *,
+        micro_batches: int,
+        lr: float,
+        schedule: str,
+        device_type: str,
+    ) -> None:
+        import torch.distributed as dist
+        from torch.distributed.pipelining import (
+            Schedule1F1B,
+            ScheduleGPipe,
+            SplitPoint,
+            pipeline,
+        )
+
+        from meshplace.graph.capture import capture
+        from meshplace.graph.sources import build_from_seed
+        from meshplace.runtime.sharded import rank_device
+
+        if schedule not in SCHEDULES:
+            raise InputError(f"--schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}")
+        rank, world = dist.get_rank(), dist.get_world_size()
+        model, args, kwargs = build_from_seed(source)  # the same on every rank
+        graph = capture(model, args, example_kwargs=kwargs, training=True)
+        plan.check_graph(graph, plan_path)
+        names = plan.device_names(graph, plan_path)
+        devices, boundaries, moved = stage_boundaries(graph, names)
+        if len(devices) != world:
+            raise InputError(
+                f"{plan_path} is a pipeline of {len(devices)} stages ({', '.join(devices)}); "
+                f"torchrun started {world} processes"
+            )
+        device = rank_device(device_type)
+        pipe = pipeline(
+            InputsEnterFirst(model),
+            mb_args=tuple(_chunk(a, micro_batches) for a in args),
+            mb_kwargs={k: _chunk(v, micro_batches) for k, v in kwargs.items()},
+            split_spec={f"model.{b}": SplitPoint.BEGINNING for b in boundaries},
+        )
+        contiguous_between_stages(pipe)  # gloo and NCCL send contiguous tensors only
+        self.stage = pipe.build_stage(rank, device)
+        del pipe, model  # each rank keeps its stage only
+        run_stage_compiled(self.stage.submod)
+        self.runner = {"1F1B": Schedule1F1B, "GPipe": ScheduleGPipe}[schedule](
+            self.stage, n_microbatches=micro_batches, loss_fn=lambda out, _target: out.sum()
+        )
+        self.optimizer = torch.optim.Adam(self.stage.submod.parameters(), lr=lr)
+        self.first, self.last = rank == 0, rank == world - 1
+        self.inputs = [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]
+        self.keywords = {
+            k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()
+        }
+        self.target = torch.zeros(micro_batches, device=device)  # the loss is the model's own
+        self.activity = watch_stage(self.stage.submod, rank, world, micro_batches)
+        self.rank, self.micro_batches, self.device_type = rank, micro_batches, device_type
+        self.graph, self.names, self.devices = graph, names, devices
+        self.boundaries, self.moved = boundaries, moved
+
+    def step(self, index: int, *, fault: bool = False) -> tuple[float | None, float, float]:
+        """Step ``index`` (0-based) after a barrier of the ranks: the batch's loss (on the
+        last stage's rank, else None) and the step's wall-clock and CPU seconds (this
+        process, all threads). ``fault`` (tests): the rank kills itself in the step's
+        first micro-batch forward."""
+        activity = self.activity
+        begin_stage_step(activity, index, fault)
+        start, cpu_start = time.perf_counter(), time.process_time()
+        micro = run_schedule(
+            self.runner, self.first, self.last, self.inputs, self.keywords, self.target
+        )
+        activity.at(2 * self.micro_batches)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.device_type == "cuda":
+            torch.cuda.synchronize()
+        wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+        return (float(torch.stack(micro).detach().mean()) if self.last else None), wall, cpu
+
+
 def run_pipelined_plan(
     plan: Any,
     plan_path: str,
@@ -416,82 +523,38 @@ def run_pipelined_plan(
     """Train the ``FILE.py:build`` model of ``source`` (built from seed 0, as every rank
     builds it) under the pipelined placement ``plan`` with ``micro_batches`` per step, for
     ``steps`` Adam steps on this rank (``torch.distributed`` initialised, one rank per
-    stage); what this rank measured. ``checkpoint_dir``: after the last step this rank
-    writes its stage's parameters there (``rank{R}.pt``, a dict from the model's own
-    parameter names to tensors). ``fault_step`` (tests): this rank kills itself (SIGKILL)
-    in that step's first micro-batch forward.
+    stage; :class:`PipelinedRankSteps`); what this rank measured. ``checkpoint_dir``:
+    after the last step this rank writes its stage's parameters there (``rank{R}.pt``, a
+    dict from the model's own parameter names to tensors). ``fault_step`` (tests): this
+    rank kills itself (SIGKILL) in that step's first micro-batch forward.
     """
-    import torch.distributed as dist
-    from torch.distributed.pipelining import (
-        Schedule1F1B,
-        ScheduleGPipe,
-        SplitPoint,
-        pipeline,
-    )
-
-    from meshplace.graph.capture import capture
-    from meshplace.graph.sources import build_from_seed
     from meshplace.runtime.placed import share_bytes
-    from meshplace.runtime.sharded import optimizer_state_bytes, peak_bytes, rank_device
+    from meshplace.runtime.sharded import optimizer_state_bytes, peak_bytes
 
-    if schedule not in SCHEDULES:
-        raise InputError(f"--schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    model, args, kwargs = build_from_seed(source)  # the same on every rank
-    graph = capture(model, args, example_kwargs=kwargs, training=True)
-    plan.check_graph(graph, plan_path)
-    names = plan.device_names(graph, plan_path)
-    devices, boundaries, moved = stage_boundaries(graph, names)
-    if len(devices) != world:
-        raise InputError(
-            f"{plan_path} is a pipeline of {len(devices)} stages ({', '.join(devices)}); "
-            f"torchrun started {world} processes"
-        )
-    device = rank_device(device_type)
-    pipe = pipeline(
-        InputsEnterFirst(model),
-        mb_args=tuple(_chunk(a, micro_batches) for a in args),
-        mb_kwargs={k: _chunk(v, micro_batches) for k, v in kwargs.items()},
-        split_spec={f"model.{b}": SplitPoint.BEGINNING for b in boundaries},
+    rank_steps = PipelinedRankSteps(
+        plan,
+        plan_path,
+        source,
+        micro_batches=micro_batches,
+        lr=lr,
+        schedule=schedule,
+        device_type=device_type,
     )
-    contiguous_between_stages(pipe)  # gloo and NCCL send contiguous tensors only
-    stage = pipe.build_stage(rank, device)
-    del pipe, model  # each rank keeps its stage only
-    run_stage_compiled(stage.submod)
-    runner = {"1F1B": Schedule1F1B, "GPipe": ScheduleGPipe}[schedule](
-        stage, n_microbatches=micro_batches, loss_fn=lambda out, _target: out.sum()
-    )
-    optimizer = torch.optim.Adam(stage.submod.parameters(), lr=lr)
-    first, last = rank == 0, rank == world - 1
-    inputs = [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]
-    keywords = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-    target = torch.zeros(micro_batches, device=device)  # the loss is the model's own
-    activity = watch_stage(stage.submod, rank, world, micro_batches)
     times: list[float] = []
     cpu_times: list[float] = []  # the process's CPU time in each step (step_timing)
     losses: list[float | None] = []
     for step in range(steps):
-        activity.start_step(step)
-        activity.at(0, SYNC)
-        dist.barrier()
-        activity.at(0)
-        if step == fault_step:
-            activity.kill_at_forward = True
-        start, cpu_start = time.perf_counter(), time.process_time()
-        micro = run_schedule(runner, first, last, inputs, keywords, target)
-        activity.at(2 * micro_batches)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if device_type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-        cpu_times.append(time.process_time() - cpu_start)
-        losses.append(float(torch.stack(micro).detach().mean()) if last else None)
+        loss, wall, cpu = rank_steps.step(step, fault=step == fault_step)
+        times.append(wall)
+        cpu_times.append(cpu)
+        losses.append(loss)
+    rank, stage = rank_steps.rank, rank_steps.stage
+    devices, boundaries = rank_steps.devices, rank_steps.boundaries
     # parameters and buffers, as the OpGraph's param_bytes counts them
     held = [*stage.submod.parameters(), *stage.submod.buffers()]
     params = sum(t.numel() * t.element_size() for t in held)
-    state = optimizer_state_bytes(optimizer)
-    predicted = share_bytes(graph, [devices.index(d) for d in names], rank)
+    state = optimizer_state_bytes(rank_steps.optimizer)
+    predicted = share_bytes(rank_steps.graph, [devices.index(d) for d in rank_steps.names], rank)
     peak = peak_bytes(device_type)
     if checkpoint_dir is not None:
         Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
@@ -503,7 +566,7 @@ def run_pipelined_plan(
     return {
         "device": devices[rank],
         "stage_begins": boundaries[rank - 1] if rank else "",
-        "ops_moved": moved[rank - 1] if rank else 0,
+        "ops_moved": rank_steps.moved[rank - 1] if rank else 0,
         "times_s": times,
         "cpu_times_s": cpu_times,
         "losses": losses,
