@@ -665,7 +665,8 @@ def run_sharded_plan(
     for step in range(steps):
         record = rank_steps.rank == 0 and step == warmup - 1
         loss, grad_bytes, wall, cpu, recorded = rank_steps.step(step, record=record)
-        program = recorded or program
+        if recorded is not None:
+            program = recorded
         times.append(wall)
         cpu_times.append(cpu)
         losses.append(training.loss_value(loss))
