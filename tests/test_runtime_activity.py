@@ -90,7 +90,7 @@ class _Block(torch.nn.Module):
 def test_modules_below_the_forward_depth_are_not_watched() -> None:
     """Depth 1 the blocks, 2 their Sequential, 3 its Linear and Tanh: down to depth 2, the
     Sequentials are the watched modules none of whose children is, and the modules below
-    run on PyTorch's hook-free path; every depth watches every module."""
+    run on PyTorch's hook-free path; ``forward_depth=None`` watches every module."""
     model = torch.nn.Sequential(_Block(), _Block())
     places = module_places(model)
     activity = RankActivity(0, 1, places, directory="")
