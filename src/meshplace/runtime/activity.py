@@ -87,6 +87,17 @@ class RankActivity:
         self.status[self.base + STEP] = step + 1
         self.status[self.base + STATE] = COMPUTE
 
+    def meet_for_step(self, step: int) -> None:
+        """Step ``step`` (0-based) begins: the rank publishes that it waits for the other
+        ranks, meets them at a barrier of the default process group
+        (``torch.distributed`` initialised), and is then at place 0."""
+        import torch.distributed as dist
+
+        self.start_step(step)
+        self.at(0, SYNC)
+        dist.barrier()
+        self.at(0)
+
     def at(self, place: int, state: int = COMPUTE) -> None:
         """The rank is at place number ``place`` (an index into ``places``), in ``state``."""
         self.status[self.base + NODE] = place

@@ -608,14 +608,10 @@ class ShardedRankSteps:
         (:func:`meshplace.runtime.dryrun.recorded_step`; the recording is in the times)."""
         import torch
 
-        from meshplace.runtime.activity import SYNC
         from meshplace.runtime.dryrun import recorded_step
 
         self.current = index
-        self.activity.start_step(index)
-        self.activity.at(0, SYNC)
-        torch.distributed.barrier()
-        self.activity.at(0)
+        self.activity.meet_for_step(index)
         program = None
         start, cpu_start = time.perf_counter(), time.process_time()
         if record:

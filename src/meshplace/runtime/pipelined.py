@@ -48,7 +48,7 @@ import torch
 
 from meshplace.errors import InputError
 from meshplace.graph.ir import OpGraph
-from meshplace.runtime.activity import SYNC, RankActivity
+from meshplace.runtime.activity import RankActivity
 from meshplace.runtime.processes import one_rank_world
 
 #: Schedules a pipelined plan can run with (``--schedule``).
@@ -305,12 +305,7 @@ def begin_stage_step(activity: StageActivity, index: int, fault: bool = False) -
     publishes that it waits for the other ranks, meets them at a barrier, and is then at
     the step's first forward; with ``fault`` (tests) it is to kill itself in that
     forward."""
-    import torch.distributed as dist
-
-    activity.start_step(index)
-    activity.at(0, SYNC)
-    dist.barrier()
-    activity.at(0)
+    activity.meet_for_step(index)
     if fault:
         activity.kill_at_forward = True
 
