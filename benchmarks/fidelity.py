@@ -65,6 +65,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from meshplace.hostmemory import keep_freed_memory
 from meshplace.provenance import write_result
 
 MODELS = ("mlp", "dmcca-small", "nmt-small", "rnnlm-small", "resnet-small", "transformer-small")
@@ -925,6 +926,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", type=float, default=3.0, help="seconds per placer")
     parser.add_argument("--out", default=None, help="default results/fidelity[_sharded].json")
     args = parser.parse_args(argv)
+    keep_freed_memory()  # as meshplace's own processes (meshplace.hostmemory)
     sharded = args.family == "sharded"
     family_models = {
         "placed": MODELS,

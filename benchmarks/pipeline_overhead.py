@@ -37,6 +37,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from meshplace.hostmemory import keep_freed_memory
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from two_ranks import (  # noqa: E402
@@ -224,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         "--out", default=None, help="default results/pipeline_overhead[_interleaved].json"
     )
     args = parser.parse_args(argv)
+    keep_freed_memory()  # as meshplace's own processes (meshplace.hostmemory)
     if args.worker is not None:
         worker(args.worker, args.steps, args.warmup, args.cut, args.schedules)
         return 0

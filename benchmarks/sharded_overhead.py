@@ -51,6 +51,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from meshplace.hostmemory import keep_freed_memory
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from two_ranks import (  # noqa: E402
@@ -320,6 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         "--out", default=None, help="default results/sharded_overhead[_interleaved].json"
     )
     args = parser.parse_args(argv)
+    keep_freed_memory()  # as meshplace's own processes (meshplace.hostmemory)
     if args.worker is not None:
         worker(args.worker, args.steps, args.warmup)
         return 0

@@ -442,8 +442,9 @@ def test_synchronous_gradients_cost_exposed_bucketed_all_reduces() -> None:
     a stage with ZeRO on DTensor, its gradients all-reduced after the schedule in buckets
     of ``GRADIENT_BUCKET_BYTES``, none hidden behind the backward (the default model hides
     the reduction behind the backward): the stage's synchronisation is exactly one
-    all-reduce per bucket (the parameters' all-gather made free here); a data-parallel
-    stage without ZeRO on DDP, which hides it as the default model does."""
+    all-reduce per bucket, then one all-gather of the updated parameters per bucket of as
+    many bytes (ZeRO 1); a data-parallel stage without ZeRO on DDP, which hides it as the
+    default model does."""
     import math
 
     from meshplace.cost.collectives import GRADIENT_BUCKET_BYTES
@@ -453,7 +454,7 @@ def test_synchronous_gradients_cost_exposed_bucketed_all_reduces() -> None:
     kind = cluster.devices[hybrid.accelerators(cluster)[0]].kind
     latency = 1e-3
     cost_model = CostModel(
-        collectives={kind: {"all_reduce": (latency, 1e10), "all_gather": (0.0, 1e30)}}
+        collectives={kind: {"all_reduce": (latency, 1e10), "all_gather": (2 * latency, 1e10)}}
     )
 
     def search(synchronous: bool, model: CostModel = cost_model) -> hybrid.HybridResult:
@@ -468,13 +469,17 @@ def test_synchronous_gradients_cost_exposed_bucketed_all_reduces() -> None:
     pc = synchronous.part_costs[(1, 2)]
     grads = pc.pre.gradient_bytes + 2 * pc.layer.gradient_bytes + pc.post.gradient_bytes
     buckets = max(1, math.ceil(grads / GRADIENT_BUCKET_BYTES))
+    params = pc.pre.parameter_bytes + 2 * pc.layer.parameter_bytes + pc.post.parameter_bytes
+    gathers = max(1, math.ceil(params / GRADIENT_BUCKET_BYTES))
     dp2 = {(p.dp, p.config.zero): p for p in overlapped.plans}
     dp2_sync = {(p.dp, p.config.zero): p for p in synchronous.plans}
     assert dp2_sync[(2, 1)].time_per_batch_s >= dp2[(2, 1)].time_per_batch_s  # none hidden
     # one collective per bucket, not per parameter tensor (of which a GPT layer has many)
     assert pc.layer.parameter_tensors >= 4 and buckets < pc.layer.parameter_tensors
     assert sum(dp2_sync[(2, 1)].sync_s) == pytest.approx(
-        buckets * cluster_collective(cluster, cost_model, grads / buckets), rel=1e-6
+        buckets * cluster_collective(cluster, cost_model, grads / buckets)
+        + gathers * cluster_collective(cluster, cost_model, params / gathers, "all_gather"),
+        rel=1e-6,
     )
     # ZeRO 0: DDP's reduction, hidden behind the backward as the default model hides it
     assert dp2_sync[(2, 0)].time_per_batch_s == pytest.approx(dp2[(2, 0)].time_per_batch_s)
@@ -515,13 +520,14 @@ def test_ddp_stages_pay_the_ddp_overhead_per_micro_batch_and_others_do_not() -> 
     assert default[(1, 2, 0)] == pytest.approx(times(CostModel(), False)[(1, 2, 0)], rel=1e-12)
 
 
-def cluster_collective(cluster, cost_model, nbytes: float) -> float:
-    """The all-reduce of ``nbytes`` over 2 devices of ``cluster`` as the search costs it."""
+def cluster_collective(cluster, cost_model, nbytes: float, kind: str = "all_reduce") -> float:
+    """The collective ``kind`` of ``nbytes`` over 2 devices of ``cluster`` as the search
+    costs it."""
     from meshplace.mesh.layout import mesh_over
 
     order = cluster.ring_order(hybrid.accelerators(cluster))
     mesh = mesh_over(cluster, np.array(order[:2]).reshape(2, 1), ("data", "tensor"), "tp inner")
-    return mesh.calibrated(cost_model).collective_time("all_reduce", nbytes, ["data"])
+    return mesh.calibrated(cost_model).collective_time(kind, nbytes, ["data"])
 
 
 def _gpipe_seconds(cluster: Any, cost_model: Any, pp: int) -> float:

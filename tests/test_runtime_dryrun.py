@@ -140,6 +140,25 @@ def test_data_parallelism_runs_one_bucketed_gradient_all_reduce(
     assert program.dispatched > 0
 
 
+def test_zero_1_gathers_the_updated_parameters_in_one_flat_all_gather(
+    grid_plans: tuple[str, dict[str, dict]], forked_dry_runs: None
+) -> None:
+    """The data-parallel plan with every parameter at ZeRO 1: after the optimizer's step
+    on the master shards, the runtime gathers them back as one flat buffer (all four
+    tensors, 66 KiB, within one bucket), not one collective per parameter; the
+    gradients' bucketed all-reduce is as at ZeRO 0, and a ZeRO-1 shard of a reduced
+    gradient is a local slice, no collective."""
+    source, plans = grid_plans
+    dp = json.loads(json.dumps(next(p for k, p in plans.items() if k.startswith("dp2 x tp1"))))
+    for spec in dp["parameters"].values():
+        spec["zero"] = 1
+    program = dry_run(dp, source, engine="dtensor")
+    gathers = [c for c in program.collectives if c.kind == "all_gather"]
+    whole = (64 * 256 + 256 + 256 * 64 + 64) * 4
+    assert [c.nbytes for c in gathers] == [whole], gathers
+    assert {c.kind for c in program.collectives} == {"all_reduce", "all_gather"}
+
+
 def test_tensor_parallelism_records_its_collectives_on_the_plans_mesh_axis(
     grid_plans: tuple[str, dict[str, dict]], forked_dry_runs: None
 ) -> None:

@@ -23,6 +23,7 @@ from rich.table import Table
 
 from meshplace.argtypes import non_negative_seconds, positive_int, positive_seconds, seed
 from meshplace.errors import InputError
+from meshplace.hostmemory import keep_freed_memory
 from meshplace.util import (
     JsonOutput,
     check_output_paths,
@@ -295,6 +296,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return EXIT_BAD_INPUT
         if getattr(args, "json", False):
             json_output = JsonOutput()
+        keep_freed_memory()  # steps timed or trained here, and by forked workers
         with json_output or contextlib.nullcontext():
             try:
                 return _dispatch(args)

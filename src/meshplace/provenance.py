@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from meshplace import __version__
+from meshplace.hostmemory import keeps_freed_memory
 from meshplace.util import dumps_strict_json, write_text_atomic
 
 _REPO = Path(__file__).resolve().parents[2]
@@ -75,6 +76,9 @@ def provenance(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "torch": torch_version,
         "cpus": os.cpu_count(),
         "load_average": [round(x, 2) for x in os.getloadavg()],
+        # glibc's malloc told to keep freed memory (meshplace.hostmemory), as meshplace's
+        # runs are
+        "keeps_freed_memory": keeps_freed_memory(),
     }
 
 

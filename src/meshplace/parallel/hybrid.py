@@ -1294,7 +1294,6 @@ def _sync_seconds(
     backward: float,
     mesh: Mesh,
     axis: str | None,
-    tensors: float = 1.0,
     synchronous: bool = False,
 ) -> float:
     """Exposed once-per-batch data-parallel synchronisation of one stage (module
@@ -1307,22 +1306,22 @@ def _sync_seconds(
     step's first forward can overlap. ``synchronous``: the engine of meshplace's
     torchrun runtime, which after the schedule all-reduces the gradients in buckets of
     :data:`~meshplace.cost.collectives.GRADIENT_BUCKET_BYTES` (ZeRO 0 and 1; a ZeRO-1
-    shard is then a local slice) and gathers each of the stage's ``tensors`` updated
-    parameter tensors on its own (ZeRO 1 and 2), overlapping nothing."""
+    shard is then a local slice) and gathers the updated parameters in flat buckets of as
+    many bytes (ZeRO 1 and 2), overlapping nothing."""
     if axis is None or config.dp == 1:
         return 0.0
     z = config.zero
-    calls = max(1.0, tensors) if synchronous else 1.0
 
     def collective(kind: str, nbytes: float) -> float:
-        return calls * mesh.collective_time(kind, nbytes / calls, [axis])
+        return mesh.collective_time(kind, nbytes, [axis])
+
+    def in_buckets(kind: str, nbytes: float) -> float:
+        buckets = max(1.0, float(math.ceil(nbytes / GRADIENT_BUCKET_BYTES)))
+        return buckets * mesh.collective_time(kind, nbytes / buckets, [axis])
 
     if synchronous:
-        buckets = max(1.0, float(math.ceil(grads / GRADIENT_BUCKET_BYTES)))
-        reduce = 0.0
-        if z < 2:
-            reduce = buckets * mesh.collective_time("all_reduce", grads / buckets, [axis])
-        return reduce + (collective("all_gather", params) if z in (1, 2) else 0.0)
+        reduce = in_buckets("all_reduce", grads) if z < 2 else 0.0
+        return reduce + (in_buckets("all_gather", params) if z in (1, 2) else 0.0)
     reduce = tail = 0.0
     if grads > 0:
         kind = "all_reduce" if z == 0 else "reduce_scatter"
@@ -1349,11 +1348,11 @@ def _stage_syncs(
 ) -> list[float]:
     """:func:`_sync_seconds` of each stage of a split (``idx`` into the stage model)."""
     forward, backward = model["forward"][idx], model["backward"][idx]
-    grads, params, tensors = model["grads"][idx], model["params"][idx], model["tensors"][idx]
+    grads, params = model["grads"][idx], model["params"][idx]
     return [
         _sync_seconds(
             config, float(grads[i]), float(params[i]), float(forward[i]), float(backward[i]),
-            mesh, axis, float(tensors[i]), synchronous,
+            mesh, axis, synchronous,
         )
         for i in range(config.pp)
     ]  # fmt: skip

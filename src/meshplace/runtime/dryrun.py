@@ -57,6 +57,7 @@ from pathlib import Path
 from typing import Any
 
 from meshplace.errors import InputError
+from meshplace.hostmemory import keep_freed_memory
 from meshplace.runtime.processes import one_rank_world
 
 #: the functional collectives DTensor issues, by the kind names the cost model uses
@@ -558,6 +559,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engine", choices=("auto", "dtensor"), default="auto")
     parser.add_argument("--each", action="store_true", help="one result per plan, in a list")
     args = parser.parse_args(argv)
+    keep_freed_memory()  # as the torchrun ranks whose step this records
     if not args.each:
         if len(args.plan) != 1:
             parser.error("several plans need --each")

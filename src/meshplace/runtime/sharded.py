@@ -489,6 +489,40 @@ def local_nbytes(t: torch.Tensor) -> int:
     return local.numel() * local.element_size()
 
 
+def block_as_dtensor_of(block: torch.Tensor, like: Any) -> Any:
+    """This rank's ``block`` as a DTensor laid out as ``like`` (a DTensor of the same
+    dtype: its mesh, placements, global shape and stride), not differentiable: a
+    parameter's gradient or a ZeRO master shard's, made from a local tensor. Built from
+    ``like``'s spec directly, as FSDP2 builds its sharded gradients (PyTorch's
+    ``_from_local_no_grad``), where ``DTensor.from_local`` runs an autograd function and
+    derives the spec anew: about 7 against 33 us a call on this project's CPU, paid per
+    parameter per step. Falls back to ``from_local`` for another dtype. O(1).
+
+    >>> import torch
+    >>> from torch.distributed.device_mesh import init_device_mesh
+    >>> from torch.distributed.tensor import Replicate, distribute_tensor
+    >>> from meshplace.runtime.processes import one_rank_world
+    >>> with one_rank_world():
+    ...     mesh = init_device_mesh("cpu", (1,))
+    ...     weight = distribute_tensor(torch.ones(4, 2), mesh, [Replicate()])
+    ...     grad = block_as_dtensor_of(torch.zeros(4, 2), weight)
+    ...     (grad.placements, tuple(grad.shape), grad.requires_grad)
+    ((Replicate(),), (4, 2), False)
+    """
+    from torch.distributed.tensor import DTensor
+
+    if block.dtype != like.dtype:
+        return DTensor.from_local(
+            block,
+            like.device_mesh,
+            like.placements,
+            run_check=False,
+            shape=like.shape,
+            stride=like.stride(),
+        )
+    return DTensor(block, like._spec, requires_grad=False)
+
+
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of this rank's blocks of ``optimizer``'s state tensors (Adam's moments; its
     step counter, a scalar, is not counted, as the plans' memory models do not)."""
