@@ -33,7 +33,10 @@ DTensor runs it: a dry run of the runtime's step on a fake process group
 the calibrated cost model (``calibrated_cost_model``, as ``meshplace shard --calibration``
 does) costs, with DTensor's dispatch per op (measured on a 1-rank mesh in this process,
 :func:`meshplace.runtime.dryrun.measure_dispatch_overhead`); the solver's own estimate
-of each plan is reported beside it (``predicted_solver_s``). Each plan
+of each plan is reported beside it (``predicted_solver_s``), and so is a measurement
+that tells the model's error on the rank's local work from the rest: the rank's step timed
+alone in its dry run (``timed_alone_s``; the fake process group's collectives return at
+once) plus the model's collectives (``predicted_timed_local_s``). Each plan
 runs under torchrun on 2 gloo ranks (``python -m meshplace.runtime``: DTensor, PyTorch's
 own forward, backward and Adam); the measured step is the median of the timed steps (per
 step, the slowest rank) over the passes.
@@ -93,6 +96,9 @@ PLACED_ABLATIONS = {
     # each message's latency holding the link (before session 46)
     "latency_holds_link": ((), False, "each message's latency holding the link"),
 }
+# The sharded family: steps of each plan's rank timed alone in its dry run (on the fake
+# process group), the local work measured, set beside the model's prediction
+TIMED_ALONE_STEPS = 7
 PLACERS = (
     "single",
     "expert",
@@ -458,12 +464,14 @@ def run_sharded_model(source: str, steps: int, warmup: int, passes: int) -> dict
     # cost model and by its links-only ablation
     on_links = links_only(engine, cluster)
     engine_predictions: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {}
+    timed_alone: dict[str, float] = {}
     for label, document, _ in plans:
-        program = dry_run(document, source)
+        program = dry_run(document, source, timed_steps=TIMED_ALONE_STEPS)
         engine_predictions[label] = (
             program_cost(program, document, cluster, cost_model),
             program_cost(program, document, cluster, on_links),
         )
+        timed_alone[label] = program.timed_step_s
     timed, per_pass = _torchrun_passes(
         {label: (document, ()) for label, document, _ in plans}, source, steps, warmup, passes
     )
@@ -476,6 +484,10 @@ def run_sharded_model(source: str, steps: int, warmup: int, passes: int) -> dict
         breakdown = {k: engine_s[k] for k in parts}
         program = {k: engine_s[k] for k in ("collectives", "kernels", "dispatched")}
         measured = statistics.median(timed[label])
+        # not a prediction: the rank's step timed alone in the dry run (collectives
+        # returning at once), plus the model's collectives — what is left of the error
+        # once the local work is measured rather than modelled
+        alone = timed_alone[label] + engine_s["communication_s"]
         rows.append(
             _compare(
                 label,
@@ -490,6 +502,9 @@ def run_sharded_model(source: str, steps: int, warmup: int, passes: int) -> dict
                 error_solver=(solver_s - measured) / measured,
                 predicted_solver_compute_s=document["predicted"]["compute_s"],
                 predicted_solver_communication_s=document["predicted"]["communication_s"],
+                timed_alone_s=timed_alone[label],
+                predicted_timed_local_s=alone,
+                error_timed_local=(alone - measured) / measured,
             )
         )
     meas = [r["measured_s"] for r in rows]
@@ -889,7 +904,7 @@ def _summary(rows: list[dict]) -> dict[str, Any]:
         "median_pass_spread": _median_abs(r["pass_spread"] for r in rows),
         **{
             f"{measure}_{ablation}": value
-            for ablation in PLACED_ABLATIONS
+            for ablation in (*PLACED_ABLATIONS, "timed_local")
             if all(r.get(f"predicted_{ablation}_s") is not None for r in rows)
             for measure, value in (
                 ("median_abs_error", _median_abs(r[f"error_{ablation}"] for r in rows)),
@@ -975,7 +990,12 @@ def main(argv: list[str] | None = None) -> int:
         "load_average_after": os.getloadavg(),
     }
     # Kendall's tau overall: the mean of the per-model values (rankings within a model)
-    taus = ["kendall_tau", "kendall_tau_micro", *(f"kendall_tau_{a}" for a in PLACED_ABLATIONS)]
+    taus = [
+        "kendall_tau",
+        "kendall_tau_micro",
+        "kendall_tau_timed_local",
+        *(f"kendall_tau_{a}" for a in PLACED_ABLATIONS),
+    ]
     for key in taus:
         vals = [m[key] for m in results if m.get(key) is not None]
         overall[key] = statistics.mean(vals) if vals else None
@@ -1036,6 +1056,13 @@ def main(argv: list[str] | None = None) -> int:
         }[args.family]
     )
     if sharded:
+        for name, m in [(m["model"], m) for m in results] + [("overall", overall)]:
+            print(
+                f"the rank's step timed alone in the dry run + the model's collectives (a "
+                f"measurement of the local work, not the model) {name}: median |err| "
+                f"{pct(m.get('median_abs_error_timed_local'))}, "
+                f"tau {num(m.get('kendall_tau_timed_local'))}"
+            )
         for m in results:
             print(
                 f"kept on {m['model']}: "

@@ -159,6 +159,24 @@ def test_zero_1_gathers_the_updated_parameters_in_one_flat_all_gather(
     assert {c.kind for c in program.collectives} == {"all_reduce", "all_gather"}
 
 
+def test_the_dry_run_times_the_ranks_step_alone_when_asked(
+    grid_plans: tuple[str, dict[str, dict]],
+    dp_program: tuple[dict, EngineProgram],
+    forked_dry_runs: None,
+) -> None:
+    """``timed_steps``: the rank's step timed on the fake process group after the
+    recorded one (a measurement, kept apart from the prediction); by default not timed,
+    and a program recorded before the field existed reads as not timed."""
+    source, plans = grid_plans
+    dp, untimed = dp_program
+    assert untimed.timed_step_s == 0.0
+    timed = dry_run(dp, source, engine="dtensor", timed_steps=3)
+    assert timed.timed_step_s > 0.0
+    assert timed.collective_counts() == untimed.collective_counts()  # the same program
+    old = {k: v for k, v in timed.to_dict().items() if k != "timed_step_s"}
+    assert EngineProgram.from_dict(old).timed_step_s == 0.0
+
+
 def test_tensor_parallelism_records_its_collectives_on_the_plans_mesh_axis(
     grid_plans: tuple[str, dict[str, dict]], forked_dry_runs: None
 ) -> None:

@@ -155,6 +155,11 @@ class EngineProgram:
     dispatched: int = 0  # DTensor-level ops (each pays DTensor's dispatch)
     fsdp_units: int = 0  # modules FSDP2 gathers as one (each pays FSDP2's own cost)
     dispatched_update: int = 0  # of ``dispatched``, those inside the optimizer's step
+    # the rank's whole step timed on the fake process group, where collectives return at
+    # once: the median of a few steps after the recorded one (0: not timed). Not a
+    # prediction — a measurement of the rank's local work alone, which the benchmark
+    # sets beside the cost model's to tell its error from the local work's from the rest
+    timed_step_s: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -168,6 +173,7 @@ class EngineProgram:
             int(d["dispatched"]),
             int(d.get("fsdp_units", 0)),  # recorded before FSDP2 ran plans: none
             int(d.get("dispatched_update", 0)),  # recorded before phases were: none
+            float(d.get("timed_step_s", 0.0)),  # recorded before it was timed: none
         )
 
     def collective_counts(self) -> dict[str, int]:
@@ -386,14 +392,24 @@ def recorded_step(training: Any) -> tuple[Any, int, EngineProgram]:
 
 
 def record_step(
-    plan: dict[str, Any], source: str, *, device_type: str = "cpu", engine: str = "auto"
+    plan: dict[str, Any],
+    source: str,
+    *,
+    device_type: str = "cpu",
+    engine: str = "auto",
+    timed_steps: int = 0,
 ) -> EngineProgram:
     """The step this rank runs for ``plan`` (``torch.distributed`` initialised, a real or
     a fake process group) on the engine the runtime chooses
     (:func:`meshplace.runtime.launch.sharding_training`): two untimed steps, then the
     third recorded — the first creates Adam's state and DDP's buckets, the second
     rebuilds the buckets in gradient order and broadcasts that order (once per run, not
-    per step). O(three training steps)."""
+    per step) — then, with ``timed_steps``, that many more timed
+    (:attr:`EngineProgram.timed_step_s`, their median). O(three training steps, plus
+    ``timed_steps``)."""
+    import statistics
+    import time
+
     from meshplace.runtime.launch import sharding_training
 
     training, _note = sharding_training(
@@ -401,7 +417,14 @@ def record_step(
     )
     training.step()
     training.step()
-    return recorded_step(training)[2]
+    program = recorded_step(training)[2]
+    times = []
+    for _ in range(timed_steps):
+        start = time.perf_counter()
+        training.step()
+        times.append(time.perf_counter() - start)
+    program.timed_step_s = statistics.median(times) if times else 0.0
+    return program
 
 
 def record_hybrid_step(
@@ -439,14 +462,19 @@ def dry_run(
     *,
     timeout_s: float = 600.0,
     engine: str = "auto",
+    timed_steps: int = 0,
 ) -> EngineProgram:
     """Rank 0's step of ``plan`` (a plan file's dict or path) as its engine runs it, recorded
     in a fresh process on a fake process group of the plan's world size (module
-    docstring); ``source`` overrides the plan's model. Raises :class:`InputError` with the
-    child's last line when the model cannot run under the plan."""
+    docstring), and with ``timed_steps`` that many more timed
+    (:attr:`EngineProgram.timed_step_s`); ``source`` overrides the plan's model. Raises
+    :class:`InputError` with the child's last line when the model cannot run under the
+    plan."""
     if isinstance(plan, dict):  # refused here, without a process that imports torch
         refuse_pipelines(plan, "the plan")
-    (program,) = _dry_run_child([plan], source, timeout_s=timeout_s, engine=engine)
+    (program,) = _dry_run_child(
+        [plan], source, timeout_s=timeout_s, engine=engine, timed_steps=timed_steps
+    )
     if isinstance(program, str):
         raise InputError(f"the dry run of the plan failed: {program}")
     return program
@@ -458,16 +486,19 @@ def dry_runs(
     *,
     timeout_s: float = 600.0,
     engine: str = "auto",
+    timed_steps: int = 0,
 ) -> list[EngineProgram | str]:
     """:func:`dry_run` of several plans (of one stage each) in one child process — torch
     and the model's module are imported once, not once a plan (~3 s each here) — each on
     a fake process group of its own world size. Per plan, its :class:`EngineProgram`, or
     the sentence saying why its engine cannot run it. ``timeout_s`` is per plan. Raises
     :class:`InputError` when the child itself fails or runs out of time. O(three training
-    steps of one rank's share per plan)."""
+    steps of one rank's share per plan, plus ``timed_steps``)."""
     for plan in plans:
         refuse_pipelines(plan, "the plan")
-    return _dry_run_child(list(plans), source, timeout_s=timeout_s, engine=engine)
+    return _dry_run_child(
+        list(plans), source, timeout_s=timeout_s, engine=engine, timed_steps=timed_steps
+    )
 
 
 def _dry_run_child(
@@ -476,6 +507,7 @@ def _dry_run_child(
     *,
     timeout_s: float,
     engine: str,
+    timed_steps: int = 0,
 ) -> list[EngineProgram | str]:
     import os
     import tempfile
@@ -492,7 +524,7 @@ def _dry_run_child(
         command = [sys.executable, "-m", "meshplace.runtime.dryrun", *paths]
         if source is not None:
             command += ["--model", source]
-        command += ["--engine", engine, "--each"]
+        command += ["--engine", engine, "--timed-steps", str(timed_steps), "--each"]
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         limit = timeout_s * len(paths)
         try:
@@ -514,7 +546,7 @@ def _dry_run_child(
     ]
 
 
-def _record_plan(path: str, model: str | None, engine: str) -> EngineProgram:
+def _record_plan(path: str, model: str | None, engine: str, timed_steps: int = 0) -> EngineProgram:
     """Rank 0's recorded step of the plan file at ``path`` (``main``'s work for one
     plan): a fake process group of the plan's world size around it."""
     import contextlib
@@ -541,7 +573,7 @@ def _record_plan(path: str, model: str | None, engine: str) -> EngineProgram:
         with contextlib.redirect_stdout(sys.stderr):
             if hybrid:
                 return record_hybrid_step(plan, source, engine=engine)
-            return record_step(plan, source, engine=engine)
+            return record_step(plan, source, engine=engine, timed_steps=timed_steps)
     finally:
         dist.destroy_process_group()
 
@@ -558,13 +590,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=None)
     parser.add_argument("--engine", choices=("auto", "dtensor"), default="auto")
     parser.add_argument("--each", action="store_true", help="one result per plan, in a list")
+    parser.add_argument(
+        "--timed-steps", type=int, default=0, help="steps timed after the recorded one"
+    )
     args = parser.parse_args(argv)
     keep_freed_memory()  # as the torchrun ranks whose step this records
     if not args.each:
         if len(args.plan) != 1:
             parser.error("several plans need --each")
         try:
-            program = _record_plan(args.plan[0], args.model, args.engine)
+            program = _record_plan(args.plan[0], args.model, args.engine, args.timed_steps)
         except InputError as exc:
             print(f"meshplace: error: {exc}", file=sys.stderr)
             return 2
@@ -573,7 +608,8 @@ def main(argv: list[str] | None = None) -> int:
     results: list[dict[str, Any]] = []
     for path in args.plan:
         try:
-            results.append({"program": _record_plan(path, args.model, args.engine).to_dict()})
+            program = _record_plan(path, args.model, args.engine, args.timed_steps)
+            results.append({"program": program.to_dict()})
         except Exception as exc:  # one plan's failure is that plan's answer, not the run's
             words = str(exc).strip().splitlines() or [""]
             known = isinstance(exc, InputError)
