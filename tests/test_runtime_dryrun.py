@@ -167,7 +167,7 @@ def test_the_dry_run_times_the_ranks_step_alone_when_asked(
     """``timed_steps``: the rank's step timed on the fake process group after the
     recorded one (a measurement, kept apart from the prediction); by default not timed,
     and a program recorded before the field existed reads as not timed."""
-    source, plans = grid_plans
+    source, _ = grid_plans
     dp, untimed = dp_program
     assert untimed.timed_step_s == 0.0
     timed = dry_run(dp, source, engine="dtensor", timed_steps=3)
