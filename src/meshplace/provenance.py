@@ -10,7 +10,7 @@ Example
 >>> p["command"]
 'python benchmarks/simulator_speed.py --ops 1000'
 >>> sorted(p) == sorted(["command", "commit", "dirty", "date_utc", "meshplace", "python",
-...                      "torch", "cpus", "load_average"])
+...                      "torch", "cpus", "load_average", "keeps_freed_memory"])
 True
 """
 
