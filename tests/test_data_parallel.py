@@ -103,14 +103,15 @@ def pure_data_parallel_plan(source: str, parameters: list[str], zero: int) -> di
     }
 
 
-def test_only_pure_data_parallelism_of_zero_0_or_3_leaves_dtensor() -> None:
+def test_only_pure_data_parallelism_of_zero_0_1_or_3_leaves_dtensor() -> None:
     plan = pure_data_parallel_plan("m.py:build", list(MLP_PARAMETERS), 0)
     assert data_parallel_stage(plan) == 0
     plan["parameters"] = {n: {**p, "zero": 3} for n, p in plan["parameters"].items()}
     assert data_parallel_stage(plan) == 3
-    for zero in (1, 2):  # no per-parameter ZeRO-1/2 engine in PyTorch: DTensor's
-        mixed = {n: {**p, "zero": zero} for n, p in plan["parameters"].items()}
-        assert data_parallel_stage({**plan, "parameters": mixed}) is None
+    ones = {n: {**p, "zero": 1} for n, p in plan["parameters"].items()}
+    assert data_parallel_stage({**plan, "parameters": ones}) == 1  # DDP, the update sharded
+    twos = {n: {**p, "zero": 2} for n, p in plan["parameters"].items()}
+    assert data_parallel_stage({**plan, "parameters": twos}) is None  # DTensor's
     mixed = dict(plan["parameters"], **{"0.bias": {"placements": ["Replicate()"], "zero": 0}})
     assert data_parallel_stage({**plan, "parameters": mixed}) is None
     split = dict(plan["parameters"], **{"0.weight": {"placements": ["Shard(0)"], "zero": 3}})

@@ -138,13 +138,15 @@ def test_a_plan_trains_under_torchrun_like_one_process_and_each_rank_holds_its_s
     )
 
 
-@pytest.mark.parametrize("zero,engine", [(0, "ddp"), (3, "fsdp2")])
+@pytest.mark.parametrize("zero,engine", [(0, "ddp"), (1, "ddp"), (3, "fsdp2")])
 def test_a_pure_data_parallel_plan_runs_on_ddp_or_fsdp2_like_one_process(
     tmp_path: Path, zero: int, engine: str
 ) -> None:
-    """An MLP's dp2 grid point runs on PyTorch's own data-parallel engine (ZeRO 0: DDP,
-    ZeRO 3: FSDP2), trains as one process does, and each rank holds the parameter,
-    gradient and Adam bytes the plan predicts (ZeRO 3: half of each). (An MLP: the
+    """An MLP's dp2 grid point runs on PyTorch's own data-parallel engine (ZeRO 0: DDP;
+    ZeRO 1: DDP, each rank's Adam updating its half of every parameter, the halves
+    gathered back in one flat all-gather; ZeRO 3: FSDP2), trains as one process does, and
+    each rank holds the parameter, gradient and Adam bytes the plan predicts (ZeRO 1: half
+    the Adam state; ZeRO 3: half of each). (An MLP: the
     parameters of a model with near-zero gradients, such as the Llama example's
     attention, are off by up to 1e-3 after three Adam steps on either engine, DTensor
     included — Adam's first steps move a weight by about the learning rate whatever its
@@ -170,16 +172,18 @@ def test_a_pure_data_parallel_plan_runs_on_ddp_or_fsdp2_like_one_process(
     trained_like_one_process(report, source, tmp_path / "ck", steps=4)
     memory = report["memory_per_rank"]
     whole = sum(p.numel() * 4 for p in model.parameters())
-    assert memory["parameters"]["measured"] == [whole // (2 if zero else 1)] * 2
+    assert memory["parameters"]["measured"] == [whole // (2 if zero == 3 else 1)] * 2
+    assert memory["optimizer_state"]["measured"] == [2 * whole // (2 if zero else 1)] * 2
     for kind in ("parameters", "gradients", "optimizer_state"):
         assert memory[kind]["measured"] == [memory[kind]["predicted"]] * 2, kind
-    # the step as the engine ran it: DDP's bucketed all-reduce, FSDP2's gathers and
-    # reduce-scatters; no DTensor dispatch for DDP
+    # the step as the engine ran it: DDP's bucketed all-reduce (at ZeRO 1 then one
+    # all-gather of the updated halves), FSDP2's gathers and reduce-scatters; no DTensor
+    # dispatch for DDP
     collectives = report["predicted"]["engine"]["collectives"]
-    if zero == 0:
-        assert (
-            collectives.get("all_reduce") == 1 and report["predicted"]["engine"]["dispatched"] == 0
-        )
+    if zero < 3:
+        assert collectives.get("all_reduce") == 1, collectives
+        assert collectives.get("all_gather", 0) == zero, collectives
+        assert report["predicted"]["engine"]["dispatched"] == 0
     else:
         assert collectives.get("all_gather", 0) >= 1 and collectives.get("reduce_scatter", 0) >= 1
 

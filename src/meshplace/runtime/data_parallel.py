@@ -1,6 +1,7 @@
 """Pure data-parallel sharding plans on PyTorch's own data-parallel engines: DDP for
-replicated weight updates (ZeRO 0), FSDP2 (``fully_shard``) for sharded parameters
-(ZeRO 3), as torchtitan composes them; DTensor stays the engine of every other plan.
+replicated weight updates (ZeRO 0, and ZeRO 1 with the update sharded beside it), FSDP2
+(``fully_shard``) for sharded parameters (ZeRO 3), as torchtitan composes them; DTensor
+stays the engine of every other plan.
 
 Why: a plan that replicates every parameter and splits only the batch needs no DTensor —
 under DTensor every op of the forward, backward and optimizer pays its dispatch and every
@@ -20,8 +21,13 @@ loss that is neither (batch normalisation's batch statistics, a contrastive loss
 model that cannot run on part of the batch) keeps the plan on DTensor, which computes the
 loss of the whole batch exactly.
 
-Not here: ZeRO stages 1 and 2 (PyTorch has no per-parameter engine for them;
-:class:`meshplace.runtime.launch.WeightUpdateSharding` runs them on DTensor), uneven
+ZeRO 1 runs beside DDP: DDP reduces the whole gradients as at ZeRO 0, Adam updates each
+rank's block of every parameter (its state a block too), and the updated blocks are
+all-gathered into the parameters in flat buckets — where every parameter splits evenly
+over the ranks (else DTensor's per-parameter gathers, below).
+
+Not here: ZeRO stage 2 (PyTorch has no per-parameter engine for it;
+:class:`meshplace.runtime.launch.WeightUpdateSharding` runs it on DTensor), uneven
 batch splits (DDP's mean of means is not the batch's mean), images split along their
 height or width (a convolution's halo: :mod:`meshplace.runtime.spatial`), and models
 built on the meta device (no forward to probe; DTensor creates them block by block).
@@ -54,11 +60,11 @@ LOSS_TOLERANCE = 1e-4
 
 
 def data_parallel_stage(plan: Mapping[str, Any]) -> int | None:
-    """The ZeRO stage, 0 or 3, of a plan that is pure data parallelism — every parameter
-    replicated on every mesh axis with the same ``zero``, every input replicated or split
-    along one dimension over every axis — else ``None`` (tensor or spatial parallelism,
-    mixed or ZeRO-1/2 weight updates, a convolution split along anything but its batch:
-    DTensor's). O(parameters + inputs + ops).
+    """The ZeRO stage, 0, 1 or 3, of a plan that is pure data parallelism — every
+    parameter replicated on every mesh axis with the same ``zero``, every input replicated
+    or split along one dimension over every axis — else ``None`` (tensor or spatial
+    parallelism, mixed or ZeRO-2 weight updates, a convolution split along anything but
+    its batch: DTensor's). O(parameters + inputs + ops).
 
     >>> p = {"mesh": {"shape": [2]}, "parameters": {"w": {"placements": ["Replicate()"]}},
     ...      "inputs": {"x": {"placements": ["Shard(0)"]}}}
@@ -77,7 +83,7 @@ def data_parallel_stage(plan: Mapping[str, Any]) -> int | None:
         if any(p != "Replicate()" for p in spec["placements"]):
             return None
         stages.add(int(spec.get("zero", 0)))
-    if len(stages) != 1 or not stages <= {0, 3}:
+    if len(stages) != 1 or not stages <= {0, 1, 3}:
         return None
     for op, strategy in plan.get("ops", {}).items():  # spatial splits: halo exchanges
         labels = {word.partition("@")[0] for word in strategy.split() if "@" in word}
@@ -86,6 +92,17 @@ def data_parallel_stage(plan: Mapping[str, Any]) -> int | None:
     if not batch_dims(plan):
         return None
     return stages.pop()
+
+
+def uneven_over(shape: Sequence[int], world: int) -> bool:
+    """Whether no dimension of ``shape`` splits evenly over ``world`` ranks (the ZeRO shard
+    of :func:`~meshplace.runtime.sharded.zero_placements` then has blocks of unequal
+    size). O(dimensions).
+
+    >>> uneven_over((6, 5), 4), uneven_over((6, 8), 4)
+    (True, False)
+    """
+    return world > 1 and all(n % world for n in shape)
 
 
 def batch_dims(plan: Mapping[str, Any]) -> dict[str, int | None]:
@@ -255,8 +272,9 @@ class DataParallelTraining:
         device_type: str,
     ) -> None:
         import torch.distributed as dist
+        from torch.distributed.tensor import Replicate
 
-        from meshplace.runtime.sharded import rank_device, zero_placements
+        from meshplace.runtime.sharded import master_block, rank_device, zero_placements
 
         device = rank_device(device_type)
         world = dist.get_world_size()
@@ -265,7 +283,11 @@ class DataParallelTraining:
         self.gradient_bytes: int | None = None  # counted at the first step (:meth:`step`)
         self.meta_buffers: list[str] = []  # a model built on the meta device runs on DTensor
         self.model, self.args, self.kwargs = model, args, kwargs
-        if stage == 0:
+        self.data_mesh = data_mesh
+        # ZeRO 1: (parameter, this rank's block of it — a view Adam updates in place —,
+        # where the block sits), over the ranks in rank order, as FSDP2 shards
+        self.masters: list[tuple[torch.nn.Parameter, torch.Tensor, tuple]] = []
+        if stage in (0, 1):
             from torch.nn.parallel import DistributedDataParallel
 
             model.to(device)
@@ -280,9 +302,14 @@ class DataParallelTraining:
                 (None, world, reduction == "mean"), reduce_gradient_bucket
             )
             self.engine, self.fsdp_units = "ddp", 0
+            if stage == 1:
+                rank = data_mesh.get_coordinate()[0]
+                for param in model.parameters():
+                    cuts = ((0, zero_placements([Replicate()], param.shape, [world])[0].dim),)
+                    block = master_block(param.detach(), cuts, [world], [rank])
+                    self.masters.append((param, block, cuts))
         else:
             from torch.distributed.fsdp import fully_shard
-            from torch.distributed.tensor import Replicate
 
             model.to(device)
 
@@ -304,7 +331,8 @@ class DataParallelTraining:
                     self.uneven.append(name)
             self.runner = model
             self.engine, self.fsdp_units = "fsdp2", len(units)
-        self.optimizer = torch.optim.Adam(model.parameters(), lr=lr, foreach=True)
+        updated = [block for _, block, _ in self.masters] or list(model.parameters())
+        self.optimizer = torch.optim.Adam(updated, lr=lr, foreach=True)
 
     @classmethod
     def create(
@@ -336,6 +364,8 @@ class DataParallelTraining:
         world = dist.get_world_size()
         if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
             return None  # no forward to probe the loss with; DTensor creates it by blocks
+        if stage == 1 and any(uneven_over(p.shape, world) for p in model.parameters()):
+            return None  # ZeRO-1 blocks of unequal size: DTensor's per-parameter gathers
         device = rank_device(device_type)
         positional = len(args)
 
@@ -399,9 +429,32 @@ class DataParallelTraining:
             grads = [p.grad for p in self.model.parameters() if p.grad is not None]
             self.gradient_bytes = sum(local_nbytes(g) for g in grads)
         held = self.gradient_bytes
-        self.optimizer.step()
+        if self.masters:
+            self._update_blocks()
+        else:
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss, held
+
+    def _update_blocks(self) -> None:
+        """ZeRO 1 beside DDP: Adam updates this rank's block of every parameter with the
+        block of its reduced gradient (views: no copy), then the blocks are all-gathered
+        into the parameters in flat buckets
+        (:func:`~meshplace.runtime.sharded.gather_master_shards_in_buckets`; source:
+        Rajbhandari et al., SC 2020, Sec. 5, stage 1)."""
+        from meshplace.runtime.sharded import gather_master_shards_in_buckets, master_block
+
+        world, rank = self.data_mesh.size(), self.data_mesh.get_coordinate()[0]
+        for param, block, cuts in self.masters:
+            if param.grad is not None:
+                block.grad = master_block(param.grad, cuts, [world], [rank])
+        self.optimizer.step()
+        with torch.no_grad():
+            gather_master_shards_in_buckets(
+                [(param.data, block, cuts) for param, block, cuts in self.masters],
+                self.data_mesh,
+            )
+        self.model.zero_grad(set_to_none=True)
 
     def loss_value(self, loss: torch.Tensor) -> float:
         """The loss of the whole batch: the mean (or sum) of the ranks' losses."""

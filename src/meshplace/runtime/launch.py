@@ -13,7 +13,7 @@ rendezvous), joins a gloo (CPU) or NCCL (GPU) process group, builds the model fr
 plan's ``graph.source`` (or ``--model``) with a fixed seed, and trains for ``--steps`` Adam
 steps with PyTorch's own forward, backward and optimizer — no meshplace interpreter on this
 path — on the engine that runs the plan (:func:`sharding_training`): a pure data-parallel
-plan on DDP (ZeRO 0) or FSDP2 (ZeRO 3) when its loss is a mean or sum over the batch
+plan on DDP (ZeRO 0 and 1) or FSDP2 (ZeRO 3) when its loss is a mean or sum over the batch
 (:mod:`meshplace.runtime.data_parallel`), every other plan (or ``--engine dtensor``) with
 every parameter and input a DTensor of the plan's placements
 (:func:`meshplace.runtime.sharded.apply_sharding_plan`). Rank 0 prints what every rank
@@ -307,93 +307,6 @@ def place_gradients_like_parameters(model: Any, bucket_bytes: int = GRADIENT_BUC
                 start = end
 
 
-def master_block_cuts(
-    placements: Sequence[Any],
-    target: Sequence[Any],
-    shape: Sequence[int],
-    mesh_shape: Sequence[int],
-) -> tuple[tuple[int, int], ...] | None:
-    """Where a ZeRO master shard (placements ``target``, from
-    :func:`~meshplace.runtime.sharded.zero_placements`) sits in the rank's block of its
-    parameter (``placements``, global ``shape``) on a mesh of ``mesh_shape``: the
-    ``(mesh axis, tensor dimension)`` of every replica axis the shard splits, in mesh-axis
-    order, when the shard is the parameter's block split evenly along those dimensions —
-    each axis's coordinate picks a slice of what the axes before it left, as DTensor
-    nests ``Shard`` placements of one dimension — and ``None`` when it is not: blocks of
-    unequal size, or a dimension the parameter itself splits on a later mesh axis (DTensor
-    would split by the shard's axis first); the shard is then moved by DTensor's
-    redistribution. O(mesh dimensions).
-
-    >>> from torch.distributed.tensor import Replicate, Shard
-    >>> master_block_cuts([Shard(0), Replicate()], [Shard(0), Shard(1)], [8, 6], [4, 3])
-    ((1, 1),)
-    >>> master_block_cuts([Replicate(), Replicate()], [Shard(0), Shard(0)], [8, 6], [2, 2])
-    ((0, 0), (1, 0))
-    >>> master_block_cuts([Replicate()], [Shard(0)], [5, 3], [2]) is None  # 5 rows, 2 ranks
-    True
-    """
-    split = [1] * len(shape)
-    last_own_axis: dict[int, int] = {}  # dimension -> the last mesh axis the parameter splits
-    for axis, (p, size) in enumerate(zip(placements, mesh_shape, strict=True)):
-        if p.is_shard():
-            split[p.dim] *= size
-            last_own_axis[p.dim] = axis
-    cuts = []
-    for axis, (p, t, size) in enumerate(zip(placements, target, mesh_shape, strict=True)):
-        if p.is_replicate() and t.is_shard() and size > 1:
-            if last_own_axis.get(t.dim, -1) > axis:
-                return None
-            split[t.dim] *= size
-            cuts.append((axis, t.dim))
-    if any(n % k for n, k in zip(shape, split, strict=True)):
-        return None
-    return tuple(cuts)
-
-
-def gather_master_shards(
-    members: Sequence[tuple[Any, Any, tuple[tuple[int, int], ...]]], mesh: Any, axes: tuple
-) -> None:
-    """All-gather updated ZeRO master shards into their parameters, as one flat buffer:
-    ``members`` are ``(parameter block, shard block, cuts)`` local tensors, every shard cut
-    along mesh ``axes`` (:func:`master_block_cuts`, the same axes for all); the shards are
-    concatenated, gathered over each axis in turn (``all_gather_tensor``: one collective
-    per axis for the whole bucket, where one per parameter pays gloo's and DTensor's
-    per-call cost every time), and each parameter's block is written from the gathered
-    ranks' slices, which are its sub-blocks in mesh-coordinate order. Source: the
-    flat-parameter all-gather of ZeRO (Rajbhandari et al., SC 2020, Sec. 5) and FSDP
-    (Zhao et al., VLDB 2023, Sec. 3.2). O(bytes gathered).
-    """
-    import torch
-    import torch.distributed._functional_collectives as funcol
-
-    flat = torch.cat([shard.reshape(-1) for _, shard, _ in members])
-    for axis in axes:
-        flat = funcol.wait_tensor(funcol.all_gather_tensor(flat, 0, (mesh, axis)))
-    counts = [mesh.shape[axis] for axis in reversed(axes)]  # the last axis gathered outermost
-    rows = flat.view(*counts, -1)
-    offset = 0
-    for whole, shard, cuts in members:
-        n = shard.numel()
-        stacked = rows[..., offset : offset + n].reshape(*counts, *shard.shape)
-        offset += n
-        # each cut's rank index goes before the dimension it cut, earlier axes outermost
-        ranks_of: dict[int, list[int]] = {}
-        for i, (_, dim) in enumerate(cuts):
-            ranks_of.setdefault(dim, []).append(len(cuts) - 1 - i)
-        order: list[int] = []
-        split_shape: list[int] = []
-        for d, extent in enumerate(shard.shape):
-            for position in ranks_of.get(d, []):
-                order.append(position)
-                split_shape.append(counts[position])
-            order.append(len(cuts) + d)
-            split_shape.append(extent)
-        if whole.is_contiguous():
-            whole.view(split_shape).copy_(stacked.permute(order))
-        else:
-            whole.copy_(stacked.permute(order).reshape(whole.shape))
-
-
 class WeightUpdateSharding:
     """The plan's weight-update sharding, per parameter, on DTensor.
 
@@ -425,7 +338,7 @@ class WeightUpdateSharding:
     def __init__(self, model: Any, plan: dict[str, Any], mesh: Any) -> None:
         import torch
 
-        from meshplace.runtime.sharded import local_nbytes, zero_placements
+        from meshplace.runtime.sharded import local_nbytes, master_block_cuts, zero_placements
 
         self.mesh = mesh
         self.masters: dict[str, tuple[Any, Any, int]] = {}
@@ -487,7 +400,7 @@ class WeightUpdateSharding:
         either way; the slice skips DTensor's per-call cost (~160 us a parameter on CPU)."""
         import torch
 
-        from meshplace.runtime.sharded import block_as_dtensor_of
+        from meshplace.runtime.sharded import block_as_dtensor_of, master_block
 
         for name, (param, shard, zero) in self.masters.items():
             if zero >= 3 or param.grad is None:
@@ -497,10 +410,7 @@ class WeightUpdateSharding:
                 shard.grad = grad.redistribute(self.mesh, shard.placements)
             else:
                 with torch.no_grad():
-                    block = grad.to_local()
-                    for axis, dim in cuts:
-                        size = block.shape[dim] // self.mesh.shape[axis]
-                        block = block.narrow(dim, self.coordinate[axis] * size, size)
+                    block = master_block(grad.to_local(), cuts, self.mesh.shape, self.coordinate)
                     block = block.clone() if zero == 2 else block.contiguous()
                     shard.grad = block_as_dtensor_of(block, shard)
             if zero == 2:
@@ -510,11 +420,13 @@ class WeightUpdateSharding:
         """Each updated stage-1/2 shard gathered back into its parameter: the shards that
         are blocks of their parameters (:attr:`cuts`) in flat buckets of up to
         ``bucket_bytes`` of parameter per mesh-axis set and dtype, one all-gather per
-        bucket and axis (:func:`gather_master_shards`); the rest by DTensor's
-        redistribution, one collective each."""
+        bucket and axis (:func:`~meshplace.runtime.sharded.gather_master_shards_in_buckets`);
+        the rest by DTensor's redistribution, one collective each."""
         import torch
 
-        buckets: dict[tuple, list[tuple[Any, Any, tuple]]] = {}
+        from meshplace.runtime.sharded import gather_master_shards_in_buckets
+
+        members = []
         with torch.no_grad():
             for name, (param, shard, zero) in self.masters.items():
                 if zero >= 3:
@@ -524,18 +436,8 @@ class WeightUpdateSharding:
                     gathered = shard.redistribute(self.mesh, param.placements)
                     param.to_local().copy_(gathered.to_local())
                     continue
-                key = (tuple(axis for axis, _ in cuts), param.dtype)
-                buckets.setdefault(key, []).append((param.to_local(), shard.to_local(), cuts))
-            for (axes, _), members in buckets.items():
-                start = 0
-                while start < len(members):
-                    end, size = start, 0
-                    while end < len(members) and (end == start or size < bucket_bytes):
-                        whole = members[end][0]
-                        size += whole.numel() * whole.element_size()
-                        end += 1
-                    gather_master_shards(members[start:end], self.mesh, axes)
-                    start = end
+                members.append((param.to_local(), shard.to_local(), cuts))
+            gather_master_shards_in_buckets(members, self.mesh, bucket_bytes)
 
     def gradients_placed(self, model: Any) -> int:
         """After the backward: every gradient given its parameter's placement
@@ -664,7 +566,7 @@ class ShardedTraining:
 def sharding_training(
     plan: dict[str, Any], source: str, *, lr: float, device_type: str, engine: str = "auto"
 ) -> tuple[Any, str | None]:
-    """One rank's training of a sharding plan on the engine that runs it — DDP (ZeRO 0)
+    """One rank's training of a sharding plan on the engine that runs it — DDP (ZeRO 0 and 1)
     or FSDP2 (ZeRO 3) for pure data parallelism whose loss is a mean or sum over the
     batch, DTensor (:class:`ShardedTraining`) for everything else or with ``engine``
     ``"dtensor"`` — and, for a pure data-parallel plan kept on DTensor, why (a note for
@@ -690,6 +592,11 @@ def sharding_training(
             "the plan is pure data parallelism, but it runs on DTensor: the model is built "
             "on the meta device, or its loss is not a mean or sum over equal shards of the "
             "batch (DDP and FSDP2 average the ranks' gradients)"
+            + (
+                ", or a parameter splits evenly along none of its dimensions (ZeRO 1)"
+                if stage == 1
+                else ""
+            )
         )
     return ShardedTraining(plan, source, lr=lr, device_type=device_type, built=built), note
 
