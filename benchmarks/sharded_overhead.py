@@ -8,6 +8,10 @@ each, Adam, run two ways in alternation for two plans of the Megatron grid on 2 
   gradients all-reduced in buckets while the backward runs); meshplace, ``python -m
   meshplace.runtime`` on the grid point's plan (parameters replicated DTensors, inputs
   split over the batch, each gradient reduced as its placement says);
+* **dp2, ZeRO 1**: by hand, DDP with PyTorch's ``ZeroRedundancyOptimizer`` (Adam's state
+  partitioned by whole parameters over the ranks, each rank's updated parameters
+  broadcast); meshplace, the ZeRO-1 grid point (DDP, each rank's Adam on its half of
+  every parameter, the halves all-gathered in one flat buffer);
 * **dp2, ZeRO 3**: by hand, FSDP2 (``fully_shard`` on every block, then the model);
   meshplace, the ZeRO-3 grid point (parameters sharded, gathered for use);
 * **dp2, 4 micro-batches** (the Llama example at batch 8,
@@ -64,7 +68,8 @@ from two_ranks import (  # noqa: E402
 )
 
 SOURCE = f"{ROOT / 'examples' / 'llama.py'}:build_tiny"
-PLANS = {"ddp": 0, "fsdp": 3}  # by-hand engine -> the ZeRO stage of meshplace's plan
+# by-hand engine -> the ZeRO stage of meshplace's plan
+PLANS = {"ddp": 0, "zero1": 1, "fsdp": 3}
 ACCUMULATED = f"{ROOT / 'benchmarks' / 'fidelity_models.py'}:build_llama_batch8"
 MICRO_BATCHES = 4  # of the accumulated row: global batch 8 over 2 replicas, 1 row each
 WORKERS = (*PLANS, "ddp-accumulate")
@@ -90,7 +95,7 @@ def by_hand_steps(engine: str) -> Any:
 
     args = [mine(a) for a in args]
     kwargs = {k: mine(v) for k, v in kwargs.items()}
-    if engine in ("ddp", "ddp-accumulate"):
+    if engine in ("ddp", "zero1", "ddp-accumulate"):
         from torch.nn.parallel import DistributedDataParallel
 
         model = DistributedDataParallel(model)
@@ -102,7 +107,14 @@ def by_hand_steps(engine: str) -> Any:
         for block in model.layers:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=True)
+    if engine == "zero1":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        optimizer: Any = ZeroRedundancyOptimizer(
+            model.parameters(), optimizer_class=torch.optim.Adam, lr=1e-3, foreach=True
+        )
+    else:
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=True)
 
     def step() -> tuple[float, float]:
         dist.barrier()
@@ -189,7 +201,7 @@ def plan_label(engine: str) -> str:
 
 
 def grid_plans(folder: Path) -> dict[str, Path]:
-    """The Megatron grid's dp2 points (ZeRO 0 and 3) on 2 devices as plan files, by the
+    """The Megatron grid's dp2 points (ZeRO 0, 1 and 3) on 2 devices as plan files, by the
     by-hand engine they are compared with."""
     import torch
 
@@ -201,7 +213,9 @@ def grid_plans(folder: Path) -> dict[str, Path]:
     torch.manual_seed(0)
     model, args, kwargs = load_build_function(SOURCE)()
     graph = capture(model, args, example_kwargs=kwargs, training=True)
-    grid = megatron_grid(graph, load_cluster("dgx-h100"), chips=2, zero_stages=(0, 3))
+    grid = megatron_grid(
+        graph, load_cluster("dgx-h100"), chips=2, zero_stages=tuple(PLANS.values())
+    )
     paths = {}
     for engine, zero in PLANS.items():
         point = next(p for p in grid.points if p.dp == 2 and p.zero == zero and p.fits)
@@ -234,7 +248,7 @@ def accumulated_plan(folder: Path) -> Path:
 
 
 def interleaved(args: argparse.Namespace) -> int:
-    """``--interleaved``: for the dp2 ZeRO 0 and ZeRO 3 plans, ``--repeats`` torchrun jobs
+    """``--interleaved``: for the dp2 ZeRO 0, 1 and 3 plans, ``--repeats`` torchrun jobs
     of :func:`interleaved_worker`; per plan the pairs of steps of all jobs, the paired
     overhead (:func:`paired_overhead`) of the wall-clock and CPU times, and the medians."""
     from meshplace.provenance import write_result
