@@ -13,9 +13,10 @@ tcmalloc keep such memory; PyTorch's own CPU launcher (``torch.backends.xeon.run
 preloads one of them for this reason. Without either, glibc's ``mallopt`` does the same
 from inside the process: a fixed mmap threshold at glibc's maximum (32 MiB; a fixed one
 also stops glibc raising it on its own) and a trim threshold of 2 GiB, so blocks up to
-32 MiB come from the heap and what a step frees stays for the next. The process's peak
-resident set is unchanged (the memory was in use at the peak); between steps it keeps
-its high-water mark instead of returning it.
+32 MiB come from the heap and what a step frees stays for the next. Between steps the
+process keeps its high-water mark instead of returning it; its peak resident set (which
+the runtime reports on CPU) is about the same — the memory was in use at the peak — but
+not guaranteed equal: blocks freed in the heap's middle can fragment it.
 
 :func:`keep_freed_memory` is called where meshplace starts a process that trains or
 times a step — the ``meshplace`` command, each torchrun rank of ``python -m

@@ -23,8 +23,10 @@ loss of the whole batch exactly.
 
 ZeRO 1 runs beside DDP: DDP reduces the whole gradients as at ZeRO 0, Adam updates each
 rank's block of every parameter (its state a block too), and the updated blocks are
-all-gathered into the parameters in flat buckets — where every parameter splits evenly
-over the ranks (else DTensor's per-parameter gathers, below).
+all-gathered into the parameters in flat buckets — where every trainable parameter
+splits evenly along one of its dimensions over the ranks; else (a scalar parameter, say)
+the plan runs on DTensor (:class:`meshplace.runtime.launch.WeightUpdateSharding`, which
+gathers the even ones in flat buckets too and the rest one by one).
 
 Not here: ZeRO stage 2 (PyTorch has no per-parameter engine for it;
 :class:`meshplace.runtime.launch.WeightUpdateSharding` runs it on DTensor), uneven
@@ -37,7 +39,7 @@ the engine's.
 
 Example (under torchrun, ``torch.distributed`` initialised)::
 
-    stage = data_parallel_stage(plan)           # 0, 3 or None (DTensor's plan)
+    stage = data_parallel_stage(plan)           # 0, 1, 3 or None (DTensor's plan)
     built = build_from_seed("examples/llama.py:build_tiny")  # the same on every rank
     training = DataParallelTraining.create(plan, built, stage=stage, lr=1e-3,
                                            device_type="cpu")
@@ -305,6 +307,8 @@ class DataParallelTraining:
             if stage == 1:
                 rank = data_mesh.get_coordinate()[0]
                 for param in model.parameters():
+                    if not param.requires_grad:  # frozen: never updated, never gathered
+                        continue
                     cuts = ((0, zero_placements([Replicate()], param.shape, [world])[0].dim),)
                     block = master_block(param.detach(), cuts, [world], [rank])
                     self.masters.append((param, block, cuts))
@@ -364,8 +368,9 @@ class DataParallelTraining:
         world = dist.get_world_size()
         if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
             return None  # no forward to probe the loss with; DTensor creates it by blocks
-        if stage == 1 and any(uneven_over(p.shape, world) for p in model.parameters()):
-            return None  # ZeRO-1 blocks of unequal size: DTensor's per-parameter gathers
+        trained = [p for p in model.parameters() if p.requires_grad]
+        if stage == 1 and any(uneven_over(p.shape, world) for p in trained):
+            return None  # ZeRO-1 blocks of unequal size: DTensor's, gathered one by one
         device = rank_device(device_type)
         positional = len(args)
 

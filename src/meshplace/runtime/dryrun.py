@@ -467,7 +467,8 @@ def dry_run(
     """Rank 0's step of ``plan`` (a plan file's dict or path) as its engine runs it, recorded
     in a fresh process on a fake process group of the plan's world size (module
     docstring), and with ``timed_steps`` that many more timed
-    (:attr:`EngineProgram.timed_step_s`); ``source`` overrides the plan's model. Raises
+    (:attr:`EngineProgram.timed_step_s`; not for a one-stage hybrid plan, whose
+    recording is the runtime's own run: 0 there); ``source`` overrides the plan's model. Raises
     :class:`InputError` with the child's last line when the model cannot run under the
     plan."""
     if isinstance(plan, dict):  # refused here, without a process that imports torch

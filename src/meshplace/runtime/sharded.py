@@ -539,7 +539,7 @@ def gather_master_shards(
     """All-gather updated ZeRO master shards into their parameters, as one flat buffer:
     ``members`` are ``(parameter block, shard block, cuts)`` local tensors, every shard cut
     along mesh ``axes`` (:func:`master_block_cuts`, the same axes for all); the shards are
-    concatenated, gathered over each axis in turn (``all_gather_tensor``: one collective
+    concatenated, gathered over each axis in turn (``all_gather_single``: one collective
     per axis for the whole bucket, where one per parameter pays gloo's and DTensor's
     per-call cost every time), and each parameter's block is written from the gathered
     ranks' slices, which are its sub-blocks in mesh-coordinate order. Source: the
@@ -551,7 +551,7 @@ def gather_master_shards(
 
     flat = torch.cat([shard.reshape(-1) for _, shard, _ in members])
     for axis in axes:
-        flat = funcol.wait_tensor(funcol.all_gather_tensor(flat, 0, (mesh, axis)))
+        flat = funcol.wait_tensor(funcol.all_gather_single(flat, 0, (mesh, axis)))
     counts = [mesh.shape[axis] for axis in reversed(axes)]  # the last axis gathered outermost
     rows = flat.view(*counts, -1)
     offset = 0
