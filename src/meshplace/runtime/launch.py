@@ -271,7 +271,7 @@ def place_gradients_like_parameters(model: Any, bucket_bytes: int = GRADIENT_BUC
     import torch
     import torch.distributed._functional_collectives as funcol
 
-    from meshplace.runtime.sharded import block_as_dtensor_of
+    from meshplace.runtime.sharded import block_as_dtensor_of, buckets_of
 
     with torch.no_grad():  # to_local without its autograd function
         buckets: dict[tuple, list[Any]] = {}
@@ -285,15 +285,12 @@ def place_gradients_like_parameters(model: Any, bucket_bytes: int = GRADIENT_BUC
                 p.grad = g.redistribute(p.device_mesh, p.placements)
                 continue
             buckets.setdefault((id(p.device_mesh), dims, g.dtype), []).append(p)
+
+        def grad_bytes(p: Any) -> int:
+            return p.grad.to_local().numel() * p.grad.element_size()
+
         for (_, dims, _), params in buckets.items():
-            start = 0
-            while start < len(params):
-                end, size = start, 0
-                while end < len(params) and (end == start or size < bucket_bytes):
-                    local = params[end].grad.to_local()
-                    size += local.numel() * local.element_size()
-                    end += 1
-                bucket = params[start:end]
+            for bucket in buckets_of(params, grad_bytes, bucket_bytes):
                 mesh = bucket[0].device_mesh
                 flat = torch.cat([p.grad.to_local().reshape(-1) for p in bucket])
                 for dim in dims:
@@ -304,7 +301,6 @@ def place_gradients_like_parameters(model: Any, bucket_bytes: int = GRADIENT_BUC
                     block = flat[offset : offset + local.numel()].view(local.shape)
                     offset += local.numel()
                     p.grad = block_as_dtensor_of(block, p)
-                start = end
 
 
 class WeightUpdateSharding:

@@ -611,15 +611,28 @@ def gather_master_shards_in_buckets(
         axes = tuple(axis for axis, _ in member[2])
         groups.setdefault((axes, member[0].dtype), []).append(member)
     for (axes, _), group in groups.items():
-        start = 0
-        while start < len(group):
-            end, size = start, 0
-            while end < len(group) and (end == start or size < bucket_bytes):
-                whole = group[end][0]
-                size += whole.numel() * whole.element_size()
-                end += 1
-            gather_master_shards(group[start:end], mesh, axes)
-            start = end
+        for bucket in buckets_of(group, lambda m: m[0].numel() * m[0].element_size(), bucket_bytes):
+            gather_master_shards(bucket, mesh, axes)
+
+
+def buckets_of(items: Sequence[Any], nbytes: Any, limit: int) -> Iterator[list[Any]]:
+    """``items`` in order, in consecutive buckets each closed once its ``nbytes(item)``
+    reach ``limit`` (a bucket holds at least one item), as DDP fills its gradient
+    buckets. O(items).
+
+    >>> list(buckets_of([3, 3, 5, 1], lambda n: n, 6))
+    [[3, 3], [5, 1]]
+    """
+    bucket: list[Any] = []
+    size = 0
+    for item in items:
+        bucket.append(item)
+        size += nbytes(item)
+        if size >= limit:
+            yield bucket
+            bucket, size = [], 0
+    if bucket:
+        yield bucket
 
 
 def block_as_dtensor_of(block: torch.Tensor, like: Any) -> Any:
