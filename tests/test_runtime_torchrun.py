@@ -138,15 +138,17 @@ def test_a_plan_trains_under_torchrun_like_one_process_and_each_rank_holds_its_s
     )
 
 
-@pytest.mark.parametrize("zero,engine", [(0, "ddp"), (1, "ddp"), (3, "fsdp2")])
+@pytest.mark.parametrize("zero,engine", [(0, "ddp"), (1, "ddp"), (2, "dtensor"), (3, "fsdp2")])
 def test_a_pure_data_parallel_plan_runs_on_ddp_or_fsdp2_like_one_process(
     tmp_path: Path, zero: int, engine: str
 ) -> None:
     """An MLP's dp2 grid point runs on PyTorch's own data-parallel engine (ZeRO 0: DDP;
     ZeRO 1: DDP, each rank's Adam updating its half of every parameter, the halves
-    gathered back in one flat all-gather; ZeRO 3: FSDP2), trains as one process does, and
-    each rank holds the parameter, gradient and Adam bytes the plan predicts (ZeRO 1: half
-    the Adam state; ZeRO 3: half of each). (An MLP: the
+    gathered back in one flat all-gather; ZeRO 2: DTensor, the gradients reduce-scattered
+    onto the halves in one flat reduce-scatter; ZeRO 3: FSDP2), trains as one process
+    does, and each rank holds the parameter, gradient and Adam bytes the plan predicts
+    (ZeRO 1: half the Adam state; ZeRO 2: half the gradients too; ZeRO 3: half of each).
+    (An MLP: the
     parameters of a model with near-zero gradients, such as the Llama example's
     attention, are off by up to 1e-3 after three Adam steps on either engine, DTensor
     included — Adam's first steps move a weight by about the learning rate whatever its
@@ -180,7 +182,10 @@ def test_a_pure_data_parallel_plan_runs_on_ddp_or_fsdp2_like_one_process(
     # all-gather of the updated halves), FSDP2's gathers and reduce-scatters; no DTensor
     # dispatch for DDP
     collectives = report["predicted"]["engine"]["collectives"]
-    if zero < 3:
+    if zero == 2:
+        assert collectives.get("reduce_scatter") == 1, collectives
+        assert collectives.get("all_gather") == 1 and "all_reduce" not in collectives
+    elif zero < 3:
         assert collectives.get("all_reduce") == 1, collectives
         assert collectives.get("all_gather", 0) == zero, collectives
         assert report["predicted"]["engine"]["dispatched"] == 0

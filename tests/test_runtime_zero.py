@@ -1,7 +1,8 @@
 """ZeRO stages 1-2 on DTensor (meshplace.runtime.launch.WeightUpdateSharding): the
 gradients moved onto the master shards by local slices and the updated shards gathered
-back in flat buckets hold exactly what DTensor's own redistributions give, on a 2 x 2
-mesh of 4 forked gloo ranks, for every kind of placement a plan gives a parameter."""
+back in flat buckets, and stage 2's partial-sum gradients reduce-scattered onto them in
+flat buckets, hold exactly what DTensor's own redistributions give, on a 2 x 2 mesh of 4
+forked gloo ranks, for every kind of placement a plan gives a parameter."""
 
 from __future__ import annotations
 
@@ -68,7 +69,42 @@ def _body(rank: int, out: str) -> None:
     zero.after_step(bucket_bytes=6 * 4 * 4)  # several buckets: ~one parameter each
     for name, param in model.named_parameters():
         assert torch.equal(param.full_tensor(), updated[name]), name
+    _partial_gradients(rank, model, zero, mesh)
     Path(out, f"rank{rank}.ok").write_text("ok")
+
+
+def _partial_gradients(rank: int, model: torch.nn.Module, zero: object, mesh: object) -> None:
+    """Data parallelism's gradients, partial sums over every axis the parameter is
+    replicated on: stage 2's sliceable ones reduce-scattered onto their shards in one
+    flat bucket (one reduce-scatter per axis), the rest all-reduced and sliced or
+    redistributed; each shard's gradient equal to DTensor's own reduction onto it."""
+    from torch.distributed.tensor import DTensor, Partial
+
+    from meshplace.runtime.dryrun import EngineProgram, recorder
+
+    for i, param in enumerate(model.parameters()):
+        gen = torch.Generator().manual_seed(100 * i + rank)  # each rank its own part
+        local = param.to_local()
+        part = torch.randint(-8, 8, local.shape, generator=gen).float()  # sums are exact
+        summed = [Partial() if p.is_replicate() else p for p in param.placements]
+        param.grad = DTensor.from_local(part, mesh, summed, run_check=False)
+    expected = {
+        name: param.grad.redistribute(mesh, zero.masters[name][1].placements)
+        for name, param in model.named_parameters()
+    }
+    program = EngineProgram(world_size=4)
+    with recorder(program, {}):
+        zero.gradients_placed(model)
+    kinds = [c.kind for c in program.collectives]
+    # stage 2's "replicated" and "vector", both cut along x and then y, share one bucket
+    # reduce-scattered over x and then y; the rest are all-reduced in buckets by the axes
+    # they sum over: "row_split" over y; "column_split" and "later_split" over x; "uneven"
+    # (stage 2, but no block of its parameter) over x and y
+    assert kinds.count("reduce_scatter") == 2 and kinds.count("all_reduce") == 4, kinds
+    for name, (param, shard, stage) in zero.masters.items():
+        assert torch.equal(shard.grad.to_local(), expected[name].to_local()), name
+        assert torch.equal(shard.grad.full_tensor(), expected[name].full_tensor()), name
+        assert (param.grad is None) == (stage == 2), name
 
 
 def _rank(rank: int, store: str, out: str) -> None:

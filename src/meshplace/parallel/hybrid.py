@@ -1031,7 +1031,11 @@ def _range_max(values: np.ndarray) -> np.ndarray:
 
 
 def _unit_stage_model(
-    uc: UnitCosts, config: HybridConfig, mesh: Mesh, dp_axis: str | None
+    uc: UnitCosts,
+    config: HybridConfig,
+    mesh: Mesh,
+    dp_axis: str | None,
+    synchronous: bool = False,
 ) -> dict[str, np.ndarray]:
     """:func:`_stage_model` for units: each array ``[p, U + 1, U + 1, R]`` indexed by
     stage position, first unit, end unit and recomputation (``full`` keeps each unit's
@@ -1076,7 +1080,7 @@ def _unit_stage_model(
         gather = collective("all_gather", params)
         forward = forward + np.maximum(gather - forward, 0.0)
         backward = backward + np.maximum(gather - backward, 0.0)
-    if z >= 2:
+    if z >= 3 or (z == 2 and not synchronous):
         scatter = collective("reduce_scatter", grads)
         backward = backward + np.maximum(scatter - backward, 0.0)
     divisor = {"p": dp if z >= 3 else 1, "g": dp if z >= 2 else 1, "s": dp if z >= 1 else 1}
@@ -1129,7 +1133,7 @@ def _evaluate_units(
     if p > n_units or config.schedule == "interleaved":
         return None
     send_s = send_s or link_s
-    model = _unit_stage_model(uc, config, stage_mesh, dp_axis)
+    model = _unit_stage_model(uc, config, stage_mesh, dp_axis, synchronous)
     model = (accumulation or GradientAccumulation()).charge(model, m)
     n = n_units + 1
     crossing = uc.boundary_bytes
@@ -1198,11 +1202,16 @@ def _stage_model(
     layers: int,
     mesh: Mesh,
     dp_axis: str | None,
+    synchronous: bool = False,
 ) -> dict[str, np.ndarray]:
     """Per stage position ``i``, layers ``k`` and recomputation ``r``: forward, backward
     (with the exposed per-micro-batch ZeRO traffic), kept-activation bytes per micro-batch
     in flight, resident bytes and transient bytes, each an array ``[p, L + 1, R]``; plus
-    per stage the once-per-batch gradient synchronisation and optimizer step."""
+    per stage the once-per-batch gradient synchronisation and optimizer step.
+    ``synchronous``: meshplace's torchrun runtime, which accumulates a ZeRO-2 stage's
+    gradients whole over the micro-batches and reduce-scatters them once, after the
+    schedule (:func:`_sync_seconds`), where DeepSpeed reduces after every micro-batch;
+    ZeRO 3's reduce-scatter is autograd's, per micro-batch, in both."""
     p, dp, z = config.pp, config.dp, config.zero
     k = np.arange(layers + 1, dtype=np.float64)[None, :, None]
     first = np.zeros((p, 1, 1))
@@ -1237,7 +1246,7 @@ def _stage_model(
         gather = collective("all_gather", params)
         forward = forward + np.maximum(gather - forward, 0.0)
         backward = backward + np.maximum(gather - backward, 0.0)
-    if z >= 2:  # gradients reduce-scattered after every micro-batch's backward
+    if z >= 3 or (z == 2 and not synchronous):  # reduce-scattered after each backward
         scatter = collective("reduce_scatter", grads)
         backward = backward + np.maximum(scatter - backward, 0.0)
     divisor = {"p": dp if z >= 3 else 1, "g": dp if z >= 2 else 1, "s": dp if z >= 1 else 1}
@@ -1306,8 +1315,9 @@ def _sync_seconds(
     step's first forward can overlap. ``synchronous``: the engine of meshplace's
     torchrun runtime, which after the schedule all-reduces the gradients in buckets of
     :data:`~meshplace.cost.collectives.GRADIENT_BUCKET_BYTES` (ZeRO 0 and 1; a ZeRO-1
-    shard is then a local slice) and gathers the updated parameters in flat buckets of as
-    many bytes (ZeRO 1 and 2), overlapping nothing."""
+    shard is then a local slice) or reduce-scatters them onto the shards in flat buckets
+    of as many bytes (ZeRO 2), and gathers the updated parameters in flat buckets (ZeRO 1
+    and 2), overlapping nothing."""
     if axis is None or config.dp == 1:
         return 0.0
     z = config.zero
@@ -1320,7 +1330,8 @@ def _sync_seconds(
         return buckets * mesh.collective_time(kind, nbytes / buckets, [axis])
 
     if synchronous:
-        reduce = in_buckets("all_reduce", grads) if z < 2 else 0.0
+        kind = {0: "all_reduce", 1: "all_reduce", 2: "reduce_scatter"}.get(z)
+        reduce = in_buckets(kind, grads) if kind else 0.0
         return reduce + (in_buckets("all_gather", params) if z in (1, 2) else 0.0)
     reduce = tail = 0.0
     if grads > 0:
@@ -1445,7 +1456,9 @@ def _evaluate(
     host = host or HostCosts()
     send_s = send_s or link_s
     accumulation = accumulation or GradientAccumulation()
-    model = accumulation.charge(_stage_model(pc, config, layers, stage_mesh, dp_axis), m)
+    model = accumulation.charge(
+        _stage_model(pc, config, layers, stage_mesh, dp_axis, synchronous), m
+    )
     nbytes = np.full((p, 1, 1), float(pc.boundary_bytes))
     model = host.charge(model, nbytes, nbytes, pc.boundary_values, pc.boundary_values)
     send = np.array([send_s(i, i + 1, pc.boundary_bytes) for i in range(max(p - 1, 0))])

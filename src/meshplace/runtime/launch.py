@@ -312,9 +312,11 @@ class WeightUpdateSharding:
     parameter's replica axes are the mesh axes its plan placement replicates it over.
 
     Stages 1 and 2: the optimizer updates a master copy of the parameter sharded over its
-    replica axes (:func:`~meshplace.runtime.sharded.zero_placements`). After backward
-    (:meth:`after_backward`) the gradient is redistributed onto it — a reduce-scatter
-    where it is a partial sum, a local slice where already reduced — and from stage 2 the
+    replica axes (:func:`~meshplace.runtime.sharded.zero_placements`). After backward the
+    gradient is moved onto it: at stage 2, a data-parallel partial sum is reduce-scattered
+    onto the shards in flat buckets (:meth:`reduce_scatter_gradients`); otherwise it is
+    reduced like its parameter's (at stage 1 the whole gradient stays, as the plan's
+    memory says) and sliced or redistributed (:meth:`after_backward`); from stage 2 the
     whole gradient is dropped;
     after the step (:meth:`after_step`) the updated shard is all-gathered into the
     parameter.
@@ -435,10 +437,75 @@ class WeightUpdateSharding:
                 members.append((param.to_local(), shard.to_local(), cuts))
             gather_master_shards_in_buckets(members, self.mesh, bucket_bytes)
 
+    def reduce_scatter_gradients(self, bucket_bytes: int = GRADIENT_BUCKET_BYTES) -> None:
+        """Stage 2's gradients that are partial sums over exactly the axes their master
+        shards are cut along (data parallelism's, before any reduction) reduce-scattered
+        onto the shards, in flat buckets of up to ``bucket_bytes`` of gradient per axis set
+        and dtype, one reduce-scatter per bucket and axis
+        (:func:`~meshplace.runtime.sharded.reduce_scatter_master_blocks`), and the whole
+        gradients dropped: ZeRO's P_os+g, half an all-reduce's bytes, and no rank holds
+        a whole summed gradient. The rest are left to :meth:`after_backward`. O(bytes
+        reduced)."""
+        import torch
+
+        from meshplace.runtime.sharded import (
+            block_as_dtensor_of,
+            buckets_of,
+            reduce_scatter_master_blocks,
+        )
+
+        groups: dict[tuple, list[tuple[Any, Any, tuple[tuple[int, int], ...]]]] = {}
+        for name, (param, shard, zero) in self.masters.items():
+            cuts = self.cuts.get(name)
+            if zero != 2 or cuts is None or param.grad is None:
+                continue
+            if not self._summed_over_exactly(param.grad.placements, param.placements, cuts):
+                continue
+            axes = tuple(axis for axis, _ in cuts)
+            groups.setdefault((axes, param.grad.dtype), []).append((param, shard, cuts))
+
+        def grad_bytes(member: tuple[Any, Any, Any]) -> int:
+            return member[0].grad.to_local().numel() * member[0].grad.element_size()
+
+        with torch.no_grad():
+            for (axes, _), group in groups.items():
+                for bucket in buckets_of(group, grad_bytes, bucket_bytes):
+                    blocks = reduce_scatter_master_blocks(
+                        [(param.grad.to_local(), cuts) for param, _, cuts in bucket],
+                        self.mesh,
+                        axes,
+                    )
+                    for (param, shard, _), block in zip(bucket, blocks, strict=True):
+                        shard.grad = block_as_dtensor_of(block, shard)
+                        param.grad = None
+
+    def _summed_over_exactly(
+        self, placed: Sequence[Any], wanted: Sequence[Any], cuts: tuple[tuple[int, int], ...]
+    ) -> bool:
+        """Whether a gradient placed ``placed`` is its parameter's (placements
+        ``wanted``) up to a partial sum over each axis in ``cuts`` (and over axes of one
+        rank, where a partial sum is the value)."""
+        cut_axes = {axis for axis, _ in cuts}
+        for axis, (have, want) in enumerate(zip(placed, wanted, strict=True)):
+            summed = (
+                have.is_partial()
+                and getattr(have, "reduce_op", "sum") == "sum"
+                and want.is_replicate()
+            )
+            if axis in cut_axes:
+                if not summed:
+                    return False
+            elif have != want and not (summed and self.mesh.shape[axis] == 1):
+                return False
+        return True
+
     def gradients_placed(self, model: Any) -> int:
-        """After the backward: every gradient given its parameter's placement
-        (:func:`place_gradients_like_parameters`) and moved onto its master shard; this
-        rank's gradient bytes then (:meth:`gradient_bytes`)."""
+        """After the backward: stage 2's data-parallel gradients reduce-scattered onto
+        their master shards (:meth:`reduce_scatter_gradients`), every other gradient
+        given its parameter's placement (:func:`place_gradients_like_parameters`) and
+        moved onto its master shard; this rank's gradient bytes then
+        (:meth:`gradient_bytes`)."""
+        self.reduce_scatter_gradients()
         place_gradients_like_parameters(model)
         self.after_backward()
         return self.gradient_bytes(model)
