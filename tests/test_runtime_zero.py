@@ -6,8 +6,10 @@ forked gloo ranks, for every kind of placement a plan gives a parameter."""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -125,3 +127,56 @@ def test_zero_slices_and_bucketed_gathers_equal_dtensors_redistributions(tmp_pat
     store = str(tmp_path / "store")
     four_ranks("fork", _rank, lambda r: (r, store, str(tmp_path)))
     assert sorted(p.name for p in tmp_path.glob("rank*.ok")) == [f"rank{r}.ok" for r in range(4)]
+
+
+def _dtensor_block(whole: torch.Tensor, placements: list, mesh_shape: tuple, coordinate: tuple):
+    """The block of ``whole`` that DTensor gives the rank at ``coordinate``: each mesh
+    axis's ``Shard(d)`` in axis order splits dimension ``d`` of what the axes before it
+    left (even splits)."""
+    for axis, p in enumerate(placements):
+        if p.is_shard():
+            whole = whole.chunk(mesh_shape[axis], p.dim)[coordinate[axis]]
+    return whole
+
+
+@pytest.mark.parametrize("mesh_shape", [(2, 3), (3, 2), (2, 3, 2)])
+def test_master_blocks_and_their_rows_nest_as_dtensor_does_on_uneven_meshes(
+    mesh_shape: tuple,
+) -> None:
+    """Without processes, on meshes whose axes differ in size (which a 2 x 2 mesh cannot
+    tell apart): for every parameter shape and placement whose ZeRO shard is a block of
+    the parameter's, at every mesh coordinate, :func:`master_block` of the rank's block
+    is the block DTensor gives the master shard, and :func:`rows_by_destination` puts
+    each destination's master block in its row (the first cut axis outermost)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    from meshplace.runtime.sharded import (
+        master_block,
+        master_block_cuts,
+        rows_by_destination,
+        zero_placements,
+    )
+
+    covered = 0
+    for shape in [(12, 6), (6, 12), (2, 9), (36,), (4, 6, 6)]:
+        whole = torch.arange(float(torch.Size(shape).numel())).reshape(shape)
+        options = [Replicate()] + [Shard(d) for d in range(len(shape))]
+        for placements in itertools.product(options, repeat=len(mesh_shape)):
+            if not any(p.is_replicate() for p in placements):
+                continue
+            target = zero_placements(list(placements), shape, mesh_shape)
+            cuts = master_block_cuts(placements, target, shape, mesh_shape)
+            if cuts is None or not cuts:
+                continue
+            covered += 1
+            for coordinate in itertools.product(*(range(n) for n in mesh_shape)):
+                block = _dtensor_block(whole, list(placements), mesh_shape, coordinate)
+                expected = _dtensor_block(whole, target, mesh_shape, coordinate)
+                got = master_block(block, cuts, mesh_shape, coordinate)
+                assert torch.equal(got, expected), (shape, placements, coordinate)
+                rows = rows_by_destination(block, cuts, mesh_shape)
+                row = 0
+                for axis, _ in cuts:  # the destination's index, first cut axis outermost
+                    row = row * mesh_shape[axis] + coordinate[axis]
+                assert torch.equal(rows[row], expected.reshape(-1)), (shape, placements)
+    assert covered >= 15, covered

@@ -646,32 +646,10 @@ def reduce_scatter_master_blocks(
     import torch
     import torch.distributed._functional_collectives as funcol
 
-    counts = [mesh.shape[axis] for axis in axes]
-    destinations = math.prod(counts)
-    rows, shapes = [], []
-    for block, cuts in members:
-        cuts_of: dict[int, list[int]] = {}  # dimension -> the indices of its cuts
-        for i, (_, dim) in enumerate(cuts):
-            cuts_of.setdefault(dim, []).append(i)
-        # each dimension split into its cuts' rank indices (earlier axes outermost, as
-        # DTensor nests them and master_block narrows them) and the shard's extent; the
-        # rank indices then moved to the front in the cuts' (mesh-axis) order
-        split_shape: list[int] = []
-        rank_dims = [0] * len(cuts)
-        extent_dims: list[int] = []
-        shard_shape: list[int] = []
-        for d, size in enumerate(block.shape):
-            for i in cuts_of.get(d, []):
-                n = mesh.shape[cuts[i][0]]
-                rank_dims[i] = len(split_shape)
-                split_shape.append(n)
-                size //= n
-            extent_dims.append(len(split_shape))
-            split_shape.append(size)
-            shard_shape.append(size)
-        by_destination = block.reshape(split_shape).permute(rank_dims + extent_dims)
-        rows.append(by_destination.reshape(destinations, -1))
-        shapes.append(shard_shape)
+    rows = [rows_by_destination(block, cuts, mesh.shape) for block, cuts in members]
+    shapes = [
+        master_block(block, cuts, mesh.shape, [0] * mesh.ndim).shape for block, cuts in members
+    ]
     flat = torch.cat(rows, dim=1).reshape(-1)
     for axis in axes:  # the first axis's destinations are the outermost rows
         flat = funcol.wait_tensor(funcol.reduce_scatter_single(flat, "sum", 0, (mesh, axis)))
@@ -681,6 +659,41 @@ def reduce_scatter_master_blocks(
         out.append(flat[offset : offset + n].view(shape))
         offset += n
     return out
+
+
+def rows_by_destination(
+    block: torch.Tensor, cuts: Sequence[tuple[int, int]], mesh_shape: Sequence[int]
+) -> torch.Tensor:
+    """``block`` (a rank's block of a parameter or its gradient) laid out by the rank
+    whose ZeRO master shard each part is: one row per destination, in mesh-coordinate
+    order over the cuts' axes (the first cut's axis outermost), row ``r`` the flattened
+    :func:`master_block` of the destination ``r`` names — what a reduce-scatter over
+    those axes in turn hands each rank. A copy where the cuts are not all along the
+    first dimension. O(block).
+
+    >>> rows_by_destination(torch.arange(8).reshape(2, 4), [(0, 1)], [2]).tolist()
+    [[0, 1, 4, 5], [2, 3, 6, 7]]
+    """
+    cuts_of: dict[int, list[int]] = {}  # dimension -> the indices of its cuts
+    for i, (_, dim) in enumerate(cuts):
+        cuts_of.setdefault(dim, []).append(i)
+    # each dimension split into its cuts' rank indices (earlier axes outermost, as DTensor
+    # nests them and master_block narrows them) and the shard's extent; the rank indices
+    # then moved to the front in the cuts' (mesh-axis) order
+    split_shape: list[int] = []
+    rank_dims = [0] * len(cuts)
+    extent_dims: list[int] = []
+    for d, size in enumerate(block.shape):
+        for i in cuts_of.get(d, []):
+            n = mesh_shape[cuts[i][0]]
+            rank_dims[i] = len(split_shape)
+            split_shape.append(n)
+            size //= n
+        extent_dims.append(len(split_shape))
+        split_shape.append(size)
+    destinations = math.prod(mesh_shape[axis] for axis, _ in cuts)
+    by_destination = block.reshape(split_shape).permute(rank_dims + extent_dims)
+    return by_destination.reshape(destinations, -1)
 
 
 def buckets_of(items: Sequence[Any], nbytes: Any, limit: int) -> Iterator[list[Any]]:
