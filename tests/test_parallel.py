@@ -154,6 +154,56 @@ def test_resharding_table_charges_the_collective_each_change_needs(
     assert problem.reshard((0,), (1,), [1, 0], [256, 32], 4) == (0.0, ())
 
 
+def test_each_gradient_is_reduced_once_for_the_update_as_the_runtime_reduces_it() -> None:
+    """Adam's captured update reads each gradient three times (both moments, the second
+    squared); a runtime brings it to the update's placement once — the torchrun runtime's
+    bucketed all-reduce at ZeRO 0 and 1 (ZeRO 1 keeps the whole gradient and slices its
+    block), its reduce-scatter from ZeRO 2 — and so does the plan: one collective per
+    parameter, of that kind, on the gradient's bytes."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 8))
+    g = capture(model, (torch.randn(256, 64),), training=True)
+    problem = ShardingProblem(g, build_mesh(load_cluster("dgx-h100"), (4,)))
+    bundles = problem.group_edges()
+    kinds = {0: "all_reduce", 1: "all_reduce", 2: "reduce_scatter", 3: "reduce_scatter"}
+    checked = 0
+    for gv, group in enumerate(problem.groups):
+        if group.kind != "parameter":
+            continue
+        reads = [
+            (pv, j)
+            for pv, i in enumerate(group.members)
+            for j, rec in enumerate(g.ops[i].operands or [])
+            if problem.group_of[g.index(rec["op"])] != gv
+        ]
+        assert len(reads) == 3, reads  # the gradient, read by three of the update's ops
+        (gu,) = [u for (u, v) in bundles if v == gv]
+        (record,) = bundles[(gu, gv)]  # one read charged
+        assert set(problem.repeated_reads()) >= {
+            (group.members[pv], j) for pv, j in reads if (pv, j) != record[2:]
+        }
+        producer = problem.groups[gu]
+        partial = [s for s in producer.strategies if s.out_specs[record[0]][record[1]] == (P,)]
+        if not partial:
+            continue  # a bias gradient summed inside its producer's group
+        pu, out, pv, j = record
+        rec = g.ops[group.members[pv]].operands[j]
+        nbytes = math.prod(rec["shape"]) * 4
+        for strategy in group.strategies:
+            if strategy.out_specs[0][0] != (R,):
+                continue
+            charged = problem.reshard(
+                partial[0].out_specs[pu][out], strategy.in_specs[pv][j], rec["map"], rec["shape"], 4
+            )[1]
+            # (a collective's bytes: the tensor whole along the axis, as the mesh's
+            # collective_time takes them)
+            assert [(k, b) for k, _, b, _ in charged] == [(kinds[strategy.zero], nbytes)], (
+                strategy.name,
+                charged,
+            )
+            checked += 1
+    assert checked >= 8  # two weights, four update shardings each
+
+
 def test_parameter_memory_is_exact_for_every_placement_and_update_sharding(
     problem: ShardingProblem,
 ) -> None:
@@ -250,8 +300,10 @@ def _simulate_streams(problem: ShardingProblem, choice: list[int]) -> float:
 
 
 def test_gradient_reduction_overlaps_backward_and_the_program_counts_it_exactly() -> None:
-    model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(4)])
-    g = capture(model, (torch.randn(4096, 512),), training=True)
+    # 1024-wide layers: with each gradient reduced once (not once per read of Adam's
+    # update), 512-wide ones reduce entirely behind their backward
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)])
+    g = capture(model, (torch.randn(4096, 1024),), training=True)
     cluster = load_cluster("dgx-h100")
     mesh = build_mesh(cluster, (4,))
     for stages in ((0,), (0, 1, 2, 3)):
@@ -269,7 +321,7 @@ def test_gradient_reduction_overlaps_backward_and_the_program_counts_it_exactly(
             rel=1e-12,
         )
         if stages == (0,):
-            # data parallel: the gradients' all-reduces, mostly hidden behind backward
+            # the gradients' reductions, mostly hidden behind backward
             assert 0 < tl["backward_stream_exposed_s"] < tl["backward_stream_s"]
         # the closed form is the simulation, and the program's objective is the closed
         # form, at the optimum and at random plans (ZeRO-3 regathers, prefetched weights)

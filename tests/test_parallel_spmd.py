@@ -1,13 +1,16 @@
 """A sharding plan runs op by op as planned (issue 14, correctness): the captured step on
 DTensor with every operand placed as the plan's strategy reads it
 (``meshplace.runtime.spmd``), on 4 CPU ranks with gloo — the loss and updated weights equal
-the one-process step, every collective that runs is one the plan charged to that op, and
+the one-process step, the collectives that run are those the plan charged to each op, and
 each rank's peak of live tensor bytes is the plan's liveness prediction — for an MLP, the
 Llama-style decoder of ``examples/llama.py`` and a small conv net."""
 
 from __future__ import annotations
 
 import collections
+import itertools
+import multiprocessing as mp
+import os
 from pathlib import Path
 from typing import Any
 
@@ -137,9 +140,9 @@ def check_run(which: str, step: Any, state: list, plan: Any, tmp_path: Path) -> 
         for op, calls in got["by_node"].items():
             ran = collections.Counter(calls)
             assert set(ran) <= set(charged.get(op, {})), (which, op, ran, charged.get(op))
-        if which == "mlp":  # and here exactly as many
-            ran_all = {op: collections.Counter(c) for op, c in got["by_node"].items()}
-            assert ran_all == {op: c for op, c in charged.items() if c}, which
+        # and exactly as many
+        ran_all = {op: collections.Counter(c) for op, c in got["by_node"].items()}
+        assert ran_all == {op: c for op, c in charged.items() if c}, which
         if rank == 0:  # the figures docs/parallel.md quotes (`pytest -s` shows them)
             error = max(float((a - b).abs().max()) for a, b in zip(got["out"], reference))
             ran = collections.Counter(c for calls in got["by_node"].values() for c in calls)
@@ -159,3 +162,75 @@ def check_run(which: str, step: Any, state: list, plan: Any, tmp_path: Path) -> 
             got["peak"],
             predicted_peak,
         )
+
+
+def _dtensor_redistributions(out_path: str, cases: list) -> None:
+    """A forked process on PyTorch's fake process group of 4 (collectives return at once):
+    every ``(have, need)`` of ``cases`` redistributed on a 2 x 2 mesh, the collectives
+    DTensor runs for each saved to ``out_path``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from meshplace.runtime.spmd import dtensor_placements
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("x", "y"))
+    ran = []
+    for have, need in cases:
+        # the rank's block of a 32 x 32 tensor placed ``have`` (a partial sum's block is
+        # the rank's summand)
+        whole = [Replicate()] * 2
+        blocks = [Replicate() if p.is_partial() else p for p in dtensor_placements(have)]
+        t = DTensor.from_local(torch.randn(32, 32), mesh, whole, run_check=False)
+        local = t.redistribute(mesh, blocks)
+        t = DTensor.from_local(
+            local.to_local(),
+            mesh,
+            dtensor_placements(have),
+            run_check=False,
+            shape=local.shape,
+            stride=local.stride(),
+        )
+        with CollectiveLog(mesh) as log:
+            t.redistribute(mesh, dtensor_placements(need))
+        ran.append(collections.Counter(log.calls))
+    torch.save(ran, out_path)
+    os._exit(0)
+
+
+def test_the_resharding_table_charges_the_collectives_dtensor_runs(tmp_path: Path) -> None:
+    """Every placement of a 2-D tensor on a 2 x 2 mesh (replicated, a partial sum, split
+    along either dimension, per axis) to every placement an op reads: the collectives the
+    solver's resharding table charges are, kind and axis, the ones DTensor runs (gloo's
+    all-to-all being an all-gather and a slice) — including a partial sum that DTensor
+    all-reduces whole because an outer axis must move a split of the dimension it would
+    scatter onto (``(S(0), P) -> (S(1), S(1))``)."""
+    from meshplace.graph.capture import capture
+    from meshplace.hardware import load_cluster
+    from meshplace.mesh.layout import build_mesh
+    from meshplace.parallel.sharding import P, R, ShardingProblem
+
+    graph = capture(torch.nn.Linear(8, 8), (torch.randn(4, 8),), training=True)
+    problem = ShardingProblem(graph, build_mesh(load_cluster("dgx-h100"), (2, 2)))
+    cases = list(
+        itertools.product(
+            itertools.product((R, P, 0, 1), repeat=2), itertools.product((R, 0, 1), repeat=2)
+        )
+    )
+    out = tmp_path / "ran.pt"
+    child = mp.get_context("fork").Process(target=_dtensor_redistributions, args=(str(out), cases))
+    child.start()
+    child.join(timeout=120)
+    assert child.exitcode == 0
+    ran = torch.load(out, weights_only=False)
+    wrong = {}
+    for (have, need), got in zip(cases, ran, strict=True):
+        _, colls = problem.reshard(have, need, [0, 1], [32, 32], 4)
+        charged = collections.Counter(
+            ("all_gather" if kind == "all_to_all" else kind, axis) for kind, axis, _, _ in colls
+        )
+        if charged != got:
+            wrong[(have, need)] = (dict(charged), dict(got))
+    assert not wrong, wrong
+    assert any(kind == "all_reduce" for c in ran for kind, _ in c)  # the table is not empty

@@ -155,6 +155,11 @@ class PlanInterpreter(torch.fx.Interpreter):
         #: fx node name -> position of the gradient among its arguments: the first update
         #: node reading each parameter's gradient (:func:`gradient_readers`)
         self.gradient_readers: dict[str, int] = {}
+        #: a parameter's update brings a value it reads several times (the gradient) to
+        #: its placement once, as the plan charges it (``ShardingProblem.repeated_reads``):
+        #: (id of the value read, placements) -> (the value, kept alive; redistributed)
+        self.repeated_reads = problem.repeated_reads()
+        self.update_reads: dict[tuple[int, tuple], tuple[Any, Any]] = {}
 
     def _run_view(self, n: torch.fx.Node) -> Any:
         """A node the plan folds into an edge (a view, a tuple index): DTensor carries the
@@ -252,7 +257,7 @@ class PlanInterpreter(torch.fx.Interpreter):
                 return v
             if list(v.shape) != list(records[j]["shape"]):
                 return v
-            spec = in_specs[j]
+            spec, read = in_specs[j], (i, j)
             j += 1
             if not isinstance(v, DTensor):
                 return place_whole(v, self.mesh, spec)
@@ -263,7 +268,15 @@ class PlanInterpreter(torch.fx.Interpreter):
                 h if (w.is_partial() and h.is_partial()) else w
                 for h, w in zip(have, want, strict=True)
             ]
-            return v if keep == have else v.redistribute(self.mesh, keep)
+            if keep == have:
+                return v
+            key = (id(v), tuple(keep))
+            if read in self.repeated_reads and key in self.update_reads:
+                return self.update_reads[key][1]
+            placed = v.redistribute(self.mesh, keep)
+            if self.problem.groups[int(self.problem.group_of[i])].kind == "parameter":
+                self.update_reads[key] = (v, placed)
+            return placed
 
         def walk(a: Any) -> Any:
             if isinstance(a, list | tuple) and any(isinstance(x, torch.Tensor) for x in a):
@@ -456,6 +469,7 @@ def planned_collectives(plan: Any) -> dict[str, list[tuple[str, str]]]:
     table the solver used; halo exchanges under the op's own name."""
     p = plan.problem
     out: dict[str, list[tuple[str, str]]] = {}
+    repeated = p.repeated_reads()
     for gi, g in enumerate(p.groups):
         st = plan.strategy(gi)
         for pos, i in enumerate(g.members):
@@ -463,6 +477,8 @@ def planned_collectives(plan: Any) -> dict[str, list[tuple[str, str]]]:
             for j, rec in enumerate(op.operands or []):
                 src = p.graph.index(rec["op"])
                 have = plan.strategy(int(p.group_of[src])).out_specs[p.member_pos[src]][rec["out"]]
+                if (i, j) in repeated:  # brought to the update's placement once
+                    continue
                 _, colls = p.reshard(
                     have,
                     st.in_specs[pos][j],
