@@ -431,6 +431,25 @@ def test_export_assertions_are_dropped_from_every_graph_of_a_stage() -> None:
     assert torch.equal(exported(torch.ones(2)), torch.full((2,), 2.0))
 
 
+def test_a_transposed_value_is_copied_contiguous_before_a_reshape_merges_it() -> None:
+    """The heads' merge after attention (``out.transpose(1, 2).reshape(b, s, d)``) reads a
+    contiguous copy in a stage's exported graph (DTensor can report a transposed block as
+    contiguous: tests/test_runtime_torchrun_hybrid.py's recomputing pipe x tensor run
+    failed there on a plan of session 52's solver); the values are unchanged."""
+
+    class MergeHeads(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x.transpose(1, 2).reshape(x.shape[0], x.shape[2], -1) * 2
+
+    x = torch.randn(2, 4, 3, 5)
+    exported = torch.export.export(MergeHeads(), (x,)).module()
+    assert hybrid.contiguous_before_merging_transposes(exported) == 1
+    clones = [n for n in exported.graph.nodes if n.target == torch.ops.aten.clone.default]
+    assert len(clones) == 1 and clones[0].kwargs["memory_format"] == torch.contiguous_format
+    assert torch.equal(exported(x), MergeHeads()(x))
+    assert hybrid.contiguous_before_merging_transposes(exported) == 0  # a copy feeds it now
+
+
 def test_every_value_a_later_stage_reads_is_passed_on_by_the_stages_between() -> None:
     """A value the first stage makes and the third reads (a rotary table, the labels)
     travels through the second: it is in the second's receives and sends."""

@@ -342,6 +342,49 @@ def drop_export_assertions(module: torch.nn.Module) -> int:
     return erased
 
 
+def contiguous_before_merging_transposes(module: torch.nn.Module) -> int:
+    """Copy a transposed value contiguous before a ``reshape`` reads it, in a pipelining
+    stage's graphs. Under DTensor a transposed attention output split over heads can
+    claim a contiguous layout while its local block is laid out transposed (measured:
+    global ``[4, 16, 4, 16]`` strides ``(1024, 64, 16, 1)``, local ``[4, 16, 2, 16]``
+    strides ``(512, 16, 256, 1)``), so the reshape that merges the heads takes the view
+    path and fails ("view size is not compatible"). The copy is what the reshape of a
+    transposed tensor costs in one process anyway. How many copies were inserted.
+    O(nodes)."""
+    transposes = {torch.ops.aten.transpose.int, torch.ops.aten.permute.default}
+    reshapes = {torch.ops.aten.reshape.default, torch.ops.aten.view.default}
+    inserted = 0
+    for sub in module.modules():
+        graph = getattr(sub, "graph", None)
+        if not isinstance(graph, torch.fx.Graph):
+            continue
+        changed = 0
+        for node in list(graph.nodes):
+            if node.op != "call_function" or node.target not in reshapes or not node.args:
+                continue
+            source = node.args[0]
+            if not (
+                isinstance(source, torch.fx.Node)
+                and source.op == "call_function"
+                and source.target in transposes
+            ):
+                continue
+            with graph.inserting_before(node):
+                copy = graph.call_function(
+                    torch.ops.aten.clone.default,
+                    (source,),
+                    {"memory_format": torch.contiguous_format},
+                )
+            node.replace_input_with(source, copy)
+            changed += 1
+        inserted += changed
+        if changed and isinstance(sub, torch.fx.GraphModule):
+            sub.recompile()
+        elif changed and getattr(sub, "graph_module", None) is not None:
+            sub.graph_module.recompile()  # an InterpreterModule's generated code
+    return inserted
+
+
 def recompute_layers(stage: torch.nn.Module, container: str, layers: Sequence[int]) -> int:
     """Checkpoint every layer ``container.k`` of ``stage`` (a pipelining stage module, the
     model under ``model.``): its forward runs under ``torch.utils.checkpoint`` (non-
@@ -487,6 +530,7 @@ class HybridRankSteps:
         for s, module, (first, end) in zip(mine, modules, runs, strict=True):
             if not accumulate:  # a pipelining stage's graph
                 drop_export_assertions(module)
+                contiguous_before_merging_transposes(module)
                 run_stage_compiled(module)
             if ddp is None:
                 weight_update = place_stage_parameters(module, plan, stage_mesh)
