@@ -335,12 +335,7 @@ def test_two_nodes_on_this_host_run_the_llama_plan(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model, args, kwargs = load_build_function(source)()
     graph = capture(model, args, example_kwargs=kwargs, training=True)
-    # ZeRO 3 the only weight-update sharding offered: a parameter the plan replicates is
-    # sharded as FSDP shards it (offered every stage, the solver's ties among plans whose
-    # communication all hides behind compute decide which, if any, it picks)
-    plan = shard_graph(graph, load_cluster("dgx-h100"), chips=2, zero_stages=(3,)).best.plan_file(
-        source, "dgx-h100"
-    )
+    plan = shard_graph(graph, load_cluster("dgx-h100"), chips=2).best.plan_file(source, "dgx-h100")
     (tmp_path / "plan.json").write_text(json.dumps(plan))
     port = str(free_port())
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

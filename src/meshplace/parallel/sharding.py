@@ -386,6 +386,16 @@ class ShardingProblem:
                     h = UNMAPPED
             mapped.append(h)
         held = tuple(mapped)  # before any gather below
+
+        def whole_along(spec: Sequence[int], a: int) -> float:
+            """Bytes of one device's block of the tensor placed ``spec``, whole along
+            mesh axis ``a``."""
+            nbytes = full
+            for b, q in enumerate(spec):
+                if b != a and (q >= 0 or q == FLAT):
+                    nbytes /= self.sizes[b]
+            return nbytes
+
         # a dimension split over several axes is nested in mesh order (the first axis
         # outermost, as DTensor lays blocks out): when the producer's splits of a dimension
         # are not a prefix of the consumer's (nor the reverse), the blocks are in another
@@ -399,10 +409,7 @@ class ShardingProblem:
             if k == len(on_have) or k == len(on_need):
                 continue
             for a in reversed(on_have[k:]):  # innermost first
-                nbytes = full
-                for b, q in enumerate(mapped):
-                    if b != a and (q >= 0 or q == FLAT):
-                        nbytes /= self.sizes[b]
+                nbytes = whole_along(mapped, a)
                 t = self.comm_time("all_gather", nbytes, a)
                 total += t
                 colls.append(("all_gather", self.axes[a], nbytes, t))
@@ -413,15 +420,9 @@ class ShardingProblem:
             if h == n or (h == R and n != P):
                 continue
             # bytes per device over this axis: the consumer's block, whole along axis a
-            nbytes = full
-            for b, q in enumerate(need):
-                if b != a and (q >= 0 or q == FLAT):
-                    nbytes /= self.sizes[b]
+            nbytes = whole_along(need, a)
             if h == P and n >= 0 and self._reduced_whole(held, need, a, n):
-                kind, nbytes = "all_reduce", full  # the block held now, whole along a
-                for b, q in enumerate(held):
-                    if b != a and (q >= 0 or q == FLAT):
-                        nbytes /= self.sizes[b]
+                kind, nbytes = "all_reduce", whole_along(held, a)  # the block held now
             elif h == P:
                 kind = "all_reduce" if n == R else "reduce_scatter"
             elif n == R:

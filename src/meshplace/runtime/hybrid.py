@@ -56,7 +56,7 @@ from __future__ import annotations
 import contextlib
 import operator
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -317,16 +317,31 @@ def zero_filled_stage_class() -> type:
     return ZeroFilledStage
 
 
+def rewrite_stage_graphs(module: torch.nn.Module, rewrite: Callable[[torch.fx.Graph], int]) -> int:
+    """Apply ``rewrite`` (a graph -> how many changes it made) to every fx graph of a
+    pipelining stage's module and regenerate the code of each graph it changed. The
+    total number of changes. O(nodes) plus the rewrites."""
+    changes = 0
+    for sub in module.modules():
+        graph = getattr(sub, "graph", None)
+        if not isinstance(graph, torch.fx.Graph):
+            continue
+        changed = rewrite(graph)
+        changes += changed
+        if changed and isinstance(sub, torch.fx.GraphModule):
+            sub.recompile()
+        elif changed and getattr(sub, "graph_module", None) is not None:
+            sub.graph_module.recompile()  # an InterpreterModule's generated code
+    return changes
+
+
 def drop_export_assertions(module: torch.nn.Module) -> int:
     """Erase the metadata assertions ``torch.export`` leaves in a pipelining stage's graphs
     (``aten._assert_tensor_metadata``, from a ``.to(dtype)``): they compute nothing (no
     users) and DTensor has no sharding rule for them. How many were erased. O(nodes)."""
     assertions = {torch.ops.aten._assert_tensor_metadata.default}
-    erased = 0
-    for sub in module.modules():
-        graph = getattr(sub, "graph", None)
-        if not isinstance(graph, torch.fx.Graph):
-            continue
+
+    def erase(graph: torch.fx.Graph) -> int:
         dead = [
             n
             for n in graph.nodes
@@ -334,12 +349,9 @@ def drop_export_assertions(module: torch.nn.Module) -> int:
         ]
         for node in dead:
             graph.erase_node(node)
-        erased += len(dead)
-        if dead and isinstance(sub, torch.fx.GraphModule):
-            sub.recompile()
-        elif dead and getattr(sub, "graph_module", None) is not None:
-            sub.graph_module.recompile()  # an InterpreterModule's generated code
-    return erased
+        return len(dead)
+
+    return rewrite_stage_graphs(module, erase)
 
 
 def contiguous_before_merging_transposes(module: torch.nn.Module) -> int:
@@ -353,12 +365,9 @@ def contiguous_before_merging_transposes(module: torch.nn.Module) -> int:
     O(nodes)."""
     transposes = {torch.ops.aten.transpose.int, torch.ops.aten.permute.default}
     reshapes = {torch.ops.aten.reshape.default, torch.ops.aten.view.default}
-    inserted = 0
-    for sub in module.modules():
-        graph = getattr(sub, "graph", None)
-        if not isinstance(graph, torch.fx.Graph):
-            continue
-        changed = 0
+
+    def copy_first(graph: torch.fx.Graph) -> int:
+        inserted = 0
         for node in list(graph.nodes):
             if node.op != "call_function" or node.target not in reshapes or not node.args:
                 continue
@@ -376,13 +385,10 @@ def contiguous_before_merging_transposes(module: torch.nn.Module) -> int:
                     {"memory_format": torch.contiguous_format},
                 )
             node.replace_input_with(source, copy)
-            changed += 1
-        inserted += changed
-        if changed and isinstance(sub, torch.fx.GraphModule):
-            sub.recompile()
-        elif changed and getattr(sub, "graph_module", None) is not None:
-            sub.graph_module.recompile()  # an InterpreterModule's generated code
-    return inserted
+            inserted += 1
+        return inserted
+
+    return rewrite_stage_graphs(module, copy_first)
 
 
 def recompute_layers(stage: torch.nn.Module, container: str, layers: Sequence[int]) -> int:
