@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -93,7 +94,10 @@ def test_an_engine_reprices_tensor_parallel_parts_and_a_failing_one_skips_them(
         tensor_parallel=(1, 2), micro_batch_sizes=(1, 2), graphs=_tiny_graphs, layers=8,
         simulate_top=1000, engine=engine,
     )  # fmt: skip
-    assert sorted(asked) == [(2, 1, 8, "layers", 2), (2, 2, 8, "layers", 2)]
+    # each (tp 2, micro-batch) once per layout: the solver's, and Megatron's where it differs
+    megatron = [k for k in r.skipped if k.endswith(" megatron")]
+    assert sorted(set(asked)) == [(2, 1, 8, "layers", 2), (2, 2, 8, "layers", 2)]
+    assert len(asked) == 4 and megatron == ["tp2 mb1 megatron"]
     assert r.skipped["tp2 mb1"] == "the engine cannot run it"
     assert not [p for p in r.plans if p.tp == 2 and p.config.micro_batch == 1]
     pc = r.part_costs[(2, 2)]
@@ -129,7 +133,9 @@ def test_parts_add_up_to_the_whole_step() -> None:
 
 def test_every_configuration_is_searched_and_the_best_fits(tiny_result) -> None:
     r = tiny_result
-    assert r.solves == 4 and r.layers == 8
+    # tp 1 and 2 at micro-batches 1 and 2, and Megatron's pattern at tp 2 (it differs)
+    assert r.solves == 6 and r.layers == 8 and set(r.megatron_part_costs) == {(2, 1), (2, 2)}
+    assert {p.tensor_layout for p in r.plans if p.tp == 2} == {"solver", "megatron"}
     best = r.best
     assert best.fits and best.dp * best.tp * best.pp == 16
     assert sum(best.layers_per_stage) == 8
@@ -142,7 +148,7 @@ def test_every_configuration_is_searched_and_the_best_fits(tiny_result) -> None:
             continue
         # each stage's memory is its resident bytes, its kept activations times the
         # micro-batches the schedule holds (1F1B: min(p - i, m); GPipe: m), its working set
-        pc = r.part_costs[(c.tp, c.micro_batch)]
+        pc = r.costs_of(p)
         devices = np.array(cluster.ring_order(hybrid.accelerators(cluster))[: c.dp * c.tp])
         mesh = hybrid.mesh_over(cluster, devices.reshape(c.dp, c.tp), ("data", "tensor"))
         model = hybrid._stage_model(pc, c, 8, mesh, "data" if c.dp > 1 else None)
@@ -253,6 +259,34 @@ def test_the_joint_search_is_no_worse_than_the_megatron_grid() -> None:
         assert p.config.zero in hybrid.PIPELINE_ZERO
 
 
+def test_the_joint_search_holds_every_plan_the_grid_simulates() -> None:
+    """Where the solver lays tensor parallelism out otherwise than Megatron's pattern, the
+    joint search also solves that pattern and simulates the grid's own best plans, so each
+    plan the grid simulates is in the joint result at the same time: the joint best is
+    never slower than the grid's, whatever ``simulate_top`` cuts."""
+    cluster = load_cluster("h2-8xh100")
+    kwargs = dict(
+        global_batch=16, tensor_parallel=(2,), micro_batch_sizes=(1, 2), graphs=_tiny_graphs,
+        layers=8, simulate_top=3,
+    )  # fmt: skip
+    joint = hybrid.hybrid_search("tiny", None, cluster, **kwargs)
+    grid = hybrid.hybrid_search("tiny", None, cluster, style="megatron", **kwargs)
+    for key, pc in grid.part_costs.items():  # the two layouts differ: not a vacuous check
+        assert pc.tensor_placements != joint.part_costs[key].tensor_placements
+    assert joint.solves == 2 * grid.solves
+
+    def same(p: hybrid.HybridPlan, q: hybrid.HybridPlan) -> bool:
+        return (p.config, p.layers_per_stage, p.recompute, p.tensor_placements) == (
+            q.config, q.layers_per_stage, q.recompute, q.tensor_placements
+        )  # fmt: skip
+
+    simulated = [p for p in grid.plans if not math.isnan(p.time_per_batch_s)]
+    assert len(simulated) == 3
+    for p in simulated:
+        assert [q.time_per_batch_s for q in joint.plans if same(p, q)] == [p.time_per_batch_s]
+    assert joint.best.time_per_batch_s <= grid.best.time_per_batch_s
+
+
 def test_cli_prints_one_plan_and_writes_it(tmp_path: Path, capsys) -> None:
     out = tmp_path / "hybrid.json"
     argv = ["shard", "gpt", "--size", "124m", "--cluster", "h1-8xh100", "--pipeline", "auto"]
@@ -261,7 +295,9 @@ def test_cli_prints_one_plan_and_writes_it(tmp_path: Path, capsys) -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     data = json.loads(done.stdout)
     best = data["best"]
-    assert data["method"] == "hybrid" and best["fits"] and data["search"]["sharding_solves"] == 4
+    assert (
+        data["method"] == "hybrid" and best["fits"] and data["search"]["sharding_solves"] == 6
+    )  # tp 1, 2 x mb 1, 2; Megatron's tp 2
     assert best["dp"] * best["tp"] * best["pp"] == 2 and sum(best["layers_per_stage"]) == 12
     plan = json.loads(out.read_text())
     assert plan["format"] == "meshplace.parallel_plan" and len(plan["stages"]) == best["pp"]
@@ -349,7 +385,7 @@ def test_a_users_model_file_is_searched_at_each_micro_batch_its_batch_divides(ca
     best = data["best"]
     assert data["layers"] == 2 and best["micro_batch"] in (1, 2)  # build_tiny: 2 layers
     assert best["dp"] * best["micro_batch"] * best["micro_batches"] == 8
-    assert data["search"]["sharding_solves"] == 4  # tp 1 and 2 x micro-batches of 1 and 2
+    assert data["search"]["sharding_solves"] == 6  # tp 1 and 2 x micro-batches of 1 and 2
     assert main([*argv, "--pipeline", "auto", "--global-batch", "3", "--json"]) == 0
     best = json.loads(capsys.readouterr().out)["best"]
     assert best["micro_batch"] == 1 and best["dp"] * best["micro_batches"] == 3
@@ -365,7 +401,7 @@ def test_a_fixed_depth_workload_is_captured_at_each_micro_batch_size(capsys) -> 
     assert main([*argv, "--global-batch", "2", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["layers"] == 2
-    assert data["search"]["sharding_solves"] == 4  # 2 micro-batch sizes x tp 1 and 2
+    assert data["search"]["sharding_solves"] == 6  # 2 micro-batch sizes x tp 1 and 2
     sizes = {p["micro_batch"] for p in [data["best"], *data["runners_up"]]}
     assert sizes - {64}  # not only rnnlm's reference batch
     best = data["best"]

@@ -137,7 +137,7 @@ def test_a_model_without_identical_layers_is_cut_between_its_units(resnet_result
         assert plan.stage_units[0].startswith(names[0])
         # the stage times the schedule runs are each stage's units' costs
         bounds = np.concatenate([[0], np.cumsum(plan.layers_per_stage)])
-        pc = r.part_costs[(plan.tp, plan.config.micro_batch)]
+        pc = r.costs_of(plan)
         for i in range(plan.pp):
             units = pc.units[bounds[i] : bounds[i + 1]]
             forward = sum(u.forward_s for u in units)

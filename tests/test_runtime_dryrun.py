@@ -393,9 +393,11 @@ def test_the_hybrid_search_prices_tensor_parallelism_by_the_engines_program(
         graphs=lambda b: graph_source(source, batch=b, training=True, autocast="bf16").graph,
         engine=engine_pricer(source, cluster, model, global_batch=1, programs=programs),
     )  # fmt: skip
-    (program,) = programs.values()
-    plan = one_stage_plan_file(result.part_costs[(2, 1)], 2, "layers", 1, source)
-    assert json.loads(next(iter(programs))) == json.loads(json.dumps(plan))
+    # one program per layout: the solver's and Megatron's pattern, which differs here
+    assert len(programs) == 2 and set(result.megatron_part_costs) == {(2, 1)}
+    best = result.best
+    plan = one_stage_plan_file(result.costs_of(best), 2, "layers", 1, source)
+    (program,) = [v for k, v in programs.items() if json.loads(k) == json.loads(json.dumps(plan))]
     assert program.world_size == 2
     assert 0 < program.dispatched_update < program.dispatched
     assert any(k.update and k.name.startswith("_foreach_") for k in program.kernels)
@@ -404,7 +406,6 @@ def test_the_hybrid_search_prices_tensor_parallelism_by_the_engines_program(
     cost = program_cost(program, plan, cluster, model, gpus)
     assert 0 < cost["update_s"] < cost["step_s"]
     assert cost["dispatch_s"] == pytest.approx(program.dispatched * 2e-5)
-    best = result.best
     assert (best.tp, best.pp, best.dp, best.config.micro_batches) == (2, 1, 1, 1)
     assert best.time_per_batch_s == pytest.approx(cost["step_s"], rel=1e-9)
     # the command line: the same search, its cost model the catalogue's (no dispatch)
@@ -414,9 +415,16 @@ def test_the_hybrid_search_prices_tensor_parallelism_by_the_engines_program(
     assert done.returncode == 0, done.stderr[-2000:]
     data = json.loads(done.stdout)
     assert data["search"]["tensor_parallelism_priced_by"] == "engine dry run"
-    (tensor,) = [p for p in [data["best"], *data["runners_up"]] if p["tp"] == 2]
-    plain = program_cost(program, plan, cluster, CostModel(), gpus)
-    assert tensor["time_per_batch_s"] == pytest.approx(plain["step_s"], rel=1e-9)
+    # each tp-2 plan at what the catalogue's model (no dispatch) says its program costs:
+    # the solver's layout may be Megatron's under that model, one plan then
+    tensor = [p for p in [data["best"], *data["runners_up"]] if p["tp"] == 2]
+    plain = [
+        program_cost(v, json.loads(k), cluster, CostModel(), gpus)["step_s"]
+        for k, v in programs.items()
+    ]
+    assert 1 <= len(tensor) <= 2
+    for p in tensor:
+        assert any(p["time_per_batch_s"] == pytest.approx(s, rel=1e-9) for s in plain)
     for extra, words in (
         (["--engine-costs"], "is not one"),
         (["--pipeline", "auto", "--global-batch", "8", "--engine-costs"], "is not one"),

@@ -807,7 +807,12 @@ def print_hybrid(console: Console, data: dict[str, Any]) -> None:
     )
     head.add_column("what")
     head.add_column("value")
-    head.add_row("degrees", f"data {b['dp']} x tensor {b['tp']} x pipeline {b['pp']}")
+    layout = {"megatron": ", Megatron's layout", "solver": ", the solver's layout"}
+    head.add_row(
+        "degrees",
+        f"data {b['dp']} x tensor {b['tp']} x pipeline {b['pp']}"
+        + (layout.get(b.get("tensor_layout", ""), "") if b["tp"] > 1 else ""),
+    )
     head.add_row(
         "micro-batches",
         f"{b['micro_batches']} of {b['micro_batch']} sequence(s) per replica, "

@@ -22,6 +22,9 @@ workload's depth can vary, and otherwise takes the model's own capture at its ow
    activations kept for backward (:class:`PartCosts`, from the second layer: its input
    arrives from a layer, as in every later one). Identical layers cost what that layer
    costs, so a stage of ``k`` layers is ``k`` times it: repeated layers cost one solve.
+   The solve minimises its own one-step objective, not the pipelined score of step 5, so
+   each ``tp >= 2`` is also solved under Megatron's pattern
+   (:func:`meshplace.parallel.grid.restrict_to_grid`) and both layouts are candidates.
 2. **Data parallelism and ZeRO** over the ``dp`` replicas of a stage, with the collectives
    of :meth:`meshplace.mesh.layout.Mesh.collective_time` on the mesh axis laid across
    hosts: ZeRO-0 all-reduces the gradients after the last micro-batch, ZeRO-1 (Megatron's
@@ -64,8 +67,8 @@ host, ``dp = chips / (pp tp)``, per-replica micro-batch ``b`` in 1, 2, 4, 8 with
 global batch / (dp b)`` micro-batches, ZeRO 0-3 (0-1 with ``pp > 1``), schedule 1F1B,
 GPipe or interleaved, recomputation per stage.
 
-Complexity: ``|tp| x |b|`` captures and integer programs, then per configuration
-``O(log(L p) x p L^2)`` for the DP and ``O(p m)`` for the simulation.
+Complexity: ``|b|`` captures and up to ``2 |tp| x |b|`` integer programs, then per
+configuration ``O(log(L p) x p L^2)`` for the DP and ``O(p m)`` for the simulation.
 
 Example
 -------
@@ -842,6 +845,9 @@ class HybridPlan:
     tensor_placements: dict[str, str] = field(default_factory=dict)
     #: per stage, a device's parameter, gradient and optimizer-state bytes after ZeRO
     stage_held_bytes: list[dict[str, float]] = field(default_factory=list)
+    #: whose tensor-parallel layout the stages run: the sharding solver's (``"solver"``)
+    #: or Megatron's pattern (``"megatron"``, where the solver chose another)
+    tensor_layout: str = "solver"
 
     @property
     def fits(self) -> bool:
@@ -890,6 +896,7 @@ class HybridPlan:
             "sync_s": self.sync_s,
             "update_s": self.update_s,
             "label": c.label,
+            "tensor_layout": self.tensor_layout,
             # a model cut between heterogeneous units: each stage's first and last unit
             **({"stage_units": self.stage_units} if self.stage_units else {}),
             # what the report draws: [device, virtual stage, 0 forward / 1 backward,
@@ -916,6 +923,16 @@ class HybridResult:
     units: list[str] = field(default_factory=list)
     #: the module path of the layer stack stages are cut in (``"layers"``; "" for units)
     layer_container: str = ""
+    #: the joint search's solves under Megatron's pattern, where they differ from the
+    #: solver's (plans with ``tensor_layout == "megatron"`` were scored on these)
+    megatron_part_costs: dict[tuple[int, int], PartCosts | UnitCosts] = field(default_factory=dict)
+
+    def costs_of(self, plan: HybridPlan) -> PartCosts | UnitCosts:
+        """The parts ``plan`` was scored on."""
+        key = (plan.tp, plan.config.micro_batch)
+        if plan.tensor_layout == "megatron" and key in self.megatron_part_costs:
+            return self.megatron_part_costs[key]
+        return self.part_costs[key]
 
     @property
     def best(self) -> HybridPlan:
@@ -1608,6 +1625,19 @@ def capture_layers(
     )
 
 
+def _plan_key(plan: HybridPlan) -> tuple:
+    """What makes two candidate plans the same plan: configuration, split, recomputation,
+    layouts and closed-form time."""
+    return (
+        plan.config,
+        tuple(plan.layers_per_stage),
+        tuple(plan.recompute),
+        tuple(sorted(plan.tensor_placements.items())),
+        tuple(sorted(plan.strategies.items())),
+        plan.closed_form_s,
+    )
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -1634,7 +1664,7 @@ def hybrid_search(
     graphs: Callable[[int], OpGraph] | None = None,
     layers: int | None = None,
     units: bool | None = None,
-    solved: dict[tuple[int, int], PartCosts | UnitCosts] | None = None,
+    solved: dict[tuple[int, int, str], PartCosts | UnitCosts] | None = None,
     synchronous_gradients: bool = False,
     engine: EnginePricer | None = None,
 ) -> HybridResult:
@@ -1643,8 +1673,11 @@ def hybrid_search(
     ``style="joint"`` searches everything; ``"megatron"`` is the hand grid a user of
     Megatron-LM searches, scored by the same model: Megatron's tensor-parallel pattern
     (:func:`meshplace.parallel.grid.restrict_to_grid`), equal stages, one recomputation for
-    all, ZeRO 0 or 1. ``compute``: the sharding problem's compute model (``"fused"`` for
-    the fused kernels Megatron-LM and torch.compile run). ``graphs`` (optional) gives the
+    all, ZeRO 0 or 1. On a layer stack the joint search also solves Megatron's pattern at
+    each (tp >= 2, micro-batch) and simulates the grid's own best ``simulate_top`` plans
+    beside its own, so its best plan is never slower than the grid's. ``compute``: the
+    sharding problem's compute model (``"fused"`` for the fused kernels Megatron-LM and
+    torch.compile run). ``graphs`` (optional) gives the
     graph at a micro-batch size — two layers of a deeper model, or a model's own capture at
     its own batch (``micro_batch_sizes`` then that batch) — and ``layers`` the full depth
     (by default the graph's own stack). A model with no stack of identical layers (ResNet's
@@ -1652,8 +1685,9 @@ def hybrid_search(
     :func:`has_layer_stack`) is cut between its units instead
     (:mod:`meshplace.parallel.units`): one solve of the whole graph per (tp, micro-batch),
     the DP over unit ranges, no interleaving. ``solved`` (optional) holds the per-(tp,
-    micro-batch) costs of earlier searches of the same model on the same cluster, reused
-    and extended: the sharding solves do not depend on the chip count or the batch.
+    micro-batch) costs of earlier searches of the same model on the same cluster, keyed
+    ``(tp, micro_batch, "solver" | "megatron")``, reused and extended: the sharding solves
+    do not depend on the chip count or the batch.
     The ``simulate_top`` plans best by the DP's closed form are simulated; the fastest
     simulated plan that fits is :attr:`HybridResult.best`. ``synchronous_gradients``:
     score data parallelism as meshplace's torchrun runtime runs it: stages with tensor
@@ -1749,54 +1783,80 @@ def hybrid_search(
             or (synchronous_gradients and 0 in zero_stages)  # the runtime's DDP stages
         )
     )
+    own_pattern = "megatron" if style == "megatron" else "solver"
+    # The joint search also keeps Megatron's tensor-parallel pattern of each (tp >= 2,
+    # micro-batch) as candidates of their own: the solver minimises its one-step
+    # objective, not the pipelined score, so the layout it picks can score below
+    # Megatron's; with both, the joint search contains the grid's every plan.
+    patterns = [own_pattern] + (["megatron"] if style == "joint" and not units else [])
+    grid_parts: dict[tuple[int, int], PartCosts | UnitCosts] = {}
     for b, graph in captured.items():
         for tp in [*tps, *([0] if plain_stages else [])]:
-            if solved is not None and (tp, b) in solved:
-                parts[(tp, b)] = solved[(tp, b)]
-                continue
-            if progress is not None:
-                progress(
-                    f"tp {max(tp, 1)}, micro-batch {b}" + (" (plain tensors)" if not tp else "")
-                )
-            model = plain_model if tp == 0 else cost_model
-            try:
-                if units:
-                    parts[(tp, b)] = unit_costs(
-                        graph, cluster, max(tp, 1), b, cost_model=model, compute=compute
+            for pattern in patterns:
+                if pattern != own_pattern and tp < 2:
+                    continue  # a one-device mesh has no layout to restrict
+                into = parts if pattern == own_pattern else grid_parts
+                key = (tp, b, pattern)
+                if solved is not None and key in solved:
+                    into[(tp, b)] = solved[key]
+                    continue
+                if progress is not None:
+                    progress(
+                        f"tp {max(tp, 1)}, micro-batch {b}"
+                        + (" (plain tensors)" if not tp else "")
+                        + (" (Megatron's pattern)" if pattern != own_pattern else "")
                     )
-                else:
-                    parts[(tp, b)] = part_costs(
-                        graph,
-                        cluster,
-                        max(tp, 1),
-                        b,
-                        cost_model=model,
-                        restrict=restrict_to_grid if style == "megatron" else None,
-                        compute=compute,
-                    )
-                solves += 1
-                if solved is not None:
-                    solved[(tp, b)] = parts[(tp, b)]
-            except (ShardingError, LayoutError) as exc:
-                skipped[f"tp{max(tp, 1)} mb{b}"] = str(exc)
+                model = plain_model if tp == 0 else cost_model
+                try:
+                    if units:
+                        into[(tp, b)] = unit_costs(
+                            graph, cluster, max(tp, 1), b, cost_model=model, compute=compute
+                        )
+                    else:
+                        into[(tp, b)] = part_costs(
+                            graph,
+                            cluster,
+                            max(tp, 1),
+                            b,
+                            cost_model=model,
+                            restrict=restrict_to_grid if pattern == "megatron" else None,
+                            compute=compute,
+                        )
+                    solves += 1
+                    if solved is not None:
+                        solved[key] = into[(tp, b)]
+                except (ShardingError, LayoutError) as exc:
+                    suffix = " megatron" if pattern != own_pattern else ""
+                    skipped[f"tp{max(tp, 1)} mb{b}{suffix}"] = str(exc)
+    for key, pc in list(grid_parts.items()):
+        own = parts.get(key)
+        if (
+            isinstance(own, PartCosts)
+            and isinstance(pc, PartCosts)
+            and own.tensor_placements == pc.tensor_placements
+            and own.strategies == pc.strategies
+        ):
+            del grid_parts[key]  # the solver chose Megatron's layout: nothing new
     if engine is not None and units:
         skipped["engine"] = (
             "the model is cut between units, whose tensor parallelism the sharding solver "
             "prices: the engine's dry run prices a layer stack's only"
         )
     elif engine is not None:
-        for (tp, b), pc in sorted(parts.items()):
-            if tp < 2 or not isinstance(pc, PartCosts):
-                continue
-            if progress is not None:
-                progress(f"tp {tp}, micro-batch {b}: the engine's program")
-            try:
-                priced = engine(pc, layers, container, order[:tp])
-            except InputError as exc:  # the engine cannot run it: neither can the plan
-                del parts[(tp, b)]
-                skipped[f"tp{tp} mb{b}"] = str(exc)
-                continue
-            parts[(tp, b)] = engine_priced(pc, priced, layers)
+        for into in (parts, grid_parts):
+            for (tp, b), pc in sorted(into.items()):
+                if tp < 2 or not isinstance(pc, PartCosts):
+                    continue
+                if progress is not None:
+                    progress(f"tp {tp}, micro-batch {b}: the engine's program")
+                try:
+                    priced = engine(pc, layers, container, order[:tp])
+                except InputError as exc:  # the engine cannot run it: neither can the plan
+                    del into[(tp, b)]
+                    suffix = " megatron" if into is grid_parts else ""
+                    skipped[f"tp{tp} mb{b}{suffix}"] = str(exc)
+                    continue
+                into[(tp, b)] = engine_priced(pc, priced, layers)
     degrees = [d for d in _divisors(n) if d <= layers]
     if pipeline_degrees is not None:
         degrees = [d for d in degrees if d in set(pipeline_degrees)]
@@ -1821,80 +1881,109 @@ def hybrid_search(
     accumulation = GradientAccumulation.of(cost_model, kind, device.spec)
     plain_accumulation = GradientAccumulation.of(cost_model, kind, device.spec, dispatched=False)
 
-    for (tp, b), pc in sorted(parts.items()):
-        if tp == 0:  # one-device stages' plain-tensor costs: used for tp 1 below
-            continue
-        for pp in degrees:
-            if n % (pp * tp):
+    def evaluated(
+        view: dict[tuple[int, int], PartCosts | UnitCosts], megatron: bool
+    ) -> list[HybridPlan]:
+        """Every configuration's best split over ``view``'s parts (``megatron``: the
+        grid's rules, equal stages and ZeRO 0-1), closed form only."""
+        found: list[HybridPlan] = []
+        for (tp, b), pc in sorted(view.items()):
+            if tp == 0:  # one-device stages' plain-tensor costs: used for tp 1 below
                 continue
-            dp = n // (pp * tp)
-            # a one-device stage: the same parts without the engine's dispatch
-            costs = parts[(0, b)] if dp * tp == 1 and (0, b) in parts else pc
-            if global_batch % (dp * b):
-                continue
-            m = global_batch // (dp * b)
-            if (dp, tp) not in meshes:
-                # tensor parallelism on consecutive devices (inside a host, as the sharding
-                # solve assumed), data parallelism across them: stage 0's devices
-                devices = np.array(order[: dp * tp]).reshape(dp, tp)
-                meshes[(dp, tp)] = mesh_over(
-                    cluster, devices, ("data", "tensor"), "tp inner"
-                ).calibrated(cost_model)
-            mesh = meshes[(dp, tp)]
-            dp_axis = "data" if dp > 1 else None
-            stage_size = dp * tp
+            for pp in degrees:
+                if n % (pp * tp):
+                    continue
+                dp = n // (pp * tp)
+                # a one-device stage: the same parts without the engine's dispatch
+                costs = parts[(0, b)] if dp * tp == 1 and (0, b) in parts else pc
+                if global_batch % (dp * b):
+                    continue
+                m = global_batch // (dp * b)
+                if (dp, tp) not in meshes:
+                    # tensor parallelism on consecutive devices (inside a host, as the sharding
+                    # solve assumed), data parallelism across them: stage 0's devices
+                    devices = np.array(order[: dp * tp]).reshape(dp, tp)
+                    meshes[(dp, tp)] = mesh_over(
+                        cluster, devices, ("data", "tensor"), "tp inner"
+                    ).calibrated(cost_model)
+                mesh = meshes[(dp, tp)]
+                dp_axis = "data" if dp > 1 else None
+                stage_size = dp * tp
 
-            def link_s(i: int, j: int, nbytes: float, stage_size: int = stage_size) -> float:
-                a, z = order[i * stage_size], order[j * stage_size]
-                return cluster.transfer_time(a, z, nbytes) if a != z else 0.0
+                def link_s(i: int, j: int, nbytes: float, stage_size: int = stage_size) -> float:
+                    a, z = order[i * stage_size], order[j * stage_size]
+                    return cluster.transfer_time(a, z, nbytes) if a != z else 0.0
 
-            def send_s(i: int, j: int, nbytes: float, stage_size: int = stage_size) -> float:
-                # a micro-batch's message between stages: its latency is inside a
-                # measured exchange where the cost model has one (HostCosts.wire_s)
-                a, z = order[i * stage_size], order[j * stage_size]
-                if a == z:
-                    return 0.0
-                return host.wire_s(cluster.transfer_time(a, z, nbytes), cluster.path_latency(a, z))
+                def send_s(i: int, j: int, nbytes: float, stage_size: int = stage_size) -> float:
+                    # a micro-batch's message between stages: its latency is inside a
+                    # measured exchange where the cost model has one (HostCosts.wire_s)
+                    a, z = order[i * stage_size], order[j * stage_size]
+                    if a == z:
+                        return 0.0
+                    return host.wire_s(
+                        cluster.transfer_time(a, z, nbytes), cluster.path_latency(a, z)
+                    )
 
-            zs = [z for z in zero_stages if pp == 1 or z in PIPELINE_ZERO]
-            if style == "megatron":
-                zs = [z for z in zs if z in PIPELINE_ZERO]
-            for z in zs:
-                for schedule in schedules if pp > 1 else tuple(schedules)[:1]:
-                    # meshplace's runtime runs a data-parallel stage without ZeRO on DDP
-                    # (not an interleaved one's): plain tensors, the gradients bucketed
-                    # and reduced during the backward
-                    ddp = synchronous_gradients and tp == 1 and dp > 1 and z == 0
-                    ddp = ddp and schedule != "interleaved"
-                    staged = parts[(0, b)] if ddp and (0, b) in parts else costs
-                    synchronous = synchronous_gradients and not ddp
-                    config = HybridConfig(pp, dp, tp, b, m, z, schedule)
-                    configurations += 1
-                    charged = ddp_host if ddp else host
-                    plain = (0, b) in parts and staged is parts[(0, b)]
-                    adding = plain_accumulation if plain else accumulation
-                    if pp == 1 and schedule == "1f1b":
-                        # the runtime accumulates one stage's micro-batches without a
-                        # schedule (runtime.hybrid.accumulate_micro_batches): no engine
-                        charged = replace(charged, engine_s=0.0)
-                    if isinstance(staged, UnitCosts):
-                        plan = _evaluate_units(
-                            staged, config, capacity, mesh, dp_axis, link_s, peak, global_batch,
-                            n, synchronous=synchronous, host=charged, send_s=send_s,
-                            accumulation=adding,
-                        )  # fmt: skip
-                    else:
-                        plan = _evaluate(
-                            staged, config, layers, capacity, mesh, dp_axis, link_s, peak,
-                            global_batch, n, uniform=style == "megatron",
-                            synchronous=synchronous, host=charged, send_s=send_s,
-                            accumulation=adding,
-                        )  # fmt: skip
-                    if plan is not None:
-                        candidates.append(plan)
+                zs = [z for z in zero_stages if pp == 1 or z in PIPELINE_ZERO]
+                if megatron:
+                    zs = [z for z in zs if z in PIPELINE_ZERO]
+                for z in zs:
+                    for schedule in schedules if pp > 1 else tuple(schedules)[:1]:
+                        # meshplace's runtime runs a data-parallel stage without ZeRO on DDP
+                        # (not an interleaved one's): plain tensors, the gradients bucketed
+                        # and reduced during the backward
+                        ddp = synchronous_gradients and tp == 1 and dp > 1 and z == 0
+                        ddp = ddp and schedule != "interleaved"
+                        staged = parts[(0, b)] if ddp and (0, b) in parts else costs
+                        synchronous = synchronous_gradients and not ddp
+                        config = HybridConfig(pp, dp, tp, b, m, z, schedule)
+                        counted[0] += 1
+                        charged = ddp_host if ddp else host
+                        plain = (0, b) in parts and staged is parts[(0, b)]
+                        adding = plain_accumulation if plain else accumulation
+                        if pp == 1 and schedule == "1f1b":
+                            # the runtime accumulates one stage's micro-batches without a
+                            # schedule (runtime.hybrid.accumulate_micro_batches): no engine
+                            charged = replace(charged, engine_s=0.0)
+                        if isinstance(staged, UnitCosts):
+                            plan = _evaluate_units(
+                                staged, config, capacity, mesh, dp_axis, link_s, peak, global_batch,
+                                n, synchronous=synchronous, host=charged, send_s=send_s,
+                                accumulation=adding,
+                            )  # fmt: skip
+                        else:
+                            plan = _evaluate(
+                                staged, config, layers, capacity, mesh, dp_axis, link_s, peak,
+                                global_batch, n, uniform=megatron,
+                                synchronous=synchronous, host=charged, send_s=send_s,
+                                accumulation=adding,
+                            )  # fmt: skip
+                        if plan is not None:
+                            if tp > 1 and (style == "megatron" or pc is grid_parts.get((tp, b))):
+                                plan = replace(plan, tensor_layout="megatron")
+                            found.append(plan)
+        return found
+
+    counted = [0]
+    candidates = evaluated(parts, style == "megatron")
     candidates.sort(key=lambda p: (not p.fits, p.closed_form_s))
-    simulated = [simulate_plan(p) for p in candidates[:simulate_top]]
-    rest = candidates[simulate_top:]
+    chosen, rest = candidates[:simulate_top], candidates[simulate_top:]
+    if grid_parts:  # the grid's own candidates, ranked and cut as the grid ranks them
+        grid = evaluated({**parts, **grid_parts}, True)
+        grid.sort(key=lambda p: (not p.fits, p.closed_form_s))
+        kept = {_plan_key(p) for p in chosen}
+        for p in grid[:simulate_top]:
+            if _plan_key(p) not in kept:
+                chosen.append(p)
+                kept.add(_plan_key(p))
+        others, rest = rest + grid[simulate_top:], []
+        for p in others:
+            if _plan_key(p) not in kept:
+                rest.append(p)
+                kept.add(_plan_key(p))
+        rest.sort(key=lambda p: (not p.fits, p.closed_form_s))
+    configurations = counted[0]
+    simulated = [simulate_plan(p) for p in chosen]
     simulated.sort(key=lambda p: (not p.fits, p.time_per_batch_s))
     return HybridResult(
         workload if size is None else f"{workload} {size}",
@@ -1910,4 +1999,5 @@ def hybrid_search(
         tuple(micro_batch_sizes),
         unit_names,
         container,
+        grid_parts,
     )
