@@ -5,6 +5,7 @@ tests/forked_cli.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -23,7 +24,7 @@ from meshplace.graph.opdims import OpDims, alias_map, op_einsum, view_map
 from meshplace.hardware import load_cluster
 from meshplace.mesh.layout import build_mesh
 from meshplace.parallel import ilp
-from meshplace.parallel.search import ShardingError, shard_graph
+from meshplace.parallel.search import ShardingError, data_parallel_plans, shard_graph
 from meshplace.parallel.sharding import FLAT, P, R, ShardingProblem
 from tests.forked_cli import run_meshplace
 
@@ -69,6 +70,10 @@ def test_notation_round_trips_and_labels_what_the_op_computes() -> None:
     soft = op_einsum("_softmax", [[4, 8, 16], -1, False], [[4, 8, 16]], [[4, 8, 16]])
     assert str(soft) == "a b c->a b c; whole c"
     emb = op_einsum("embedding", [[100, 8], [2, 5]], [[100, 8], [2, 5]], [[2, 5, 8]])
+    # the gradient of a slice, placed into zeros: the sliced dimension stays whole
+    grad = [[2, 4, 32, 8], [2, 4, 32, 16], 3, 0, 8, 1]
+    sliced = op_einsum("slice_backward", grad, [grad[0], *[None] * 5], [[2, 4, 32, 16]])
+    assert str(sliced) == "a b c _->a b c _"
     assert str(emb) == "v d,a b->a b d|v"  # a split vocabulary gives partial sums
     assert op_einsum("cumsum", [[4, 8], 1], [[4, 8]], [[4, 8]]) is None  # not pointwise
 
@@ -204,6 +209,107 @@ def test_each_gradient_is_reduced_once_for_the_update_as_the_runtime_reduces_it(
     assert checked >= 8  # two weights, four update shardings each
 
 
+def test_bucketed_gradient_reductions_share_one_fixed_cost_per_bucket() -> None:
+    """The runtime reduces gradients in flat buckets of GRADIENT_BUCKET_BYTES (DDP, the
+    torchrun runtime), so a model whose gradients fill one bucket pays one all-reduce's
+    fixed cost (the latency of its steps), not one per parameter: each reduction into a
+    parameter's update carries its bytes' share of it, and the shares of the whole model
+    add up to ceil(G / bucket) fixed costs. A reduction anywhere else pays its own."""
+    from meshplace.cost.collectives import GRADIENT_BUCKET_BYTES
+    from meshplace.cost.compute import CostModel
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(6)])
+    g = capture(model, (torch.randn(32, 64),), training=True)
+    mesh = build_mesh(load_cluster("dgx-h100"), (2,), chips=2)
+    # gloo-like collectives: a millisecond of latency, then 1 GB/s
+    slow = CostModel(collectives={mesh.device_kind: {"all_reduce": (1e-3, 1e9)}})
+    problem = ShardingProblem(g, mesh, zero_stages=(0,), cost_model=slow)
+    fixed = problem.fixed_comm_time("all_reduce", 0)
+    assert fixed == pytest.approx(2e-3)  # ring of 2: 2 (p - 1) steps of 1 ms
+    held = sum(math.prod(o.output_shapes[0]) * 4 for o in g.ops if o.kind == "parameter")
+    assert held < GRADIENT_BUCKET_BYTES
+    whole = problem.comm_time("all_reduce", held, 0)
+    shares = [
+        problem.comm_time("all_reduce", math.prod(o.output_shapes[0]) * 4, 0, bucketed=True)
+        for o in g.ops
+        if o.kind == "parameter"
+    ]
+    assert len(shares) == 12 and sum(shares) == pytest.approx(whole)  # one bucket, whole
+    # the data-parallel plan's reductions into the updates cost that one bucket
+    dtensor = dataclasses.replace(slow, dispatch_overhead={mesh.device_kind: 1e-5})
+    plan = data_parallel_plans(g, mesh, 8e10, dtensor, zero_stages=(0,))[0]
+    rows = [r for r in plan.collectives() if r["category"] == "gradients"]
+    assert [(r["kind"], r["calls"], r["bytes"]) for r in rows] == [("all_reduce", 12, held)]
+    assert rows[0]["seconds"] == pytest.approx(whole)
+    # an activation's partial sums completed for a reader in backward: no bucket
+    assert problem.comm_time("all_reduce", 1024, 0) > fixed
+
+
+def test_pure_data_parallelism_is_priced_as_ddp_runs_it_without_dtensor_dispatch() -> None:
+    """A cost model that charges DTensor's per-op dispatch prices every plan of the
+    integer program with it; the runtime runs pure data parallelism at ZeRO 0-1 on DDP,
+    plain tensors, so those plans are priced apart without it — every op on its share of
+    the batch (no resharding but the loss's scalar), the gradients reduced in one bucket
+    — and join the solver's candidates and the grid's points: with a dispatch that
+    dwarfs the compute, the kept plan is DDP's."""
+    from meshplace.cost.compute import CostModel
+    from meshplace.parallel.grid import megatron_grid
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(6)])
+    g = capture(model, (torch.randn(32, 64),), training=True)
+    cluster = load_cluster("dgx-h100")
+    mesh = build_mesh(cluster, (2,), chips=2)
+    dtensor = CostModel(dispatch_overhead={mesh.device_kind: 1e-3})
+    kernels = sum(1 for o in g.ops if o.kind not in ("parameter", "buffer", "input"))
+    result = shard_graph(g, cluster, chips=2, cost_model=dtensor, zero_stages=(0, 1))
+    best = result.best
+    assert best.plain_tensors and best.mesh.shape == (2,)
+    assert best.to_dict(detail=False)["plain_tensors"] is True
+    assert all(c.compute_s >= kernels * 1e-3 for c in result.candidates if not c.plain_tensors)
+    ddp = data_parallel_plans(g, mesh, 8e10, dtensor, zero_stages=(0, 1, 2))
+    assert sorted(ddp) == [0, 1]  # ZeRO 2 runs on DTensor
+    for zero, plan in ddp.items():
+        assert plan.compute_s < 0.1 * kernels * 1e-3  # no dispatch in it
+        resharded = [r for r in plan.collectives() if r["category"] == "reshard"]
+        assert all(r["bytes"] <= 8 for r in resharded), resharded  # the loss's scalar only
+        names = [r["kind"] for r in plan.collectives() if r["category"] == "gradients"]
+        assert names == ["all_reduce"], (zero, names)
+    grid = megatron_grid(g, cluster, chips=2, cost_model=dtensor, zero_stages=(0, 1, 2))
+    kept = {(p.tp, p.zero): p.plan.plain_tensors for p in grid.points if p.plan is not None}
+    assert kept == {(1, 0): True, (1, 1): True, (1, 2): False, (2, 0): False}
+    with pytest.raises(ShardingError, match="one mesh axis"):
+        data_parallel_plans(g, mesh, 8e10, CostModel())
+
+
+def test_a_split_dtensor_cannot_view_is_never_planned() -> None:
+    """DTensor (torch 2.13) refuses to unflatten a split dimension into a leading one its
+    ways do not divide (32 features = 2 heads x 16, split 4 ways): no strategy makes that
+    split, nor one that DTensor would carry into it (the weight split by rows, whose
+    product it then splits); split 2 ways, both are offered."""
+
+    class Heads(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(64, 32, bias=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.proj(x).view(x.shape[0], 2, 16).sum()
+
+    g = capture(Heads(), (torch.randn(8, 64),), training=True)
+    cluster = load_cluster("dgx-h100")
+    weight = g.index("param:proj.weight")
+    projection = next(i for i, o in enumerate(g.ops) if o.target == "aten.mm.default")
+    for ways, allowed in ((4, False), (2, True)):
+        problem = ShardingProblem(g, build_mesh(cluster, (ways,), chips=ways), zero_stages=(0,))
+        rows = {st.out_specs[0][0] for st in problem.groups[problem.group_of[weight]].strategies}
+        made = {
+            st.out_specs[problem.member_pos[projection]][0]
+            for st in problem.groups[problem.group_of[projection]].strategies
+        }
+        assert ((0,) in rows) is allowed and ((1,) in made) is allowed, (ways, rows, made)
+        assert (R,) in rows and (0,) in made  # whole, or split by the batch
+
+
 def test_parameter_memory_is_exact_for_every_placement_and_update_sharding(
     problem: ShardingProblem,
 ) -> None:
@@ -255,9 +361,9 @@ def _simulate_streams(problem: ShardingProblem, choice: list[int]) -> float:
         for pu, out, pv, j in tl.bundles[(gu, gv)]:
             rec = problem.graph.ops[problem.groups[gv].members[pv]].operands[j]
             have, need = strat[gu].out_specs[pu][out], strat[gv].in_specs[pv][j]
-            t += problem.reshard(
-                have, need, rec["map"], rec["shape"], problem.itemsize(rec["op"], rec["out"])
-            )[0]
+            itemsize = problem.itemsize(rec["op"], rec["out"])
+            bucketed = problem.bucketed_edge(gu, gv)
+            t += problem.reshard(have, need, rec["map"], rec["shape"], itemsize, bucketed)[0]
         return t
 
     def job(kind: str, key: Any) -> float:

@@ -702,6 +702,20 @@ def _rule_cat(args: list[Any], ins: list[Shape | None], outs: list[Shape | None]
     return OpDims([list(labels) for _ in shapes], [labels], [[]])
 
 
+def _rule_slice_backward(
+    args: list[Any], ins: list[Shape | None], outs: list[Shape | None]
+) -> OpDims | None:
+    """``slice_backward(grad, input_sizes, dim, start, end, step)``: the gradient written
+    into zeros of the input's shape — every dimension but the sliced one, which stays
+    whole, passes through."""
+    grad, out = ins[0] if ins else None, outs[0]
+    if grad is None or out is None or len(grad) != len(out):
+        return None
+    labels = [lab if n != 1 else FIXED for lab, n in zip(_fresh(len(out)), out, strict=True)]
+    labels[_dim(args[2] if len(args) > 2 else 0, len(out))] = FIXED
+    return OpDims([list(labels)], [labels], [[]])
+
+
 def _rule_factory(
     args: list[Any], ins: list[Shape | None], outs: list[Shape | None]
 ) -> OpDims | None:
@@ -754,6 +768,7 @@ _RULES: dict[str, Rule] = {
     "nll_loss_backward": _rule_nll(True),
     "nll_loss2d_backward": _rule_nll(True),
     "cat": _rule_cat,
+    "slice_backward": _rule_slice_backward,
     "_to_copy": _rule_copy_like,
     "copy": _rule_copy_like,
     "copy_": _rule_copy_like,

@@ -56,14 +56,17 @@ from meshplace.graph.ir import OpGraph
 from meshplace.hardware.cluster import Cluster
 from meshplace.mesh.layout import accelerators, build_mesh
 from meshplace.parallel import ilp
-from meshplace.parallel.search import ShardingPlan, plan_from_solution
+from meshplace.parallel.search import (
+    ShardingPlan,
+    data_parallel_plans,
+    plan_from_solution,
+    without_dispatch,
+)
 from meshplace.parallel.sharding import (
     ZERO_STAGES,
-    Group,
-    R,
     ShardingError,
     ShardingProblem,
-    Strategy,
+    restrict_to_grid,
 )
 
 
@@ -125,43 +128,6 @@ def default_max_tensor_parallel(cluster: Cluster, chips: int) -> int:
     return min(chips, max(per_host.values(), default=chips))
 
 
-def restrict_to_grid(
-    problem: ShardingProblem, dp_axis: int | None, tp_axis: int | None, zero: int
-) -> ShardingProblem:
-    """The problem restricted to what a grid point allows (module docstring). Raises
-    :class:`ShardingError` naming the tensor left with no placement."""
-
-    def on(spec: tuple[int, ...], axis: int | None) -> int:
-        return R if axis is None else spec[axis]
-
-    def keep(g: Group, st: Strategy) -> bool:
-        if g.kind not in ("parameter", "input"):
-            return True
-        op = problem.graph.ops[g.anchor]
-        shape = op.output_shapes[0] if op.output_shapes else []
-        spec = st.out_specs[0][0]
-        if g.kind == "input":
-            names = (op.dim_names or [[]])[0] or []
-            batch = names.index("batch") if "batch" in names else 0
-            want_dp = batch if shape and dp_axis is not None else R
-            return on(spec, dp_axis) == want_dp and on(spec, tp_axis) == R
-        if st.zero != (zero if any(p == R for p in spec) else 0):
-            return False
-        if on(spec, dp_axis) != R:
-            return False
-        split_tp = (0, 1) if len(shape) >= 2 else (R, 0)
-        if on(spec, tp_axis) in split_tp:
-            return True
-        # tp divides neither dimension of this matrix: it stays replicated
-        return all(p == R for p in spec) and not any(
-            on(o.out_specs[0][0], dp_axis) == R and on(o.out_specs[0][0], tp_axis) in split_tp
-            for o in g.strategies
-        )
-
-    ways = problem.sizes[dp_axis] if dp_axis is not None else 1
-    return problem.restricted(keep, f"that the grid allows (batch split {ways} ways)")
-
-
 def megatron_grid(
     graph: OpGraph,
     cluster: Cluster,
@@ -218,7 +184,24 @@ def megatron_grid(
         except ShardingError as exc:
             points.extend(GridPoint(dp, tp, z, None, str(exc), **names) for z in stages)
             continue
+        # pure data parallelism at ZeRO 0-1 runs on DDP: priced without DTensor's dispatch
+        on_ddp: dict[int, ShardingPlan] = {}
+        if tp == 1 and dp > 1 and without_dispatch(cost_model, mesh) is not None:
+            on_ddp = data_parallel_plans(
+                graph,
+                mesh,
+                capacity,
+                cost_model,  # type: ignore[arg-type]
+                zero_stages=stages,
+                compute=compute,
+                overlap=overlap,
+                time_limit_s=time_limit_s,
+            )
         for zero in stages:
+            if zero in on_ddp:
+                plan = on_ddp[zero]
+                points.append(GridPoint(dp, tp, zero, plan, "", plan.solve_s, **names))
+                continue
             t0 = time.perf_counter()
             try:
                 problem = restrict_to_grid(full, dp_axis, tp_axis, zero)

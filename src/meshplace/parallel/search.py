@@ -31,6 +31,7 @@ Example
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -40,20 +41,27 @@ from typing import Any
 from meshplace.cost.compute import CostModel
 from meshplace.errors import InputError
 from meshplace.graph.ir import OpGraph
+from meshplace.graph.opdims import FIXED
 from meshplace.hardware.cluster import Cluster
 from meshplace.mesh.layout import LayoutError, Mesh, accelerators, build_mesh
 from meshplace.mesh.search import mesh_shapes
 from meshplace.parallel import ilp
 from meshplace.parallel.sharding import (
     ZERO_STAGES,
+    Group,
     ShardingError,
     ShardingProblem,
     Spec,
     Strategy,
+    restrict_to_grid,
 )
 
 PLAN_FORMAT = "meshplace.parallel_plan"
 PLAN_VERSION = 1
+#: the ZeRO stages at which the torchrun runtime runs a pure data-parallel plan on DDP,
+#: with plain tensors (``meshplace.runtime.data_parallel``); ZeRO 3 runs on FSDP2, ZeRO 2
+#: and every other plan on DTensor
+DDP_ZERO_STAGES = (0, 1)
 
 
 @dataclass
@@ -73,6 +81,9 @@ class ShardingPlan:
     solve_s: float
     variables: int
     timeline: dict[str, float] = field(default_factory=dict)
+    #: priced with plain tensors, as DDP runs a pure data-parallel plan: without the
+    #: cost model's per-op engine dispatch (:func:`data_parallel_plans`)
+    plain_tensors: bool = False
 
     @property
     def exposed_communication_s(self) -> float:
@@ -186,7 +197,12 @@ class ShardingPlan:
                 rec = p.graph.ops[p.groups[gv].members[pv]].operands[j]
                 have, need = su.out_specs[pu][out], sv.in_specs[pv][j]
                 _, colls = p.reshard(
-                    have, need, rec["map"], rec["shape"], p.itemsize(rec["op"], rec["out"])
+                    have,
+                    need,
+                    rec["map"],
+                    rec["shape"],
+                    p.itemsize(rec["op"], rec["out"]),
+                    p.bucketed_edge(gu, gv),
                 )
                 for kind, axis, nbytes, t in colls:
                     add(kind, axis, nbytes, t, cat)
@@ -249,6 +265,7 @@ class ShardingPlan:
             "peak_memory_bytes": self.peak_memory_bytes,
             "memory_capacity_bytes": self.capacity_bytes,
             "fits": self.fits,
+            "plain_tensors": self.plain_tensors,
             "solver": {
                 "status": self.status,
                 "seconds": self.solve_s,
@@ -367,6 +384,154 @@ def plan_from_solution(
     )
 
 
+def without_dispatch(cost_model: CostModel | None, mesh: Mesh) -> CostModel | None:
+    """``cost_model`` without its per-op engine dispatch (DTensor's) on ``mesh``'s device
+    kind — what a plan run on plain tensors pays — or ``None`` when it charges none
+    there. O(1)."""
+    if cost_model is None or not cost_model.dispatch_overhead.get(mesh.device_kind, 0.0):
+        return None
+    return dataclasses.replace(cost_model, dispatch_overhead={})
+
+
+def batch_labels(problem: ShardingProblem) -> dict[int, str]:
+    """Per op (graph index), the label of its index notation that carries the batch: each
+    input's first dimension, followed forwards through every op that keeps it in a result
+    (a view that flattens the batch with the sequence keeps it, as the batch's outer
+    split) and backwards from every op that reads a batch-carrying value to the other
+    values it reads along that label (the loss's gradient, seeded from a scalar, carries
+    the batch because the weight gradients contract it with the activations), until
+    nothing changes. What a data-parallel engine splits in every op: each DDP rank runs
+    the model on its share of the batch. O(sweeps x operands), a few sweeps.
+
+    >>> import torch
+    >>> from meshplace.graph.capture import capture
+    >>> from meshplace.hardware import load_cluster
+    >>> g = capture(torch.nn.Linear(4, 3), (torch.randn(8, 4),), training=True)
+    >>> p = ShardingProblem(g, build_mesh(load_cluster("dgx-h100"), (2,), chips=2))
+    >>> [g.ops[i].name for i in sorted(batch_labels(p)) if g.ops[i].phase == "backward"]
+    ['div', 'mm', 'sum_1']
+    """
+    graph = problem.graph
+    ops = graph.ops
+    batch: dict[tuple[int, int], int] = {}  # (op, output) -> its batch dimension
+    labels: dict[int, str] = {}
+    for i, o in enumerate(ops):
+        if o.kind == "input" and o.output_shapes and o.output_shapes[0]:
+            batch[(i, 0)] = 0
+    sources = ("parameter", "buffer", "input")
+    grew = True
+    while grew:
+        grew = False
+        for i, o in enumerate(ops):  # forwards: from what an op reads to what it makes
+            dims = problem.dims[i]
+            if dims is None or o.kind in sources:
+                continue
+            label = labels.get(i)
+            for j, rec in enumerate(o.operands or []):
+                if label is not None or j >= len(dims.inputs):
+                    break
+                b = batch.get((graph.index(rec["op"]), rec["out"]))
+                q = next((q for q, p in enumerate(rec["map"]) if p == b), None)
+                if b is not None and q is not None and q < len(dims.inputs[j]):
+                    label = dims.inputs[j][q] if dims.inputs[j][q] != FIXED else None
+            for k, out in enumerate(dims.outputs):  # or from what it makes, found backwards
+                if label is None and (i, k) in batch and batch[(i, k)] < len(out):
+                    label = out[batch[(i, k)]] if out[batch[(i, k)]] != FIXED else None
+            if label is None:
+                continue
+            if i not in labels:
+                labels[i], grew = label, True
+            for k, (out, summed) in enumerate(zip(dims.outputs, dims.sums, strict=True)):
+                if label in out and label not in summed and (i, k) not in batch:
+                    batch[(i, k)], grew = out.index(label), True
+        for i in reversed(range(len(ops))):  # backwards: to the other values read along it
+            label, dims = labels.get(i), problem.dims[i]
+            if label is None or dims is None:
+                continue
+            for j, rec in enumerate(ops[i].operands or []):
+                src = graph.index(rec["op"])
+                if j >= len(dims.inputs) or label not in dims.inputs[j]:
+                    continue
+                if ops[src].kind in sources or (src, rec["out"]) in batch:
+                    continue
+                b = rec["map"][dims.inputs[j].index(label)]
+                if b >= 0:
+                    batch[(src, rec["out"])], grew = b, True
+    return labels
+
+
+def data_parallel_plans(
+    graph: OpGraph,
+    mesh: Mesh,
+    capacity: float,
+    cost_model: CostModel,
+    *,
+    zero_stages: Sequence[int] = ZERO_STAGES,
+    compute: str = "eager",
+    overlap: bool = True,
+    tie_layers: bool = True,
+    time_limit_s: float = 20.0,
+) -> dict[int, ShardingPlan]:
+    """Pure data parallelism over the one-axis ``mesh``, by ZeRO stage, at each stage of
+    ``zero_stages`` the torchrun runtime runs on DDP (:data:`DDP_ZERO_STAGES`), priced as
+    DDP runs it: every parameter replicated, the batch split, plain tensors — so without
+    the per-op dispatch ``cost_model`` charges the DTensor engine
+    (:func:`without_dispatch`; ``cost_model`` must charge one) — and the gradients
+    reduced in buckets (:meth:`ShardingProblem.comm_time`). The integer program cannot
+    price an engine chosen by the whole plan, so these are solved apart and set beside
+    its plans (:func:`shard_graph`, :func:`meshplace.parallel.grid.megatron_grid`).
+    Plans that do not fit or stages the batch does not allow are left out. O(one
+    restricted integer program per stage).
+
+    >>> import torch
+    >>> from meshplace.graph.capture import capture
+    >>> from meshplace.hardware import load_cluster
+    >>> model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU())
+    >>> g = capture(model, (torch.randn(8, 64),), training=True)
+    >>> mesh = build_mesh(load_cluster("dgx-h100"), (2,), chips=2)
+    >>> dtensor = CostModel(dispatch_overhead={mesh.device_kind: 5e-5})
+    >>> {z: p.plain_tensors for z, p in data_parallel_plans(g, mesh, 8e10, dtensor).items()}
+    {0: True, 1: True}
+    """
+    plain = without_dispatch(cost_model, mesh)
+    if plain is None or len(mesh.shape) != 1 or int(mesh.shape[0]) < 2:
+        raise ShardingError(
+            "data_parallel_plans prices plans on one mesh axis of 2 or more devices, with a "
+            "cost model that charges DTensor's dispatch on them"
+        )
+    stages = [z for z in DDP_ZERO_STAGES if z in zero_stages]
+    full = ShardingProblem(
+        graph,
+        mesh,
+        zero_stages=stages,
+        tie_layers=tie_layers,
+        compute=compute,
+        overlap=overlap,
+        cost_model=plain,
+    )
+    # every op on its share of the batch, as each DDP rank runs the model
+    labels = batch_labels(full)
+
+    def on_its_share(g: Group, st: Strategy) -> bool:
+        if g.kind != "op":
+            return True
+        want = (labels.get(g.anchor),)
+        return st.assign == want or not any(o.assign == want for o in g.strategies)
+
+    plans: dict[int, ShardingPlan] = {}
+    for zero in stages:
+        try:
+            problem = restrict_to_grid(full, 0, None, zero).restricted(on_its_share)
+        except ShardingError:  # the batch does not split over the mesh
+            continue
+        t0 = time.perf_counter()
+        sol = problem.cost_tables().solve(capacity, time_limit_s=time_limit_s)
+        if sol.choice:
+            plan = plan_from_solution(problem, sol, capacity, time.perf_counter() - t0)
+            plans[zero] = dataclasses.replace(plan, plain_tensors=True)
+    return plans
+
+
 def shard_graph(
     graph: OpGraph,
     cluster: Cluster,
@@ -390,7 +555,10 @@ def shard_graph(
     calibrated one from :func:`meshplace.cost.calibration.calibrated_cost_model`).
     ``compute`` picks the compute model (:class:`ShardingProblem`: ``"eager"`` or
     ``"fused"``), ``overlap`` whether gradient reductions and parameter gathers overlap
-    compute (:meth:`ShardingProblem.cost_tables`). Raises :class:`ShardingError` (one
+    compute (:meth:`ShardingProblem.cost_tables`). Where ``cost_model`` charges an engine's
+    per-op dispatch (DTensor's), the pure data-parallel plans the runtime runs on DDP are
+    priced without it and join the candidates (:func:`data_parallel_plans`). Raises
+    :class:`ShardingError` (one
     sentence) when no plan fits any mesh, naming how much memory the leanest plan needs
     against the capacity; :class:`LayoutError` for a mesh that does not match the chips.
     """
@@ -461,6 +629,21 @@ def shard_graph(
             failures[label] = f"the solver found no plan in its {time_limit_s:g} s limit"
             continue
         candidates.append(plan_from_solution(problem, sol, capacity, solve_s))
+        plain_dp = len(shape) == 1 and n > 1 and not pinned
+        if plain_dp and without_dispatch(cost_model, mesh) is not None:
+            # a pure data-parallel plan runs on DDP, without the engine's dispatch
+            plain = data_parallel_plans(
+                graph,
+                mesh,
+                capacity,
+                cost_model,  # type: ignore[arg-type]
+                zero_stages=zero_stages,
+                compute=compute,
+                overlap=overlap,
+                tie_layers=tie_layers,
+                time_limit_s=time_limit_s,
+            )
+            candidates.extend(plain.values())
     if not candidates:
         if problems:
             raise ShardingError(_no_fit_sentence(graph, problems, time_limit_s))

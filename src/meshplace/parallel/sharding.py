@@ -69,6 +69,7 @@ from typing import Any
 
 import numpy as np
 
+from meshplace.cost.collectives import GRADIENT_BUCKET_BYTES
 from meshplace.cost.compute import CostModel
 from meshplace.errors import InputError
 from meshplace.graph.ir import Op, OpGraph, dtype_size
@@ -227,9 +228,20 @@ class ShardingProblem:
         self.member_pos: dict[int, int] = {}
         self.follow_main: dict[int, int] = {}  # follower op -> operand it follows
         self._build_groups()
+        # weight gradients' tails: their partial sums are completed in the runtime's
+        # gradient buckets (comm_time's ``bucketed``), whatever the placements chosen
+        self.gradient_tail = self._gradient_tail(self.group_edges())
+        held = sum(
+            math.prod(o.output_shapes[0]) * self.itemsize(o.name, 0)
+            for o in graph.ops
+            if o.kind == "parameter" and o.output_shapes
+        )
+        self.buckets_per_byte = math.ceil(held / GRADIENT_BUCKET_BYTES) / held if held else 0.0
         self.chain_bytes = self._chain_bytes() if compute == "fused" else {}
+        self._readers = self._readers_of_outputs()
+        self._splits_memo: dict[tuple, bool] = {}
         for g in self.groups:
-            g.strategies = self._strategies(g)
+            g.strategies = [st for st in self._strategies(g) if self._views_run(g, st)]
             if not g.strategies:
                 op = graph.ops[g.anchor]
                 raise ShardingError(
@@ -342,13 +354,47 @@ class ShardingProblem:
         self.groups[g].members.append(i)
 
     # ------------------------------------------------------------------ costs
-    def comm_time(self, kind: str, nbytes: float, axis: int) -> float:
-        key = (kind, nbytes, axis)
+    def comm_time(self, kind: str, nbytes: float, axis: int, bucketed: bool = False) -> float:
+        """Seconds of collective ``kind`` of ``nbytes`` per device over mesh axis ``axis``.
+        ``bucketed``: one of many values the runtime sends in flat buckets of
+        :data:`~meshplace.cost.collectives.GRADIENT_BUCKET_BYTES` (DDP's and the torchrun
+        runtime's gradient reductions, the ZeRO gathers of updated shards): its bytes'
+        time and its share of the buckets' fixed costs (:meth:`fixed_comm_time`) — the
+        model's ``G`` parameter bytes fill ``ceil(G / bucket)`` buckets, and each value
+        carries ``min(1, nbytes x ceil(G / bucket) / G)`` of one — linear in the decision,
+        as the integer program needs. Exact for pure data parallelism; where tensor
+        parallelism splits the parameters, the fewer bytes left per device may fill
+        fewer buckets than that charges."""
+        key = (kind, nbytes, axis, bucketed)
         t = self._comm_memo.get(key)
         if t is None:
             t = self.mesh.collective_time(kind, nbytes, [self.axes[axis]])
+            if bucketed and t > 0:
+                share = min(1.0, nbytes * self.buckets_per_byte)
+                t -= (1.0 - share) * min(t, self.fixed_comm_time(kind, axis))
             self._comm_memo[key] = t
         return t
+
+    def fixed_comm_time(self, kind: str, axis: int) -> float:
+        """The part of collective ``kind``'s time on mesh axis ``axis`` that does not grow
+        with its bytes (the latencies of its steps): ``2 t(b) - t(2b)``, exact for the
+        closed forms, which are affine in the bytes. O(1), memoised."""
+        key = ("fixed", kind, axis)
+        t = self._comm_memo.get(key)
+        if t is None:
+            b = float(GRADIENT_BUCKET_BYTES)
+            one = self.mesh.collective_time(kind, b, [self.axes[axis]])
+            two = self.mesh.collective_time(kind, 2 * b, [self.axes[axis]])
+            t = self._comm_memo[key] = max(0.0, 2 * one - two)
+        return t
+
+    def bucketed_edge(self, gu: int, gv: int) -> bool:
+        """Whether the runtime sends what group ``gu`` gives group ``gv`` in its gradient
+        buckets: a reduction into a parameter's update, or between two groups of a weight
+        gradient's tail (:meth:`_gradient_tail`)."""
+        return self.groups[gv].kind == "parameter" or (
+            gu in self.gradient_tail and gv in self.gradient_tail
+        )
 
     def local_bytes(self, shape: Sequence[int], itemsize: int, spec: Spec) -> float:
         """Bytes of one device's block of a tensor placed as ``spec``."""
@@ -359,11 +405,18 @@ class ShardingProblem:
         return n
 
     def reshard(
-        self, have: Spec, need: Spec, dim_map: Sequence[int], shape: Sequence[int], itemsize: int
+        self,
+        have: Spec,
+        need: Spec,
+        dim_map: Sequence[int],
+        shape: Sequence[int],
+        itemsize: int,
+        bucketed: bool = False,
     ) -> tuple[float, tuple]:
         """Seconds (and the collectives) to turn a producer placement ``have`` into the
-        placement ``need`` a consumer reads, through the view ``dim_map``."""
-        key = (have, need, tuple(dim_map), tuple(shape), itemsize)
+        placement ``need`` a consumer reads, through the view ``dim_map``; ``bucketed``:
+        sent in the runtime's gradient buckets (:meth:`comm_time`)."""
+        key = (have, need, tuple(dim_map), tuple(shape), itemsize, bucketed)
         hit = self._reshard_memo.get(key)
         if hit is not None:
             return hit
@@ -410,7 +463,7 @@ class ShardingProblem:
                 continue
             for a in reversed(on_have[k:]):  # innermost first
                 nbytes = whole_along(mapped, a)
-                t = self.comm_time("all_gather", nbytes, a)
+                t = self.comm_time("all_gather", nbytes, a, bucketed)
                 total += t
                 colls.append(("all_gather", self.axes[a], nbytes, t))
                 mapped[a] = R
@@ -429,7 +482,7 @@ class ShardingProblem:
                 kind = "all_gather"
             else:
                 kind, nbytes = "all_to_all", nbytes / self.sizes[a]
-            t = self.comm_time(kind, nbytes, a)
+            t = self.comm_time(kind, nbytes, a, bucketed)
             total += t
             colls.append((kind, self.axes[a], nbytes, t))
         out = (total, tuple(colls))
@@ -478,6 +531,74 @@ class ShardingProblem:
 
     def _spec_for(self, labels: Sequence[str], assign: Sequence[str | None]) -> Spec:
         return tuple(labels.index(a) if a is not None and a in labels else R for a in assign)
+
+    def _readers_of_outputs(self) -> dict[tuple[int, int], list[tuple[int, int]]]:
+        """Per (op, output), its readers as (op, operand). O(operands)."""
+        out: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        for i, o in enumerate(self.graph.ops):
+            for j, rec in enumerate(o.operands or []):
+                out.setdefault((self.graph.index(rec["op"]), rec["out"]), []).append((i, j))
+        return out
+
+    def _views_run(self, g: Group, st: Strategy) -> bool:
+        """Whether DTensor can run every view of what ``st`` splits (:meth:`_splits_run`)."""
+        for pos, i in enumerate(g.members):
+            for k, spec in enumerate(st.out_specs[pos]):
+                ways: dict[int, int] = {}
+                for a, d in enumerate(spec):
+                    if d >= 0 and self.sizes[a] > 1:
+                        ways[d] = ways.get(d, 1) * self.sizes[a]
+                if ways and not self._splits_run(i, k, tuple(sorted(ways.items())), 2):
+                    return False
+        return True
+
+    def _splits_run(self, i: int, k: int, ways: tuple[tuple[int, int], ...], hops: int) -> bool:
+        """Whether output ``k`` of op ``i``, split ``ways`` (dimension, ways) pairs, can be
+        read through every view of it, and — DTensor carries an operand's split into the
+        result where it can, whatever the plan says of the reader — through the views of
+        what its readers make from it, ``hops`` readers deep. DTensor (torch 2.13) refuses a
+        view that changes a split dimension ("Cannot flatten/unflatten unevenly sharded
+        tensor") unless the dimension's size, and the size of the view's dimension that
+        takes the split, divide by its ways: such a split would stop the step, so no plan
+        makes it. O(readers^hops), memoised."""
+        key = (i, k, ways, hops)
+        known = self._splits_memo.get(key)
+        if known is not None:
+            return known
+        ops = self.graph.ops
+        made = ops[i].output_shapes[k]
+        ok = True
+        for c, j in self._readers.get((i, k), []):
+            rec = ops[c].operands[j]
+            shape = rec["shape"]
+            into = {p: q for q, p in enumerate(rec["map"]) if p >= 0}
+            carried: dict[int, int] = {}
+            for d, w in ways:
+                q = into.get(d)
+                changed = q is None or shape[q] != made[d]  # by a view of the read
+                if changed and (made[d] % w or (q is not None and shape[q] % w)):
+                    ok = False
+                    break
+                if q is not None:
+                    carried[q] = w
+            if not ok:
+                break
+            dims = self.dims[c]
+            if hops == 0 or not carried or dims is None or j >= len(dims.inputs):
+                continue
+            for n, (labels, summed) in enumerate(zip(dims.outputs, dims.sums, strict=True)):
+                after: dict[int, int] = {}
+                for q, w in carried.items():
+                    label = dims.inputs[j][q] if q < len(dims.inputs[j]) else FIXED
+                    if label != FIXED and label in labels and label not in summed:
+                        after[labels.index(label)] = w
+                if after and not self._splits_run(c, n, tuple(sorted(after.items())), hops - 1):
+                    ok = False
+                    break
+            if not ok:
+                break
+        self._splits_memo[key] = ok
+        return ok
 
     def _strategies(self, g: Group) -> list[Strategy]:
         op = self.graph.ops[g.anchor]
@@ -585,7 +706,8 @@ class ShardingProblem:
         if self.compute == "fused" and len(g.members) > 1:
             # one kernel: the largest fixed cost of the ops fused into it
             st.compute_s += max(arith, moved) + float(self.launch[g.members[1:]].max())
-        # resharding inside the group
+        # resharding inside the group (a weight gradient's tail: in the gradient buckets)
+        bucketed = int(self.group_of[g.anchor]) in self.gradient_tail
         for pos, i in enumerate(g.members):
             for j, rec in enumerate(ops[i].operands or []):
                 src = self.graph.index(rec["op"])
@@ -594,7 +716,12 @@ class ShardingProblem:
                 have = st.out_specs[self.member_pos[src]][rec["out"]]
                 need = st.in_specs[pos][j]
                 t, colls = self.reshard(
-                    have, need, rec["map"], rec["shape"], self.itemsize(rec["op"], rec["out"])
+                    have,
+                    need,
+                    rec["map"],
+                    rec["shape"],
+                    self.itemsize(rec["op"], rec["out"]),
+                    bucketed,
                 )
                 st.comm_s += t
                 st.collectives.extend((k, a, b, tt, "reshard") for k, a, b, tt in colls)
@@ -654,7 +781,9 @@ class ShardingProblem:
         return ins, outs, blocks
 
     def _weight_update_comm(self, g: Group, st: Strategy) -> None:
-        """ZeRO's all-gathers of (updated) parameters over the replica axes."""
+        """ZeRO's all-gathers of (updated) parameters over the replica axes: at ZeRO 1 and
+        2 after the update, in the runtime's flat buckets (:meth:`comm_time`); at ZeRO 3
+        before each use, one parameter (or FSDP unit) at a time."""
         if st.zero == 0:
             return
         op = self.graph.ops[g.anchor]
@@ -663,7 +792,7 @@ class ShardingProblem:
         st.gathers = 2 if st.zero == 3 else 1  # ZeRO-3: before forward and before backward
         for a, p in enumerate(spec):
             if p == R and self.sizes[a] > 1:
-                t = self.comm_time("all_gather", local, a)
+                t = self.comm_time("all_gather", local, a, bucketed=st.zero < 3)
                 st.gather_s += t
                 st.collectives.append(
                     ("all_gather", self.axes[a], local, st.gathers * t, "weights")
@@ -848,7 +977,12 @@ class ShardingProblem:
         edge_q: dict[tuple[int, int], int] = {}  # (producer group, consumer group) -> quantity
         for (gu, gv), recs in tl.bundles.items():
             cu, cv = int(self.class_of[gu]), int(self.class_of[gv])
-            sig = (self.groups[gu].key, self.groups[gv].key, tuple(recs))
+            sig = (
+                self.groups[gu].key,
+                self.groups[gv].key,
+                tuple(recs),
+                self.bucketed_edge(gu, gv),
+            )
             m = bundle_memo.get(sig)
             if m is None:
                 m = self._edge_matrix(gu, gv, recs)
@@ -957,7 +1091,7 @@ class ShardingProblem:
         for gi, g in enumerate(self.groups):
             pos = g.members[1] if g.kind in SOURCE_KINDS and len(g.members) > 1 else g.anchor
             work.append((pos, ("node", gi)))
-        tail = self._gradient_tail(bundles) if self.overlap else set()
+        tail = set(self.gradient_tail) if self.overlap else set()
         head = self._parameter_head(bundles) if self.overlap else set()
         reductions: set[tuple[int, int]] = set()
         prefetches: set[tuple[int, int]] = set()
@@ -1097,6 +1231,7 @@ class ShardingProblem:
                         rec["map"],
                         rec["shape"],
                         self.itemsize(rec["op"], rec["out"]),
+                        self.bucketed_edge(gu, gv),
                     )[0]
                 memo[key] = t
             return t
@@ -1203,6 +1338,7 @@ class ShardingProblem:
 
     def _edge_matrix(self, gu: int, gv: int, recs: list[tuple]) -> np.ndarray:
         U, V = self.groups[gu], self.groups[gv]
+        bucketed = self.bucketed_edge(gu, gv)
         m = np.zeros((len(U.strategies), len(V.strategies)))
         for pu, out, pv, j in recs:
             rec = self.graph.ops[V.members[pv]].operands[j]
@@ -1211,8 +1347,51 @@ class ShardingProblem:
                 have = su.out_specs[pu][out]
                 for b, sv in enumerate(V.strategies):
                     need = sv.in_specs[pv][j]
-                    m[a, b] += self.reshard(have, need, rec["map"], rec["shape"], itemsize)[0]
+                    m[a, b] += self.reshard(
+                        have, need, rec["map"], rec["shape"], itemsize, bucketed
+                    )[0]
         return m
+
+
+def restrict_to_grid(
+    problem: ShardingProblem, dp_axis: int | None, tp_axis: int | None, zero: int
+) -> ShardingProblem:
+    """The problem restricted to what a grid point allows (:mod:`meshplace.parallel.grid`):
+    on the data axis ``dp_axis`` every parameter replicated with ZeRO stage ``zero`` and
+    every input split along its batch; on the tensor axis ``tp_axis`` every matrix split
+    along one of its two dimensions (Megatron's pattern), vectors split or whole; either
+    axis ``None`` when absent. Raises :class:`ShardingError` naming the tensor left with
+    no placement. O(groups x strategies)."""
+
+    def on(spec: tuple[int, ...], axis: int | None) -> int:
+        return R if axis is None else spec[axis]
+
+    def keep(g: Group, st: Strategy) -> bool:
+        if g.kind not in ("parameter", "input"):
+            return True
+        op = problem.graph.ops[g.anchor]
+        shape = op.output_shapes[0] if op.output_shapes else []
+        spec = st.out_specs[0][0]
+        if g.kind == "input":
+            names = (op.dim_names or [[]])[0] or []
+            batch = names.index("batch") if "batch" in names else 0
+            want_dp = batch if shape and dp_axis is not None else R
+            return on(spec, dp_axis) == want_dp and on(spec, tp_axis) == R
+        if st.zero != (zero if any(p == R for p in spec) else 0):
+            return False
+        if on(spec, dp_axis) != R:
+            return False
+        split_tp = (0, 1) if len(shape) >= 2 else (R, 0)
+        if on(spec, tp_axis) in split_tp:
+            return True
+        # tp divides neither dimension of this matrix: it stays replicated
+        return all(p == R for p in spec) and not any(
+            on(o.out_specs[0][0], dp_axis) == R and on(o.out_specs[0][0], tp_axis) in split_tp
+            for o in g.strategies
+        )
+
+    ways = problem.sizes[dp_axis] if dp_axis is not None else 1
+    return problem.restricted(keep, f"that the grid allows (batch split {ways} ways)")
 
 
 @dataclass
