@@ -230,7 +230,7 @@ def test_bucketed_gradient_reductions_share_one_fixed_cost_per_bucket() -> None:
     assert held < GRADIENT_BUCKET_BYTES
     whole = problem.comm_time("all_reduce", held, 0)
     shares = [
-        problem.comm_time("all_reduce", math.prod(o.output_shapes[0]) * 4, 0, bucketed=True)
+        problem.comm_time("all_reduce", math.prod(o.output_shapes[0]) * 4, 0, problem.bucket_bytes)
         for o in g.ops
         if o.kind == "parameter"
     ]
@@ -279,6 +279,97 @@ def test_pure_data_parallelism_is_priced_as_ddp_runs_it_without_dtensor_dispatch
     assert kept == {(1, 0): True, (1, 1): True, (1, 2): False, (2, 0): False}
     with pytest.raises(ShardingError, match="one mesh axis"):
         data_parallel_plans(g, mesh, 8e10, CostModel())
+
+
+class _Blocks(torch.nn.Module):
+    """Three blocks in a ModuleList (FSDP2's units, as torchtitan wraps them) and a head
+    at the root."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(3))
+        self.head = torch.nn.Linear(64, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return self.head(x)
+
+
+def test_fsdp2_units_read_from_the_graph_are_the_runtimes() -> None:
+    """The solver reads FSDP2's units from the parameters' names; the runtime wraps
+    modules: both put each block's parameters in its own unit and the rest in the root,
+    and a weight tied into a block puts everything in the root."""
+    from meshplace.parallel.sharding import fsdp_unit_names
+    from meshplace.runtime.data_parallel import fsdp_units
+
+    model = _Blocks()
+    units = fsdp_unit_names(capture(model, (torch.randn(8, 64),), training=True))
+    wrapped = fsdp_units(model)
+    runtime = {
+        f"param:{name}": next(
+            (
+                prefix
+                for prefix, m in model.named_modules()
+                if m in wrapped[:-1] and name.startswith(prefix + ".")
+            ),
+            "",
+        )
+        for name, _ in model.named_parameters()
+    }
+    assert units == runtime
+    assert sorted(set(units.values())) == ["", "layers.0", "layers.1", "layers.2"]
+
+    class Tied(_Blocks):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = super().forward(x)
+            return x @ self.layers[0].weight[:8, :8]
+
+    tied = fsdp_unit_names(capture(Tied(), (torch.randn(8, 64),), training=True))
+    assert set(tied.values()) == {""}
+
+
+def test_zero3_data_parallelism_is_priced_as_fsdp2_runs_it() -> None:
+    """The runtime runs a ZeRO-3 data-parallel plan on FSDP2, one unit per block plus the
+    root: plain tensors (no DTensor dispatch), each unit's parameters gathered in one
+    collective before forward and, but the root's, again before backward, its gradients
+    reduce-scattered in one, and FSDP2's own cost paid once per unit."""
+    from meshplace.cost.compute import CostModel
+
+    g = capture(_Blocks(), (torch.randn(32, 64),), training=True)
+    mesh = build_mesh(load_cluster("dgx-h100"), (2,), chips=2)
+    links = {kind: (1e-3, 1e9) for kind in ("all_gather", "reduce_scatter", "all_reduce")}
+    kind = mesh.device_kind
+    dtensor = CostModel(collectives={kind: links}, dispatch_overhead={kind: 1e-3})
+    fsdp = dataclasses.replace(dtensor, fsdp_unit_overhead={kind: 2e-3})
+    plan = data_parallel_plans(g, mesh, 8e10, fsdp, zero_stages=(3,))[3]
+    alone = data_parallel_plans(g, mesh, 8e10, dtensor, zero_stages=(3,))[3]
+    assert plan.plain_tensors and plan.to_dict(detail=False)["plain_tensors"] is True
+    assert plan.compute_s - alone.compute_s == pytest.approx(4 * 2e-3)  # four units
+    unit_bytes = [(64 * 64 + 64) * 4] * 3 + [(64 * 8 + 8) * 4]  # three blocks, the root
+    on = mesh.calibrated(fsdp)  # the measured collectives
+    times = {
+        k: [on.collective_time(k, b, list(mesh.axis_names)) for b in unit_bytes]
+        for k in ("all_gather", "reduce_scatter")
+    }
+    rows = {(r["kind"], r["category"]): r for r in plan.collectives()}
+    gathers = rows[("all_gather", "weights")]
+    assert gathers["calls"] == 8  # a weight and a bias in each unit
+    assert gathers["seconds"] == pytest.approx(
+        2 * sum(times["all_gather"][:3]) + times["all_gather"][3]
+    )
+    reductions = rows[("reduce_scatter", "gradients")]
+    assert reductions["seconds"] == pytest.approx(sum(times["reduce_scatter"]))
+    # on DTensor, each parameter's gather pays a fixed cost of its own
+    per_parameter = ShardingProblem(g, mesh, zero_stages=(3,), cost_model=dtensor)
+    for name in ("param:layers.0.bias", "param:head.weight"):
+        op = g.ops[g.index(name)]
+        nbytes = math.prod(op.output_shapes[0]) * 4
+        group = per_parameter.groups[int(per_parameter.group_of[g.index(name)])]
+        replicated = [s for s in group.strategies if s.zero == 3 and s.out_specs[0][0] == (R,)]
+        assert replicated[0].gather_s == pytest.approx(
+            on.collective_time("all_gather", nbytes, list(mesh.axis_names))
+        )
 
 
 def test_a_split_dtensor_cannot_view_is_never_planned() -> None:
@@ -362,8 +453,8 @@ def _simulate_streams(problem: ShardingProblem, choice: list[int]) -> float:
             rec = problem.graph.ops[problem.groups[gv].members[pv]].operands[j]
             have, need = strat[gu].out_specs[pu][out], strat[gv].in_specs[pv][j]
             itemsize = problem.itemsize(rec["op"], rec["out"])
-            bucketed = problem.bucketed_edge(gu, gv)
-            t += problem.reshard(have, need, rec["map"], rec["shape"], itemsize, bucketed)[0]
+            bucket = problem.edge_bucket_bytes(gu, gv)
+            t += problem.reshard(have, need, rec["map"], rec["shape"], itemsize, bucket)[0]
         return t
 
     def job(kind: str, key: Any) -> float:

@@ -184,10 +184,11 @@ def megatron_grid(
         except ShardingError as exc:
             points.extend(GridPoint(dp, tp, z, None, str(exc), **names) for z in stages)
             continue
-        # pure data parallelism at ZeRO 0-1 runs on DDP: priced without DTensor's dispatch
-        on_ddp: dict[int, ShardingPlan] = {}
+        # pure data parallelism runs on DDP (ZeRO 0, 1) or FSDP2 (ZeRO 3): priced so,
+        # without DTensor's dispatch
+        on_plain: dict[int, ShardingPlan] = {}
         if tp == 1 and dp > 1 and without_dispatch(cost_model, mesh) is not None:
-            on_ddp = data_parallel_plans(
+            on_plain = data_parallel_plans(
                 graph,
                 mesh,
                 capacity,
@@ -198,8 +199,8 @@ def megatron_grid(
                 time_limit_s=time_limit_s,
             )
         for zero in stages:
-            if zero in on_ddp:
-                plan = on_ddp[zero]
+            if zero in on_plain:
+                plan = on_plain[zero]
                 points.append(GridPoint(dp, tp, zero, plan, "", plan.solve_s, **names))
                 continue
             t0 = time.perf_counter()

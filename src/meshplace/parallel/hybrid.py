@@ -705,7 +705,7 @@ def _bundle_seconds(
             rec["map"],
             rec["shape"],
             problem.itemsize(rec["op"], rec["out"]),
-            problem.bucketed_edge(gu, gv),
+            problem.edge_bucket_bytes(gu, gv),
         )[0]
     return t
 

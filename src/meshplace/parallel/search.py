@@ -53,15 +53,19 @@ from meshplace.parallel.sharding import (
     ShardingProblem,
     Spec,
     Strategy,
+    fsdp_unit_names,
     restrict_to_grid,
 )
 
 PLAN_FORMAT = "meshplace.parallel_plan"
 PLAN_VERSION = 1
 #: the ZeRO stages at which the torchrun runtime runs a pure data-parallel plan on DDP,
-#: with plain tensors (``meshplace.runtime.data_parallel``); ZeRO 3 runs on FSDP2, ZeRO 2
-#: and every other plan on DTensor
+#: with plain tensors (``meshplace.runtime.data_parallel``); ZeRO 3 runs on FSDP2
+#: (:data:`FSDP_ZERO_STAGES`), ZeRO 2 and every other plan on DTensor
 DDP_ZERO_STAGES = (0, 1)
+#: the ZeRO stages at which it runs a pure data-parallel plan on FSDP2, whose units compute
+#: on their gathered plain tensors
+FSDP_ZERO_STAGES = (3,)
 
 
 @dataclass
@@ -81,8 +85,8 @@ class ShardingPlan:
     solve_s: float
     variables: int
     timeline: dict[str, float] = field(default_factory=dict)
-    #: priced with plain tensors, as DDP runs a pure data-parallel plan: without the
-    #: cost model's per-op engine dispatch (:func:`data_parallel_plans`)
+    #: priced with plain tensors, as DDP (FSDP2) runs a pure data-parallel plan: without
+    #: the cost model's per-op engine dispatch (:func:`data_parallel_plans`)
     plain_tensors: bool = False
 
     @property
@@ -202,7 +206,7 @@ class ShardingPlan:
                     rec["map"],
                     rec["shape"],
                     p.itemsize(rec["op"], rec["out"]),
-                    p.bucketed_edge(gu, gv),
+                    p.edge_bucket_bytes(gu, gv),
                 )
                 for kind, axis, nbytes, t in colls:
                     add(kind, axis, nbytes, t, cat)
@@ -473,11 +477,14 @@ def data_parallel_plans(
     time_limit_s: float = 20.0,
 ) -> dict[int, ShardingPlan]:
     """Pure data parallelism over the one-axis ``mesh``, by ZeRO stage, at each stage of
-    ``zero_stages`` the torchrun runtime runs on DDP (:data:`DDP_ZERO_STAGES`), priced as
-    DDP runs it: every parameter replicated, the batch split, plain tensors — so without
-    the per-op dispatch ``cost_model`` charges the DTensor engine
-    (:func:`without_dispatch`; ``cost_model`` must charge one) — and the gradients
-    reduced in buckets (:meth:`ShardingProblem.comm_time`). The integer program cannot
+    ``zero_stages`` the torchrun runtime runs on DDP (:data:`DDP_ZERO_STAGES`) or FSDP2
+    (:data:`FSDP_ZERO_STAGES`), priced as they run it: every parameter replicated, the
+    batch split, plain tensors — so without the per-op dispatch ``cost_model`` charges
+    the DTensor engine (:func:`without_dispatch`; ``cost_model`` must charge one) — and
+    the gradients reduced in buckets (:meth:`ShardingProblem.comm_time`): DDP's 25 MiB
+    ones, or FSDP2's units (:func:`~meshplace.parallel.sharding.fsdp_unit_names`), which
+    also gather the parameters one unit at a time and cost ``cost_model``'s
+    ``fsdp_unit_overhead`` each (``ShardingProblem``'s ``fsdp_units``). The integer program cannot
     price an engine chosen by the whole plan, so these are solved apart and set beside
     its plans (:func:`shard_graph`, :func:`meshplace.parallel.grid.megatron_grid`).
     Plans that do not fit or stages the batch does not allow are left out. O(one
@@ -491,7 +498,7 @@ def data_parallel_plans(
     >>> mesh = build_mesh(load_cluster("dgx-h100"), (2,), chips=2)
     >>> dtensor = CostModel(dispatch_overhead={mesh.device_kind: 5e-5})
     >>> {z: p.plain_tensors for z, p in data_parallel_plans(g, mesh, 8e10, dtensor).items()}
-    {0: True, 1: True}
+    {0: True, 1: True, 3: True}
     """
     plain = without_dispatch(cost_model, mesh)
     if plain is None or len(mesh.shape) != 1 or int(mesh.shape[0]) < 2:
@@ -499,18 +506,26 @@ def data_parallel_plans(
             "data_parallel_plans prices plans on one mesh axis of 2 or more devices, with a "
             "cost model that charges DTensor's dispatch on them"
         )
-    stages = [z for z in DDP_ZERO_STAGES if z in zero_stages]
-    full = ShardingProblem(
-        graph,
-        mesh,
-        zero_stages=stages,
-        tie_layers=tie_layers,
-        compute=compute,
-        overlap=overlap,
-        cost_model=plain,
-    )
-    # every op on its share of the batch, as each DDP rank runs the model
-    labels = batch_labels(full)
+    stages = [z for z in (*DDP_ZERO_STAGES, *FSDP_ZERO_STAGES) if z in zero_stages]
+    units = fsdp_unit_names(graph)
+    problems: dict[bool, ShardingProblem] = {}  # on FSDP2 or not -> the whole problem
+    for zero in stages:
+        fsdp = zero in FSDP_ZERO_STAGES
+        if fsdp not in problems:
+            problems[fsdp] = ShardingProblem(
+                graph,
+                mesh,
+                zero_stages=[z for z in stages if (z in FSDP_ZERO_STAGES) == fsdp],
+                tie_layers=tie_layers,
+                compute=compute,
+                overlap=overlap,
+                cost_model=plain,
+                fsdp_units=units if fsdp else None,
+            )
+    if not problems:
+        return {}
+    # every op on its share of the batch, as each DDP (FSDP2) rank runs the model
+    labels = batch_labels(next(iter(problems.values())))
 
     def on_its_share(g: Group, st: Strategy) -> bool:
         if g.kind != "op":
@@ -521,6 +536,7 @@ def data_parallel_plans(
     plans: dict[int, ShardingPlan] = {}
     for zero in stages:
         try:
+            full = problems[zero in FSDP_ZERO_STAGES]
             problem = restrict_to_grid(full, 0, None, zero).restricted(on_its_share)
         except ShardingError:  # the batch does not split over the mesh
             continue

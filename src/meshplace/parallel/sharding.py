@@ -63,7 +63,7 @@ import dataclasses
 import itertools
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -149,6 +149,48 @@ def _module_pattern(module: str) -> tuple[str, str]:
     return _DIGITS.sub("*", module), ",".join(_DIGITS.findall(module))
 
 
+def fsdp_unit_names(graph: OpGraph) -> dict[str, str]:
+    """Per parameter op of ``graph``, the FSDP2 unit the torchrun runtime gathers it in
+    (:func:`meshplace.runtime.data_parallel.fsdp_units`, read from the parameters'
+    qualified names): the module path through its first layer index below the root —
+    an element of a ``ModuleList`` or ``Sequential``, as torchtitan wraps a
+    transformer's blocks — or ``""`` for the root unit, which holds the rest. A parameter
+    of a unit that ops of another unit read (a weight tied into a block) puts them all in
+    the root, as the runtime does for tied weights.
+    The names cannot tell a numbered child of another container (a ``ModuleDict`` keyed
+    ``"0"``) from a list's. O(parameters).
+
+    >>> import torch
+    >>> from meshplace.graph.capture import capture
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Sequential(
+    ...     torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)))
+    >>> units = fsdp_unit_names(capture(model, (torch.randn(2, 4),)))
+    >>> sorted(set(units.values()))
+    ['', '1.0', '1.1']
+    """
+    units: dict[str, str] = {}
+    for o in graph.ops:
+        if o.kind != "parameter":
+            continue
+        parts = o.name.removeprefix("param:").split(".")
+        layer = next((k for k in range(1, len(parts) - 1) if parts[k].isdigit()), None)
+        units[o.name] = ".".join(parts[: layer + 1]) if layer is not None else ""
+    # a parameter read inside two units (tied): FSDP2 cannot shard it twice
+    readers: dict[str, set[str]] = {}
+    for o in graph.ops:
+        if o.kind == "parameter" or o.phase != "forward":
+            continue
+        parts = o.module.split(".")
+        layer = next((k for k in range(1, len(parts)) if parts[k].isdigit()), None)
+        unit = ".".join(parts[: layer + 1]) if layer is not None else ""
+        for rec in o.operands or []:
+            if rec["op"] in units:
+                readers.setdefault(rec["op"], set()).add(unit)
+    if any(units[name] and where - {units[name]} for name, where in readers.items()):
+        return dict.fromkeys(units, "")
+    return units
+
+
 class ShardingProblem:
     """Groups, strategies, costs and memory of one graph on one mesh (module docstring).
 
@@ -172,6 +214,15 @@ class ShardingProblem:
             communication streams beside compute and only their exposed tails count
             (:meth:`cost_tables`); ``False`` counts every collective in full (Alpa's and
             XLA's objective).
+        fsdp_units: the plan runs on FSDP2 (``fully_shard`` per unit): parameter op name
+            → the unit that gathers it (``""``: the root, :func:`fsdp_unit_names`). Each
+            unit then gathers its ZeRO-3 parameters in one flat collective (one fixed cost
+            per unit, shared by its parameters by their bytes) before forward and, but the
+            root (which FSDP2 keeps gathered), again before backward; the gradients are
+            reduced in one bucket per unit; and each unit costs the cost model's
+            ``fsdp_unit_overhead`` (FSDP2's hooks, copies and the dispatch on its sharded
+            parameters), shared the same way. ``None``: DTensor's engine, one collective
+            per parameter at ZeRO 3, gradients in the runtime's 25 MiB buckets.
     """
 
     def __init__(
@@ -185,6 +236,7 @@ class ShardingProblem:
         state_bytes_per_param_byte: float | None = None,
         compute: str = "eager",
         overlap: bool = True,
+        fsdp_units: Mapping[str, str] | None = None,
     ) -> None:
         if compute not in COMPUTE_MODELS:
             raise ShardingError(
@@ -229,14 +281,30 @@ class ShardingProblem:
         self.follow_main: dict[int, int] = {}  # follower op -> operand it follows
         self._build_groups()
         # weight gradients' tails: their partial sums are completed in the runtime's
-        # gradient buckets (comm_time's ``bucketed``), whatever the placements chosen
-        self.gradient_tail = self._gradient_tail(self.group_edges())
-        held = sum(
-            math.prod(o.output_shapes[0]) * self.itemsize(o.name, 0)
+        # gradient buckets (comm_time's ``bucket_bytes``), whatever the placements chosen
+        edges = self.group_edges()
+        self.gradient_tail = self._gradient_tail(edges)
+        held = {
+            o.name: math.prod(o.output_shapes[0]) * self.itemsize(o.name, 0)
             for o in graph.ops
             if o.kind == "parameter" and o.output_shapes
-        )
-        self.buckets_per_byte = math.ceil(held / GRADIENT_BUCKET_BYTES) / held if held else 0.0
+        }
+        total = sum(held.values())
+        self.fsdp_units = dict(fsdp_units) if fsdp_units is not None else None
+        self.fsdp_unit_overhead = cm.fsdp_unit_overhead.get(dev.kind, 0.0)
+        #: FSDP2 units -> the bytes of their parameters (one flat gather each)
+        self.unit_bytes: dict[str, float] = {}
+        if self.fsdp_units is not None:
+            for name, nbytes in held.items():
+                unit = self.fsdp_units.get(name, "")
+                self.unit_bytes[unit] = self.unit_bytes.get(unit, 0.0) + nbytes
+            buckets = len(self.unit_bytes)
+        else:
+            buckets = math.ceil(total / GRADIENT_BUCKET_BYTES)
+        #: the bytes of the runtime's mean gradient bucket: ``G / ceil(G / bucket)`` for
+        #: the model's ``G`` parameter bytes (FSDP2: per unit)
+        self.bucket_bytes = total / buckets if total else 0.0
+        self._tail_buckets = self._gradient_tail_buckets(edges)
         self.chain_bytes = self._chain_bytes() if compute == "fused" else {}
         self._readers = self._readers_of_outputs()
         self._splits_memo: dict[tuple, bool] = {}
@@ -354,23 +422,24 @@ class ShardingProblem:
         self.groups[g].members.append(i)
 
     # ------------------------------------------------------------------ costs
-    def comm_time(self, kind: str, nbytes: float, axis: int, bucketed: bool = False) -> float:
+    def comm_time(self, kind: str, nbytes: float, axis: int, bucket_bytes: float = 0.0) -> float:
         """Seconds of collective ``kind`` of ``nbytes`` per device over mesh axis ``axis``.
-        ``bucketed``: one of many values the runtime sends in flat buckets of
-        :data:`~meshplace.cost.collectives.GRADIENT_BUCKET_BYTES` (DDP's and the torchrun
-        runtime's gradient reductions, the ZeRO gathers of updated shards): its bytes'
-        time and its share of the buckets' fixed costs (:meth:`fixed_comm_time`) — the
-        model's ``G`` parameter bytes fill ``ceil(G / bucket)`` buckets, and each value
-        carries ``min(1, nbytes x ceil(G / bucket) / G)`` of one — linear in the decision,
-        as the integer program needs. Exact for pure data parallelism; where tensor
-        parallelism splits the parameters, the fewer bytes left per device may fill
-        fewer buckets than that charges."""
-        key = (kind, nbytes, axis, bucketed)
+        ``bucket_bytes``: the value is one of many the runtime sends in one flat bucket of
+        that many bytes (DDP's and the torchrun runtime's gradient reductions and ZeRO
+        gathers of updated shards, in buckets of
+        :data:`~meshplace.cost.collectives.GRADIENT_BUCKET_BYTES`: :attr:`bucket_bytes`;
+        FSDP2's gathers and reductions, one per unit), so it pays its bytes' time and its
+        share ``min(1, nbytes / bucket_bytes)`` of the bucket's fixed cost
+        (:meth:`fixed_comm_time`) — linear in the decision, as the integer program needs,
+        and the shares of a bucket's values add up to one fixed cost. Exact for pure data
+        parallelism; where tensor parallelism splits the parameters, the fewer bytes left
+        per device may fill fewer buckets than that charges. 0: sent alone."""
+        key = (kind, nbytes, axis, bucket_bytes)
         t = self._comm_memo.get(key)
         if t is None:
             t = self.mesh.collective_time(kind, nbytes, [self.axes[axis]])
-            if bucketed and t > 0:
-                share = min(1.0, nbytes * self.buckets_per_byte)
+            if bucket_bytes > 0 and t > 0:
+                share = min(1.0, nbytes / bucket_bytes)
                 t -= (1.0 - share) * min(t, self.fixed_comm_time(kind, axis))
             self._comm_memo[key] = t
         return t
@@ -388,13 +457,48 @@ class ShardingProblem:
             t = self._comm_memo[key] = max(0.0, 2 * one - two)
         return t
 
-    def bucketed_edge(self, gu: int, gv: int) -> bool:
-        """Whether the runtime sends what group ``gu`` gives group ``gv`` in its gradient
-        buckets: a reduction into a parameter's update, or between two groups of a weight
-        gradient's tail (:meth:`_gradient_tail`)."""
-        return self.groups[gv].kind == "parameter" or (
-            gu in self.gradient_tail and gv in self.gradient_tail
-        )
+    def edge_bucket_bytes(self, gu: int, gv: int) -> float:
+        """The bytes of the gradient bucket the runtime sends what group ``gu`` gives group
+        ``gv`` in (:meth:`comm_time`), or 0 where it is sent alone: a reduction into a
+        parameter's update, or between two groups of a weight gradient's tail
+        (:meth:`_gradient_tail`), goes in the parameter's bucket."""
+        if self.groups[gv].kind == "parameter":
+            return self.parameter_bucket_bytes(self.groups[gv].anchor)
+        if gu in self.gradient_tail and gv in self.gradient_tail:
+            return self._tail_buckets.get(gv, self.bucket_bytes)
+        return 0.0
+
+    def parameter_bucket_bytes(self, i: int) -> float:
+        """The bytes of the bucket parameter op ``i``'s gradient (and ZeRO gather) goes
+        in: its FSDP2 unit's (``fsdp_units``), else the mean gradient bucket. O(1)."""
+        if self.fsdp_units is None:
+            return self.bucket_bytes
+        unit = self.fsdp_units.get(self.graph.ops[i].name, "")
+        return self.unit_bytes.get(unit, self.bucket_bytes)
+
+    def _gradient_tail_buckets(self, edges: dict[tuple[int, int], list[tuple]]) -> dict[int, float]:
+        """Per group of a weight gradient's tail (:meth:`_gradient_tail`), the bytes of the
+        one bucket every parameter it feeds goes in — under FSDP2, the unit's; where
+        they go in several (a weight shared across units), the mean bucket's. O(edges)."""
+        if self.fsdp_units is None:
+            return {}
+        readers: dict[int, set[int]] = {}
+        for gu, gv in edges:
+            readers.setdefault(gu, set()).add(gv)
+        buckets: dict[int, set[float]] = {}
+
+        def fed(gi: int) -> set[float]:  # the buckets of the parameters ``gi`` feeds
+            if gi not in buckets:
+                buckets[gi] = set()
+                for gv in readers.get(gi, ()):
+                    if self.groups[gv].kind == "parameter":
+                        buckets[gi].add(self.parameter_bucket_bytes(self.groups[gv].anchor))
+                    elif gv in self.gradient_tail:
+                        buckets[gi] |= fed(gv)
+            return buckets[gi]
+
+        found = {gi: fed(gi) for gi in self.gradient_tail}
+        return {gi: next(iter(b)) if len(b) == 1 else self.bucket_bytes for gi, b in found.items()}
 
     def local_bytes(self, shape: Sequence[int], itemsize: int, spec: Spec) -> float:
         """Bytes of one device's block of a tensor placed as ``spec``."""
@@ -411,12 +515,12 @@ class ShardingProblem:
         dim_map: Sequence[int],
         shape: Sequence[int],
         itemsize: int,
-        bucketed: bool = False,
+        bucket_bytes: float = 0.0,
     ) -> tuple[float, tuple]:
         """Seconds (and the collectives) to turn a producer placement ``have`` into the
-        placement ``need`` a consumer reads, through the view ``dim_map``; ``bucketed``:
-        sent in the runtime's gradient buckets (:meth:`comm_time`)."""
-        key = (have, need, tuple(dim_map), tuple(shape), itemsize, bucketed)
+        placement ``need`` a consumer reads, through the view ``dim_map``;
+        ``bucket_bytes``: sent in a gradient bucket of that many bytes (:meth:`comm_time`)."""
+        key = (have, need, tuple(dim_map), tuple(shape), itemsize, bucket_bytes)
         hit = self._reshard_memo.get(key)
         if hit is not None:
             return hit
@@ -463,7 +567,7 @@ class ShardingProblem:
                 continue
             for a in reversed(on_have[k:]):  # innermost first
                 nbytes = whole_along(mapped, a)
-                t = self.comm_time("all_gather", nbytes, a, bucketed)
+                t = self.comm_time("all_gather", nbytes, a, bucket_bytes)
                 total += t
                 colls.append(("all_gather", self.axes[a], nbytes, t))
                 mapped[a] = R
@@ -482,7 +586,7 @@ class ShardingProblem:
                 kind = "all_gather"
             else:
                 kind, nbytes = "all_to_all", nbytes / self.sizes[a]
-            t = self.comm_time(kind, nbytes, a, bucketed)
+            t = self.comm_time(kind, nbytes, a, bucket_bytes)
             total += t
             colls.append((kind, self.axes[a], nbytes, t))
         out = (total, tuple(colls))
@@ -707,7 +811,8 @@ class ShardingProblem:
             # one kernel: the largest fixed cost of the ops fused into it
             st.compute_s += max(arith, moved) + float(self.launch[g.members[1:]].max())
         # resharding inside the group (a weight gradient's tail: in the gradient buckets)
-        bucketed = int(self.group_of[g.anchor]) in self.gradient_tail
+        gi = int(self.group_of[g.anchor])
+        bucket = self._tail_buckets.get(gi, self.bucket_bytes) if gi in self.gradient_tail else 0.0
         for pos, i in enumerate(g.members):
             for j, rec in enumerate(ops[i].operands or []):
                 src = self.graph.index(rec["op"])
@@ -721,7 +826,7 @@ class ShardingProblem:
                     rec["map"],
                     rec["shape"],
                     self.itemsize(rec["op"], rec["out"]),
-                    bucketed,
+                    bucket,
                 )
                 st.comm_s += t
                 st.collectives.extend((k, a, b, tt, "reshard") for k, a, b, tt in colls)
@@ -783,16 +888,25 @@ class ShardingProblem:
     def _weight_update_comm(self, g: Group, st: Strategy) -> None:
         """ZeRO's all-gathers of (updated) parameters over the replica axes: at ZeRO 1 and
         2 after the update, in the runtime's flat buckets (:meth:`comm_time`); at ZeRO 3
-        before each use, one parameter (or FSDP unit) at a time."""
+        before each use, one parameter at a time on DTensor, one unit at a time on FSDP2
+        (``fsdp_units``), whose share of its unit's fixed cost per step it also pays."""
+        op = self.graph.ops[g.anchor]
+        unit = None if self.fsdp_units is None else self.fsdp_units.get(op.name, "")
+        bucket = self.parameter_bucket_bytes(g.anchor)
+        if unit is not None and bucket and len(g.members) > 1:  # FSDP2's cost per unit
+            whole = math.prod(op.output_shapes[0]) * self.itemsize(op.name, 0)
+            st.compute_s += self.fsdp_unit_overhead * whole / bucket
         if st.zero == 0:
             return
-        op = self.graph.ops[g.anchor]
         spec = st.out_specs[0][0]
         local = self.local_bytes(op.output_shapes[0], self.itemsize(op.name, 0), spec)
-        st.gathers = 2 if st.zero == 3 else 1  # ZeRO-3: before forward and before backward
+        # ZeRO-3: before forward and before backward (FSDP2 keeps its root gathered)
+        st.gathers = 1 if st.zero < 3 or unit == "" else 2
+        if st.zero == 3 and unit is None:  # DTensor gathers each parameter alone
+            bucket = 0.0
         for a, p in enumerate(spec):
             if p == R and self.sizes[a] > 1:
-                t = self.comm_time("all_gather", local, a, bucketed=st.zero < 3)
+                t = self.comm_time("all_gather", local, a, bucket)
                 st.gather_s += t
                 st.collectives.append(
                     ("all_gather", self.axes[a], local, st.gathers * t, "weights")
@@ -981,7 +1095,7 @@ class ShardingProblem:
                 self.groups[gu].key,
                 self.groups[gv].key,
                 tuple(recs),
-                self.bucketed_edge(gu, gv),
+                self.edge_bucket_bytes(gu, gv),
             )
             m = bundle_memo.get(sig)
             if m is None:
@@ -1231,7 +1345,7 @@ class ShardingProblem:
                         rec["map"],
                         rec["shape"],
                         self.itemsize(rec["op"], rec["out"]),
-                        self.bucketed_edge(gu, gv),
+                        self.edge_bucket_bytes(gu, gv),
                     )[0]
                 memo[key] = t
             return t
@@ -1338,7 +1452,7 @@ class ShardingProblem:
 
     def _edge_matrix(self, gu: int, gv: int, recs: list[tuple]) -> np.ndarray:
         U, V = self.groups[gu], self.groups[gv]
-        bucketed = self.bucketed_edge(gu, gv)
+        bucket = self.edge_bucket_bytes(gu, gv)
         m = np.zeros((len(U.strategies), len(V.strategies)))
         for pu, out, pv, j in recs:
             rec = self.graph.ops[V.members[pv]].operands[j]
@@ -1347,9 +1461,9 @@ class ShardingProblem:
                 have = su.out_specs[pu][out]
                 for b, sv in enumerate(V.strategies):
                     need = sv.in_specs[pv][j]
-                    m[a, b] += self.reshard(
-                        have, need, rec["map"], rec["shape"], itemsize, bucketed
-                    )[0]
+                    m[a, b] += self.reshard(have, need, rec["map"], rec["shape"], itemsize, bucket)[
+                        0
+                    ]
         return m
 
 
