@@ -480,13 +480,14 @@ def data_parallel_plans(
     ``zero_stages`` the torchrun runtime runs on DDP (:data:`DDP_ZERO_STAGES`) or FSDP2
     (:data:`FSDP_ZERO_STAGES`), priced as they run it: every parameter replicated, the
     batch split, plain tensors — so without the per-op dispatch ``cost_model`` charges
-    the DTensor engine (:func:`without_dispatch`; ``cost_model`` must charge one) — and
-    the gradients reduced in buckets (:meth:`ShardingProblem.comm_time`): DDP's 25 MiB
-    ones, or FSDP2's units (:func:`~meshplace.parallel.sharding.fsdp_unit_names`), which
-    also gather the parameters one unit at a time and cost ``cost_model``'s
-    ``fsdp_unit_overhead`` each (``ShardingProblem``'s ``fsdp_units``). The integer program cannot
-    price an engine chosen by the whole plan, so these are solved apart and set beside
-    its plans (:func:`shard_graph`, :func:`meshplace.parallel.grid.megatron_grid`).
+    the DTensor engine (:func:`without_dispatch`; ``cost_model`` must charge one) —,
+    each rank's loss its own (``ShardingProblem``'s ``local_reductions``: no all-reduce
+    of it), and the gradients reduced in buckets (:meth:`ShardingProblem.comm_time`):
+    DDP's 25 MiB ones, or FSDP2's units
+    (:func:`~meshplace.parallel.sharding.fsdp_unit_names`), which also gather the
+    parameters one unit at a time and cost ``cost_model``'s ``fsdp_unit_overhead`` each
+    (``ShardingProblem``'s ``fsdp_units``). The integer program cannot price an engine
+    chosen by the whole plan, so these are solved apart and set beside its plans (:func:`shard_graph`, :func:`meshplace.parallel.grid.megatron_grid`).
     Plans that do not fit or stages the batch does not allow are left out. O(one
     restricted integer program per stage).
 
@@ -521,6 +522,7 @@ def data_parallel_plans(
                 overlap=overlap,
                 cost_model=plain,
                 fsdp_units=units if fsdp else None,
+                local_reductions=True,
             )
     if not problems:
         return {}

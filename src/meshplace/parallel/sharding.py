@@ -223,6 +223,11 @@ class ShardingProblem:
             ``fsdp_unit_overhead`` (FSDP2's hooks, copies and the dispatch on its sharded
             parameters), shared the same way. ``None``: DTensor's engine, one collective
             per parameter at ZeRO 3, gradients in the runtime's 25 MiB buckets.
+        local_reductions: the plan runs on DDP or FSDP2, whose ranks each keep their own
+            partial sums — the loss of their share of the batch, batch norm's statistics
+            of it — and complete only the gradients (in their buckets): a partial value
+            read outside the gradient buckets costs nothing. ``False``: DTensor's engine,
+            which completes every partial value its reader needs whole.
     """
 
     def __init__(
@@ -237,6 +242,7 @@ class ShardingProblem:
         compute: str = "eager",
         overlap: bool = True,
         fsdp_units: Mapping[str, str] | None = None,
+        local_reductions: bool = False,
     ) -> None:
         if compute not in COMPUTE_MODELS:
             raise ShardingError(
@@ -291,6 +297,7 @@ class ShardingProblem:
         }
         total = sum(held.values())
         self.fsdp_units = dict(fsdp_units) if fsdp_units is not None else None
+        self.local_reductions = local_reductions
         self.fsdp_unit_overhead = cm.fsdp_unit_overhead.get(dev.kind, 0.0)
         #: FSDP2 units -> the bytes of their parameters (one flat gather each)
         self.unit_bytes: dict[str, float] = {}
@@ -576,6 +583,8 @@ class ShardingProblem:
                 continue
             if h == n or (h == R and n != P):
                 continue
+            if h == P and self.local_reductions and not bucket_bytes:
+                continue  # each rank keeps its own partial value (DDP, FSDP2)
             # bytes per device over this axis: the consumer's block, whole along axis a
             nbytes = whole_along(need, a)
             if h == P and n >= 0 and self._reduced_whole(held, need, a, n):
