@@ -487,9 +487,10 @@ def data_parallel_plans(
     (:func:`~meshplace.parallel.sharding.fsdp_unit_names`), which also gather the
     parameters one unit at a time and cost ``cost_model``'s ``fsdp_unit_overhead`` each
     (``ShardingProblem``'s ``fsdp_units``). The integer program cannot price an engine
-    chosen by the whole plan, so these are solved apart and set beside its plans (:func:`shard_graph`, :func:`meshplace.parallel.grid.megatron_grid`).
-    Plans that do not fit or stages the batch does not allow are left out. O(one
-    restricted integer program per stage).
+    chosen by the whole plan, so these are solved apart and set beside its plans
+    (:func:`shard_graph`, :func:`meshplace.parallel.grid.megatron_grid`). Plans that do
+    not fit or stages the batch does not allow are left out. O(one restricted integer
+    program per stage).
 
     >>> import torch
     >>> from meshplace.graph.capture import capture
