@@ -80,9 +80,12 @@ def test_a_steps_blocks_come_from_a_heap_that_stops_growing() -> None:
 
     assert kept["with_params"]["used_in_heap"] - kept["before"]["used_in_heap"] >= 8
     assert all(step["mapped"] == kept["before"]["mapped"] for step in kept["after_step"])
-    # fragmentation (PyTorch's 64-byte-aligned blocks) may add a block now and then; a
-    # heap that never reused what a step freed would grow by about 32 MiB every step
-    assert kept["after_step"][59]["heap"] - kept["after_step"][9]["heap"] <= 8
+    # fragmentation (PyTorch's 64-byte-aligned blocks) may add a block now and then (12 MiB
+    # over these 50 steps in one clean-clone run, where 8 had been the bound); a heap that
+    # never reused what a step freed would grow by a step's 32 MiB every step, 1,600 MiB
+    # in all: over the 50 steps it grows by less than one step's allocations
+    step_mib = 2 * 4 + 8 + 8 + 2 * 4  # the gradients, the bucket, its copy, the moments
+    assert kept["after_step"][59]["heap"] - kept["after_step"][9]["heap"] < step_mib
 
 
 def test_the_environment_variable_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
