@@ -575,11 +575,11 @@ def shard_graph(
     ``compute`` picks the compute model (:class:`ShardingProblem`: ``"eager"`` or
     ``"fused"``), ``overlap`` whether gradient reductions and parameter gathers overlap
     compute (:meth:`ShardingProblem.cost_tables`). Where ``cost_model`` charges an engine's
-    per-op dispatch (DTensor's), the pure data-parallel plans the runtime runs on DDP are
-    priced without it and join the candidates (:func:`data_parallel_plans`). Raises
-    :class:`ShardingError` (one
-    sentence) when no plan fits any mesh, naming how much memory the leanest plan needs
-    against the capacity; :class:`LayoutError` for a mesh that does not match the chips.
+    per-op dispatch (DTensor's), the pure data-parallel plans the runtime runs on DDP and
+    FSDP2 are priced without it and join the candidates (:func:`data_parallel_plans`).
+    Raises :class:`ShardingError` (one sentence) when no plan fits any mesh, naming how
+    much memory the leanest plan needs against the capacity; :class:`LayoutError` for a
+    mesh that does not match the chips.
     """
     if not memory_fraction > 0 or memory_fraction > 1 or math.isnan(memory_fraction):
         raise InputError(
@@ -650,7 +650,7 @@ def shard_graph(
         candidates.append(plan_from_solution(problem, sol, capacity, solve_s))
         plain_dp = len(shape) == 1 and n > 1 and not pinned
         if plain_dp and without_dispatch(cost_model, mesh) is not None:
-            # a pure data-parallel plan runs on DDP, without the engine's dispatch
+            # a pure data-parallel plan runs on DDP or FSDP2, without DTensor's dispatch
             plain = data_parallel_plans(
                 graph,
                 mesh,

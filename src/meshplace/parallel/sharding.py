@@ -168,21 +168,23 @@ def fsdp_unit_names(graph: OpGraph) -> dict[str, str]:
     >>> sorted(set(units.values()))
     ['', '1.0', '1.1']
     """
-    units: dict[str, str] = {}
-    for o in graph.ops:
-        if o.kind != "parameter":
-            continue
-        parts = o.name.removeprefix("param:").split(".")
-        layer = next((k for k in range(1, len(parts) - 1) if parts[k].isdigit()), None)
-        units[o.name] = ".".join(parts[: layer + 1]) if layer is not None else ""
+
+    def unit_of(module: str) -> str:  # the path through its first layer index below the root
+        parts = module.split(".")
+        layer = next((k for k in range(1, len(parts)) if parts[k].isdigit()), None)
+        return ".".join(parts[: layer + 1]) if layer is not None else ""
+
+    units = {
+        o.name: unit_of(o.name.removeprefix("param:").rpartition(".")[0])
+        for o in graph.ops
+        if o.kind == "parameter"
+    }
     # a parameter read inside two units (tied): FSDP2 cannot shard it twice
     readers: dict[str, set[str]] = {}
     for o in graph.ops:
         if o.kind == "parameter" or o.phase != "forward":
             continue
-        parts = o.module.split(".")
-        layer = next((k for k in range(1, len(parts)) if parts[k].isdigit()), None)
-        unit = ".".join(parts[: layer + 1]) if layer is not None else ""
+        unit = unit_of(o.module)
         for rec in o.operands or []:
             if rec["op"] in units:
                 readers.setdefault(rec["op"], set()).add(unit)
@@ -471,9 +473,17 @@ class ShardingProblem:
         (:meth:`_gradient_tail`), goes in the parameter's bucket."""
         if self.groups[gv].kind == "parameter":
             return self.parameter_bucket_bytes(self.groups[gv].anchor)
-        if gu in self.gradient_tail and gv in self.gradient_tail:
-            return self._tail_buckets.get(gv, self.bucket_bytes)
+        if gu in self.gradient_tail:
+            return self.tail_bucket_bytes(gv)
         return 0.0
+
+    def tail_bucket_bytes(self, gi: int) -> float:
+        """The bytes of the gradient bucket a collective into group ``gi`` goes in when
+        ``gi`` is part of a weight gradient's tail (:meth:`_gradient_tail_buckets`), else
+        0 (sent alone). O(1)."""
+        if gi not in self.gradient_tail:
+            return 0.0
+        return self._tail_buckets.get(gi, self.bucket_bytes)
 
     def parameter_bucket_bytes(self, i: int) -> float:
         """The bytes of the bucket parameter op ``i``'s gradient (and ZeRO gather) goes
@@ -820,8 +830,7 @@ class ShardingProblem:
             # one kernel: the largest fixed cost of the ops fused into it
             st.compute_s += max(arith, moved) + float(self.launch[g.members[1:]].max())
         # resharding inside the group (a weight gradient's tail: in the gradient buckets)
-        gi = int(self.group_of[g.anchor])
-        bucket = self._tail_buckets.get(gi, self.bucket_bytes) if gi in self.gradient_tail else 0.0
+        bucket = self.tail_bucket_bytes(int(self.group_of[g.anchor]))
         for pos, i in enumerate(g.members):
             for j, rec in enumerate(ops[i].operands or []):
                 src = self.graph.index(rec["op"])
