@@ -27,8 +27,8 @@ from meshplace.runtime.sharded import (
     apply_sharding_plan,
     device_mesh,
     distribute_inputs,
+    host_attention_kernel,
     local_parameter_bytes,
-    needs_math_attention,
     parallelize_module_plan,
     sharded_step,
 )
@@ -230,6 +230,9 @@ def test_a_sharded_plan_runs_on_dtensor_and_matches_the_unsharded_step(tmp_path:
 ATTENTION_CASES: dict[str, tuple[list[Any], int, int]] = {
     "alike": (["Shard(1)"] * 3, 4, 4),
     "unlike": (["Shard(1)", "Replicate()", "Replicate()"], 4, 4),
+    # a key projected with its contracting dimension split: a partial sum
+    "partial": (["Shard(1)", "Partial()", "Shard(1)"], 8, 4),
+    "batch, query whole": (["Replicate()", "Shard(0)", "Shard(0)"], 4, 4),
     "plain": ([None] * 3, 4, 4),  # tensors the model makes itself
     "grouped": (["Shard(1)"] * 3, 8, 4),  # 2 query heads and their key/value head each
     "grouped, batch": (["Shard(0)"] * 3, 4, 2),
@@ -250,7 +253,7 @@ def _attention_rank(rank: int, store_path: str, out_dir: str) -> None:
     """One forked rank of the attention test: each of ``ATTENTION_CASES``, forward and
     backward, two steps."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, 4), rank=rank, world_size=4)
@@ -262,7 +265,14 @@ def _attention_rank(rank: int, store_path: str, out_dir: str) -> None:
     for case, (placements, heads, kv_heads) in ATTENTION_CASES.items():
         *qkv, weight = attention_inputs(heads, kv_heads)
         inputs = [
-            (t.clone() if p is None else distribute_tensor(t, mesh, [named[p]])).requires_grad_()
+            (
+                t.clone()
+                if p is None
+                # each rank a quarter: the sum over ranks is the tensor
+                else DTensor.from_local(t / 4, mesh, [Partial()])
+                if p == "Partial()"
+                else distribute_tensor(t, mesh, [named[p]])
+            ).requires_grad_()
             for t, p in zip(qkv, placements, strict=True)
         ]
         attention = HostAttention()
@@ -292,7 +302,7 @@ def _attention_rank(rank: int, store_path: str, out_dir: str) -> None:
     # DTensor cannot flatten the math kernel's views of them either: such a plan fails)
     *qkv, _weight = attention_inputs(8, 2)
     uneven = [distribute_tensor(t, mesh, [Shard(2)]).transpose(1, 2) for t in qkv]
-    result["grouped, uneven"] = needs_math_attention(uneven, {"enable_gqa": True})
+    result["grouped, uneven"] = host_attention_kernel(uneven, {"enable_gqa": True})
     if rank == 0:
         torch.save(result, Path(out_dir) / "attention.pt")
     leave_and_exit()
@@ -303,11 +313,12 @@ def test_host_attention_runs_flash_on_blocks_split_alike_and_math_otherwise(
 ) -> None:
     """``sharded_step`` on the host: query, key and value split alike over heads or batch
     run the CPU flash kernel under meshplace's sharding rule (DTensor has none for it),
-    grouped-query attention included where the key/value heads split evenly; split
-    unlike they run the math kernel (the flash kernel would lay a re-gathered query's
-    output out unlike its DTensor), as key/value heads split unevenly would (the flash
-    kernel would pair query heads with others' key/value heads); plain tensors keep
-    PyTorch's choice (flash).
+    grouped-query attention included where the key/value heads split evenly; a key and
+    value placed unlike a query so split (whole, or a partial sum) are moved to the
+    query's placements and run it too; a query placed otherwise runs the math kernel (the
+    flash kernel would lay a re-gathered query's output out unlike its DTensor), as
+    key/value heads split unevenly would (the flash kernel would pair query heads with
+    others' key/value heads); plain tensors keep PyTorch's choice (flash).
     All equal one process's attention, forward and backward, and the model's ``view``
     after it works."""
     store = str(tmp_path / "store")
@@ -317,14 +328,16 @@ def test_host_attention_runs_flash_on_blocks_split_alike_and_math_otherwise(
     kernels = {case: got[case]["kernel"] for case in ATTENTION_CASES}
     assert kernels == {
         "alike": "flash",
-        "unlike": "math",
+        "unlike": "align",
+        "partial": "align",
+        "batch, query whole": "align",
         "plain": "flash",
         "grouped": "flash",
         "grouped, batch": "flash",
     }
-    assert got["grouped, uneven"] is True
+    assert got["grouped, uneven"] == "math"
     for case, (_placements, heads, kv_heads) in ATTENTION_CASES.items():
-        assert got[case]["flash"] == (kernels[case] == "flash"), case
+        assert got[case]["flash"] == (kernels[case] in ("flash", "align")), case
         *qkv, weight = attention_inputs(heads, kv_heads)
         qkv = [t.requires_grad_() for t in qkv]
         out = torch.nn.functional.scaled_dot_product_attention(

@@ -15,9 +15,10 @@ prediction byte for byte.
 its forward (rotary tables, masks, ``arange``) take part as replicated DTensors
 (``implicit_replication``), and attention on host DTensors runs the CPU flash kernel
 (a sharding rule DTensor lacks, :func:`register_cpu_attention_sharding`) where query,
-key and value are split alike over batch or heads, PyTorch's math kernel otherwise: a
-run's first step watches every attention call (:class:`CpuAttentionKernel`) and
-:class:`HostAttention` keeps the choice for the later steps.
+key and value are split alike over batch or heads (key and value moved to the query's
+placements where they are not), PyTorch's math kernel otherwise: a run's first step
+watches every attention call (:class:`CpuAttentionKernel`) and :class:`HostAttention`
+keeps the choice for the later steps.
 
 :func:`parallelize_module_plan` exports the plan's choices along one mesh axis as
 PyTorch's ``parallelize_module`` styles (colwise / rowwise ``Linear`` and ``Embedding``).
@@ -330,74 +331,111 @@ def register_cpu_attention_sharding() -> None:
         return attention_shardings(3, [grad, q, k, v, out, lse], len(rest), attn_mask)
 
 
-def needs_math_attention(args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
-    """Whether ``scaled_dot_product_attention(*args, **kwargs)`` on the host must run
-    PyTorch's math kernel: some of query, key and value is a DTensor, and they are not
-    4-D DTensors of one and the same placements, each whole or split over batch or
-    heads, without a mask — where the CPU flash kernel runs under
-    :func:`attention_shardings`' rule without its query being moved. The kernel lays its
-    output out like the query it is given, while DTensor derives the output's layout from
-    the query before any redistribution; a query gathered whole (contiguous) from another
-    split would yield a block laid out unlike its DTensor, whose next ``view`` then fails.
-    Grouped-query attention (``enable_gqa``: fewer key/value heads than query heads)
-    takes the flash kernel too, which reads the groups from the blocks' head counts,
-    where the heads split into as many equal blocks of key/value heads as of query heads:
-    query head ``h`` then meets key/value head ``h // group`` on the same device, as
-    in one process (Ainslie et al. 2023, GQA). Its math kernel repeats the key/value
-    heads and multiplies ``(batch x heads)`` views, whose strided blocks cost DTensor
-    seconds of redistribution planning a call on a 2-D mesh. Heads split unevenly take
-    the math kernel, grouped or not. Plain tensors keep PyTorch's own choice. O(mesh
-    axes).
+def host_attention_kernel(args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
+    """How ``scaled_dot_product_attention(*args, **kwargs)`` runs on the host inside a
+    sharded step: ``"torch"`` (no DTensor among query, key and value: PyTorch's own
+    choice), ``"flash"`` (4-D DTensors of one and the same placements, each whole or split
+    over batch or heads, no mask: the CPU flash kernel under :func:`attention_shardings`'
+    rule), ``"align"`` (the query so placed, key and value 4-D DTensors placed otherwise —
+    a key projected with its contracting dimension split arrives a partial sum: they are
+    redistributed to the query's placements, then the flash kernel runs) or ``"math"``
+    (anything else: PyTorch's math kernel).
 
-    >>> needs_math_attention([torch.ones(1, 1, 1, 1)] * 3, {})  # plain tensors
-    False
+    The query is never moved: the flash kernel lays its output out like the query it is
+    given, while DTensor derives the output's layout from the query before any
+    redistribution, so a query gathered whole (contiguous) from another split would yield
+    a block laid out unlike its DTensor, whose next ``view`` then fails. Grouped-query
+    attention (``enable_gqa``: fewer key/value heads than query heads) takes the flash
+    kernel too, which reads the groups from the blocks' head counts, where the heads split
+    into as many equal blocks of key/value heads as of query heads: query head ``h`` then
+    meets key/value head ``h // group`` on the same device, as in one process (Ainslie et
+    al. 2023, GQA). Its math kernel repeats the key/value heads and multiplies
+    ``(batch x heads)`` views, whose strided blocks cost DTensor's redistribution planner
+    ~0.1 s per distinct pair of layouts on a 2-D mesh (15-30 s a rank on the first step of
+    a data 2 x tensor 2 Llama, where aligning the key costs one reduce-scatter). Heads
+    split unevenly take the math kernel, grouped or not. O(mesh axes).
+
+    >>> host_attention_kernel([torch.ones(1, 1, 1, 1)] * 3, {})  # plain tensors
+    'torch'
     """
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     names = ("query", "key", "value")
     qkv = [args[i] if i < len(args) else kwargs.get(n) for i, n in enumerate(names)]
     if not any(isinstance(t, DTensor) for t in qkv):
-        return False
+        return "torch"
     mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
-    if mask is not None:
-        return True
-    if not all(isinstance(t, DTensor) and t.dim() == 4 for t in qkv):
-        return True
+    if mask is not None or not all(isinstance(t, DTensor) and t.dim() == 4 for t in qkv):
+        return "math"
     placements = qkv[0].placements
-    if not (
-        all(t.placements == placements for t in qkv)
-        and all(
-            isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim in (0, 1))
-            for p in placements
-        )
+    if not all(
+        isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim in (0, 1)) for p in placements
     ):
-        return True
+        return "math"
     mesh_shape = qkv[0].device_mesh.shape
     head_blocks = math.prod(
         size for size, p in zip(mesh_shape, placements, strict=True) if p == Shard(1)
     )
     # equal blocks of heads on every device (an uneven split would pair query heads with
     # the wrong key/value heads under grouping)
-    return any(t.shape[1] % head_blocks for t in qkv)
+    if any(t.shape[1] % head_blocks for t in qkv):
+        return "math"
+    if any(t.device_mesh != qkv[0].device_mesh for t in qkv):
+        return "math"
+    return "flash" if all(t.placements == placements for t in qkv) else "align"
+
+
+def aligned_attention_inputs(args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[Any, Any]:
+    """``(args, kwargs)`` of an attention call with key and value redistributed to the
+    query's placements (the ``"align"`` case of :func:`host_attention_kernel`; DTensor's
+    ``redistribute`` carries the gradients back). Each is redistributed in the order of
+    its memory (a model's key is a transposed view of its projection), so that its block
+    is laid out as its DTensor says: redistributing the view itself leaves a block
+    contiguous in the view's order, which the backward's ``view`` of the projection's
+    gradient then refuses. O(1) calls."""
+    from torch.distributed.tensor import Shard
+
+    def aligned(t: Any, like: Any) -> Any:
+        order = sorted(range(t.dim()), key=lambda d: -t.stride()[d])  # outermost first
+        inverse = [order.index(d) for d in range(t.dim())]
+        placements = [Shard(inverse[p.dim]) if isinstance(p, Shard) else p for p in like]
+        return t.permute(order).redistribute(t.device_mesh, placements).permute(inverse)
+
+    names = ("query", "key", "value")
+    args, kwargs = list(args), dict(kwargs)
+    query = args[0] if args else kwargs["query"]
+    for i, name in enumerate(names[1:], start=1):
+        if i < len(args):
+            args[i] = aligned(args[i], query.placements)
+        else:
+            kwargs[name] = aligned(kwargs[name], query.placements)
+    return args, kwargs
 
 
 class CpuAttentionKernel(torch.overrides.TorchFunctionMode):
-    """Attention on the host inside a sharded step: PyTorch's math kernel (ordinary
-    DTensor ops) where :func:`needs_math_attention`, PyTorch's own choice (the flash
-    kernel) elsewhere. A mode sees every torch function the step calls, so a run keeps
-    it for its first step only (:class:`HostAttention`)."""
+    """Attention on the host inside a sharded step, as :func:`host_attention_kernel`
+    says: the flash kernel where query, key and value are placed alike (PyTorch's own
+    choice under the registered rule), after moving key and value to the query's
+    placements where they are not, PyTorch's math kernel (ordinary DTensor ops) where
+    the flash kernel cannot run. A mode sees every torch function the step calls, so a
+    run keeps it only while it needs it (:class:`HostAttention`)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.math_calls = 0  # attention calls that ran the math kernel
+        self.aligned_calls = 0  # attention calls whose key and value were moved
 
     def __torch_function__(
         self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None
     ) -> Any:
         kwargs = kwargs or {}
-        if func is torch.nn.functional.scaled_dot_product_attention and needs_math_attention(
-            args, kwargs
-        ):
+        if func is not torch.nn.functional.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        kernel = host_attention_kernel(args, kwargs)
+        if kernel == "align":
+            self.aligned_calls += 1
+            args, kwargs = aligned_attention_inputs(args, kwargs)
+        if kernel == "math":
             from torch.nn.attention import SDPBackend, sdpa_kernel
 
             self.math_calls += 1
@@ -409,16 +447,19 @@ class CpuAttentionKernel(torch.overrides.TorchFunctionMode):
 class HostAttention:
     """The attention kernel of one run's sharded steps on the host, decided on its first
     step: that step runs under :class:`CpuAttentionKernel`, which counts the attention
-    calls that need the math kernel. When none did, later steps run as they are (every
-    attention call takes the flash kernel under the registered rule); when some did,
-    later steps run every attention call on the math kernel (``sdpa_kernel``, as before
-    session 41). Either way no mode stays: a ``TorchFunctionMode`` sees every torch call
-    and takes DTensor off its fast path — a DTensor step of the Llama example (batch 8,
-    a 1-rank mesh) took 21.7 ms with the flash kernel under it, 20.2 ms without it and
-    24.3 ms on the math kernel (``benchmarks/host_attention.py``). A plan's placements
-    are the same every step, so the first step shows what every step's attention sees.
-    A step that raises decides nothing. ``kernel``: ``None`` until decided, then
-    ``"flash"`` or ``"math"``. O(1).
+    calls that need the math kernel and those whose key and value it moved to the
+    query's placements. When neither happened, later steps run as they are (every
+    attention call takes the flash kernel under the registered rule: ``"flash"``); when
+    some call needed the math kernel, later steps run every attention call on it
+    (``sdpa_kernel``, as before session 41: ``"math"``); when some were only aligned,
+    later steps keep the mode that aligns them (``"align"``). Only ``"align"`` keeps a
+    mode: a ``TorchFunctionMode`` sees every torch call and takes DTensor off its fast
+    path — a DTensor step of the Llama example (batch 8, a 1-rank mesh) took 21.7 ms with
+    the flash kernel under it, 20.2 ms without it and 24.3 ms on the math kernel
+    (``benchmarks/host_attention.py``). A plan's placements are the same every step, so
+    the first step shows what every step's attention sees. A step that raises decides
+    nothing. ``kernel``: ``None`` until decided, then ``"flash"``, ``"align"`` or
+    ``"math"``. O(1).
 
     >>> attention = HostAttention()
     >>> with attention.context():  # no attention call: nothing needs the math kernel
@@ -442,10 +483,14 @@ class HostAttention:
             with sdpa_kernel(SDPBackend.MATH):
                 yield
             return
+        if self.kernel == "align":
+            with CpuAttentionKernel():
+                yield
+            return
         mode = CpuAttentionKernel()
         with mode:
             yield
-        self.kernel = "math" if mode.math_calls else "flash"
+        self.kernel = "math" if mode.math_calls else "align" if mode.aligned_calls else "flash"
 
 
 @contextlib.contextmanager
