@@ -1143,12 +1143,13 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl" if cuda else "gloo")
     failed: list[Any] = [None] * dist.get_world_size()
+    graph = None  # a placement run's step, which its prediction simulates
     try:
         try:
             if pipelined:
                 from meshplace.runtime.pipelined import run_pipelined_plan
 
-                mine = run_pipelined_plan(
+                mine, graph = run_pipelined_plan(
                     placed,
                     args.plan,
                     source,
@@ -1163,7 +1164,7 @@ def main(argv: list[str] | None = None) -> int:
             elif placement:
                 from meshplace.runtime.placed import run_placed_plan
 
-                mine = run_placed_plan(
+                mine, graph = run_placed_plan(
                     placed,
                     args.plan,
                     spec,
@@ -1218,9 +1219,7 @@ def main(argv: list[str] | None = None) -> int:
         simulated, unpredicted = None, None
         if placement and (args.cluster is not None or args.calibration is not None):
             try:
-                simulated = placement_run_prediction(
-                    args, plan, placed, source if pipelined else spec
-                )
+                simulated = placement_run_prediction(args, plan, placed, graph)
             except InputError as exc:  # the run stands; its report says why
                 unpredicted = f"the simulator could not predict this run: {exc}"
         if pipelined:
@@ -1265,25 +1264,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def placement_run_prediction(
-    args: argparse.Namespace, plan: dict[str, Any], placed: Any, model: Any
+    args: argparse.Namespace, plan: dict[str, Any], placed: Any, graph: Any
 ) -> dict[str, Any]:
     """``--cluster``/``--calibration`` of a placement run: the run's step as the
     simulator predicts it (:func:`simulated_placement_step`) at the run's micro-batches
-    and schedule, on the graph of ``model`` (a pipelined placement's ``FILE.py:build``,
-    captured whole; else the runtime model's traced step), with the calibration named."""
+    and schedule, on ``graph`` (the step the rank ran: a pipelined placement's
+    ``FILE.py:build`` captured whole, else the runtime model's traced step), with the
+    calibration named."""
     from meshplace.runtime.pipelined import is_pipelined
 
     cluster, cost_model = prediction_cost_model(plan, args.cluster, args.calibration)
-    if isinstance(model, str):
-        from meshplace.graph.capture import capture
-        from meshplace.graph.sources import build_from_seed
-
-        built, inputs, keywords = build_from_seed(model)
-        graph = capture(built, inputs, example_kwargs=keywords, training=True)
-    else:
-        from meshplace.runtime.program import trace_step
-
-        graph = trace_step(model, weights=False).graph
     micro_batches = (args.micro_batches or placed.micro_batches) if is_pipelined(placed) else 1
     out = simulated_placement_step(
         placed, graph, cluster, cost_model, micro_batches=micro_batches, schedule=args.schedule

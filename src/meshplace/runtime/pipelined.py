@@ -514,11 +514,13 @@ def run_pipelined_plan(
     device_type: str,
     checkpoint_dir: str | None = None,
     fault_step: int | None = None,
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], Any]:
     """Train the ``FILE.py:build`` model of ``source`` (built from seed 0, as every rank
     builds it) under the pipelined placement ``plan`` with ``micro_batches`` per step, for
     ``steps`` Adam steps on this rank (``torch.distributed`` initialised, one rank per
-    stage; :class:`PipelinedRankSteps`); what this rank measured. ``checkpoint_dir``:
+    stage; :class:`PipelinedRankSteps`); what this rank measured, and the whole model's
+    captured ``OpGraph`` (the launcher's prediction of the run simulates it rather than
+    capturing the model again). ``checkpoint_dir``:
     after the last step this rank writes its stage's parameters there (``rank{R}.pt``, a
     dict from the model's own parameter names to tensors). ``fault_step`` (tests): this
     rank kills itself (SIGKILL) in that step's first micro-batch forward.
@@ -558,7 +560,7 @@ def run_pipelined_plan(
             for name, p in stage.submod.named_parameters()
         }
         torch.save(own, Path(checkpoint_dir) / f"rank{rank}.pt")
-    return {
+    report = {
         "device": devices[rank],
         "stage_begins": boundaries[rank - 1] if rank else "",
         "ops_moved": rank_steps.moved[rank - 1] if rank else 0,
@@ -569,3 +571,4 @@ def run_pipelined_plan(
         "held_bytes": {"parameters": params, "optimizer_state": state},
         "peak_bytes": peak,
     }
+    return report, rank_steps.graph

@@ -130,10 +130,11 @@ def run_placed_plan(
     memory_budget: int | None = None,
     checkpoint_dir: str | None = None,
     fault: str = "",
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], Any]:
     """Train ``spec`` under the placement ``plan`` for ``steps`` Adam steps on this rank
     (``torch.distributed`` initialised, one rank per device of the plan); what this rank
-    measured and held.
+    measured and held, and the step's ``OpGraph`` (the launcher's prediction of the run
+    simulates it rather than tracing the model again).
 
     ``memory_budget``: bytes this rank may hold between steps (parameters, buffers,
     optimizer state, inputs); a larger share is refused before anything is allocated.
@@ -188,7 +189,7 @@ def run_placed_plan(
         )
     peak = peak_bytes(device_type)
     records = outcome.records
-    return {
+    report = {
         "device": devices[rank],
         "ops": sum(1 for r in op_rank if r == rank),
         "times_s": [r[1] - r[0] for r in records],
@@ -200,3 +201,4 @@ def run_placed_plan(
         "messages": outcome.messages,
         "peak_bytes": peak,
     }
+    return report, step.graph
