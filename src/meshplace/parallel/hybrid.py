@@ -13,7 +13,9 @@ workload's depth can vary, and otherwise takes the model's own capture at its ow
 1. **Intra-stage sharding, solved once per (tensor-parallel degree, micro-batch).** The
    model is captured with two layers at the per-replica micro-batch ``b`` and sharded over
    a ``tp``-device mesh inside one host by the integer program of
-   :mod:`meshplace.parallel.search` (no weight-update sharding on that axis). Every op is
+   :mod:`meshplace.parallel.search` (no weight-update sharding on that axis; every
+   collective charged in full, as the parts below are charged on every micro-batch, so
+   the solve minimises what the pipeline DP reads). Every op is
    attributed to the part before the layers (embeddings), to a layer, or to the part after
    them (final norm, head, loss) — backward and optimizer work to the part of its forward
    op or parameter — so the solution gives, per part, the forward and backward seconds of
