@@ -14,6 +14,13 @@ each, Adam, run two ways in alternation for two plans of the Megatron grid on 2 
   every parameter, the halves all-gathered in one flat buffer);
 * **dp2, ZeRO 3**: by hand, FSDP2 (``fully_shard`` on every block, then the model);
   meshplace, the ZeRO-3 grid point (parameters sharded, gathered for use);
+* **tp2, Megatron's layout**: by hand, PyTorch's tensor parallelism as torchtitan writes
+  it (``parallelize_module``: ``ColwiseParallel`` query, key, value, gate and up
+  projections, ``RowwiseParallel`` output and down projections, a vocabulary-parallel
+  embedding and head, each rank's attention on its heads, one foreach Adam for the split
+  parameters and one for the replicated ones); meshplace, the same placements as a plan
+  file (:func:`megatron_plan`: the grid's dp1 tp2 point with Megatron's layout, which on
+  this model the grid does not choose by itself);
 * **dp2, 4 micro-batches** (the Llama example at batch 8,
   ``benchmarks/fidelity_models.py:build_llama_batch8``): by hand, DDP with gradient
   accumulation (``no_sync`` on all but the last micro-batch, each loss divided by 4);
@@ -70,15 +77,20 @@ from two_ranks import (  # noqa: E402
 SOURCE = f"{ROOT / 'examples' / 'llama.py'}:build_tiny"
 # by-hand engine -> the ZeRO stage of meshplace's plan
 PLANS = {"ddp": 0, "zero1": 1, "fsdp": 3}
+# Megatron-LM's tensor-parallel layout of the Llama example (Shoeybi et al. 2019, Sec. 3)
+COLUMN_PARALLEL = ("attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+ROW_PARALLEL = ("attn.o_proj", "mlp.down_proj")
+VOCABULARY_PARALLEL = ("embed", "lm_head")
 ACCUMULATED = f"{ROOT / 'benchmarks' / 'fidelity_models.py'}:build_llama_batch8"
 MICRO_BATCHES = 4  # of the accumulated row: global batch 8 over 2 replicas, 1 row each
-WORKERS = (*PLANS, "ddp-accumulate")
+WORKERS = (*PLANS, "tp", "ddp-accumulate")
 
 
 def by_hand_steps(engine: str) -> Any:
-    """This rank's hand-written data parallelism of ``engine`` (a :data:`WORKERS` name;
-    ``torch.distributed`` initialised): a function that runs one step after a barrier of
-    the ranks and returns its wall-clock and CPU seconds (this process, all threads)."""
+    """This rank's hand-written data (or tensor) parallelism of ``engine`` (a
+    :data:`WORKERS` name; ``torch.distributed`` initialised): a function that runs one
+    step after a barrier of the ranks and returns its wall-clock and CPU seconds (this
+    process, all threads)."""
     import torch
     import torch.distributed as dist
 
@@ -88,6 +100,8 @@ def by_hand_steps(engine: str) -> Any:
     rank, world = dist.get_rank(), dist.get_world_size()
     accumulating = engine == "ddp-accumulate"
     model, args, kwargs = build_from_seed(ACCUMULATED if accumulating else SOURCE)
+    if engine == "tp":  # every rank the whole batch
+        return tensor_parallel_by_hand(model, args, kwargs)
     micro_batches = MICRO_BATCHES if accumulating else 1
 
     def mine(x: object) -> object:  # this rank's rows of the batch
@@ -135,6 +149,76 @@ def by_hand_steps(engine: str) -> Any:
         return time.perf_counter() - start, time.process_time() - cpu_start
 
     return step
+
+
+def tensor_parallel_by_hand(model: Any, args: Any, kwargs: dict) -> Any:
+    """The ``tp`` row's hand-written step: every rank the whole batch, the model under
+    ``parallelize_module`` with torchtitan's styles for Megatron's layout (local tensors
+    between modules; each rank's attention on its own heads, as torchtitan's model
+    arguments divide them). Returns the step function of :func:`by_hand_steps`."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    from meshplace.graph.capture import as_loss
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    styles: dict[str, Any] = {
+        "embed": RowwiseParallel(input_layouts=Replicate()),
+        "lm_head": ColwiseParallel(output_layouts=Replicate()),
+    }
+    for i, layer in enumerate(model.layers):
+        for name in COLUMN_PARALLEL:
+            styles[f"layers.{i}.{name}"] = ColwiseParallel()
+        for name in ROW_PARALLEL:
+            styles[f"layers.{i}.{name}"] = RowwiseParallel(input_layouts=Shard(-1))
+        layer.attn.n_heads //= mesh.size()
+        layer.attn.n_kv_heads //= mesh.size()
+    parallelize_module(model, mesh, styles)
+    # a foreach Adam cannot mix DTensors and plain tensors (the norms' scales): two
+    split = [p for p in model.parameters() if isinstance(p, DTensor)]
+    whole = [p for p in model.parameters() if not isinstance(p, DTensor)]
+    optimizers = [torch.optim.Adam(ps, lr=1e-3, foreach=True) for ps in (split, whole) if ps]
+
+    def step() -> tuple[float, float]:
+        dist.barrier()
+        start, cpu_start = time.perf_counter(), time.process_time()
+        loss, _how = as_loss(model(*args, **kwargs))
+        loss.backward()
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return time.perf_counter() - start, time.process_time() - cpu_start
+
+    return step
+
+
+def megatron_plan(folder: Path, grid: Any) -> Path:
+    """The ``tp`` row's plan file: the grid's dp1 tp2 point of the Llama example with
+    Megatron's layout over its tensor axis (column-parallel :data:`COLUMN_PARALLEL`,
+    row-parallel :data:`ROW_PARALLEL`, :data:`VOCABULARY_PARALLEL` split over the
+    vocabulary, norms replicated): what the by-hand styles run. The grid lets its solve
+    pick each matrix's split, and on this model it splits the query, key and value
+    projections by columns instead."""
+    point = next(p for p in grid.points if p.tp == 2 and p.fits)
+    document = point.plan.plan_file(SOURCE, "dgx-h100")
+    for name, entry in document["parameters"].items():
+        owner = name.removesuffix(".weight")
+        if owner in VOCABULARY_PARALLEL or owner.endswith(COLUMN_PARALLEL):
+            entry["placements"] = ["Shard(0)"]
+        elif owner.endswith(ROW_PARALLEL):
+            entry["placements"] = ["Shard(1)"]
+        else:
+            entry["placements"] = ["Replicate()"]
+    path = folder / "tp.json"
+    path.write_text(json.dumps(document))
+    return path
 
 
 def worker(engine: str, steps: int, warmup: int) -> None:
@@ -193,6 +277,8 @@ def interleaved_worker(
 
 def plan_label(engine: str) -> str:
     """The row's plan in words, by the by-hand engine it is compared with."""
+    if engine == "tp":
+        return "tp2, Megatron's layout"
     return (
         f"dp2 zero{PLANS[engine]}"
         if engine in PLANS
@@ -201,8 +287,9 @@ def plan_label(engine: str) -> str:
 
 
 def grid_plans(folder: Path) -> dict[str, Path]:
-    """The Megatron grid's dp2 points (ZeRO 0, 1 and 3) on 2 devices as plan files, by the
-    by-hand engine they are compared with."""
+    """The Megatron grid's dp2 points (ZeRO 0, 1 and 3) on 2 devices, its tp2 point with
+    Megatron's layout (:func:`megatron_plan`) and the accumulated row's plan as plan
+    files, by the by-hand engine they are compared with."""
     import torch
 
     from meshplace.graph.capture import capture
@@ -222,6 +309,7 @@ def grid_plans(folder: Path) -> dict[str, Path]:
         path = folder / f"{engine}.json"
         path.write_text(json.dumps(point.plan.plan_file(SOURCE, "dgx-h100")))
         paths[engine] = path
+    paths["tp"] = megatron_plan(folder, grid)
     paths["ddp-accumulate"] = accumulated_plan(folder)
     return paths
 

@@ -20,6 +20,11 @@ placements where they are not), PyTorch's math kernel otherwise: a run's first s
 watches every attention call (:class:`CpuAttentionKernel`) and :class:`HostAttention`
 keeps the choice for the later steps.
 
+Between modules DTensor alone would choose every layout, op by op; at the plan's column-
+and row-parallel ``Linear`` layers :func:`tensor_parallel_boundaries` places Megatron's
+``f`` and ``g`` operators instead (what ``parallelize_module``'s styles do), so a
+Megatron layout runs Megatron's collectives.
+
 :func:`parallelize_module_plan` exports the plan's choices along one mesh axis as
 PyTorch's ``parallelize_module`` styles (colwise / rowwise ``Linear`` and ``Embedding``).
 
@@ -159,6 +164,99 @@ def apply_sharding_plan(model: torch.nn.Module, plan: Mapping[str, Any], mesh: A
             embedding = isinstance(alias_owner, torch.nn.Embedding) and alias_attr == "weight"
             if embedding and vocabulary_split:
                 alias_owner.register_forward_hook(_complete_partial_sums)
+    tensor_parallel_boundaries(model)
+
+
+def tensor_parallel_boundaries(model: torch.nn.Module) -> dict[str, str]:
+    """Megatron's two conjugate operators at every ``Linear`` whose weight is a DTensor
+    split over a mesh axis: ``f`` before a column-parallel layer (weight ``Shard(0)``:
+    identity forward, the input's gradient summed over the axis in backward) and ``g``
+    after a row-parallel one (weight ``Shard(1)``: its partial output summed in forward).
+    Returns module name -> ``"column"`` or ``"row"``. O(modules).
+
+    Source: Shoeybi et al., "Megatron-LM" (2019), Sec. 3, Fig. 3; PyTorch's
+    ``ColwiseParallel(input_layouts=Replicate())`` and ``RowwiseParallel(
+    output_layouts=Replicate())``, whose module boundaries do the same for the local
+    tensors torchtitan's models pass between modules.
+
+    Why: here every tensor between modules is a DTensor and DTensor decides each op's
+    layout alone, by what that op's redistribution costs. It keeps a gradient a partial
+    sum for as long as no single op must pay to reduce it, so on a Megatron layout the
+    residual stream's gradient stays partial through the backward and each weight's
+    gradient is computed as a partial sum over the tokens and reduced on its own after
+    it: on 2 gloo ranks the Llama example's Megatron layout ran 68 collectives a step
+    (15 of its 21 gradients came out partial sums) against 17 for ``parallelize_module``
+    by hand, and took 2.35x its step time (160 against 68 ms, steps interleaved). With
+    the boundaries the gradient of a column-parallel layer's input is reduced once where
+    the layer reads it — once for all the layers that read the same tensor (a block's
+    query, key and value projections), as Megatron's fused QKV does — and the weights'
+    gradients come out as their blocks: 11 collectives, 0.87x the hand's step.
+
+    Only where it is the plan's own layout: ``f`` when the input is a DTensor replicated
+    over an axis the weight is split over by rows, ``g`` when the output is a partial sum
+    over an axis the weight is split over by columns; a ``Linear`` fed a plain tensor,
+    or whose weight is whole, keeps DTensor's own choices. A column-parallel layer's
+    output also gets its gradient in the output's own placements (a slice, no
+    communication), so a reader that gathered it (a loss over a vocabulary-split head)
+    does not make every rank compute the whole weight's gradient.
+
+    Example: :func:`apply_sharding_plan` calls it once, after placing the parameters::
+
+        apply_sharding_plan(model, plan, mesh)   # {"layers.0.attn.q_proj": "column", ...}
+    """
+    from torch.distributed.tensor import DTensor, Replicate
+    from torch.utils.weak import WeakIdKeyDictionary
+
+    # one boundary per tensor read: the layers reading it share it (one all-reduce)
+    entered = WeakIdKeyDictionary()
+
+    def column(module: torch.nn.Module, args: tuple) -> tuple | None:
+        x = args[0] if args else None
+        axes = module.weight.placements  # type: ignore[union-attr]
+        if not isinstance(x, DTensor) or not any(
+            w.is_shard(0) and p.is_replicate() for w, p in zip(axes, x.placements, strict=True)
+        ):
+            return None
+        if x not in entered:
+            # from_local's backward redistributes the gradient to x's placements: the
+            # partial sums the split layers send back are reduced there, once
+            entered[x] = gradient_boundary(x)
+        return (entered[x], *args[1:])
+
+    def column_output(module: torch.nn.Module, args: tuple, out: Any) -> Any:
+        # identity forward; in backward the gradient takes the output's placements. A
+        # reader that needs the output whole (the loss reading a vocabulary-split head's
+        # logits) redistributes inside its own op, which autograd does not see, and
+        # sends back a whole gradient: the weight's gradient would then be computed
+        # whole on every rank. Here it is sliced to the output's block first (no
+        # communication), as ColwiseParallel(output_layouts=Replicate())'s does
+        if not isinstance(out, DTensor) or not any(p.is_shard() for p in out.placements):
+            return out
+        return gradient_boundary(out)
+
+    def row(module: torch.nn.Module, args: tuple, out: Any) -> Any:
+        axes = module.weight.placements  # type: ignore[union-attr]
+        if not isinstance(out, DTensor):
+            return out
+        summed = [
+            Replicate() if w.is_shard(1) and p.is_partial() else p
+            for w, p in zip(axes, out.placements, strict=True)
+        ]
+        return out if summed == list(out.placements) else out.redistribute(out.device_mesh, summed)
+
+    kinds: dict[str, str] = {}
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if not isinstance(module, torch.nn.Linear) or not isinstance(weight, DTensor):
+            continue
+        if any(p.is_shard(0) for p in weight.placements):
+            module.register_forward_pre_hook(column)
+            module.register_forward_hook(column_output)
+            kinds[name] = "column"
+        elif any(p.is_shard(1) for p in weight.placements):
+            module.register_forward_hook(row)
+            kinds[name] = "row"
+    return kinds
 
 
 def materialize_meta_buffers(model: torch.nn.Module, device: torch.device) -> list[str]:
@@ -234,19 +332,41 @@ def parallelize_module_plan(
 
 
 def _complete_partial_sums(module: torch.nn.Module, args: Any, out: Any) -> Any:
-    """Sum a vocabulary-split embedding's output over the axes it is partial on, once.
+    """Sum a vocabulary-split embedding's output over the axes it is partial on, once, at
+    the module's boundary — what ``parallelize_module``'s ``RowwiseParallel`` does for a
+    vocabulary-parallel embedding (torchtitan: ``use_local_output``, the next module
+    reading the local tensor as replicated).
 
-    DTensor marks such an output with a masked partial placement whose mask the first
-    reduction consumes; a second reader of the same tensor (a residual and a norm) then
-    fails inside DTensor (``_MaskPartial._reduce_shard_value``). Completing the sum at the
-    module's boundary is what ``parallelize_module``'s ``RowwiseParallel`` does for a
-    vocabulary-parallel embedding (torchtitan)."""
+    Why a boundary and not just the redistribution: DTensor marks such an output with a
+    masked partial placement whose mask the first reduction consumes; a second reader of
+    the same tensor (a residual and a norm) then fails inside DTensor
+    (``_MaskPartial._reduce_shard_value``). And the redistribution's backward turns the
+    output's gradient back into that masked placement, which DTensor cannot do from a
+    gradient that is itself a partial sum — what column-parallel readers (Megatron's
+    query, key and value projections) send back: "Redistribution from one partial type
+    (P(sum)) to another (MaskP(...)) is unsupported". Re-wrapping the summed local block
+    (``DTensor.from_local``) makes the backward first complete any partial gradient
+    (one all-reduce, as the rowwise style's does), so the embedding receives a replicated
+    one."""
     from torch.distributed.tensor import DTensor, Replicate
 
     if not isinstance(out, DTensor) or not any(p.is_partial() for p in out.placements):
         return out
     done = [Replicate() if p.is_partial() else p for p in out.placements]
-    return out.redistribute(out.device_mesh, done)
+    return gradient_boundary(out.redistribute(out.device_mesh, done))
+
+
+def gradient_boundary(x: Any) -> Any:
+    """The DTensor ``x`` itself in forward; in backward, the gradient that reaches it is
+    first redistributed to ``x``'s placements (a partial sum reduced, a whole gradient
+    sliced to the block), then passed on. ``DTensor.from_local`` of ``x``'s local block
+    does that (its backward), as ``parallelize_module``'s styles do at module boundaries.
+    O(1) in forward."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(
+        x.to_local(), x.device_mesh, x.placements, run_check=False, shape=x.shape, stride=x.stride()
+    )
 
 
 def distribute_inputs(
