@@ -381,37 +381,60 @@ def megatron_plan(model: torch.nn.Module, inputs: tuple[str, ...]) -> dict[str, 
     }
 
 
-def _megatron_worker(rank: int, _models: tuple[str, ...], plans: dict, out_dir: str) -> None:
-    """One rank's forward and backward of the Megatron plan, its collectives recorded."""
+def megatron_case(tied: bool) -> tuple[torch.nn.Module, tuple, dict[str, Any]]:
+    """The Llama example (untied, or its embedding tied to its head) with token ids and
+    labels drawn over the whole vocabulary, so every rank's rows of a vocabulary-split
+    table are read (the example's own inputs are all token 0)."""
+    import dataclasses
+
+    model, args, _kwargs = build("llama")
+    if tied:
+        torch.manual_seed(0)
+        cfg = dataclasses.replace(model.cfg, tie_embeddings=True)
+        model = type(model)(cfg)
+        for p in model.parameters():
+            if p.dim() > 1:
+                torch.nn.init.normal_(p, std=0.02)
+    generator = torch.Generator().manual_seed(1)
+    vocab = model.cfg.vocab
+    ids, labels = (torch.randint(0, vocab, args[0].shape, generator=generator) for _ in "il")
+    return model, (ids,), {"labels": labels}
+
+
+def _megatron_worker(rank: int, models: tuple[str, ...], plans: dict, out_dir: str) -> None:
+    """One rank's forward and backward of each Megatron plan, its collectives recorded."""
     from torch.distributed.tensor import DTensor
 
     from meshplace.runtime.dryrun import EngineProgram, mesh_axes, recorder
 
-    plan = plans["megatron"]
-    mesh = device_mesh(plan, "cpu")
-    model, args, kwargs = build("llama")
-    apply_sharding_plan(model, plan, mesh)
-    names = list(plan["inputs"])
-    placed = distribute_inputs(plan, dict(zip(names, [*args, *kwargs.values()], strict=True)), mesh)
-    program = EngineProgram(4)
-    with recorder(program, mesh_axes(mesh)), sharded_step("cpu"):
-        loss = loss_of(model, (placed["input_ids"],), {"labels": placed["labels"]})
-        loss.backward()
-    params = dict(model.named_parameters())
-    torch.save(
-        {
-            "loss": loss.full_tensor(),
-            "grads": {n: p.grad.full_tensor() for n, p in params.items()},
-            # a gradient on the tensor axis as its weight is there: nothing left to reduce
-            "tensor_axis": {
-                n: (str(p.placements[1]), str(p.grad.placements[1]))
-                for n, p in params.items()
-                if isinstance(p.grad, DTensor)
+    mesh = device_mesh(plans[models[0]], "cpu")  # one mesh: every plan here is on 2 x 2
+    for which in models:
+        plan = plans[which]
+        model, args, kwargs = megatron_case(which == "tied")
+        apply_sharding_plan(model, plan, mesh)
+        names = list(plan["inputs"])
+        placed = distribute_inputs(
+            plan, dict(zip(names, [*args, *kwargs.values()], strict=True)), mesh
+        )
+        program = EngineProgram(4)
+        with recorder(program, mesh_axes(mesh)), sharded_step("cpu"):
+            loss = loss_of(model, (placed["input_ids"],), {"labels": placed["labels"]})
+            loss.backward()
+        params = dict(model.named_parameters())
+        torch.save(
+            {
+                "loss": loss.full_tensor(),
+                "grads": {n: p.grad.full_tensor() for n, p in params.items()},
+                # a gradient on the tensor axis as its weight is there: nothing to reduce
+                "tensor_axis": {
+                    n: (str(p.placements[1]), str(p.grad.placements[1]))
+                    for n, p in params.items()
+                    if isinstance(p.grad, DTensor)
+                },
+                "collectives": [(c.kind, tuple(c.axes)) for c in program.collectives],
             },
-            "collectives": [(c.kind, tuple(c.axes)) for c in program.collectives],
-        },
-        Path(out_dir) / f"megatron{rank}.pt",
-    )
+            Path(out_dir) / f"{which}{rank}.pt",
+        )
 
 
 def test_a_megatron_layout_runs_megatrons_collectives_and_matches_one_process(
@@ -419,31 +442,41 @@ def test_a_megatron_layout_runs_megatrons_collectives_and_matches_one_process(
 ) -> None:
     """The Llama example under Megatron's tensor parallelism (column-parallel query, key,
     value, gate and up projections; row-parallel output and down projections; embedding
-    and head split over the vocabulary) and data parallelism on 2 x 2 forked ranks:
-    the loss and every gradient equal one process's, and the tensor axis runs exactly
-    Megatron's collectives — per block one all-reduce after each row-parallel layer in
-    forward and one before each group of column-parallel layers in backward, plus the
-    embedding's sum and the head's (its input's gradient, its logits gathered for the
-    loss) — with every weight's gradient coming out as its block. Before the boundaries
-    of ``tensor_parallel_boundaries`` the backward failed inside DTensor (a partial
-    gradient into the vocabulary-split embedding), and after fixing only that, DTensor's
-    own choices ran 68 collectives on a tensor axis of 2 where Megatron runs 11."""
-    model, args, kwargs = build("llama")
-    plan = megatron_plan(model, ("input_ids", *kwargs))
-    on_four_ranks(_megatron_worker, ("megatron",), {"megatron": plan}, tmp_path)
-    ref_loss = loss_of(model, args, kwargs)
-    ref_loss.backward()
-    layers = len(model.layers)
-    for rank in range(4):
-        got = torch.load(tmp_path / f"megatron{rank}.pt")
-        assert torch.allclose(got["loss"], ref_loss, rtol=1e-5, atol=1e-6)
-        for name, p in model.named_parameters():
-            assert torch.allclose(got["grads"][name], p.grad, rtol=1e-5, atol=1e-5), name
-        # DTensor has no vocabulary-split rule for the embedding's backward: it computes
-        # that gradient whole on each rank, which keeps its block (a slice, no collective)
-        left = {n: wg for n, wg in got["tensor_axis"].items() if wg[0] != wg[1]}
-        assert left == {"embed.weight": ("S(0)", "R")}, left
-        assert len(got["tensor_axis"]) == len(list(model.parameters()))
-        on_tensor = collections.Counter(k for k, axes in got["collectives"] if axes == ("tensor",))
-        assert on_tensor == {"all_reduce": 4 * layers + 2, "all_gather": 1}, on_tensor
-        assert not any(k == "reduce_scatter" for k, _ in got["collectives"]), got["collectives"]
+    and head split over the vocabulary) and data parallelism on 2 x 2 forked ranks, its
+    token ids drawn over the whole vocabulary, untied and with the embedding tied to the
+    head: the loss and every gradient equal one process's, and the tensor axis runs
+    exactly Megatron's collectives — per block one all-reduce after each row-parallel
+    layer in forward and one before each group of column-parallel layers in backward,
+    plus the embedding's sum and the head's (its input's gradient, its logits gathered
+    for the loss) — with every weight's gradient coming out as its block, the
+    vocabulary-split embedding's included (``vocabulary_parallel_lookup``). Before the
+    boundaries of ``tensor_parallel_boundaries`` the backward failed inside DTensor (a
+    partial gradient into the vocabulary-split embedding), and after fixing only that,
+    DTensor's own choices ran 68 collectives on a tensor axis of 2 where Megatron runs
+    11."""
+    cases = ("untied", "tied")
+    plans = {}
+    for which in cases:
+        model, _args, kwargs = megatron_case(which == "tied")
+        plans[which] = megatron_plan(model, ("input_ids", *kwargs))
+    on_four_ranks(_megatron_worker, cases, plans, tmp_path)
+    for which in cases:
+        model, args, kwargs = megatron_case(which == "tied")
+        ref_loss = loss_of(model, args, kwargs)
+        ref_loss.backward()
+        layers = len(model.layers)
+        for rank in range(4):
+            got = torch.load(tmp_path / f"{which}{rank}.pt")
+            assert torch.allclose(got["loss"], ref_loss, rtol=1e-5, atol=1e-6), which
+            for name, p in model.named_parameters():
+                assert torch.allclose(got["grads"][name], p.grad, rtol=1e-5, atol=1e-5), name
+            # the embedding's too: looked up as Megatron's vocabulary-parallel embedding
+            # does, not by DTensor's rule, whose backward computes the whole table's gradient
+            left = {n: wg for n, wg in got["tensor_axis"].items() if wg[0] != wg[1]}
+            assert not left, (which, left)
+            assert len(got["tensor_axis"]) == len(list(model.parameters()))
+            on_tensor = collections.Counter(
+                k for k, axes in got["collectives"] if axes == ("tensor",)
+            )
+            assert on_tensor == {"all_reduce": 4 * layers + 2, "all_gather": 1}, (which, on_tensor)
+            assert not any(k == "reduce_scatter" for k, _ in got["collectives"]), which

@@ -163,6 +163,7 @@ def apply_sharding_plan(model: torch.nn.Module, plan: Mapping[str, Any], mesh: A
             setattr(alias_owner, alias_attr, shared)
             embedding = isinstance(alias_owner, torch.nn.Embedding) and alias_attr == "weight"
             if embedding and vocabulary_split:
+                alias_owner.forward = functools.partial(vocabulary_parallel_lookup, alias_owner)
                 alias_owner.register_forward_hook(_complete_partial_sums)
     tensor_parallel_boundaries(model)
 
@@ -329,6 +330,99 @@ def parallelize_module_plan(
             expressed.update(prefix + p for p, _ in module.named_parameters(recurse=False))
     left = [n for n in planned if n not in expressed and on_axis(n) != "Replicate()"]
     return styles, left
+
+
+class _SumOverAxes(torch.autograd.Function):
+    """Megatron's ``g`` for a vocabulary-parallel lookup (Shoeybi et al. 2019, Sec. 3;
+    Megatron-LM's ``VocabParallelEmbedding``): forward sums each rank's partial lookup
+    over the mesh axes the table is split over (one all-reduce each); backward passes the
+    gradient through, whole, to every rank's partial (the sum's derivative by each term
+    is the identity)."""
+
+    @staticmethod
+    def forward(ctx: Any, local: torch.Tensor, mesh: Any, dims: tuple[int, ...]) -> torch.Tensor:
+        import torch.distributed._functional_collectives as funcol
+
+        for dim in dims:
+            local = funcol.wait_tensor(funcol.all_reduce(local, "sum", (mesh, dim)))
+        return local
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return grad, None, None
+
+
+def vocabulary_parallel_lookup(embedding: torch.nn.Embedding, ids: Any) -> Any:
+    """``embedding(ids)`` for a table split over its vocabulary (``Shard(0)`` on some mesh
+    axes, whole on the others), as Megatron-LM's ``VocabParallelEmbedding`` computes it:
+    each rank looks up the ids its rows hold (the others read as zeros), the partial
+    lookups are summed over the split axes (one all-reduce each), and in backward each
+    rank's gradient is its own rows' — where DTensor's rule for the embedding's backward
+    computes the whole table's gradient on every rank (a transient the size of the
+    table, zeroed every step), of which the runtime then kept a slice. The result is a
+    DTensor whole over the split axes and placed as ``ids`` over the others.
+
+    Falls back to the module's own forward (DTensor's masked partial, summed by
+    :func:`_complete_partial_sums`) where the lookup does not split so: ``ids`` split
+    over an axis the table is split over, a table split along its width too, or the
+    options a local lookup would change (``max_norm``, ``scale_grad_by_freq``,
+    ``sparse``). O(ids x width) per rank, plus the all-reduce of the output.
+
+    Source: Shoeybi et al., "Megatron-LM" (2019), Sec. 3 (input embedding parallel along
+    the vocabulary dimension).
+
+    Example: :func:`apply_sharding_plan` installs it as the ``forward`` of every
+    ``Embedding`` whose weight the plan splits over its vocabulary::
+
+        apply_sharding_plan(model, plan, mesh)   # model.embed(ids): one all-reduce
+    """
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    weight = embedding.weight
+    mesh = weight.device_mesh  # type: ignore[union-attr]
+    table = list(weight.placements)  # type: ignore[union-attr]
+    split = tuple(k for k, p in enumerate(table) if p.is_shard(0))
+    placed = list(ids.placements) if isinstance(ids, DTensor) else [Replicate()] * len(table)
+    local_ok = (
+        split
+        and all(p.is_shard(0) or p.is_replicate() for p in table)
+        and all(placed[k].is_replicate() for k in split)
+        and all(p.is_shard() or p.is_replicate() for p in placed)
+        and embedding.max_norm is None
+        and not embedding.scale_grad_by_freq
+        and not embedding.sparse
+    )
+    if not local_ok:
+        return torch.nn.Embedding.forward(embedding, ids)
+    # this rank's rows: DTensor splits dimension 0 over the axes in mesh order, each
+    # split as torch.chunk does
+    start, rows = 0, int(weight.shape[0])
+    for k in split:
+        n, r = mesh.size(k), mesh.get_local_rank(k)
+        chunk = -(-rows // n)
+        start += r * chunk
+        rows = max(0, min(chunk, rows - r * chunk))
+    local_ids = ids.to_local() if isinstance(ids, DTensor) else ids
+    outside = (local_ids < start) | (local_ids >= start + rows)
+    padding = embedding.padding_idx
+    padding = padding - start if padding is not None and start <= padding < start + rows else None
+    # the table's gradient from this rank's ids: a partial sum over the axes that split
+    # the ids (the batch), this rank's rows over the axes that split the table
+    grad_placements = [Partial() if placed[k].is_shard() else p for k, p in enumerate(table)]
+    block = weight.to_local(grad_placements=grad_placements)  # type: ignore[union-attr]
+    found = torch.nn.functional.embedding(
+        (local_ids - start).masked_fill(outside, 0), block, padding
+    )
+    summed = _SumOverAxes.apply(found.masked_fill(outside.unsqueeze(-1), 0), mesh, split)
+    shape = (*ids.shape, int(weight.shape[1]))
+    return DTensor.from_local(
+        summed,
+        mesh,
+        [Replicate() if k in split else p for k, p in enumerate(placed)],
+        run_check=False,
+        shape=torch.Size(shape),
+        stride=torch.empty(shape, device="meta").stride(),
+    )
 
 
 def _complete_partial_sums(module: torch.nn.Module, args: Any, out: Any) -> Any:
