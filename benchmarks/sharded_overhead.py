@@ -205,7 +205,7 @@ def megatron_plan(folder: Path, grid: Any) -> Path:
     row-parallel :data:`ROW_PARALLEL`, :data:`VOCABULARY_PARALLEL` split over the
     vocabulary, norms replicated): what the by-hand styles run. The grid lets its solve
     pick each matrix's split, and on this model it splits the query, key and value
-    projections by columns instead."""
+    weights by columns instead (``Shard(1)``: row-parallel)."""
     point = next(p for p in grid.points if p.tp == 2 and p.fits)
     document = point.plan.plan_file(SOURCE, "dgx-h100")
     for name, entry in document["parameters"].items():

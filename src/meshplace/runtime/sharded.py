@@ -196,12 +196,12 @@ def tensor_parallel_boundaries(model: torch.nn.Module) -> dict[str, str]:
     (``benchmarks/sharded_overhead.py --interleaved``: −0.1 %).
 
     Only where it is the plan's own layout: ``f`` when the input is a DTensor replicated
-    over an axis the weight is split over by rows, ``g`` when the output is a partial sum
-    over an axis the weight is split over by columns; a ``Linear`` fed a plain tensor,
-    or whose weight is whole, keeps DTensor's own choices. A column-parallel layer's
-    output also gets its gradient in the output's own placements (a slice, no
-    communication), so a reader that gathered it (a loss over a vocabulary-split head)
-    does not make every rank compute the whole weight's gradient.
+    over an axis the weight is split over by rows (``Shard(0)``), ``g`` when the output is
+    a partial sum over an axis the weight is split over by columns (``Shard(1)``); a
+    ``Linear`` fed a plain tensor, or whose weight is whole, keeps DTensor's own choices.
+    A column-parallel layer's output also gets its gradient in the output's own
+    placements (a slice, no communication), so a reader that gathered it (a loss over a
+    vocabulary-split head) does not make every rank compute the whole weight's gradient.
 
     Example: :func:`apply_sharding_plan` calls it once, after placing the parameters::
 
