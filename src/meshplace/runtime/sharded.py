@@ -203,9 +203,10 @@ def tensor_parallel_boundaries(model: torch.nn.Module) -> dict[str, str]:
     placements (a slice, no communication), so a reader that gathered it (a loss over a
     vocabulary-split head) does not make every rank compute the whole weight's gradient.
 
-    Example: :func:`apply_sharding_plan` calls it once, after placing the parameters::
+    Example: :func:`apply_sharding_plan` calls it once, after placing the parameters (a
+    second call would hook every layer twice)::
 
-        apply_sharding_plan(model, plan, mesh)   # {"layers.0.attn.q_proj": "column", ...}
+        apply_sharding_plan(model, plan, mesh)   # q/k/v, gate, up: "column"; o, down: "row"
     """
     from torch.distributed.tensor import DTensor, Replicate
 
