@@ -27,7 +27,8 @@ inside the probes' steps, latencies in flight rather than holding the link; colu
 ``FILE.py:build`` in :data:`SHARDED_MODELS`, the machine is calibrated as above, the two
 local CPU workers become a 2-device mesh of the calibrated device kind joined by the
 measured loopback link (:func:`mesh_of_workers`), and the plans are the sharding solver's
-best and every Megatron grid point that fits (dp2 with ZeRO 0-3, tp2), each predicted as
+best and every Megatron grid point that fits (dp2 with ZeRO 0-3; tp2 with the matrices
+split as the integer program prefers and as Megatron's layout splits them), each predicted as
 DTensor runs it: a dry run of the runtime's step on a fake process group
 (:func:`meshplace.runtime.dryrun.dry_run`) records rank 0's kernels and collectives, which
 the calibrated cost model (``calibrated_cost_model``, as ``meshplace shard --calibration``
@@ -445,7 +446,14 @@ def run_sharded_model(source: str, steps: int, warmup: int, passes: int) -> dict
     # redistributions and the ZeRO gathers are synchronous): the solver's estimates count
     # them in full (overlap=False), as the dry run's prediction does.
     best = shard_graph(step.graph, cluster, chips=2, cost_model=cost_model, overlap=False)
-    grid = megatron_grid(step.graph, cluster, chips=2, cost_model=cost_model, overlap=False)
+    grid = megatron_grid(
+        step.graph,
+        cluster,
+        chips=2,
+        cost_model=cost_model,
+        overlap=False,
+        layouts=("free", "megatron"),
+    )
     candidates = [("solver", best.best)] + [(p.label, p.plan) for p in grid.points if p.fits]
 
     def key(document: dict) -> str:

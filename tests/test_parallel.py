@@ -760,6 +760,61 @@ def test_grid_points_are_what_they_say_and_the_solver_is_never_worse() -> None:
     assert solver.step_time_s <= best.plan.step_time_s * (1 + 1e-9)
 
 
+class _InOutLinear(torch.nn.Module):
+    """A linear layer storing its weight ``[in, out]``, as GPT-2's ``Conv1D`` does."""
+
+    def __init__(self, d_in: int, d_out: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(d_in, d_out) * 0.02)
+        self.bias = torch.nn.Parameter(torch.zeros(d_out))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.addmm(self.bias, x, self.weight)
+
+
+def test_megatrons_layout_is_read_from_the_data_flow_and_the_grid_offers_it() -> None:
+    """``megatron_layers``: in the Llama example the query, key, value, gate and up
+    projections are column-parallel, the attention output and down projections
+    row-parallel, embedding and head split by vocabulary, norm scales whole — read from
+    the graph, not from names; a weight stored ``[in, out]`` is split along the right
+    dimension, its bias with a column's outputs and whole after a row. The grid's
+    ``megatron`` points have exactly that layout, priced no lower than the free points
+    (whose choices include it)."""
+    from meshplace.graph.sources import graph_for
+    from meshplace.parallel.grid import megatron_grid, megatron_layers
+
+    graph = graph_for(str(ROOT / "examples" / "llama.py") + ":build_tiny")
+    layers = megatron_layers(graph)
+
+    def role(name: str) -> int:
+        if name.endswith(("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")):
+            return 0
+        if name.endswith(("o_proj", "down_proj")):
+            return 1
+        return 0 if name in ("embed", "lm_head") else -1  # embed, head; norms whole
+
+    params = [op for op in graph.ops if op.kind == "parameter"]
+    assert layers == {op.name: role(op.module) for op in params}
+    torch.manual_seed(0)
+    chain = torch.nn.Sequential(_InOutLinear(16, 64), torch.nn.ReLU(), _InOutLinear(64, 16))
+    split = megatron_layers(capture(chain, (torch.randn(8, 16),), training=True))
+    assert split == {"param:0.weight": 1, "param:0.bias": 0,
+                     "param:2.weight": 0, "param:2.bias": -1}  # fmt: skip
+    grid = megatron_grid(graph, load_cluster("dgx-h100"), chips=2, layouts=("free", "megatron"))
+    points = {p.label: p for p in grid.points}
+    data_parallel = {f"dp2 x tp1 zero{z}" for z in range(4)}
+    assert set(points) == {*data_parallel, "dp1 x tp2 zero0", "dp1 x tp2 zero0 megatron"}
+    megatron, free = points["dp1 x tp2 zero0 megatron"], points["dp1 x tp2 zero0"]
+    assert megatron.layout == "megatron" and megatron.fits
+    placed = megatron.plan.parameters()  # type: ignore[union-attr]
+    for op in params:
+        want = "Replicate()" if role(op.module) == -1 else f"Shard({role(op.module)})"
+        assert placed[op.name.removeprefix("param:")]["placements"] == [want], op.name
+    assert free.plan.step_time_s <= megatron.plan.step_time_s * (1 + 1e-9)  # type: ignore[union-attr]
+    with pytest.raises(ShardingError, match="unknown grid layout 'mine'"):
+        megatron_grid(graph, load_cluster("dgx-h100"), chips=2, layouts=("mine",))
+
+
 def test_a_grid_point_whose_batch_does_not_divide_says_why() -> None:
     from meshplace.parallel.grid import megatron_grid
 

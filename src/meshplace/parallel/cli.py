@@ -256,8 +256,10 @@ def rank_by_engine(
     """``meshplace shard FILE.py:build --engine-costs``: the candidates — the solver's
     plan of every mesh it tried and every point of the Megatron grid
     (:func:`meshplace.parallel.grid.megatron_grid`: data x tensor parallel x ZeRO, the
-    plans users write by hand) on the same chips, those that fit, each distinct plan
-    once — priced by ``pricer(plan documents, model, cluster, cost model)``
+    plans users write by hand; each tensor-parallel point both with the matrices split as
+    the integer program prefers and with Megatron's own layout,
+    :func:`meshplace.parallel.grid.megatron_layers`) on the same chips, those that fit,
+    each distinct plan once — priced by ``pricer(plan documents, model, cluster, cost model)``
     (:func:`meshplace.runtime.dryrun.plan_prices`: what the torchrun runtime runs for
     each, costed by the same cost model) and ranked by that price.
 
@@ -292,6 +294,7 @@ def rank_by_engine(
             zero_stages=zero_stages_of(args),
             compute=getattr(args, "compute", "eager") or "eager",
             cost_model=cost_model,
+            layouts=("free", "megatron"),
         )
         candidates += [(p.label, p.plan) for p in grid.points if p.fits]
         unplanned = [

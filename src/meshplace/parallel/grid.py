@@ -83,10 +83,14 @@ class GridPoint:
     seconds: float = 0.0
     data_axis: str | None = None
     tensor_axis: str | None = None
+    # "free": each matrix split along whichever dimension the integer program prefers;
+    # "megatron": along the one Megatron's layout splits (:func:`megatron_layers`)
+    layout: str = "free"
 
     @property
     def label(self) -> str:
-        return f"dp{self.dp} x tp{self.tp} zero{self.zero}"
+        suffix = " megatron" if self.layout == "megatron" else ""
+        return f"dp{self.dp} x tp{self.tp} zero{self.zero}{suffix}"
 
     @property
     def fits(self) -> bool:
@@ -109,6 +113,141 @@ class GridResult:
                 + "; ".join(f"{p.label}: {p.reason or 'does not fit'}" for p in self.points[:4])
             )
         return min(fitting, key=lambda p: p.plan.step_time_s)  # type: ignore[union-attr]
+
+
+#: what a layer does over the tensor axis in Megatron's layout
+COLUMN, ROW = "column", "row"
+
+
+def megatron_layers(graph: OpGraph) -> dict[str, int]:
+    """Megatron-LM's own tensor-parallel layout of ``graph``'s matrices: for every
+    parameter matrix that a forward matrix product or embedding reads, the dimension to
+    split over the tensor axis — a layer's output features (column-parallel) or its input
+    features (row-parallel), a word embedding's vocabulary (one whose ids are a model
+    input; a position table stays out).
+
+    Source: Shoeybi et al., "Megatron-LM", 2019, Sec. 3: an MLP's first layer is split by
+    columns and its second by rows, attention's query, key and value projections by
+    columns (heads) and its output projection by rows, so each pair needs one all-reduce
+    forward (``g``) and one backward (``f``); the embedding is split by vocabulary. Read
+    here from the graph's data flow rather than from module names: walking the forward
+    in order, a layer is row-parallel when every layer it reads from (through ops that
+    are no layer: attention, activations, norms, residual adds) is column-parallel, and
+    column-parallel otherwise — a block's first layers read the residual stream, which
+    row-parallel layers and the embedding write whole; a chain of plain linear layers
+    alternates. Which parameter dimension is the output and which the input comes from
+    the op's index notation (:mod:`meshplace.graph.opdims`), so a weight stored ``[in,
+    out]`` (GPT-2's ``Conv1D``) is split as correctly as ``nn.Linear``'s ``[out, in]``.
+    A matrix that layers of both kinds read, or that no such op reads, is left out.
+
+    A column-parallel layer's bias is split with its outputs; a row-parallel layer's bias,
+    norm scales and every other vector parameter stay whole (``-1``), as in Megatron.
+
+    Returns parameter op name → dimension, or -1 for whole. O(layers x ops) (each
+    layer's walk back stops at the layers it reaches).
+
+    >>> import torch
+    >>> from meshplace.graph.capture import capture
+    >>> mlp = torch.nn.Sequential(
+    ...     torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8),
+    ...     torch.nn.Linear(8, 16), torch.nn.Linear(16, 8))
+    >>> layers = megatron_layers(capture(mlp, (torch.randn(4, 8),), training=True))
+    >>> [layers[f"param:{i}.weight"] for i in (0, 2, 3, 4)]
+    [0, 1, 0, 1]
+    """
+    from meshplace.graph.opdims import OpDims
+
+    index = {op.name: i for i, op in enumerate(graph.ops)}
+
+    def _is_parameter(operand: dict) -> bool:
+        at = index.get(operand["op"])
+        return at is not None and graph.ops[at].kind == "parameter"
+
+    readers: dict[int, list[int]] = {}
+    for u, v, _ in graph.edges():
+        readers.setdefault(v, []).append(u)
+    # the layer ops: op index -> (parameter, its column and row dims), row dim -1 for an
+    # embedding (its output is whole: a row-parallel layer's for what reads it)
+    layers: dict[int, tuple[str, int, int]] = {}
+    biases: dict[int, list[str]] = {}  # layer op -> its vector parameters
+    for i, op in enumerate(graph.ops):
+        if op.phase != "forward" or op.kind not in ("matmul", "embedding"):
+            continue
+        if not op.einsum or not op.operands:
+            continue
+        dims = OpDims.parse(op.einsum)
+        out = set(dims.outputs[0]) if dims.outputs else set()
+        for j, operand in enumerate(op.operands):
+            producer = graph.ops[index[operand["op"]]] if operand["op"] in index else None
+            if producer is None or producer.kind != "parameter":
+                continue
+            shape = producer.output_shapes[0] if producer.output_shapes else []
+            mapped = operand["map"]
+            if len(shape) != 2 or len(mapped) != 2 or -1 in mapped or j >= len(dims.inputs):
+                continue
+            labels = dims.inputs[j]
+            # the activation's labels (a bias, also a parameter, carries the output's)
+            others = {
+                label
+                for k, ls in enumerate(dims.inputs)
+                if k != j and k < len(op.operands) and not _is_parameter(op.operands[k])
+                for label in ls
+            }
+            if op.kind == "embedding":
+                # Megatron splits the word embedding, whose ids are the model's input,
+                # not a position table read at every position by every rank
+                ids = [r for k, r in enumerate(op.operands) if k != j and not _is_parameter(r)]
+                if not all(r["op"] in index and graph.ops[index[r["op"]]].kind == "input"
+                           for r in ids):  # fmt: skip
+                    continue
+                vocab = [mapped[d] for d, lab in enumerate(labels) if lab not in out]
+                if len(vocab) == 1:
+                    layers[i] = (producer.name, vocab[0], -1)
+                continue
+            column = [mapped[d] for d, lab in enumerate(labels) if lab in out and lab not in others]
+            row = [mapped[d] for d, lab in enumerate(labels) if lab not in out and lab in others]
+            if len(column) == 1 and len(row) == 1:
+                layers[i] = (producer.name, column[0], row[0])
+                biases[i] = [
+                    graph.ops[index[r["op"]]].name
+                    for r in op.operands
+                    if _is_parameter(r) and len(r["shape"]) == 1
+                ]
+    roles: dict[int, str] = {}
+    for i in sorted(layers):  # graph order is a topological order
+        if layers[i][2] == -1:
+            roles[i] = ROW  # an embedding's output is whole, as a row-parallel layer's
+            continue
+        upstream: set[int] = set()
+        seen: set[int] = set()
+        stack = [u for u in readers.get(i, []) if graph.ops[u].kind != "parameter"]
+        while stack:
+            u = stack.pop()
+            if u in seen or graph.ops[u].phase != "forward":
+                continue
+            seen.add(u)
+            if u in layers:
+                upstream.add(u)
+                continue
+            stack.extend(readers.get(u, []))
+        reads_columns = bool(upstream) and all(roles.get(u) == COLUMN for u in upstream)
+        roles[i] = ROW if reads_columns else COLUMN
+    split: dict[str, int] = {}
+    conflicting: set[str] = set()
+
+    def decide(name: str, dim: int) -> None:
+        if split.setdefault(name, dim) != dim:
+            conflicting.add(name)
+
+    for i, (name, column, row) in layers.items():
+        decide(name, column if roles[i] == COLUMN or row == -1 else row)
+        for bias in biases.get(i, []):  # split with a column's outputs, whole after a row
+            decide(bias, 0 if roles[i] == COLUMN else -1)
+    for op in graph.ops:  # norm scales and every other vector: whole
+        shape = op.output_shapes[0] if op.output_shapes else []
+        if op.kind == "parameter" and len(shape) <= 1 and op.name not in split:
+            split[op.name] = -1
+    return {name: dim for name, dim in split.items() if name not in conflicting}
 
 
 def default_max_tensor_parallel(cluster: Cluster, chips: int) -> int:
@@ -140,10 +279,21 @@ def megatron_grid(
     compute: str = "eager",
     overlap: bool = True,
     cost_model: CostModel | None = None,
+    layouts: Sequence[str] = ("free",),
 ) -> GridResult:
     """Score every ``dp x tp x ZeRO`` point (module docstring) with ``cost_model``'s op
     times (default: the roofline's defaults); :attr:`GridResult.best` is the fastest that
-    fits."""
+    fits. ``layouts`` says which tensor-parallel layouts each point with ``tp > 1`` gets:
+    ``"free"`` (each matrix split along the dimension the integer program prefers) and
+    ``"megatron"`` (along the one Megatron's layout splits, :func:`megatron_layers`; a
+    point of its own, skipped for a graph with no such matrix). The integer program
+    prices the two alike where they differ only in activation layouts it chooses itself,
+    but an engine that lets DTensor choose them (the torchrun runtime) runs different
+    programs for them: ``shard --engine-costs`` prices both."""
+    unknown = sorted(set(layouts) - {"free", "megatron"})
+    if unknown:
+        raise ShardingError(f"unknown grid layout {unknown[0]!r}; choose free or megatron")
+    megatron = megatron_layers(graph) if "megatron" in layouts else {}
     n = int(chips) if chips is not None else len(accelerators(cluster))
     max_tp = max_tensor_parallel or default_max_tensor_parallel(cluster, n)
     start = time.perf_counter()
@@ -198,24 +348,30 @@ def megatron_grid(
                 overlap=overlap,
                 time_limit_s=time_limit_s,
             )
+        variants = [("free", None)] if "free" in layouts or tp == 1 else []
+        if tp > 1 and megatron:
+            variants.append(("megatron", megatron))
         for zero in stages:
             if zero in on_plain:
                 plan = on_plain[zero]
                 points.append(GridPoint(dp, tp, zero, plan, "", plan.solve_s, **names))
                 continue
-            t0 = time.perf_counter()
-            try:
-                problem = restrict_to_grid(full, dp_axis, tp_axis, zero)
-            except ShardingError as exc:
-                points.append(GridPoint(dp, tp, zero, None, str(exc), **names))
-                continue
-            sol = problem.cost_tables().solve(capacity, time_limit_s=time_limit_s)
-            if not sol.choice:
-                why = "does not fit" if sol.status == ilp.INFEASIBLE else "solver time limit"
-                points.append(GridPoint(dp, tp, zero, None, why, time.perf_counter() - t0, **names))
-                continue
-            plan = plan_from_solution(problem, sol, capacity, time.perf_counter() - t0)
-            points.append(GridPoint(dp, tp, zero, plan, "", time.perf_counter() - t0, **names))
+            for layout, splits in variants:
+                kind = {**names, "layout": layout}
+                t0 = time.perf_counter()
+                try:
+                    problem = restrict_to_grid(full, dp_axis, tp_axis, zero, splits)
+                except ShardingError as exc:
+                    points.append(GridPoint(dp, tp, zero, None, str(exc), **kind))
+                    continue
+                sol = problem.cost_tables().solve(capacity, time_limit_s=time_limit_s)
+                seconds = time.perf_counter() - t0
+                if not sol.choice:
+                    why = "does not fit" if sol.status == ilp.INFEASIBLE else "solver time limit"
+                    points.append(GridPoint(dp, tp, zero, None, why, seconds, **kind))
+                    continue
+                plan = plan_from_solution(problem, sol, capacity, seconds)
+                points.append(GridPoint(dp, tp, zero, plan, "", seconds, **kind))
     if not points:
         raise ShardingError(f"no grid point for {n} chips")
     return GridResult(points, time.perf_counter() - start)
@@ -233,5 +389,6 @@ __all__ = [
     "default_max_tensor_parallel",
     "grid_label",
     "megatron_grid",
+    "megatron_layers",
     "restrict_to_grid",
 ]

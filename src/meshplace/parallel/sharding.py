@@ -1486,14 +1486,24 @@ class ShardingProblem:
 
 
 def restrict_to_grid(
-    problem: ShardingProblem, dp_axis: int | None, tp_axis: int | None, zero: int
+    problem: ShardingProblem,
+    dp_axis: int | None,
+    tp_axis: int | None,
+    zero: int,
+    tensor_splits: dict[str, int] | None = None,
 ) -> ShardingProblem:
     """The problem restricted to what a grid point allows (:mod:`meshplace.parallel.grid`):
     on the data axis ``dp_axis`` every parameter replicated with ZeRO stage ``zero`` and
     every input split along its batch; on the tensor axis ``tp_axis`` every matrix split
     along one of its two dimensions (Megatron's pattern), vectors split or whole; either
-    axis ``None`` when absent. Raises :class:`ShardingError` naming the tensor left with
-    no placement. O(groups x strategies)."""
+    axis ``None`` when absent. ``tensor_splits`` (parameter op name → dimension, e.g.
+    :func:`meshplace.parallel.grid.megatron_layers`) fixes which dimension a parameter is
+    split along on the tensor axis where the axis divides it, or keeps it whole there
+    (``-1``). Raises
+    :class:`ShardingError` naming the tensor left with no placement. O(groups x
+    strategies)."""
+    splits = tensor_splits or {}
+    tp = problem.sizes[tp_axis] if tp_axis is not None else 1
 
     def on(spec: tuple[int, ...], axis: int | None) -> int:
         return R if axis is None else spec[axis]
@@ -1514,6 +1524,11 @@ def restrict_to_grid(
         if on(spec, dp_axis) != R:
             return False
         split_tp = (0, 1) if len(shape) >= 2 else (R, 0)
+        fixed = splits.get(op.name)
+        if fixed == R:
+            return on(spec, tp_axis) == R
+        if fixed is not None and fixed < len(shape) and shape[fixed] % tp == 0:
+            split_tp = (fixed,)
         if on(spec, tp_axis) in split_tp:
             return True
         # tp divides neither dimension of this matrix: it stays replicated
