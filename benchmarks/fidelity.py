@@ -33,7 +33,9 @@ DTensor runs it: a dry run of the runtime's step on a fake process group
 (:func:`meshplace.runtime.dryrun.dry_run`) records rank 0's kernels and collectives, which
 the calibrated cost model (``calibrated_cost_model``, as ``meshplace shard --calibration``
 does) costs, with DTensor's dispatch per op (measured on a 1-rank mesh in this process,
-:func:`meshplace.runtime.dryrun.measure_dispatch_overhead`); the solver's own estimate
+:func:`meshplace.runtime.dryrun.measure_dispatch_overhead`, and at a rate of its own for
+ops with a split operand, measured under Megatron's layout on a fake 2-rank group; the
+ablation ``one_dispatch_rate`` charges every op the first); the solver's own estimate
 of each plan is reported beside it (``predicted_solver_s``), and so is a measurement
 that tells the model's error on the rank's local work from the rest: the rank's step timed
 alone in its dry run (``timed_alone_s``; the fake process group's collectives return at
@@ -62,6 +64,7 @@ Usage: ``python benchmarks/fidelity.py [--family placed|sharded|pipelined|hybrid
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -408,6 +411,7 @@ def dtensor_workers(source: str) -> tuple[Any, Any, Any, dict[str, Any], Any, An
     engine = fitted.model_copy(
         update={
             "dispatch_overhead_s": dispatch["per_op_s"],
+            "split_dispatch_overhead_s": dispatch["per_split_op_s"],
             "fsdp_unit_overhead_s": fsdp["per_unit_s"],
         }
     )
@@ -433,10 +437,14 @@ def run_sharded_model(source: str, steps: int, warmup: int, passes: int) -> dict
     from meshplace.runtime.dryrun import dry_run, program_cost
 
     step, cal, cluster, dispatch, engine, cost_model = dtensor_workers(source)
+    note = f", {dispatch['split_note']}" if dispatch.get("split_note") else ""
     print(
         f"  DTensor dispatch: {dispatch['per_op_s'] * 1e6:.1f} us per op (a step of "
         f"{dispatch['ops']} ops: {dispatch['plain_step_s'] * 1e3:.2f} ms plain, "
-        f"{dispatch['dtensor_step_s'] * 1e3:.2f} ms on a 1-rank DTensor mesh); FSDP2: "
+        f"{dispatch['dtensor_step_s'] * 1e3:.2f} ms on a 1-rank DTensor mesh); on split "
+        f"operands {dispatch['per_split_op_s'] * 1e6:.1f} us per op "
+        f"({dispatch['split_ops']} split and {dispatch['split_replicated_ops']} replicated "
+        f"of Megatron's layout's forward and backward{note}); FSDP2: "
         f"{dispatch['fsdp']['per_unit_s'] * 1e3:.2f} ms per unit ({dispatch['fsdp']['units']} "
         f"units: {dispatch['fsdp']['fsdp_step_s'] * 1e3:.2f} ms on a 1-rank mesh)",
         file=sys.stderr,
@@ -471,13 +479,17 @@ def run_sharded_model(source: str, steps: int, warmup: int, passes: int) -> dict
     # what DTensor runs for each plan (a dry run on a fake process group), costed by the
     # cost model and by its links-only ablation
     on_links = links_only(engine, cluster)
-    engine_predictions: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {}
+    # and by the ablation of the split operands' own dispatch rate (every DTensor op at
+    # the replicated one, as before session 57)
+    one_rate = dataclasses.replace(cost_model, split_dispatch_overhead={})
+    engine_predictions: dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, Any]]] = {}
     timed_alone: dict[str, float] = {}
     for label, document, _ in plans:
         program = dry_run(document, source, timed_steps=TIMED_ALONE_STEPS)
         engine_predictions[label] = (
             program_cost(program, document, cluster, cost_model),
             program_cost(program, document, cluster, on_links),
+            program_cost(program, document, cluster, one_rate),
         )
         timed_alone[label] = program.timed_step_s
     timed, per_pass = _torchrun_passes(
@@ -487,7 +499,7 @@ def run_sharded_model(source: str, steps: int, warmup: int, passes: int) -> dict
     for label, document, solver_s in plans:
         if not timed[label]:
             continue
-        engine_s, links_s = engine_predictions[label]
+        engine_s, links_s, one_rate_s = engine_predictions[label]
         parts = ("step_s", "compute_s", "dispatch_s", "communication_s")
         breakdown = {k: engine_s[k] for k in parts}
         program = {k: engine_s[k] for k in ("collectives", "kernels", "dispatched")}
@@ -513,6 +525,8 @@ def run_sharded_model(source: str, steps: int, warmup: int, passes: int) -> dict
                 timed_alone_s=timed_alone[label],
                 predicted_timed_local_s=alone,
                 error_timed_local=(alone - measured) / measured,
+                predicted_one_dispatch_rate_s=one_rate_s["step_s"],
+                error_one_dispatch_rate=(one_rate_s["step_s"] - measured) / measured,
             )
         )
     meas = [r["measured_s"] for r in rows]
@@ -912,7 +926,7 @@ def _summary(rows: list[dict]) -> dict[str, Any]:
         "median_pass_spread": _median_abs(r["pass_spread"] for r in rows),
         **{
             f"{measure}_{ablation}": value
-            for ablation in (*PLACED_ABLATIONS, "timed_local")
+            for ablation in (*PLACED_ABLATIONS, "timed_local", "one_dispatch_rate")
             if all(r.get(f"predicted_{ablation}_s") is not None for r in rows)
             for measure, value in (
                 ("median_abs_error", _median_abs(r[f"error_{ablation}"] for r in rows)),
@@ -1002,6 +1016,7 @@ def main(argv: list[str] | None = None) -> int:
         "kendall_tau",
         "kendall_tau_micro",
         "kendall_tau_timed_local",
+        "kendall_tau_one_dispatch_rate",
         *(f"kendall_tau_{a}" for a in PLACED_ABLATIONS),
     ]
     for key in taus:
@@ -1070,6 +1085,13 @@ def main(argv: list[str] | None = None) -> int:
                 f"measurement of the local work, not the model) {name}: median |err| "
                 f"{pct(m.get('median_abs_error_timed_local'))}, "
                 f"tau {num(m.get('kendall_tau_timed_local'))}"
+            )
+        for name, m in [(m["model"], m) for m in results] + [("overall", overall)]:
+            print(
+                f"every DTensor op at the replicated dispatch rate (an ablation: no rate of "
+                f"its own for split operands) {name}: median |err| "
+                f"{pct(m.get('median_abs_error_one_dispatch_rate'))}, "
+                f"tau {num(m.get('kendall_tau_one_dispatch_rate'))}"
             )
         for m in results:
             print(

@@ -336,6 +336,55 @@ def test_dtensors_dispatch_is_measured_per_op_it_dispatches(tmp_path: Path) -> N
     # forward, backward and foreach Adam of a 2-layer MLP: a few tens of DTensor ops
     assert 10 <= measured["ops"] <= 60, measured
     assert measured["per_op_s"] >= 0 and measured["dtensor_step_s"] > 0
+    # and on split operands, under Megatron's layout (the first layer by columns, the
+    # second by rows) on a fake 2-rank group: its forward and backward hold both kinds
+    assert "split_note" not in measured, measured
+    assert measured["split_ops"] > 0 and measured["split_replicated_ops"] > 0, measured
+    assert measured["per_split_op_s"] >= 0 and measured["split_pass_s"] > 0
+    assert not torch.distributed.is_initialized()  # the fake group is gone
+    plan = dryrun.megatron_plan_file(f"{tmp_path / 'mlp.py'}:build", build_mlp(tmp_path))
+    assert plan is not None
+    placements = {k: v["placements"] for k, v in plan["parameters"].items()}
+    assert placements == {"0.weight": ["Shard(0)"], "0.bias": ["Shard(0)"],
+                          "2.weight": ["Shard(1)"], "2.bias": ["Replicate()"]}  # fmt: skip
+
+
+def build_mlp(folder: Path) -> torch.nn.Module:
+    return load_build_function(f"{folder / 'mlp.py'}:build")()[0]
+
+
+def test_ops_on_split_operands_pay_their_own_dispatch_rate() -> None:
+    """An engine program's DTensor ops with a split or partial operand are charged the
+    cost model's ``split_dispatch_overhead`` (a calibration's ``split_dispatch_overhead_s``)
+    where one is set, the others ``dispatch_overhead``; without a split rate, every op
+    the one rate; a program recorded before the split count existed reads as none
+    split."""
+    from meshplace.cost.calibration import CostCalibration, calibrated_cost_model
+
+    cluster = load_cluster("dgx-h100")
+    device = cluster.devices[accelerators(cluster)[0]]
+    program = EngineProgram(2, dispatched=10, dispatched_update=3)
+    program.dispatched_split, program.dispatched_update_split = 4, 1
+    mesh = mesh_over(cluster, np.asarray([0, 1]), ("tensor",), "given")
+    kind = device.kind
+    two_rates = CostModel(dispatch_overhead={kind: 1e-5}, split_dispatch_overhead={kind: 3e-5})
+    cost = program.predict(two_rates, mesh, device.spec)
+    assert cost["dispatch_s"] == pytest.approx(6 * 1e-5 + 4 * 3e-5)
+    assert cost["update_s"] == pytest.approx(2 * 1e-5 + 1 * 3e-5)
+    one_rate = program.predict(CostModel(dispatch_overhead={kind: 1e-5}), mesh, device.spec)
+    assert one_rate["dispatch_s"] == pytest.approx(10 * 1e-5)
+    old = {k: v for k, v in program.to_dict().items() if "split" not in k}
+    assert EngineProgram.from_dict(old).dispatched_split == 0
+    assert EngineProgram.from_dict(program.to_dict()) == program
+    calibration = CostCalibration(
+        device_kind=kind, peak_flops=1e12, memory_bandwidth=1e11, launch_overhead_s=1e-5,
+        dispatch_overhead_s=1e-5, split_dispatch_overhead_s=3e-5,
+    )  # fmt: skip
+    model = calibrated_cost_model(calibration, cluster)
+    assert model.split_dispatch_overhead[kind] == 3e-5
+    assert program.predict(model, mesh, device.spec)["dispatch_s"] == pytest.approx(
+        cost["dispatch_s"]
+    )
 
 
 def test_the_pipelining_engines_cost_per_micro_batch_is_measured(tmp_path: Path) -> None:

@@ -73,6 +73,11 @@ class CostCalibration(BaseModel):
         dispatch_overhead_s: seconds the execution engine adds to every kernel, measured
             op times included (DTensor's per-op dispatch for sharded plans; 0 for eager
             PyTorch).
+        split_dispatch_overhead_s: seconds DTensor's dispatch costs an op with a split or
+            partial operand (measured on the model's step under Megatron's layout on a
+            2-rank fake process group, :func:`meshplace.runtime.dryrun.
+            measure_dispatch_overhead`); 0: not measured, such ops pay
+            ``dispatch_overhead_s``.
         pipeline_overhead_s: seconds the pipelining engine adds per micro-batch on each
             stage (:func:`meshplace.runtime.pipelined.measure_engine_overhead`), which the
             hybrid search charges every micro-batch of a plan meshplace's runtime pipelines,
@@ -118,6 +123,7 @@ class CostCalibration(BaseModel):
     ] = Field(default_factory=dict)
     collectives_measured_on: Annotated[int, Field(ge=2)] | None = None
     dispatch_overhead_s: _NonNegative = 0.0
+    split_dispatch_overhead_s: _NonNegative = 0.0
     pipeline_overhead_s: _NonNegative = 0.0
     pipeline_exchange_s: _NonNegative = 0.0
     pipeline_message_s: _NonNegative = 0.0
@@ -201,6 +207,14 @@ def calibrated_cost_model(
         dispatch_overhead={
             **base.dispatch_overhead,
             **({kind: calibration.dispatch_overhead_s} if calibration.dispatch_overhead_s else {}),
+        },
+        split_dispatch_overhead={
+            **base.split_dispatch_overhead,
+            **(
+                {kind: calibration.split_dispatch_overhead_s}
+                if calibration.split_dispatch_overhead_s
+                else {}
+            ),
         },
         pipeline_overhead={
             **base.pipeline_overhead,

@@ -111,6 +111,13 @@ class CostModel:
         dispatch_overhead: device kind → seconds the execution engine adds to every
             kernel, whether its time is measured or the roofline's (DTensor's per-op
             dispatch: sharding propagation and placement checks on the host); absent: 0.
+        split_dispatch_overhead: device kind → seconds DTensor's dispatch costs an op
+            with an operand split or a partial sum over a mesh axis, measured apart
+            (:func:`meshplace.runtime.dryrun.measure_dispatch_overhead`: on the model's
+            step under Megatron's layout, more placements to propagate and redistribute);
+            charged by the engine's recorded programs
+            (:meth:`meshplace.runtime.dryrun.EngineProgram.predict`); absent:
+            ``dispatch_overhead``.
         pipeline_overhead: device kind → seconds a pipelining engine adds per micro-batch
             on each stage (``torch.distributed.pipelining``'s schedule bookkeeping and
             stage input/output handling, measured by
@@ -145,6 +152,7 @@ class CostModel:
     device_efficiency: dict[str, dict[str, tuple[float, float]]] = field(default_factory=dict)
     collectives: dict[str, dict[str, tuple[float, float]]] = field(default_factory=dict)
     dispatch_overhead: dict[str, float] = field(default_factory=dict)
+    split_dispatch_overhead: dict[str, float] = field(default_factory=dict)
     pipeline_overhead: dict[str, float] = field(default_factory=dict)
     pipeline_exchange: dict[str, tuple[float, float]] = field(default_factory=dict)
     fsdp_unit_overhead: dict[str, float] = field(default_factory=dict)

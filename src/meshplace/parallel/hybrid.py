@@ -1783,7 +1783,11 @@ def hybrid_search(
     # DTensors (meshplace.runtime.hybrid), so it pays no engine dispatch: its parts are
     # costed again without it (keyed by tp 0), when the cost model has one and a
     # pipeline of one-device stages is possible.
-    plain_model = replace(cost_model, dispatch_overhead={}) if cost_model is not None else None
+    plain_model = (
+        replace(cost_model, dispatch_overhead={}, split_dispatch_overhead={})
+        if cost_model is not None
+        else None
+    )
     plain_stages = (
         plain_model is not None
         and any(cost_model.dispatch_overhead.values())

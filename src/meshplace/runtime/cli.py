@@ -570,6 +570,7 @@ def _run(args: argparse.Namespace, plan: Any) -> int:
             measured = measured.model_copy(
                 update={
                     "dispatch_overhead_s": dispatch["per_op_s"],
+                    "split_dispatch_overhead_s": dispatch["per_split_op_s"],
                     "pipeline_overhead_s": engine,
                     "fsdp_unit_overhead_s": fsdp,
                     "ddp_overhead_s": ddp,

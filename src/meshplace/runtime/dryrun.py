@@ -155,6 +155,11 @@ class EngineProgram:
     dispatched: int = 0  # DTensor-level ops (each pays DTensor's dispatch)
     fsdp_units: int = 0  # modules FSDP2 gathers as one (each pays FSDP2's own cost)
     dispatched_update: int = 0  # of ``dispatched``, those inside the optimizer's step
+    # of ``dispatched`` (and of ``dispatched_update``), those with an operand split or a
+    # partial sum over some mesh axis: DTensor's dispatch costs more on them (sharding
+    # propagation over more strategies, redistribution planning, Megatron's boundaries)
+    dispatched_split: int = 0
+    dispatched_update_split: int = 0
     # the rank's whole step timed on the fake process group, where collectives return at
     # once: the median of a few steps after the recorded one (0: not timed). Not a
     # prediction — a measurement of the rank's local work alone, which the benchmark
@@ -167,13 +172,18 @@ class EngineProgram:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> EngineProgram:
         return cls(
-            int(d["world_size"]),
-            [LocalKernel(**k) for k in d["kernels"]],
-            [EngineCollective(**c) for c in d["collectives"]],
-            int(d["dispatched"]),
-            int(d.get("fsdp_units", 0)),  # recorded before FSDP2 ran plans: none
-            int(d.get("dispatched_update", 0)),  # recorded before phases were: none
-            float(d.get("timed_step_s", 0.0)),  # recorded before it was timed: none
+            world_size=int(d["world_size"]),
+            kernels=[LocalKernel(**k) for k in d["kernels"]],
+            collectives=[EngineCollective(**c) for c in d["collectives"]],
+            dispatched=int(d["dispatched"]),
+            fsdp_units=int(d.get("fsdp_units", 0)),  # recorded before FSDP2 ran plans: none
+            # recorded before phases were: none
+            dispatched_update=int(d.get("dispatched_update", 0)),
+            # recorded before split operands were told apart: priced as replicated ones
+            dispatched_split=int(d.get("dispatched_split", 0)),
+            dispatched_update_split=int(d.get("dispatched_update_split", 0)),
+            # recorded before it was timed: none
+            timed_step_s=float(d.get("timed_step_s", 0.0)),
         )
 
     def collective_counts(self) -> dict[str, int]:
@@ -188,6 +198,9 @@ class EngineProgram:
         overheads for the cluster's ``device_kind``, by default ``spec.kind``),
         collectives by ``mesh`` (a
         :class:`meshplace.mesh.layout.Mesh`, calibrated for measured collectives).
+        A DTensor-level op with a split or partial operand pays the cost model's
+        ``split_dispatch_overhead`` where one was measured, the others
+        ``dispatch_overhead``.
         Kernels cost the roofline, ``max(flops / (peak e_c), bytes / (bandwidth e_m))``
         plus their fixed cost (:meth:`meshplace.cost.compute.CostModel.kernel_seconds`: the
         operator's or kind's calibrated one, else one launch); every DTensor-level op the
@@ -213,11 +226,15 @@ class EngineProgram:
             compute += seconds
             update += seconds if k.update else 0.0
         per_op = cost_model.dispatch_overhead.get(kind, 0.0)
+        # an op on split operands at its own measured rate, where one was measured
+        per_split_op = cost_model.split_dispatch_overhead.get(kind, per_op)
         if self.fsdp_units:  # FSDP2's measured cost per unit holds its DTensor dispatch
             dispatch = self.fsdp_units * per_unit
         else:
-            dispatch = self.dispatched * per_op
-            update += self.dispatched_update * per_op
+            dispatch = (self.dispatched - self.dispatched_split) * per_op
+            dispatch += self.dispatched_split * per_split_op
+            update += (self.dispatched_update - self.dispatched_update_split) * per_op
+            update += self.dispatched_update_split * per_split_op
         communication = 0.0
         for c in self.collectives:
             seconds = mesh.collective_time(c.kind, c.nbytes, c.axes)
@@ -271,6 +288,7 @@ def recorder(program: EngineProgram, axis_of: dict[str, list[str]] | None = None
         register_optimizer_step_pre_hook,
     )
     from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
 
     from meshplace.graph.capture import is_alias
     from meshplace.graph.flops import flop_count, op_kind
@@ -305,8 +323,16 @@ def recorder(program: EngineProgram, axis_of: dict[str, list[str]] | None = None
             kwargs = kwargs or {}
             if any(issubclass(t, DTensor) for t in types):
                 if not is_alias(func):
+                    split = any(
+                        not p.is_replicate()
+                        for t in tree_leaves((args, kwargs))
+                        if isinstance(t, DTensor)
+                        for p in t.placements
+                    )
                     program.dispatched += 1
                     program.dispatched_update += updating[0]
+                    program.dispatched_split += split
+                    program.dispatched_update_split += split and updating[0]
                 return NotImplemented  # DTensor runs it; its local kernels come back here
             out = func(*args, **kwargs)
             name = func.overloadpacket.__name__
@@ -856,9 +882,128 @@ def measure_dispatch_overhead(source: str, reps: int = 20) -> dict[str, Any]:
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
         ops = program.dispatched
+    per_op = max(0.0, difference / ops)
     return {
         "plain_step_s": plain,
         "dtensor_step_s": on_dtensor,
         "ops": ops,
-        "per_op_s": max(0.0, difference / ops),
+        "per_op_s": per_op,
+        **measure_split_dispatch_overhead(source, per_op, reps=reps),
+    }
+
+
+def megatron_plan_file(source: str, model: Any) -> dict[str, Any] | None:
+    """The plan file of ``source``'s model (``FILE.py:build``, ``model`` built from it)
+    under Megatron's tensor-parallel layout on 2 ranks
+    (:func:`meshplace.parallel.grid.megatron_layers` of its captured graph; a dimension 2
+    does not divide stays whole), inputs replicated; ``None`` when it splits nothing (a
+    model without matrix layers). O(capture, cached)."""
+    from meshplace.graph.sources import graph_for
+    from meshplace.parallel.grid import megatron_layers
+
+    graph = graph_for(source)
+    layers = megatron_layers(graph)
+    parameters: dict[str, dict[str, Any]] = {}
+    for name, param in model.named_parameters():
+        dim = layers.get(f"param:{name}", -1)
+        split = dim >= 0 and param.dim() > dim and param.shape[dim] % 2 == 0
+        placement = f"Shard({dim})" if split else "Replicate()"
+        parameters[name] = {"placements": [placement], "zero": 0}
+    if all(p["placements"] == ["Replicate()"] for p in parameters.values()):
+        return None
+    inputs = [op.name.removeprefix("input:") for op in graph.ops if op.kind == "input"]
+    return {
+        "format": "meshplace.parallel_plan",
+        "version": 1,
+        "mesh": {"shape": [2], "axes": ["tensor"]},
+        "parameters": parameters,
+        "inputs": {name: {"placements": ["Replicate()"]} for name in inputs},
+    }
+
+
+def measure_split_dispatch_overhead(source: str, per_op_s: float, reps: int = 20) -> dict[str, Any]:
+    """What DTensor's dispatch costs an op with a split or partial operand, measured in
+    this process on ``source``'s own forward and backward (two rows of its inputs, one
+    thread): under Megatron's layout (:func:`megatron_plan_file`) as the runtime runs it
+    (:class:`meshplace.runtime.launch.ShardedTraining`: its boundaries and vocabulary-
+    parallel lookup included) on rank 0 of a fake 2-rank process group, whose
+    collectives return at once, paired with the plain model's, the median of the paired
+    differences, less the replicated ops' ``per_op_s``, divided by the split ops (both
+    counted by :func:`recorder`). The optimizer is left out: on two rows its update of
+    half the weights against the plain model's whole would take most of the difference.
+    Returns ``per_split_op_s`` (0 with ``split_note`` saying why when nothing was
+    measured: no matrix layer to split, or the layout does not run), ``split_ops``,
+    ``split_replicated_ops`` and the two passes' medians. O(reps) forward and backward
+    passes on two rows.
+
+    On the Llama example this machine measured ~180 us per split op where a replicated
+    one costs ~70: DTensor's Megatron-layout step of that model spends 4-5x the plain
+    step's time in dispatch."""
+    import statistics
+    import time
+
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from meshplace.graph.capture import as_loss
+    from meshplace.graph.sources import build_on_two_rows
+    from meshplace.runtime.launch import ShardedTraining
+    from meshplace.runtime.sharded import sharded_step
+
+    empty = {"per_split_op_s": 0.0, "split_ops": 0, "split_replicated_ops": 0}
+    plain_model, plain_args, plain_kwargs = build_on_two_rows(source)
+    plan = megatron_plan_file(source, plain_model)
+    if plan is None:
+        return {**empty, "split_note": "Megatron's layout splits none of its parameters"}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        try:
+            training = ShardedTraining(
+                plan, source, lr=1e-3, device_type="cpu", built=build_on_two_rows(source)
+            )
+
+            def split_pass() -> float:
+                start = time.perf_counter()
+                with sharded_step("cpu", training.attention):
+                    loss, _how = as_loss(
+                        training.zero.forward(training.model, training.args, training.kwargs)
+                    )
+                    loss.backward()
+                elapsed = time.perf_counter() - start
+                training.model.zero_grad(set_to_none=True)
+                return elapsed
+
+            def plain_pass() -> float:
+                start = time.perf_counter()
+                loss, _how = as_loss(plain_model(*plain_args, **plain_kwargs))
+                loss.backward()
+                elapsed = time.perf_counter() - start
+                plain_model.zero_grad(set_to_none=True)
+                return elapsed
+
+            # alternating, the paired differences' median (as the replicated rate)
+            pairs = [(plain_pass(), split_pass()) for _ in range(reps + 2)][2:]
+            program = EngineProgram(2)
+            with recorder(program, mesh_axes(training.mesh)):
+                split_pass()
+        except (InputError, RuntimeError, NotImplementedError, ValueError) as exc:
+            words = str(exc).strip().splitlines() or [type(exc).__name__]
+            return {**empty, "split_note": f"Megatron's layout does not run: {words[-1]}"}
+    finally:
+        dist.destroy_process_group()
+        torch.set_num_threads(threads)
+    difference = statistics.median(d - p for p, d in pairs)
+    split = program.dispatched_split
+    replicated = program.dispatched - split
+    if not split:
+        return {**empty, "split_note": "no op of its step had a split operand"}
+    return {
+        "per_split_op_s": max(0.0, (difference - replicated * per_op_s) / split),
+        "split_ops": split,
+        "split_replicated_ops": replicated,
+        "split_plain_pass_s": statistics.median(p for p, _ in pairs),
+        "split_pass_s": statistics.median(d for _, d in pairs),
     }
