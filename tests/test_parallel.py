@@ -800,6 +800,10 @@ def test_megatrons_layout_is_read_from_the_data_flow_and_the_grid_offers_it() ->
     split = megatron_layers(capture(chain, (torch.randn(8, 16),), training=True))
     assert split == {"param:0.weight": 1, "param:0.bias": 0,
                      "param:2.weight": 0, "param:2.bias": -1}  # fmt: skip
+    # under autocast each weight reaches its product through a cast: looked through
+    cast = capture(chain, (torch.randn(8, 16),), training=True, autocast="bf16")
+    assert any(op.target == "aten._to_copy.default" for op in cast.ops)
+    assert megatron_layers(cast) == split
     grid = megatron_grid(graph, load_cluster("dgx-h100"), chips=2, layouts=("free", "megatron"))
     points = {p.label: p for p in grid.points}
     data_parallel = {f"dp2 x tp1 zero{z}" for z in range(4)}

@@ -131,6 +131,8 @@ def test_data_parallelism_runs_one_bucketed_gradient_all_reduce(
     sums it over the whole batch on each rank), and kernels on half the batch."""
     _, program = dp_program
     assert program.world_size == 2
+    # split only over the batch's mesh dimension: every op at the replicated rate
+    assert program.dispatched > 0 and program.dispatched_split == 0
     reduced = [c.nbytes for c in program.collectives if c.kind == "all_reduce"]
     assert (2 * 64 * 256 + 256) * 4 in reduced, reduced  # weights and the 1st bias, at once
     assert {c.kind for c in program.collectives} == {"all_reduce"}
@@ -188,6 +190,8 @@ def test_tensor_parallelism_records_its_collectives_on_the_plans_mesh_axis(
     assert all(set(c.axes) <= axes and c.axes for c in program.collectives)
     # no weight is replicated whole, so no all-reduce moves a whole weight's gradient
     assert all(c.nbytes < 64 * 256 * 4 for c in program.collectives if c.kind == "all_reduce")
+    # its ops on split weights and activations pay the split operands' dispatch rate
+    assert 0 < program.dispatched_split <= program.dispatched
 
 
 def test_the_prediction_costs_kernels_dispatch_and_collectives_by_the_cost_model(

@@ -244,6 +244,13 @@ def test_stages_split_over_tensor_parallel_devices_recompute_like_one_process(
     assert plan["mesh"]["shape"] == [2, 1, 2] and plan["pipeline"]["micro_batches"] == 2
     split = [n for n, p in plan["parameters"].items() if p["placements"][1] != "Replicate()"]
     assert split, "the plan splits no weight over the tensor axis"
+    # Megatron's own layout: the query projection by columns, the output projection by
+    # rows, the embedding by vocabulary — whose lookup two readers (the norm's variance
+    # and its scaling) read in the first stage's exported graph
+    on_tensor = {n: p["placements"][1] for n, p in plan["parameters"].items()}
+    assert on_tensor["layers.0.attn.q_proj.weight"] == "Shard(0)"
+    assert on_tensor["layers.0.attn.o_proj.weight"] == "Shard(1)"
+    assert on_tensor["embed.weight"] == "Shard(0)"
     for stage in plan["stages"]:
         stage["recompute"] = "full"
     (tmp_path / "hybrid.json").write_text(json.dumps(plan))

@@ -24,6 +24,13 @@ in the rest:
 - op strategies are free: activations take the cheapest placement consistent with those
   parameters, which is Megatron's own layout when that is cheapest, and never worse.
 
+With ``layouts=("free", "megatron")`` each point with ``tp > 1`` is also solved with
+Megatron's own layout fixed (:func:`megatron_layers`: column-parallel layers split by
+their outputs, row-parallel ones by their inputs, the word embedding by vocabulary, norm
+scales whole; :func:`restrict_to_megatron`): the integer program prices it like a free
+layout it could choose, but an engine that lets DTensor lay out the activations runs
+fewer collectives for it (``shard --engine-costs`` prices both).
+
 So the grid's best plan is a lower bound on what a hand search over ``dp x tp x ZeRO``
 finds under meshplace's cost model, and every grid plan is a plan the solver could pick
 (the solver searches a superset: every mesh shape, every strategy, ZeRO per parameter).
@@ -52,7 +59,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from meshplace.cost.compute import CostModel
-from meshplace.graph.ir import OpGraph
+from meshplace.graph.ir import Op, OpGraph
 from meshplace.hardware.cluster import Cluster
 from meshplace.mesh.layout import accelerators, build_mesh
 from meshplace.parallel import ilp
@@ -135,7 +142,8 @@ def megatron_layers(graph: OpGraph) -> dict[str, int]:
     are no layer: attention, activations, norms, residual adds) is column-parallel, and
     column-parallel otherwise — a block's first layers read the residual stream, which
     row-parallel layers and the embedding write whole; a chain of plain linear layers
-    alternates. Which parameter dimension is the output and which the input comes from
+    alternates. Casts are looked through (autocast's copy of a weight to bf16). Which
+    parameter dimension is the output and which the input comes from
     the op's index notation (:mod:`meshplace.graph.opdims`), so a weight stored ``[in,
     out]`` (GPT-2's ``Conv1D``) is split as correctly as ``nn.Linear``'s ``[out, in]``.
     A matrix that layers of both kinds read, or that no such op reads, is left out.
@@ -159,9 +167,27 @@ def megatron_layers(graph: OpGraph) -> dict[str, int]:
 
     index = {op.name: i for i, op in enumerate(graph.ops)}
 
-    def _is_parameter(operand: dict) -> bool:
+    def origin(operand: dict) -> tuple[Op | None, list[int]]:
+        """The op whose output ``operand`` reads, looking through casts (autocast's
+        ``_to_copy`` of a weight: a copy that keeps every dimension where it was), and
+        the operand's dimension map onto that op's output."""
+        mapped = list(operand["map"])
         at = index.get(operand["op"])
-        return at is not None and graph.ops[at].kind == "parameter"
+        while at is not None:
+            op = graph.ops[at]
+            if op.kind != "copy" or not op.einsum or not op.operands or len(op.operands) != 1:
+                return op, mapped
+            cast = OpDims.parse(op.einsum)
+            if len(cast.outputs) != 1 or cast.inputs[0] != cast.outputs[0]:
+                return op, mapped
+            inner = op.operands[0]["map"]
+            mapped = [inner[d] if 0 <= d < len(inner) else -1 for d in mapped]
+            at = index.get(op.operands[0]["op"])
+        return None, mapped
+
+    def _is_parameter(operand: dict) -> bool:
+        op, _ = origin(operand)
+        return op is not None and op.kind == "parameter"
 
     readers: dict[int, list[int]] = {}
     for u, v, _ in graph.edges():
@@ -178,11 +204,10 @@ def megatron_layers(graph: OpGraph) -> dict[str, int]:
         dims = OpDims.parse(op.einsum)
         out = set(dims.outputs[0]) if dims.outputs else set()
         for j, operand in enumerate(op.operands):
-            producer = graph.ops[index[operand["op"]]] if operand["op"] in index else None
+            producer, mapped = origin(operand)
             if producer is None or producer.kind != "parameter":
                 continue
             shape = producer.output_shapes[0] if producer.output_shapes else []
-            mapped = operand["map"]
             if len(shape) != 2 or len(mapped) != 2 or -1 in mapped or j >= len(dims.inputs):
                 continue
             labels = dims.inputs[j]
@@ -197,8 +222,7 @@ def megatron_layers(graph: OpGraph) -> dict[str, int]:
                 # Megatron splits the word embedding, whose ids are the model's input,
                 # not a position table read at every position by every rank
                 ids = [r for k, r in enumerate(op.operands) if k != j and not _is_parameter(r)]
-                if not all(r["op"] in index and graph.ops[index[r["op"]]].kind == "input"
-                           for r in ids):  # fmt: skip
+                if not all(getattr(origin(r)[0], "kind", "") == "input" for r in ids):
                     continue
                 vocab = [mapped[d] for d, lab in enumerate(labels) if lab not in out]
                 if len(vocab) == 1:
@@ -209,7 +233,7 @@ def megatron_layers(graph: OpGraph) -> dict[str, int]:
             if len(column) == 1 and len(row) == 1:
                 layers[i] = (producer.name, column[0], row[0])
                 biases[i] = [
-                    graph.ops[index[r["op"]]].name
+                    origin(r)[0].name  # type: ignore[union-attr]
                     for r in op.operands
                     if _is_parameter(r) and len(r["shape"]) == 1
                 ]
@@ -248,6 +272,15 @@ def megatron_layers(graph: OpGraph) -> dict[str, int]:
         if op.kind == "parameter" and len(shape) <= 1 and op.name not in split:
             split[op.name] = -1
     return {name: dim for name, dim in split.items() if name not in conflicting}
+
+
+def restrict_to_megatron(
+    problem: ShardingProblem, dp_axis: int | None, tp_axis: int | None, zero: int
+) -> ShardingProblem:
+    """:func:`restrict_to_grid` with Megatron's own layout of the problem's graph
+    (:func:`megatron_layers`) fixed on the tensor axis: the hybrid search's Megatron
+    pattern. O(ops x layers + groups x strategies)."""
+    return restrict_to_grid(problem, dp_axis, tp_axis, zero, megatron_layers(problem.graph))
 
 
 def default_max_tensor_parallel(cluster: Cluster, chips: int) -> int:
@@ -391,4 +424,5 @@ __all__ = [
     "megatron_grid",
     "megatron_layers",
     "restrict_to_grid",
+    "restrict_to_megatron",
 ]

@@ -26,7 +26,8 @@ workload's depth can vary, and otherwise takes the model's own capture at its ow
    costs, so a stage of ``k`` layers is ``k`` times it: repeated layers cost one solve.
    The solve minimises its own one-step objective, not the pipelined score of step 5, so
    each ``tp >= 2`` is also solved under Megatron's pattern
-   (:func:`meshplace.parallel.grid.restrict_to_grid`) and both layouts are candidates.
+   (:func:`meshplace.parallel.grid.restrict_to_megatron`: its own column- and row-parallel
+   layers, read from the graph) and both layouts are candidates.
 2. **Data parallelism and ZeRO** over the ``dp`` replicas of a stage, with the collectives
    of :meth:`meshplace.mesh.layout.Mesh.collective_time` on the mesh axis laid across
    hosts: ZeRO-0 all-reduces the gradients after the last micro-batch, ZeRO-1 (Megatron's
@@ -499,8 +500,8 @@ def part_costs(
 ) -> PartCosts:
     """Shard the two-layer ``graph`` (captured at ``micro_batch`` sequences) over ``tp``
     devices of one host and read each part's costs off the solution (module docstring,
-    step 1); ``restrict`` (:func:`meshplace.parallel.grid.restrict_to_grid`) limits the
-    tp axis to Megatron's pattern; ``compute`` is the sharding problem's compute model
+    step 1); ``restrict`` (:func:`meshplace.parallel.grid.restrict_to_megatron`) limits
+    the tp axis to Megatron's pattern; ``compute`` is the sharding problem's compute model
     (``"eager"``: one kernel per op; ``"fused"``: point-wise chains fused). Raises
     :class:`ShardingError` when no sharding exists on that mesh."""
     start = time.perf_counter()
@@ -1682,7 +1683,7 @@ def hybrid_search(
 
     ``style="joint"`` searches everything; ``"megatron"`` is the hand grid a user of
     Megatron-LM searches, scored by the same model: Megatron's tensor-parallel pattern
-    (:func:`meshplace.parallel.grid.restrict_to_grid`), equal stages, one recomputation for
+    (:func:`meshplace.parallel.grid.restrict_to_megatron`), equal stages, one recomputation for
     all, ZeRO 0 or 1. On a layer stack the joint search also solves Megatron's pattern at
     each (tp >= 2, micro-batch) and simulates the grid's own best ``simulate_top`` plans
     beside its own, so its best plan is never slower than the grid's. ``compute``: the
@@ -1742,7 +1743,7 @@ def hybrid_search(
     device = cluster.devices[accel[0]]
     capacity = device.spec.memory_bytes * memory_fraction
     peak = device.spec.peak("bfloat16" if autocast else "float32")
-    from meshplace.parallel.grid import default_max_tensor_parallel, restrict_to_grid
+    from meshplace.parallel.grid import default_max_tensor_parallel, restrict_to_megatron
 
     max_tp = default_max_tensor_parallel(cluster, n)
     tps = [t for t in tensor_parallel if t <= max_tp and n % t == 0]
@@ -1833,7 +1834,7 @@ def hybrid_search(
                             max(tp, 1),
                             b,
                             cost_model=model,
-                            restrict=restrict_to_grid if pattern == "megatron" else None,
+                            restrict=restrict_to_megatron if pattern == "megatron" else None,
                             compute=compute,
                         )
                     solves += 1

@@ -277,11 +277,18 @@ def _shapes(values: Any) -> list[list[int] | None]:
     return [list(v.shape) if isinstance(v, torch.Tensor) else None for v in items]
 
 
-def recorder(program: EngineProgram, axis_of: dict[str, list[str]] | None = None) -> Any:
+def recorder(
+    program: EngineProgram,
+    axis_of: dict[str, list[str]] | None = None,
+    batch_dims: Sequence[int] = (),
+) -> Any:
     """The dispatch mode that fills ``program`` (module docstring) while active;
     ``axis_of`` maps a process group's name to the mesh axes it spans (a collective on
     any other group is recorded over every axis). What runs inside an optimizer's
-    ``step`` (PyTorch's global optimizer step hooks mark it) is recorded as the update."""
+    ``step`` (PyTorch's global optimizer step hooks mark it) is recorded as the update.
+    A DTensor-level op counts as split (``dispatched_split``) when an operand is split or
+    a partial sum over a mesh dimension other than ``batch_dims`` (those the batch is
+    split over: an op of data parallelism dispatches at the replicated rate)."""
     from torch.distributed.tensor import DTensor
     from torch.optim.optimizer import (
         register_optimizer_step_post_hook,
@@ -327,7 +334,8 @@ def recorder(program: EngineProgram, axis_of: dict[str, list[str]] | None = None
                         not p.is_replicate()
                         for t in tree_leaves((args, kwargs))
                         if isinstance(t, DTensor)
-                        for p in t.placements
+                        for dim, p in enumerate(t.placements)
+                        if dim not in batch_dims
                     )
                     program.dispatched += 1
                     program.dispatched_update += updating[0]
@@ -412,9 +420,29 @@ def recorded_step(training: Any) -> tuple[Any, int, EngineProgram]:
     import torch.distributed as dist
 
     program = EngineProgram(dist.get_world_size(), fsdp_units=training.fsdp_units)
-    with recorder(program, mesh_axes(training.mesh)):
+    inputs = (getattr(training, "args", ()), getattr(training, "kwargs", {}))
+    with recorder(program, mesh_axes(training.mesh), split_dims(inputs)):
         loss, grad_bytes = training.step()
     return loss, grad_bytes, program
+
+
+def split_dims(values: Any) -> tuple[int, ...]:
+    """The mesh dimensions any DTensor among ``values`` is split over (a plan's inputs:
+    the dimensions its batch is split over). O(tensors)."""
+    from torch.distributed.tensor import DTensor
+    from torch.utils._pytree import tree_leaves
+
+    return tuple(
+        sorted(
+            {
+                dim
+                for t in tree_leaves(values)
+                if isinstance(t, DTensor)
+                for dim, p in enumerate(t.placements)
+                if p.is_shard()
+            }
+        )
+    )
 
 
 def record_step(

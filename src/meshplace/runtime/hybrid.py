@@ -391,6 +391,37 @@ def contiguous_before_merging_transposes(module: torch.nn.Module) -> int:
     return rewrite_stage_graphs(module, copy_first)
 
 
+def complete_vocabulary_lookups(module: torch.nn.Module) -> int:
+    """Sum every embedding lookup's output over the mesh axes it is a partial sum on, once,
+    right after the lookup, in a pipelining stage's graphs
+    (:func:`meshplace.runtime.sharded.completed_lookup`; a plain tensor passes through).
+    Why: a stage runs ``torch.export``'s graph, whose ``aten.embedding`` node is no
+    ``nn.Embedding`` for :func:`meshplace.runtime.sharded.apply_sharding_plan` to give its
+    boundary, and DTensor marks a vocabulary-split table's lookup with a masked partial
+    placement that the first reduction consumes: a second reader of the output (a Llama's
+    norm reads it for its variance and again for its scaling) failed inside DTensor
+    (``_MaskPartial._reduce_value``). How many lookups were completed. O(nodes)."""
+    from meshplace.runtime.sharded import completed_lookup
+
+    lookups = {torch.ops.aten.embedding.default}
+
+    def complete(graph: torch.fx.Graph) -> int:
+        done = 0
+        for node in list(graph.nodes):
+            if node.op != "call_function" or node.target not in lookups:
+                continue
+            readers = list(node.users)
+            with graph.inserting_after(node):
+                summed = graph.call_function(completed_lookup, (node,))
+            summed.meta = dict(node.meta)
+            for reader in readers:
+                reader.replace_input_with(node, summed)
+            done += 1
+        return done
+
+    return rewrite_stage_graphs(module, complete)
+
+
 def recompute_layers(stage: torch.nn.Module, container: str, layers: Sequence[int]) -> int:
     """Checkpoint every layer ``container.k`` of ``stage`` (a pipelining stage module, the
     model under ``model.``): its forward runs under ``torch.utils.checkpoint`` (non-
@@ -537,6 +568,7 @@ class HybridRankSteps:
             if not accumulate:  # a pipelining stage's graph
                 drop_export_assertions(module)
                 contiguous_before_merging_transposes(module)
+                complete_vocabulary_lookups(module)
                 run_stage_compiled(module)
             if ddp is None:
                 weight_update = place_stage_parameters(module, plan, stage_mesh)
@@ -635,8 +667,13 @@ class HybridRankSteps:
 
         activity = self.activity
         begin_stage_step(activity, index, fault)
+        # the batch is split over the stage mesh's data axis
+        names = list(self.mesh.mesh_dim_names or ())
+        batch = tuple(i for i, name in enumerate(names) if name == "data")
         recording = (
-            recorder(self.program, mesh_axes(self.mesh)) if record else contextlib.nullcontext()
+            recorder(self.program, mesh_axes(self.mesh), batch)
+            if record
+            else contextlib.nullcontext()
         )
         start, cpu_start = time.perf_counter(), time.process_time()
         with recording:

@@ -419,7 +419,17 @@ def vocabulary_parallel_lookup(embedding: torch.nn.Embedding, ids: Any) -> Any:
     )
 
 
-def _complete_partial_sums(module: torch.nn.Module, args: Any, out: Any) -> Any:
+def completed_lookup(out: Any) -> Any:
+    """An embedding lookup's output summed over the mesh axes it is a partial sum on (a
+    vocabulary-split table's masked partial), once, its gradient completed likewise
+    (:func:`_complete_partial_sums`, which says why); anything else unchanged. What a
+    pipelining stage's graph runs after each lookup
+    (:func:`meshplace.runtime.hybrid.complete_vocabulary_lookups`). O(one all-reduce per
+    partial axis)."""
+    return _complete_partial_sums(None, (), out)
+
+
+def _complete_partial_sums(module: torch.nn.Module | None, args: Any, out: Any) -> Any:
     """Sum a vocabulary-split embedding's output over the axes it is partial on, once, at
     the module's boundary — what ``parallelize_module``'s ``RowwiseParallel`` does for a
     vocabulary-parallel embedding (torchtitan: ``use_local_output``, the next module
