@@ -815,6 +815,12 @@ def test_megatrons_layout_is_read_from_the_data_flow_and_the_grid_offers_it() ->
         want = "Replicate()" if role(op.module) == -1 else f"Shard({role(op.module)})"
         assert placed[op.name.removeprefix("param:")]["placements"] == [want], op.name
     assert free.plan.step_time_s <= megatron.plan.step_time_s * (1 + 1e-9)  # type: ignore[union-attr]
+    # a model without matrix layers (convolutions only) has no layout of Megatron's
+    conv = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.Conv2d(8, 8, 3))
+    convs = capture(conv, (torch.randn(4, 3, 8, 8),), training=True)
+    assert all(dim == -1 for dim in megatron_layers(convs).values())
+    grid = megatron_grid(convs, load_cluster("dgx-h100"), chips=2, layouts=("free", "megatron"))
+    assert grid.points and all(p.layout == "free" for p in grid.points)
     with pytest.raises(ShardingError, match="unknown grid layout 'mine'"):
         megatron_grid(graph, load_cluster("dgx-h100"), chips=2, layouts=("mine",))
 

@@ -185,7 +185,7 @@ def megatron_layers(graph: OpGraph) -> dict[str, int]:
             at = index.get(op.operands[0]["op"])
         return None, mapped
 
-    def _is_parameter(operand: dict) -> bool:
+    def is_parameter(operand: dict) -> bool:
         op, _ = origin(operand)
         return op is not None and op.kind == "parameter"
 
@@ -215,13 +215,13 @@ def megatron_layers(graph: OpGraph) -> dict[str, int]:
             others = {
                 label
                 for k, ls in enumerate(dims.inputs)
-                if k != j and k < len(op.operands) and not _is_parameter(op.operands[k])
+                if k != j and k < len(op.operands) and not is_parameter(op.operands[k])
                 for label in ls
             }
             if op.kind == "embedding":
                 # Megatron splits the word embedding, whose ids are the model's input,
                 # not a position table read at every position by every rank
-                ids = [r for k, r in enumerate(op.operands) if k != j and not _is_parameter(r)]
+                ids = [r for k, r in enumerate(op.operands) if k != j and not is_parameter(r)]
                 if not all(getattr(origin(r)[0], "kind", "") == "input" for r in ids):
                     continue
                 vocab = [mapped[d] for d, lab in enumerate(labels) if lab not in out]
@@ -235,7 +235,7 @@ def megatron_layers(graph: OpGraph) -> dict[str, int]:
                 biases[i] = [
                     origin(r)[0].name  # type: ignore[union-attr]
                     for r in op.operands
-                    if _is_parameter(r) and len(r["shape"]) == 1
+                    if is_parameter(r) and len(r["shape"]) == 1
                 ]
     roles: dict[int, str] = {}
     for i in sorted(layers):  # graph order is a topological order
@@ -327,6 +327,8 @@ def megatron_grid(
     if unknown:
         raise ShardingError(f"unknown grid layout {unknown[0]!r}; choose free or megatron")
     megatron = megatron_layers(graph) if "megatron" in layouts else {}
+    if not any(dim >= 0 for dim in megatron.values()):
+        megatron = {}  # no matrix layer (a conv net): no layout of Megatron's to add
     n = int(chips) if chips is not None else len(accelerators(cluster))
     max_tp = max_tensor_parallel or default_max_tensor_parallel(cluster, n)
     start = time.perf_counter()
