@@ -351,6 +351,23 @@ def test_dtensors_dispatch_is_measured_per_op_it_dispatches(tmp_path: Path) -> N
     placements = {k: v["placements"] for k, v in plan["parameters"].items()}
     assert placements == {"0.weight": ["Shard(0)"], "0.bias": ["Shard(0)"],
                           "2.weight": ["Shard(1)"], "2.bias": ["Replicate()"]}  # fmt: skip
+    # a model without matrix layers: nothing to measure, said so, and the rate 0 (its
+    # ops then pay the replicated one)
+    (tmp_path / "conv.py").write_text(CONV)
+    conv = dryrun.measure_split_dispatch_overhead(f"{tmp_path / 'conv.py'}:build", 1e-5, reps=1)
+    assert conv["per_split_op_s"] == 0.0 and conv["split_ops"] == 0
+    assert "splits none of its parameters" in conv["split_note"]
+
+
+CONV = """\
+import torch
+
+
+def build():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU())
+    return model, (torch.randn(2, 3, 8, 8),)
+"""
 
 
 def build_mlp(folder: Path) -> torch.nn.Module:

@@ -554,6 +554,13 @@ def _run(args: argparse.Namespace, plan: Any) -> int:
             # sharding runtime pays, and what torch's pipelining adds per micro-batch,
             # which the hybrid runtime pays (a FILE.py:FUNCTION model: built again here)
             dispatch = measure_dispatch_overhead(str(args.graph))
+            if dispatch.get("split_note"):
+                print(
+                    "meshplace: note: DTensor's dispatch on split operands was not measured "
+                    f"({dispatch['split_note']}); the calibration file says 0 (such ops pay "
+                    "the replicated rate)",
+                    file=sys.stderr,
+                )
             # (torch's pipelining cannot trace every model)
             engine = measured_or_zero(
                 "the pipelining engine's", lambda: measure_engine_overhead(str(args.graph))
