@@ -412,6 +412,7 @@ def dtensor_workers(source: str) -> tuple[Any, Any, Any, dict[str, Any], Any, An
         update={
             "dispatch_overhead_s": dispatch["per_op_s"],
             "split_dispatch_overhead_s": dispatch["per_split_op_s"],
+            "batch_dispatch_overhead_s": dispatch["per_batch_split_op_s"],
             "fsdp_unit_overhead_s": fsdp["per_unit_s"],
         }
     )
@@ -437,14 +438,16 @@ def run_sharded_model(source: str, steps: int, warmup: int, passes: int) -> dict
     from meshplace.runtime.dryrun import dry_run, program_cost
 
     step, cal, cluster, dispatch, engine, cost_model = dtensor_workers(source)
-    note = f", {dispatch['split_note']}" if dispatch.get("split_note") else ""
+    note = "".join(f", {dispatch[k]}" for k in ("split_note", "batch_note") if dispatch.get(k))
     print(
         f"  DTensor dispatch: {dispatch['per_op_s'] * 1e6:.1f} us per op (a step of "
         f"{dispatch['ops']} ops: {dispatch['plain_step_s'] * 1e3:.2f} ms plain, "
         f"{dispatch['dtensor_step_s'] * 1e3:.2f} ms on a 1-rank DTensor mesh); on split "
         f"operands {dispatch['per_split_op_s'] * 1e6:.1f} us per op "
         f"({dispatch['split_ops']} split and {dispatch['split_replicated_ops']} replicated "
-        f"of Megatron's layout's forward and backward{note}); FSDP2: "
+        f"of Megatron's layout's forward and backward; batch-split "
+        f"{dispatch['per_batch_split_op_s'] * 1e6:.1f} us per op, "
+        f"{dispatch['batch_split_ops']} of data parallelism's{note}); FSDP2: "
         f"{dispatch['fsdp']['per_unit_s'] * 1e3:.2f} ms per unit ({dispatch['fsdp']['units']} "
         f"units: {dispatch['fsdp']['fsdp_step_s'] * 1e3:.2f} ms on a 1-rank mesh)",
         file=sys.stderr,
@@ -481,7 +484,9 @@ def run_sharded_model(source: str, steps: int, warmup: int, passes: int) -> dict
     on_links = links_only(engine, cluster)
     # and by the ablation of the split operands' own dispatch rate (every DTensor op at
     # the replicated one, as before session 57)
-    one_rate = dataclasses.replace(cost_model, split_dispatch_overhead={})
+    one_rate = dataclasses.replace(
+        cost_model, split_dispatch_overhead={}, batch_dispatch_overhead={}
+    )
     engine_predictions: dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, Any]]] = {}
     timed_alone: dict[str, float] = {}
     for label, document, _ in plans:

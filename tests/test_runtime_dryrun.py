@@ -131,8 +131,10 @@ def test_data_parallelism_runs_one_bucketed_gradient_all_reduce(
     sums it over the whole batch on each rank), and kernels on half the batch."""
     _, program = dp_program
     assert program.world_size == 2
-    # split only over the batch's mesh dimension: every op at the replicated rate
+    # split only over the batch's mesh dimension: no op at the model-parallel split rate,
+    # those with a batch-split operand at the batch-split one
     assert program.dispatched > 0 and program.dispatched_split == 0
+    assert 0 < program.dispatched_batch_split <= program.dispatched
     reduced = [c.nbytes for c in program.collectives if c.kind == "all_reduce"]
     assert (2 * 64 * 256 + 256) * 4 in reduced, reduced  # weights and the 1st bias, at once
     assert {c.kind for c in program.collectives} == {"all_reduce"}
@@ -342,9 +344,11 @@ def test_dtensors_dispatch_is_measured_per_op_it_dispatches(tmp_path: Path) -> N
     assert measured["per_op_s"] >= 0 and measured["dtensor_step_s"] > 0
     # and on split operands, under Megatron's layout (the first layer by columns, the
     # second by rows) on a fake 2-rank group: its forward and backward hold both kinds
-    assert "split_note" not in measured, measured
+    assert "split_note" not in measured and "batch_note" not in measured, measured
     assert measured["split_ops"] > 0 and measured["split_replicated_ops"] > 0, measured
     assert measured["per_split_op_s"] >= 0 and measured["split_pass_s"] > 0
+    # and under data parallelism on DTensor (inputs split along their rows)
+    assert measured["batch_split_ops"] > 0 and measured["per_batch_split_op_s"] >= 0
     assert not torch.distributed.is_initialized()  # the fake group is gone
     plan = dryrun.megatron_plan_file(f"{tmp_path / 'mlp.py'}:build", build_mlp(tmp_path))
     assert plan is not None
@@ -375,34 +379,41 @@ def build_mlp(folder: Path) -> torch.nn.Module:
 
 
 def test_ops_on_split_operands_pay_their_own_dispatch_rate() -> None:
-    """An engine program's DTensor ops with a split or partial operand are charged the
-    cost model's ``split_dispatch_overhead`` (a calibration's ``split_dispatch_overhead_s``)
-    where one is set, the others ``dispatch_overhead``; without a split rate, every op
-    the one rate; a program recorded before the split count existed reads as none
-    split."""
+    """An engine program's DTensor ops with an operand split or partial over a
+    model-parallel axis are charged the cost model's ``split_dispatch_overhead`` (a
+    calibration's ``split_dispatch_overhead_s``), those split over the batch's axes only
+    ``batch_dispatch_overhead``, where set, the others ``dispatch_overhead``; without the
+    two rates, every op the one rate; a program recorded before the split counts existed
+    reads as none split."""
     from meshplace.cost.calibration import CostCalibration, calibrated_cost_model
 
     cluster = load_cluster("dgx-h100")
     device = cluster.devices[accelerators(cluster)[0]]
-    program = EngineProgram(2, dispatched=10, dispatched_update=3)
+    program = EngineProgram(2, dispatched=12, dispatched_update=3)
     program.dispatched_split, program.dispatched_update_split = 4, 1
+    program.dispatched_batch_split = 2
     mesh = mesh_over(cluster, np.asarray([0, 1]), ("tensor",), "given")
     kind = device.kind
-    two_rates = CostModel(dispatch_overhead={kind: 1e-5}, split_dispatch_overhead={kind: 3e-5})
-    cost = program.predict(two_rates, mesh, device.spec)
-    assert cost["dispatch_s"] == pytest.approx(6 * 1e-5 + 4 * 3e-5)
+    rates = CostModel(
+        dispatch_overhead={kind: 1e-5},
+        split_dispatch_overhead={kind: 3e-5},
+        batch_dispatch_overhead={kind: 2e-5},
+    )
+    cost = program.predict(rates, mesh, device.spec)
+    assert cost["dispatch_s"] == pytest.approx(6 * 1e-5 + 4 * 3e-5 + 2 * 2e-5)
     assert cost["update_s"] == pytest.approx(2 * 1e-5 + 1 * 3e-5)
     one_rate = program.predict(CostModel(dispatch_overhead={kind: 1e-5}), mesh, device.spec)
-    assert one_rate["dispatch_s"] == pytest.approx(10 * 1e-5)
+    assert one_rate["dispatch_s"] == pytest.approx(12 * 1e-5)
     old = {k: v for k, v in program.to_dict().items() if "split" not in k}
     assert EngineProgram.from_dict(old).dispatched_split == 0
     assert EngineProgram.from_dict(program.to_dict()) == program
     calibration = CostCalibration(
         device_kind=kind, peak_flops=1e12, memory_bandwidth=1e11, launch_overhead_s=1e-5,
-        dispatch_overhead_s=1e-5, split_dispatch_overhead_s=3e-5,
+        dispatch_overhead_s=1e-5, split_dispatch_overhead_s=3e-5, batch_dispatch_overhead_s=2e-5,
     )  # fmt: skip
     model = calibrated_cost_model(calibration, cluster)
     assert model.split_dispatch_overhead[kind] == 3e-5
+    assert model.batch_dispatch_overhead[kind] == 2e-5
     assert program.predict(model, mesh, device.spec)["dispatch_s"] == pytest.approx(
         cost["dispatch_s"]
     )

@@ -78,6 +78,9 @@ class CostCalibration(BaseModel):
             2-rank fake process group, :func:`meshplace.runtime.dryrun.
             measure_dispatch_overhead`); 0: not measured, such ops pay
             ``dispatch_overhead_s``.
+        batch_dispatch_overhead_s: the same for an op whose operands are split over the
+            batch's mesh axes only (data parallelism on DTensor: every input split along
+            its rows, parameters whole); 0: not measured.
         pipeline_overhead_s: seconds the pipelining engine adds per micro-batch on each
             stage (:func:`meshplace.runtime.pipelined.measure_engine_overhead`), which the
             hybrid search charges every micro-batch of a plan meshplace's runtime pipelines,
@@ -124,6 +127,7 @@ class CostCalibration(BaseModel):
     collectives_measured_on: Annotated[int, Field(ge=2)] | None = None
     dispatch_overhead_s: _NonNegative = 0.0
     split_dispatch_overhead_s: _NonNegative = 0.0
+    batch_dispatch_overhead_s: _NonNegative = 0.0
     pipeline_overhead_s: _NonNegative = 0.0
     pipeline_exchange_s: _NonNegative = 0.0
     pipeline_message_s: _NonNegative = 0.0
@@ -213,6 +217,14 @@ def calibrated_cost_model(
             **(
                 {kind: calibration.split_dispatch_overhead_s}
                 if calibration.split_dispatch_overhead_s
+                else {}
+            ),
+        },
+        batch_dispatch_overhead={
+            **base.batch_dispatch_overhead,
+            **(
+                {kind: calibration.batch_dispatch_overhead_s}
+                if calibration.batch_dispatch_overhead_s
                 else {}
             ),
         },

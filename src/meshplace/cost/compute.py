@@ -118,6 +118,10 @@ class CostModel:
             charged by the engine's recorded programs
             (:meth:`meshplace.runtime.dryrun.EngineProgram.predict`); absent:
             ``dispatch_overhead``.
+        batch_dispatch_overhead: device kind → seconds DTensor's dispatch costs an op
+            whose operands are split over the batch's mesh axes only (data parallelism
+            on DTensor), measured the same way on that layout; absent:
+            ``dispatch_overhead``.
         pipeline_overhead: device kind → seconds a pipelining engine adds per micro-batch
             on each stage (``torch.distributed.pipelining``'s schedule bookkeeping and
             stage input/output handling, measured by
@@ -153,6 +157,7 @@ class CostModel:
     collectives: dict[str, dict[str, tuple[float, float]]] = field(default_factory=dict)
     dispatch_overhead: dict[str, float] = field(default_factory=dict)
     split_dispatch_overhead: dict[str, float] = field(default_factory=dict)
+    batch_dispatch_overhead: dict[str, float] = field(default_factory=dict)
     pipeline_overhead: dict[str, float] = field(default_factory=dict)
     pipeline_exchange: dict[str, tuple[float, float]] = field(default_factory=dict)
     fsdp_unit_overhead: dict[str, float] = field(default_factory=dict)

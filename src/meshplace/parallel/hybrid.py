@@ -1785,7 +1785,12 @@ def hybrid_search(
     # costed again without it (keyed by tp 0), when the cost model has one and a
     # pipeline of one-device stages is possible.
     plain_model = (
-        replace(cost_model, dispatch_overhead={}, split_dispatch_overhead={})
+        replace(
+            cost_model,
+            dispatch_overhead={},
+            split_dispatch_overhead={},
+            batch_dispatch_overhead={},
+        )
         if cost_model is not None
         else None
     )

@@ -394,7 +394,9 @@ def without_dispatch(cost_model: CostModel | None, mesh: Mesh) -> CostModel | No
     there. O(1)."""
     if cost_model is None or not cost_model.dispatch_overhead.get(mesh.device_kind, 0.0):
         return None
-    return dataclasses.replace(cost_model, dispatch_overhead={}, split_dispatch_overhead={})
+    return dataclasses.replace(
+        cost_model, dispatch_overhead={}, split_dispatch_overhead={}, batch_dispatch_overhead={}
+    )
 
 
 def batch_labels(problem: ShardingProblem) -> dict[int, str]:

@@ -554,13 +554,14 @@ def _run(args: argparse.Namespace, plan: Any) -> int:
             # sharding runtime pays, and what torch's pipelining adds per micro-batch,
             # which the hybrid runtime pays (a FILE.py:FUNCTION model: built again here)
             dispatch = measure_dispatch_overhead(str(args.graph))
-            if dispatch.get("split_note"):
-                print(
-                    "meshplace: note: DTensor's dispatch on split operands was not measured "
-                    f"({dispatch['split_note']}); the calibration file says 0 (such ops pay "
-                    "the replicated rate)",
-                    file=sys.stderr,
-                )
+            for key, which in (("split_note", "model-parallel"), ("batch_note", "batch")):
+                if dispatch.get(key):
+                    print(
+                        f"meshplace: note: DTensor's dispatch on {which}-split operands was "
+                        f"not measured ({dispatch[key]}); the calibration file says 0 (such "
+                        "ops pay the replicated rate)",
+                        file=sys.stderr,
+                    )
             # (torch's pipelining cannot trace every model)
             engine = measured_or_zero(
                 "the pipelining engine's", lambda: measure_engine_overhead(str(args.graph))
@@ -578,6 +579,7 @@ def _run(args: argparse.Namespace, plan: Any) -> int:
                 update={
                     "dispatch_overhead_s": dispatch["per_op_s"],
                     "split_dispatch_overhead_s": dispatch["per_split_op_s"],
+                    "batch_dispatch_overhead_s": dispatch["per_batch_split_op_s"],
                     "pipeline_overhead_s": engine,
                     "fsdp_unit_overhead_s": fsdp,
                     "ddp_overhead_s": ddp,

@@ -160,6 +160,10 @@ class EngineProgram:
     # propagation over more strategies, redistribution planning, Megatron's boundaries)
     dispatched_split: int = 0
     dispatched_update_split: int = 0
+    # of ``dispatched`` (and ``dispatched_update``), those split over the batch's mesh
+    # dimensions only (data parallelism on DTensor), at a rate of their own
+    dispatched_batch_split: int = 0
+    dispatched_update_batch_split: int = 0
     # the rank's whole step timed on the fake process group, where collectives return at
     # once: the median of a few steps after the recorded one (0: not timed). Not a
     # prediction — a measurement of the rank's local work alone, which the benchmark
@@ -182,6 +186,8 @@ class EngineProgram:
             # recorded before split operands were told apart: priced as replicated ones
             dispatched_split=int(d.get("dispatched_split", 0)),
             dispatched_update_split=int(d.get("dispatched_update_split", 0)),
+            dispatched_batch_split=int(d.get("dispatched_batch_split", 0)),
+            dispatched_update_batch_split=int(d.get("dispatched_update_batch_split", 0)),
             # recorded before it was timed: none
             timed_step_s=float(d.get("timed_step_s", 0.0)),
         )
@@ -198,9 +204,10 @@ class EngineProgram:
         overheads for the cluster's ``device_kind``, by default ``spec.kind``),
         collectives by ``mesh`` (a
         :class:`meshplace.mesh.layout.Mesh`, calibrated for measured collectives).
-        A DTensor-level op with a split or partial operand pays the cost model's
-        ``split_dispatch_overhead`` where one was measured, the others
-        ``dispatch_overhead``.
+        A DTensor-level op with an operand split or partial over a model-parallel mesh
+        dimension pays the cost model's ``split_dispatch_overhead``, one split over the
+        batch's dimensions only ``batch_dispatch_overhead``, where they were measured;
+        the others ``dispatch_overhead``.
         Kernels cost the roofline, ``max(flops / (peak e_c), bytes / (bandwidth e_m))``
         plus their fixed cost (:meth:`meshplace.cost.compute.CostModel.kernel_seconds`: the
         operator's or kind's calibrated one, else one launch); every DTensor-level op the
@@ -226,15 +233,22 @@ class EngineProgram:
             compute += seconds
             update += seconds if k.update else 0.0
         per_op = cost_model.dispatch_overhead.get(kind, 0.0)
-        # an op on split operands at its own measured rate, where one was measured
+        # ops on split operands at their own measured rates, where they were measured
         per_split_op = cost_model.split_dispatch_overhead.get(kind, per_op)
+        per_batch_op = cost_model.batch_dispatch_overhead.get(kind, per_op)
         if self.fsdp_units:  # FSDP2's measured cost per unit holds its DTensor dispatch
             dispatch = self.fsdp_units * per_unit
         else:
-            dispatch = (self.dispatched - self.dispatched_split) * per_op
-            dispatch += self.dispatched_split * per_split_op
-            update += (self.dispatched_update - self.dispatched_update_split) * per_op
-            update += self.dispatched_update_split * per_split_op
+            whole = self.dispatched - self.dispatched_split - self.dispatched_batch_split
+            dispatch = whole * per_op + self.dispatched_split * per_split_op
+            dispatch += self.dispatched_batch_split * per_batch_op
+            whole_update = (
+                self.dispatched_update
+                - self.dispatched_update_split
+                - self.dispatched_update_batch_split
+            )
+            update += whole_update * per_op + self.dispatched_update_split * per_split_op
+            update += self.dispatched_update_batch_split * per_batch_op
         communication = 0.0
         for c in self.collectives:
             seconds = mesh.collective_time(c.kind, c.nbytes, c.axes)
@@ -288,7 +302,8 @@ def recorder(
     ``step`` (PyTorch's global optimizer step hooks mark it) is recorded as the update.
     A DTensor-level op counts as split (``dispatched_split``) when an operand is split or
     a partial sum over a mesh dimension other than ``batch_dims`` (those the batch is
-    split over: an op of data parallelism dispatches at the replicated rate)."""
+    split over), as batch-split (``dispatched_batch_split``) when its operands are split
+    or partial over those only: each kind pays a dispatch rate of its own."""
     from torch.distributed.tensor import DTensor
     from torch.optim.optimizer import (
         register_optimizer_step_post_hook,
@@ -330,17 +345,21 @@ def recorder(
             kwargs = kwargs or {}
             if any(issubclass(t, DTensor) for t in types):
                 if not is_alias(func):
-                    split = any(
-                        not p.is_replicate()
+                    placed = [
+                        (dim, p)
                         for t in tree_leaves((args, kwargs))
                         if isinstance(t, DTensor)
                         for dim, p in enumerate(t.placements)
-                        if dim not in batch_dims
-                    )
+                        if not p.is_replicate()
+                    ]
+                    split = any(dim not in batch_dims for dim, _ in placed)
+                    batch = bool(placed) and not split
                     program.dispatched += 1
                     program.dispatched_update += updating[0]
                     program.dispatched_split += split
                     program.dispatched_update_split += split and updating[0]
+                    program.dispatched_batch_split += batch
+                    program.dispatched_update_batch_split += batch and updating[0]
                 return NotImplemented  # DTensor runs it; its local kernels come back here
             out = func(*args, **kwargs)
             name = func.overloadpacket.__name__
@@ -952,25 +971,104 @@ def megatron_plan_file(source: str, model: Any) -> dict[str, Any] | None:
 def measure_split_dispatch_overhead(source: str, per_op_s: float, reps: int = 20) -> dict[str, Any]:
     """What DTensor's dispatch costs an op with a split or partial operand, measured in
     this process on ``source``'s own forward and backward (two rows of its inputs, one
-    thread): under Megatron's layout (:func:`megatron_plan_file`) as the runtime runs it
-    (:class:`meshplace.runtime.launch.ShardedTraining`: its boundaries and vocabulary-
-    parallel lookup included) on rank 0 of a fake 2-rank process group, whose
-    collectives return at once, paired with the plain model's, the median of the paired
-    differences, less the replicated ops' ``per_op_s``, divided by the split ops (both
-    counted by :func:`recorder`). The optimizer is left out: on two rows its update of
-    half the weights against the plain model's whole would take most of the difference.
-    Returns ``per_split_op_s`` (0 with ``split_note`` saying why when nothing was
-    measured: no matrix layer to split, or the layout does not run), ``split_ops``,
-    ``split_replicated_ops`` and the two passes' medians. O(reps) forward and backward
-    passes on two rows.
+    thread) as the runtime runs it (:class:`meshplace.runtime.launch.ShardedTraining`: its
+    boundaries and vocabulary-parallel lookup included) on rank 0 of a fake 2-rank process
+    group, whose collectives return at once, paired with the plain model's: the median of
+    the paired differences, less the replicated ops at ``per_op_s``, divided by the split
+    ops (counted by :func:`recorder`). Two layouts, two rates: Megatron's
+    (:func:`megatron_plan_file`; ops split over a model-parallel axis,
+    ``per_split_op_s``) and data parallelism's (:func:`data_parallel_plan_file`: every
+    input split along its rows, parameters whole; ops split over the batch's axis only,
+    ``per_batch_split_op_s``). The optimizer is left out: on two rows its update of half
+    the weights against the plain model's whole would take most of the difference.
+    Returns the two rates (each 0, with ``split_note`` or ``batch_note`` saying why, when
+    it was not measured: no matrix layer to split, or the layout does not run), the ops
+    counted (``split_ops``, ``split_replicated_ops``, ``batch_split_ops``) and the
+    Megatron passes' medians. O(reps) forward and backward passes on two rows, twice.
 
-    On the Llama example this machine measured 173-200 us per split op where a
-    replicated one costs 71-77: DTensor's Megatron-layout forward and backward of that
-    model take about 6x the plain ones.
+    On the Llama example this machine measured 173-200 us per op split over the tensor
+    axis where a replicated one costs 71-77: DTensor's Megatron-layout forward and
+    backward of that model take about 6x the plain ones.
 
     Example: ``measure_split_dispatch_overhead("examples/llama.py:build_tiny",
     7e-5)["per_split_op_s"]``."""
     import statistics
+
+    from meshplace.graph.sources import build_on_two_rows
+
+    model = build_on_two_rows(source)[0]
+    out: dict[str, Any] = {"per_split_op_s": 0.0, "split_ops": 0, "split_replicated_ops": 0}
+    plan = megatron_plan_file(source, model)
+    if plan is None:
+        out["split_note"] = "Megatron's layout splits none of its parameters"
+    else:
+        passes = _paired_dtensor_passes(plan, source, reps, batch_dims=())
+        if isinstance(passes, str):
+            out["split_note"] = f"Megatron's layout does not run ({passes})"
+        else:
+            pairs, program = passes
+            split = program.dispatched_split
+            replicated = program.dispatched - split
+            difference = statistics.median(d - p for p, d in pairs)
+            if not split:
+                out["split_note"] = "no op of its step had a split operand"
+            else:
+                out.update(
+                    per_split_op_s=max(0.0, (difference - replicated * per_op_s) / split),
+                    split_ops=split,
+                    split_replicated_ops=replicated,
+                    split_plain_pass_s=statistics.median(p for p, _ in pairs),
+                    split_pass_s=statistics.median(d for _, d in pairs),
+                )
+    out.update(per_batch_split_op_s=0.0, batch_split_ops=0)
+    passes = _paired_dtensor_passes(
+        data_parallel_plan_file(source, model), source, reps, batch_dims=(0,)
+    )
+    if isinstance(passes, str):
+        out["batch_note"] = f"data parallelism on DTensor does not run ({passes})"
+        return out
+    pairs, program = passes
+    batch = program.dispatched_batch_split
+    if not batch:
+        out["batch_note"] = "no op of its step had a batch-split operand"
+        return out
+    difference = statistics.median(d - p for p, d in pairs)
+    replicated = program.dispatched - batch - program.dispatched_split
+    out.update(
+        per_batch_split_op_s=max(0.0, (difference - replicated * per_op_s) / batch),
+        batch_split_ops=batch,
+    )
+    return out
+
+
+def data_parallel_plan_file(source: str, model: Any) -> dict[str, Any]:
+    """The plan file of data parallelism on DTensor over 2 ranks for ``source``'s model
+    (``model`` built from it): every parameter whole, every input split along its first
+    dimension. O(parameters), plus the capture (cached) for the inputs' names."""
+    from meshplace.graph.sources import graph_for
+
+    graph = graph_for(source)
+    inputs = [op.name.removeprefix("input:") for op in graph.ops if op.kind == "input"]
+    return {
+        "format": "meshplace.parallel_plan",
+        "version": 1,
+        "mesh": {"shape": [2], "axes": ["data"]},
+        "parameters": {
+            name: {"placements": ["Replicate()"], "zero": 0} for name, _ in model.named_parameters()
+        },
+        "inputs": {name: {"placements": ["Shard(0)"]} for name in inputs},
+    }
+
+
+def _paired_dtensor_passes(
+    plan: dict[str, Any], source: str, reps: int, batch_dims: Sequence[int]
+) -> tuple[list[tuple[float, float]], EngineProgram] | str:
+    """``reps`` pairs of (plain, DTensor) forward-and-backward seconds of ``source`` on two
+    rows, the DTensor one under ``plan`` on rank 0 of a fake process group of the plan's
+    size, alternating (the host's speed drifts within seconds), and one DTensor pass
+    recorded; or, when the plan does not run, the reason (any failure: an optional
+    measurement). One thread, the group destroyed and the thread count restored on
+    every way out. O(reps) passes."""
     import time
 
     import torch
@@ -982,60 +1080,43 @@ def measure_split_dispatch_overhead(source: str, per_op_s: float, reps: int = 20
     from meshplace.runtime.launch import ShardedTraining
     from meshplace.runtime.sharded import sharded_step
 
-    empty = {"per_split_op_s": 0.0, "split_ops": 0, "split_replicated_ops": 0}
     plain_model, plain_args, plain_kwargs = build_on_two_rows(source)
-    plan = megatron_plan_file(source, plain_model)
-    if plan is None:
-        return {**empty, "split_note": "Megatron's layout splits none of its parameters"}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    world = math.prod(int(n) for n in plan["mesh"]["shape"])
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
-        try:
-            training = ShardedTraining(
-                plan, source, lr=1e-3, device_type="cpu", built=build_on_two_rows(source)
-            )
+        training = ShardedTraining(
+            plan, source, lr=1e-3, device_type="cpu", built=build_on_two_rows(source)
+        )
 
-            def split_pass() -> float:
-                start = time.perf_counter()
-                with sharded_step("cpu", training.attention):
-                    loss, _how = as_loss(
-                        training.zero.forward(training.model, training.args, training.kwargs)
-                    )
-                    loss.backward()
-                elapsed = time.perf_counter() - start
-                training.model.zero_grad(set_to_none=True)
-                return elapsed
-
-            def plain_pass() -> float:
-                start = time.perf_counter()
-                loss, _how = as_loss(plain_model(*plain_args, **plain_kwargs))
+        def dtensor_pass() -> float:
+            start = time.perf_counter()
+            with sharded_step("cpu", training.attention):
+                loss, _how = as_loss(
+                    training.zero.forward(training.model, training.args, training.kwargs)
+                )
                 loss.backward()
-                elapsed = time.perf_counter() - start
-                plain_model.zero_grad(set_to_none=True)
-                return elapsed
+            elapsed = time.perf_counter() - start
+            training.model.zero_grad(set_to_none=True)
+            return elapsed
 
-            # alternating, the paired differences' median (as the replicated rate)
-            pairs = [(plain_pass(), split_pass()) for _ in range(reps + 2)][2:]
-            program = EngineProgram(2)
-            with recorder(program, mesh_axes(training.mesh)):
-                split_pass()
-        except Exception as exc:  # an optional measurement: any failure is its note
-            words = str(exc).strip().splitlines() or [""]
-            note = f"Megatron's layout does not run ({type(exc).__name__}: {words[-1]})"
-            return {**empty, "split_note": note}
+        def plain_pass() -> float:
+            start = time.perf_counter()
+            loss, _how = as_loss(plain_model(*plain_args, **plain_kwargs))
+            loss.backward()
+            elapsed = time.perf_counter() - start
+            plain_model.zero_grad(set_to_none=True)
+            return elapsed
+
+        pairs = [(plain_pass(), dtensor_pass()) for _ in range(reps + 2)][2:]
+        program = EngineProgram(world)
+        with recorder(program, mesh_axes(training.mesh), batch_dims):
+            dtensor_pass()
+    except Exception as exc:  # an optional measurement: any failure is its note
+        words = str(exc).strip().splitlines() or [""]
+        return f"{type(exc).__name__}: {words[-1]}"
     finally:
         dist.destroy_process_group()
         torch.set_num_threads(threads)
-    difference = statistics.median(d - p for p, d in pairs)
-    split = program.dispatched_split
-    replicated = program.dispatched - split
-    if not split:
-        return {**empty, "split_note": "no op of its step had a split operand"}
-    return {
-        "per_split_op_s": max(0.0, (difference - replicated * per_op_s) / split),
-        "split_ops": split,
-        "split_replicated_ops": replicated,
-        "split_plain_pass_s": statistics.median(p for p, _ in pairs),
-        "split_pass_s": statistics.median(d for _, d in pairs),
-    }
+    return pairs, program
