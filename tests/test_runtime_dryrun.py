@@ -21,7 +21,7 @@ from meshplace.cost.collectives import collective_time
 from meshplace.cost.compute import CostModel
 from meshplace.errors import InputError
 from meshplace.graph.capture import capture
-from meshplace.graph.sources import load_build_function
+from meshplace.graph.sources import graph_for, load_build_function
 from meshplace.hardware import load_cluster
 from meshplace.mesh.layout import accelerators, mesh_over
 from meshplace.parallel.grid import megatron_grid
@@ -350,7 +350,8 @@ def test_dtensors_dispatch_is_measured_per_op_it_dispatches(tmp_path: Path) -> N
     # and under data parallelism on DTensor (inputs split along their rows)
     assert measured["batch_split_ops"] > 0 and measured["per_batch_split_op_s"] >= 0
     assert not torch.distributed.is_initialized()  # the fake group is gone
-    plan = dryrun.megatron_plan_file(f"{tmp_path / 'mlp.py'}:build", build_mlp(tmp_path))
+    graph = graph_for(f"{tmp_path / 'mlp.py'}:build")
+    plan = dryrun.megatron_plan_file(graph, build_mlp(tmp_path))
     assert plan is not None
     placements = {k: v["placements"] for k, v in plan["parameters"].items()}
     assert placements == {"0.weight": ["Shard(0)"], "0.bias": ["Shard(0)"],

@@ -939,32 +939,44 @@ def measure_dispatch_overhead(source: str, reps: int = 20) -> dict[str, Any]:
     }
 
 
-def megatron_plan_file(source: str, model: Any) -> dict[str, Any] | None:
-    """The plan file of ``source``'s model (``FILE.py:build``, ``model`` built from it)
-    under Megatron's tensor-parallel layout on 2 ranks
-    (:func:`meshplace.parallel.grid.megatron_layers` of its captured graph; a dimension 2
-    does not divide stays whole), inputs replicated; ``None`` when it splits nothing (a
-    model without matrix layers). O(capture, cached)."""
-    from meshplace.graph.sources import graph_for
+def megatron_plan_file(graph: Any, model: Any) -> dict[str, Any] | None:
+    """The plan file of ``model`` (captured as ``graph``) under Megatron's tensor-parallel
+    layout on 2 ranks (:func:`meshplace.parallel.grid.megatron_layers`; a dimension 2 does
+    not divide stays whole), inputs replicated; ``None`` when it splits nothing (a model
+    without matrix layers). O(ops x layers)."""
     from meshplace.parallel.grid import megatron_layers
 
-    graph = graph_for(source)
     layers = megatron_layers(graph)
-    parameters: dict[str, dict[str, Any]] = {}
+    parameters: dict[str, str] = {}
     for name, param in model.named_parameters():
         dim = layers.get(f"param:{name}", -1)
         split = dim >= 0 and param.dim() > dim and param.shape[dim] % 2 == 0
-        placement = f"Shard({dim})" if split else "Replicate()"
-        parameters[name] = {"placements": [placement], "zero": 0}
-    if all(p["placements"] == ["Replicate()"] for p in parameters.values()):
+        parameters[name] = f"Shard({dim})" if split else "Replicate()"
+    if all(p == "Replicate()" for p in parameters.values()):
         return None
+    return _two_rank_plan(graph, "tensor", parameters, "Replicate()")
+
+
+def data_parallel_plan_file(graph: Any, model: Any) -> dict[str, Any]:
+    """The plan file of data parallelism on DTensor over 2 ranks for ``model`` (captured
+    as ``graph``): every parameter whole, every input split along its first dimension.
+    O(parameters + ops)."""
+    parameters = {name: "Replicate()" for name, _ in model.named_parameters()}
+    return _two_rank_plan(graph, "data", parameters, "Shard(0)")
+
+
+def _two_rank_plan(
+    graph: Any, axis: str, parameters: dict[str, str], input_placement: str
+) -> dict[str, Any]:
+    """A plan file on a 2-rank mesh ``axis``: each parameter's placement (ZeRO 0), every
+    input of ``graph`` placed ``input_placement``."""
     inputs = [op.name.removeprefix("input:") for op in graph.ops if op.kind == "input"]
     return {
         "format": "meshplace.parallel_plan",
         "version": 1,
-        "mesh": {"shape": [2], "axes": ["tensor"]},
-        "parameters": parameters,
-        "inputs": {name: {"placements": ["Replicate()"]} for name in inputs},
+        "mesh": {"shape": [2], "axes": [axis]},
+        "parameters": {n: {"placements": [p], "zero": 0} for n, p in parameters.items()},
+        "inputs": {name: {"placements": [input_placement]} for name in inputs},
     }
 
 
@@ -994,70 +1006,49 @@ def measure_split_dispatch_overhead(source: str, per_op_s: float, reps: int = 20
     7e-5)["per_split_op_s"]``."""
     import statistics
 
-    from meshplace.graph.sources import build_on_two_rows
+    from meshplace.graph.sources import build_on_two_rows, graph_for
 
-    model = build_on_two_rows(source)[0]
+    graph, model = graph_for(source), build_on_two_rows(source)[0]
+
+    def rate(passes: tuple[list[tuple[float, float]], EngineProgram], counted: int) -> float:
+        """Seconds per ``counted`` op: the passes' median paired difference, less the
+        ops neither split nor batch-split at ``per_op_s``."""
+        pairs, program = passes
+        difference = statistics.median(d - p for p, d in pairs)
+        split, batch = program.dispatched_split, program.dispatched_batch_split
+        whole = program.dispatched - split - batch
+        return max(0.0, (difference - whole * per_op_s) / counted)
+
     out: dict[str, Any] = {"per_split_op_s": 0.0, "split_ops": 0, "split_replicated_ops": 0}
-    plan = megatron_plan_file(source, model)
+    plan = megatron_plan_file(graph, model)
     if plan is None:
         out["split_note"] = "Megatron's layout splits none of its parameters"
     else:
         passes = _paired_dtensor_passes(plan, source, reps, batch_dims=())
         if isinstance(passes, str):
             out["split_note"] = f"Megatron's layout does not run ({passes})"
+        elif not passes[1].dispatched_split:
+            out["split_note"] = "no op of its step had a split operand"
         else:
             pairs, program = passes
-            split = program.dispatched_split
-            replicated = program.dispatched - split
-            difference = statistics.median(d - p for p, d in pairs)
-            if not split:
-                out["split_note"] = "no op of its step had a split operand"
-            else:
-                out.update(
-                    per_split_op_s=max(0.0, (difference - replicated * per_op_s) / split),
-                    split_ops=split,
-                    split_replicated_ops=replicated,
-                    split_plain_pass_s=statistics.median(p for p, _ in pairs),
-                    split_pass_s=statistics.median(d for _, d in pairs),
-                )
+            out.update(
+                per_split_op_s=rate(passes, program.dispatched_split),
+                split_ops=program.dispatched_split,
+                split_replicated_ops=program.dispatched - program.dispatched_split,
+                split_plain_pass_s=statistics.median(p for p, _ in pairs),
+                split_pass_s=statistics.median(d for _, d in pairs),
+            )
     out.update(per_batch_split_op_s=0.0, batch_split_ops=0)
-    passes = _paired_dtensor_passes(
-        data_parallel_plan_file(source, model), source, reps, batch_dims=(0,)
-    )
-    if isinstance(passes, str):
-        out["batch_note"] = f"data parallelism on DTensor does not run ({passes})"
-        return out
-    pairs, program = passes
-    batch = program.dispatched_batch_split
-    if not batch:
+    batch_plan = data_parallel_plan_file(graph, model)
+    batch_passes = _paired_dtensor_passes(batch_plan, source, reps, batch_dims=(0,))
+    if isinstance(batch_passes, str):
+        out["batch_note"] = f"data parallelism on DTensor does not run ({batch_passes})"
+    elif not batch_passes[1].dispatched_batch_split:
         out["batch_note"] = "no op of its step had a batch-split operand"
-        return out
-    difference = statistics.median(d - p for p, d in pairs)
-    replicated = program.dispatched - batch - program.dispatched_split
-    out.update(
-        per_batch_split_op_s=max(0.0, (difference - replicated * per_op_s) / batch),
-        batch_split_ops=batch,
-    )
+    else:
+        batch = batch_passes[1].dispatched_batch_split
+        out.update(per_batch_split_op_s=rate(batch_passes, batch), batch_split_ops=batch)
     return out
-
-
-def data_parallel_plan_file(source: str, model: Any) -> dict[str, Any]:
-    """The plan file of data parallelism on DTensor over 2 ranks for ``source``'s model
-    (``model`` built from it): every parameter whole, every input split along its first
-    dimension. O(parameters), plus the capture (cached) for the inputs' names."""
-    from meshplace.graph.sources import graph_for
-
-    graph = graph_for(source)
-    inputs = [op.name.removeprefix("input:") for op in graph.ops if op.kind == "input"]
-    return {
-        "format": "meshplace.parallel_plan",
-        "version": 1,
-        "mesh": {"shape": [2], "axes": ["data"]},
-        "parameters": {
-            name: {"placements": ["Replicate()"], "zero": 0} for name, _ in model.named_parameters()
-        },
-        "inputs": {name: {"placements": ["Shard(0)"]} for name in inputs},
-    }
 
 
 def _paired_dtensor_passes(
