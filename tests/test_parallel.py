@@ -647,6 +647,26 @@ def test_integer_program_equals_brute_force(case) -> None:
         assert got.memory <= capacity * (1 + 1e-6) + 1e-6
 
 
+@settings(max_examples=80, deadline=None)
+@given(assignment_problems())
+def test_the_least_memory_choice_equals_brute_force(case) -> None:
+    """``minimise="memory"``, solved in closed form: the least resident-plus-transient
+    memory over every combination, and among those the choice it returns is valid."""
+    import itertools
+
+    tables, capacity = case
+    combos = itertools.product(*(range(len(c)) for c in tables.node))
+    least = min(ilp.memory_of(c, tables.memory, tables.transient) for c in combos)
+    got = tables.solve(capacity, minimise="memory")
+    if capacity is not None and least > capacity * (1 + 1e-9):
+        assert got.status == ilp.INFEASIBLE and got.choice == []
+        return
+    assert got.status == ilp.OPTIMAL
+    assert got.memory == pytest.approx(least, rel=1e-12, abs=1e-12)
+    assert got.memory == ilp.memory_of(got.choice, tables.memory, tables.transient)
+    assert got.objective == ilp.evaluate(got.choice, tables.node, tables.edges)
+
+
 def test_solver_works_after_highs_ran_elsewhere_in_the_process() -> None:
     import highspy
 

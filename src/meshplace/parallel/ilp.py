@@ -8,7 +8,9 @@ the transportation constraints ``sum_t y[e,s,t] = x[u,s]``, ``sum_s y[e,s,t] = x
 (whose LP relaxation is tighter than ``y >= x[u,s] + x[v,t] - 1``). A memory limit is one
 more linear row: ``sum memory[v,s] x[v,s] + T <= capacity`` with ``T >= transient[v,s]
 x[v,s]`` for every node (the largest working set of one op, on top of what stays
-resident). Solved by HiGHS (``highspy``) branch and bound.
+resident). Solved by HiGHS (``highspy``) branch and bound. Least memory
+(``minimise="memory"``) needs no branch and bound: :func:`least_memory` finds it exactly
+in closed form, and proves a memory limit infeasible before the integer program is built.
 
 Communication that overlaps compute enters as *exposures*: a continuous ``e >= 0`` added
 to the objective with rows ``e >= R[k] . q`` for every row ``k``, where each ``q_j`` is a
@@ -160,7 +162,11 @@ def solve(
 
     _check(node_costs, edge_costs, quantities, exposures)
     if minimise != "time":
-        quantities, exposures = (), ()
+        return least_memory(node_costs, edge_costs, memory, transient, capacity)
+    if capacity is not None:
+        lean = least_memory(node_costs, edge_costs, memory, transient, capacity)
+        if lean.status == INFEASIBLE:  # no choice fits: proved without branch and bound
+            return lean
     n = len(node_costs)
     memory = memory if memory is not None else [np.zeros(len(c)) for c in node_costs]
     transient = transient if transient is not None else [np.zeros(len(c)) for c in node_costs]
@@ -316,6 +322,72 @@ def solve(
         memory_of(choice, memory, transient),
         float(getattr(info, "mip_gap", 0.0) or 0.0) if word != OPTIMAL else 0.0,
         n_var,
+    )
+
+
+def least_memory(
+    node_costs: Sequence[np.ndarray],
+    edge_costs: Mapping[tuple[int, int], np.ndarray],
+    memory: Sequence[np.ndarray] | None = None,
+    transient: Sequence[np.ndarray] | None = None,
+    capacity: float | None = None,
+) -> Solution:
+    """The choice of least memory (resident plus the largest transient, as
+    :func:`memory_of`), exactly, without the integer program: memory depends on each
+    node's own strategy and one maximum, and the edges' transportation rows are met by any
+    choice, so for each candidate bound ``tau`` on the largest transient (zero or one of
+    the transients) every node takes its least resident memory among the strategies whose
+    transient is at most ``tau``, and the best ``tau`` wins. Ties go to the strategy of
+    least node cost, then the first. ``INFEASIBLE`` when even that exceeds ``capacity``.
+
+    Complexity: ``O(K * sum_v S_v)`` for ``K`` distinct transients (vectorised over a
+    ``V x max S`` table); HiGHS's branch and bound on the same program took seconds on a
+    400-node Llama (``T`` couples every node).
+
+    Example
+    -------
+    >>> import numpy as np
+    >>> r = least_memory([np.zeros(2), np.zeros(2)], {}, [np.array([1.0, 4.0]),
+    ...     np.array([2.0, 3.0])], [np.array([9.0, 0.0]), np.array([0.0, 0.0])])
+    >>> r.choice, r.memory  # node 0's 1 byte would bring a 9-byte transient
+    ([1, 0], 6.0)
+    """
+    _check(node_costs, edge_costs)
+    n = len(node_costs)
+    memory = memory if memory is not None else [np.zeros(len(c)) for c in node_costs]
+    transient = transient if transient is not None else [np.zeros(len(c)) for c in node_costs]
+    width = max((len(c) for c in node_costs), default=0)
+    resident = np.full((n, width), math.inf)
+    working = np.full((n, width), math.inf)
+    cost = np.full((n, width), math.inf)
+    for v, (c, m, t) in enumerate(zip(node_costs, memory, transient, strict=True)):
+        resident[v, : len(c)] = m
+        working[v, : len(c)] = np.maximum(np.asarray(t, dtype=np.float64), 0.0)
+        cost[v, : len(c)] = c
+    # the largest transient is at least every node's least one
+    floor = float(np.max(np.min(working, axis=1))) if n else 0.0
+    bounds = np.unique(working[np.isfinite(working)])
+    bounds = np.concatenate([[floor], bounds[bounds > floor]])
+    best_total, best_bound = math.inf, floor
+    for bound in bounds:
+        allowed = np.where(working <= bound, resident, math.inf)
+        total = float(np.sum(np.min(allowed, axis=1))) + bound
+        if total < best_total:
+            best_total, best_bound = total, float(bound)
+    allowed = np.where(working <= best_bound, resident, math.inf)
+    least = np.min(allowed, axis=1, keepdims=True)
+    # among the strategies of least memory, the cheapest in time
+    choice = np.argmin(np.where(allowed == least, cost, math.inf), axis=1).tolist()
+    mem = memory_of(choice, memory, transient)
+    if capacity is not None and mem > capacity * (1 + 1e-9):
+        return Solution([], math.inf, INFEASIBLE, variables=int(sum(map(len, node_costs))))
+    return Solution(
+        choice,
+        evaluate(choice, node_costs, edge_costs),
+        OPTIMAL,
+        mem,
+        0.0,
+        int(sum(map(len, node_costs))),
     )
 
 
