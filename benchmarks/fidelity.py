@@ -36,7 +36,11 @@ does) costs, with DTensor's dispatch per op (measured on a 1-rank mesh in this p
 :func:`meshplace.runtime.dryrun.measure_dispatch_overhead`, and at a rate of its own for
 ops with a split operand, measured under Megatron's layout on a fake 2-rank group; the
 ablation ``one_dispatch_rate`` charges every op the first); the solver's own estimate
-of each plan is reported beside it (``predicted_solver_s``), and so is a measurement
+of each plan is reported beside it (``predicted_solver_s``). Kernels cost as eager PyTorch
+runs them: fitted to each kernel's own time on the model's eager step
+(:func:`meshplace.runtime.dryrun.time_eager_kernels`, :func:`meshplace.profile.calibrate.
+fit_eager_kernels`; the ablation ``graph_kernels`` prices them by the fit to the
+runtime's op times instead). Reported beside them too: a measurement
 that tells the model's error on the rank's local work from the rest: the rank's step timed
 alone in its dry run (``timed_alone_s``; the fake process group's collectives return at
 once) plus the model's collectives (``predicted_timed_local_s``). Each plan
@@ -386,10 +390,10 @@ def dtensor_workers(source: str) -> tuple[Any, Any, Any, dict[str, Any], Any, An
     Returns ``(traced step, calibration, cluster, dispatch measurement (with ``fsdp``),
     engine calibration, cost model)``."""
     from meshplace.cost.calibration import calibrated_cost_model, with_collectives
-    from meshplace.profile.calibrate import calibrate
+    from meshplace.profile.calibrate import calibrate, fit_eager_kernels
     from meshplace.profile.link import measure_collectives
     from meshplace.runtime.data_parallel import measure_fsdp_overhead
-    from meshplace.runtime.dryrun import measure_dispatch_overhead
+    from meshplace.runtime.dryrun import measure_dispatch_overhead, time_eager_kernels
     from meshplace.runtime.program import ModelSpec, trace_step
 
     step = trace_step(ModelSpec(source))
@@ -408,6 +412,15 @@ def dtensor_workers(source: str) -> tuple[Any, Any, Any, dict[str, Any], Any, An
         file=sys.stderr,
     )
     fitted = with_collectives(cal.cost_calibration(), collectives)
+    # the kernels as torchrun's engines run them: eager PyTorch, each kernel's own time on
+    # the model's eager step (the op times above are fx nodes of meshplace's own runtime)
+    fitted = fit_eager_kernels(time_eager_kernels(source), fitted)
+    assert fitted.eager is not None
+    print(
+        f"  eager kernels: {fitted.eager.launch_overhead_s * 1e6:.1f} us launch (the "
+        f"runtime's op times: {fitted.launch_overhead_s * 1e6:.1f} us)",
+        file=sys.stderr,
+    )
     engine = fitted.model_copy(
         update={
             "dispatch_overhead_s": dispatch["per_op_s"],
@@ -487,6 +500,9 @@ def run_sharded_model(source: str, steps: int, warmup: int, passes: int) -> dict
     one_rate = dataclasses.replace(
         cost_model, split_dispatch_overhead={}, batch_dispatch_overhead={}
     )
+    # and by the ablation of the eager kernel costs (every kernel at the costs fitted to
+    # the runtime's op times, as before session 58)
+    graph_kernels = dataclasses.replace(cost_model, eager_kernels={})
     engine_predictions: dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, Any]]] = {}
     timed_alone: dict[str, float] = {}
     for label, document, _ in plans:
@@ -495,6 +511,7 @@ def run_sharded_model(source: str, steps: int, warmup: int, passes: int) -> dict
             program_cost(program, document, cluster, cost_model),
             program_cost(program, document, cluster, on_links),
             program_cost(program, document, cluster, one_rate),
+            program_cost(program, document, cluster, graph_kernels),
         )
         timed_alone[label] = program.timed_step_s
     timed, per_pass = _torchrun_passes(
@@ -504,7 +521,7 @@ def run_sharded_model(source: str, steps: int, warmup: int, passes: int) -> dict
     for label, document, solver_s in plans:
         if not timed[label]:
             continue
-        engine_s, links_s, one_rate_s = engine_predictions[label]
+        engine_s, links_s, one_rate_s, graph_kernels_s = engine_predictions[label]
         parts = ("step_s", "compute_s", "dispatch_s", "communication_s")
         breakdown = {k: engine_s[k] for k in parts}
         program = {k: engine_s[k] for k in ("collectives", "kernels", "dispatched")}
@@ -532,6 +549,8 @@ def run_sharded_model(source: str, steps: int, warmup: int, passes: int) -> dict
                 error_timed_local=(alone - measured) / measured,
                 predicted_one_dispatch_rate_s=one_rate_s["step_s"],
                 error_one_dispatch_rate=(one_rate_s["step_s"] - measured) / measured,
+                predicted_graph_kernels_s=graph_kernels_s["step_s"],
+                error_graph_kernels=(graph_kernels_s["step_s"] - measured) / measured,
             )
         )
     meas = [r["measured_s"] for r in rows]
@@ -931,7 +950,12 @@ def _summary(rows: list[dict]) -> dict[str, Any]:
         "median_pass_spread": _median_abs(r["pass_spread"] for r in rows),
         **{
             f"{measure}_{ablation}": value
-            for ablation in (*PLACED_ABLATIONS, "timed_local", "one_dispatch_rate")
+            for ablation in (
+                *PLACED_ABLATIONS,
+                "timed_local",
+                "one_dispatch_rate",
+                "graph_kernels",
+            )
             if all(r.get(f"predicted_{ablation}_s") is not None for r in rows)
             for measure, value in (
                 ("median_abs_error", _median_abs(r[f"error_{ablation}"] for r in rows)),
@@ -1022,6 +1046,7 @@ def main(argv: list[str] | None = None) -> int:
         "kendall_tau_micro",
         "kendall_tau_timed_local",
         "kendall_tau_one_dispatch_rate",
+        "kendall_tau_graph_kernels",
         *(f"kendall_tau_{a}" for a in PLACED_ABLATIONS),
     ]
     for key in taus:
@@ -1097,6 +1122,13 @@ def main(argv: list[str] | None = None) -> int:
                 f"its own for split operands) {name}: median |err| "
                 f"{pct(m.get('median_abs_error_one_dispatch_rate'))}, "
                 f"tau {num(m.get('kendall_tau_one_dispatch_rate'))}"
+            )
+        for name, m in [(m["model"], m) for m in results] + [("overall", overall)]:
+            print(
+                f"every kernel at the costs fitted to the runtime's op times (an ablation: no "
+                f"eager kernel costs) {name}: median |err| "
+                f"{pct(m.get('median_abs_error_graph_kernels'))}, "
+                f"tau {num(m.get('kendall_tau_graph_kernels'))}"
             )
         for m in results:
             print(

@@ -420,6 +420,88 @@ def test_ops_on_split_operands_pay_their_own_dispatch_rate() -> None:
     )
 
 
+def test_an_engines_kernels_cost_as_eager_pytorch_runs_them(tmp_path: Path) -> None:
+    """The kernels of the model's eager step (DDP on a world of one, forward, backward,
+    foreach Adam) are timed one by one at its own batch and on two rows, beside a busy
+    neighbour, fitted like the
+    graph's op times, and written to the calibration file's ``eager`` entry, which then
+    prices an engine's recorded kernels (and only those: a graph's ops keep the fit to
+    the runtime's op times); the file keeps it through a save and a load, and a negative
+    cost in it is one sentence."""
+    import multiprocessing
+
+    from meshplace.cost.calibration import (
+        CalibrationError,
+        CostCalibration,
+        EagerKernels,
+        calibrated_cost_model,
+        load_calibration,
+        save_calibration,
+    )
+    from meshplace.profile.calibrate import fit_eager_kernels
+    from meshplace.runtime.dryrun import LocalKernel, time_eager_kernels
+
+    (tmp_path / "mlp.py").write_text(MODEL)
+    # timed beside a process running the same step, as beside a run's other rank
+    timed = time_eager_kernels(f"{tmp_path / 'mlp.py'}:build", reps=2, neighbours=1)
+    assert not multiprocessing.active_children()  # the neighbour is stopped and reaped
+    assert len(timed) == 2  # 32 rows and the first 2
+    for kernels, seconds in timed:
+        assert len(kernels) == len(seconds) and all(t > 0 for t in seconds)
+        targets = {k.target for k in kernels}
+        assert "aten.copy_.default" in targets  # DDP's gradient buckets
+        assert any("_foreach_" in t for t in targets)  # Adam's
+        assert "aten.addmm.default" in targets or "aten.mm.default" in targets
+    assert timed[0][0][0].flops > timed[1][0][0].flops  # the same kernel, 16x the rows
+    cluster = load_cluster("dgx-h100")
+    device = cluster.devices[accelerators(cluster)[0]]
+    kind = device.kind
+    base = CostCalibration(
+        device_kind=kind, peak_flops=1e12, memory_bandwidth=1e11, launch_overhead_s=3e-5,
+        efficiency={"matmul": (0.2, 0.2)}, kernel_overhead_s={"matmul": 4e-5},
+    )  # fmt: skip
+    fitted = fit_eager_kernels(timed, base)
+    assert fitted.eager is not None and fitted.eager.launch_overhead_s > 0
+    assert fitted.model_copy(update={"eager": None}) == base  # nothing else changed
+
+    # what the entry does: an engine's matmul kernel at the eager fit, a graph op not
+    eager = base.model_copy(
+        update={
+            "eager": EagerKernels(
+                launch_overhead_s=1e-6,
+                kernel_overhead_s={"aten.mm.default": 2e-6},
+                efficiency={"matmul": (0.5, 0.5)},
+            )
+        }
+    )
+    mm = LocalKernel("mm", "matmul", 1e9, 0.0, "float32", target="aten.mm.default")
+    mesh = mesh_over(cluster, np.asarray([0, 1]), ("data",), "given")
+    priced = EngineProgram(1, kernels=[mm]).predict(
+        calibrated_cost_model(eager, cluster), mesh, device.spec
+    )
+    # efficiencies are relative to the calibration's peak (1e12): 1e9 flops at 0.5 of it
+    assert priced["compute_s"] == pytest.approx(1e9 / (1e12 * 0.5) + 2e-6)
+    plain = EngineProgram(1, kernels=[mm]).predict(
+        calibrated_cost_model(base, cluster), mesh, device.spec
+    )
+    assert plain["compute_s"] == pytest.approx(1e9 / (1e12 * 0.2) + 4e-5)
+    graph = capture(torch.nn.Linear(64, 64), (torch.randn(8, 64),), training=True)
+    times = [calibrated_cost_model(c, cluster).op_times(graph, {kind: device.spec})[kind]
+             for c in (base, eager)]  # fmt: skip
+    assert np.array_equal(times[0], times[1])
+
+    path = tmp_path / "calibration.json"
+    save_calibration(eager, path)
+    assert load_calibration(path) == eager
+    document = json.loads(path.read_text())
+    document["eager"]["launch_overhead_s"] = -1.0
+    path.write_text(json.dumps(document))
+    with pytest.raises(CalibrationError) as err:
+        load_calibration(path)
+    assert str(err.value).count("\n") == 0
+    assert "field 'eager.launch_overhead_s'" in str(err.value)
+
+
 def test_the_pipelining_engines_cost_per_micro_batch_is_measured(tmp_path: Path) -> None:
     from meshplace.runtime.pipelined import measure_engine_overhead
 

@@ -34,7 +34,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from meshplace.cost.compute import CostModel
+from meshplace.cost.compute import CostModel, KernelCosts
 from meshplace.errors import InputError
 from meshplace.util import parse_json, read_text_file, short_repr, write_text_atomic
 
@@ -47,6 +47,25 @@ _NonNegative = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 
 class CalibrationError(InputError):
     """A calibration file that cannot be read, or that does not fit the cluster."""
+
+
+class EagerKernels(BaseModel):
+    """Kernel costs fitted to the kernels of the model's own eager training step
+    (:func:`meshplace.profile.calibrate.fit_eager_kernels`): what torchrun's engines
+    (DDP, FSDP2, DTensor, torch's pipelining) pay per kernel, without the interpreter's
+    work per node in the op times the other fields were fitted to.
+
+    Attributes:
+        launch_overhead_s: fixed seconds per kernel.
+        kernel_overhead_s: operator or op kind → fixed seconds per kernel of it.
+        efficiency: operator or op kind → (compute, memory) efficiency.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    launch_overhead_s: _NonNegative
+    kernel_overhead_s: dict[str, _NonNegative] = Field(default_factory=dict)
+    efficiency: dict[str, tuple[_Positive, _Positive]] = Field(default_factory=dict)
 
 
 class CostCalibration(BaseModel):
@@ -106,6 +125,9 @@ class CostCalibration(BaseModel):
             measure_gradient_accumulation`), which every stage of ``m`` micro-batches pays
             ``m - 1`` times (:class:`meshplace.cost.pipeline.GradientAccumulation`); 0: the
             elementwise roofline at ``memory_bandwidth``.
+        eager: the kernels' costs in eager PyTorch (:class:`EagerKernels`), with which an
+            engine's recorded program is priced (:meth:`meshplace.cost.compute.CostModel.
+            kernel_seconds`); ``None``: not measured, those kernels cost as graph ops.
         source: how and where it was measured.
     """
 
@@ -134,6 +156,7 @@ class CostCalibration(BaseModel):
     fsdp_unit_overhead_s: _NonNegative = 0.0
     ddp_overhead_s: _NonNegative = 0.0
     gradient_accumulation_s_per_byte: _NonNegative = 0.0
+    eager: EagerKernels | None = None
     source: str = ""
 
 
@@ -255,6 +278,23 @@ def calibrated_cost_model(
             **(
                 {kind: calibration.gradient_accumulation_s_per_byte}
                 if calibration.gradient_accumulation_s_per_byte
+                else {}
+            ),
+        },
+        eager_kernels={
+            **base.eager_kernels,
+            **(
+                {
+                    kind: KernelCosts(
+                        calibration.eager.launch_overhead_s,
+                        {k: float(v) for k, v in calibration.eager.kernel_overhead_s.items()},
+                        {
+                            op: (ec * scale_c, em * scale_m)
+                            for op, (ec, em) in calibration.eager.efficiency.items()
+                        },
+                    )
+                }
+                if calibration.eager is not None
                 else {}
             ),
         },

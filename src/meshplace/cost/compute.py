@@ -88,6 +88,27 @@ DEFAULT_EFFICIENCY: dict[str, tuple[float, float]] = {
 FALLBACK_EFFICIENCY = (0.50, 0.70)
 
 
+@dataclass(frozen=True)
+class KernelCosts:
+    """One execution engine's fitted kernel costs on one device kind: the fixed seconds of
+    a kernel (``launch_s``, overridden per operator or op kind by ``overhead``) and the
+    (compute, memory) efficiencies per operator or op kind (others: the cost model's).
+
+    >>> KernelCosts(5e-6, {"aten.mm.default": 2e-5}).fixed("matmul", "aten.mm.default")
+    2e-05
+    """
+
+    launch_s: float
+    overhead: dict[str, float] = field(default_factory=dict)
+    efficiency: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+    def fixed(self, op_kind: str, target: str = "") -> float:
+        """Fixed seconds of one kernel: the operator's, else the op kind's, else
+        ``launch_s``."""
+        own = self.overhead.get(target) if target else None
+        return self.overhead.get(op_kind, self.launch_s) if own is None else own
+
+
 @dataclass
 class CostModel:
     """Turns an OpGraph's FLOPs and bytes into seconds on each device kind.
@@ -144,6 +165,14 @@ class CostModel:
             a micro-batch's gradients into the held ones, measured
             (:func:`meshplace.profile.calibrate.measure_gradient_accumulation`); absent: the
             elementwise roofline (:class:`meshplace.cost.pipeline.GradientAccumulation`).
+        eager_kernels: device kind → the costs of kernels as eager PyTorch runs them
+            (:class:`KernelCosts`, fitted to the kernels of the model's own eager step,
+            :func:`meshplace.profile.calibrate.fit_eager_kernels`), which
+            :meth:`kernel_seconds` prefers for an engine's recorded program: the op times
+            ``kernel_overhead`` and the efficiencies were fitted to are fx nodes timed in
+            meshplace's own runtime, each with its interpreter's work, which eager PyTorch
+            does not pay (on the Llama example the graph's fit put the eager step at twice
+            its measured time); absent: those.
     """
 
     efficiency: dict[str, tuple[float, float]] = field(
@@ -164,6 +193,7 @@ class CostModel:
     ddp_overhead: dict[str, float] = field(default_factory=dict)
     kernel_overhead: dict[str, dict[str, float]] = field(default_factory=dict)
     gradient_accumulation: dict[str, float] = field(default_factory=dict)
+    eager_kernels: dict[str, KernelCosts] = field(default_factory=dict)
 
     def efficiency_on(
         self, device_kind: str | None, op_kind: str, target: str = ""
@@ -256,7 +286,9 @@ class CostModel:
         ``device_kind`` with its fixed cost (:meth:`kernel_fixed`; an engine's program
         counts its dispatch per dispatched op): what :meth:`op_times` charges an op
         without a measured time, for kernels that are not ops of a graph (an engine's
-        recorded program, :mod:`meshplace.runtime.dryrun`).
+        recorded program, :mod:`meshplace.runtime.dryrun`). Where ``eager_kernels`` has
+        the device kind, its fixed costs and efficiencies instead (those kernels run in
+        eager PyTorch).
 
         >>> from meshplace.hardware import device_spec
         >>> cm = CostModel(efficiency={"matmul": (0.5, 0.5)}, launch_overhead={"cpu": 0.0})
@@ -264,9 +296,19 @@ class CostModel:
         >>> cm.kernel_seconds("cpu", spec, "matmul", spec.peak("float32"), 0.0)
         2.0
         """
-        ec, em = self.efficiency_on(device_kind, op_kind, target)
+        eager = self.eager_kernels.get(device_kind)
+        if eager is not None:  # fitted to kernels as eager PyTorch runs them
+            ec, em = (
+                (target and eager.efficiency.get(target))
+                or eager.efficiency.get(op_kind)
+                or self.efficiency_on(device_kind, op_kind, target)
+            )
+            fixed = eager.fixed(op_kind, target)
+        else:
+            ec, em = self.efficiency_on(device_kind, op_kind, target)
+            fixed = self.kernel_fixed(device_kind, spec, op_kind, target)
         roof = max(flops / (spec.peak(dtype) * ec), nbytes / (spec.memory_bandwidth * em))
-        return roof + self.kernel_fixed(device_kind, spec, op_kind, target)
+        return roof + fixed
 
     def roofline_terms(self, graph: OpGraph, spec: DeviceLike) -> tuple[np.ndarray, np.ndarray]:
         """Per op, the two sides of the roofline on one device kind: seconds of arithmetic

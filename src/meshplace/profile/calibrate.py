@@ -551,6 +551,66 @@ def fit_cost_model(
     return cm, report
 
 
+def fit_eager_kernels(
+    timed: Sequence[tuple[Sequence[Any], Sequence[float]]], calibration: Any
+) -> Any:
+    """``calibration`` (a :class:`meshplace.cost.calibration.CostCalibration`) with its
+    ``eager`` kernel costs fitted to ``timed``: per input size, the kernels of the model's
+    eager step and each one's seconds (:func:`meshplace.runtime.dryrun.time_eager_kernels`),
+    by :func:`fit_cost_model` as the graph's op times are fitted — a launch overhead, and
+    per op kind and operator (where its sizes span enough) a fixed cost and two
+    efficiencies — relative to the calibration's measured peak and bandwidth. The kernels
+    of an engine's recorded program are then priced as eager PyTorch runs them
+    (:meth:`meshplace.cost.compute.CostModel.kernel_seconds`). O(kernels).
+
+    >>> from meshplace.cost.calibration import CostCalibration
+    >>> from meshplace.runtime.dryrun import LocalKernel
+    >>> cal = CostCalibration(device_kind="local-cpu", peak_flops=1e10,
+    ...                       memory_bandwidth=1e10, launch_overhead_s=3e-5)
+    >>> kernels = [LocalKernel("mm", "matmul", 1e6 * (i + 1), 0.0, "float32") for i in range(4)]
+    >>> fitted = fit_eager_kernels([(kernels, [4e-6 + 2e-4 * (i + 1) for i in range(4)])], cal)
+    >>> round(fitted.eager.efficiency["matmul"][0], 2), fitted.launch_overhead_s
+    (0.5, 3e-05)
+    """
+    from meshplace.cost.calibration import EagerKernels
+
+    spec = local_device_spec(
+        calibration.peak_flops, calibration.memory_bandwidth, calibration.launch_overhead_s
+    )
+    graphs: list[tuple[OpGraph, np.ndarray]] = []
+    for size, (kernels, seconds) in enumerate(timed):
+        graph = OpGraph(f"eager{size}")
+        for i, k in enumerate(kernels):
+            graph.add_op(
+                Op(
+                    f"k{i}",
+                    k.kind,
+                    target=k.target,
+                    flops=k.flops,
+                    bytes_read=k.bytes,
+                    output_dtypes=[k.dtype],
+                )
+            )
+        graphs.append((graph, np.asarray(seconds, dtype=float)))
+    if not graphs:
+        return calibration
+    _model, report = fit_cost_model(graphs[0][0], graphs[0][1], spec, graphs[1:])
+    fits = sorted(report["kinds"].items())
+    eager = EagerKernels(
+        launch_overhead_s=report["launch_overhead_s"],
+        kernel_overhead_s={k: v["fixed_s"] for k, v in fits if v.get("fixed_s") is not None},
+        efficiency={
+            k: (
+                v["compute_efficiency"] if "compute_efficiency" in v else v["efficiency"],
+                v["memory_efficiency"] if "memory_efficiency" in v else v["efficiency"],
+            )
+            for k, v in fits
+            if not v.get("launch_bound")
+        },
+    )
+    return calibration.model_copy(update={"eager": eager})
+
+
 # ------------------------------------------------------------------ all together
 @dataclass
 class Calibration:

@@ -543,11 +543,12 @@ def _run(args: argparse.Namespace, plan: Any) -> int:
             )
         path, _, function = str(args.graph).rpartition(":")
         if path.endswith(".py") and function and not gpus:
+            from meshplace.profile.calibrate import fit_eager_kernels
             from meshplace.runtime.data_parallel import (
                 measure_ddp_overhead,
                 measure_fsdp_overhead,
             )
-            from meshplace.runtime.dryrun import measure_dispatch_overhead
+            from meshplace.runtime.dryrun import measure_dispatch_overhead, time_eager_kernels
             from meshplace.runtime.pipelined import measure_engine_overhead
 
             # what DTensor's dispatch adds per op on this model's own step, which the
@@ -574,6 +575,15 @@ def _run(args: argparse.Namespace, plan: Any) -> int:
             )
             ddp = measured_or_zero(
                 "DDP's", lambda: measure_ddp_overhead(str(args.graph))["per_micro_batch_s"]
+            )
+            # the kernels' costs as torchrun's engines run them (eager PyTorch), fitted to
+            # each kernel's own time on the model's eager step (a model DDP cannot wrap or
+            # run: none, its kernels priced as graph ops)
+            measured = measured_or(
+                "the eager kernels' costs",
+                lambda: fit_eager_kernels(time_eager_kernels(str(args.graph)), measured),
+                measured,
+                "null",
             )
             measured = measured.model_copy(
                 update={
@@ -689,13 +699,23 @@ def measured_or_zero(what: str, measure: Callable[[], float]) -> float:
     >>> measured_or_zero("DDP's", lambda: 1 / 0)  # the note goes to stderr
     0.0
     """
+    return float(measured_or(f"{what} overhead", measure, 0.0, "0"))
+
+
+def measured_or(what: str, measure: Callable[[], Any], default: Any, says: str) -> Any:
+    """``measure()``, or ``default`` with a note on stderr that ``what`` was not measured
+    and why, and that the calibration file ``says`` its default instead.
+
+    >>> measured_or("the eager kernels' costs", lambda: 1 / 0, None, "null") is None
+    True
+    """
     try:
-        return float(measure())
+        return measure()
     except Exception as exc:
         reason = str(exc).splitlines()[0] if str(exc) else ""
         print(
-            f"meshplace: note: {what} overhead was not measured ({type(exc).__name__}: "
-            f"{reason}); the calibration file says 0",
+            f"meshplace: note: {what} was not measured ({type(exc).__name__}: "
+            f"{reason}); the calibration file says {says}",
             file=sys.stderr,
         )
-        return 0.0
+        return default

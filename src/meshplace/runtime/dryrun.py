@@ -46,12 +46,13 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import subprocess
 import sys
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -295,6 +296,7 @@ def recorder(
     program: EngineProgram,
     axis_of: dict[str, list[str]] | None = None,
     batch_dims: Sequence[int] = (),
+    seconds: list[float] | None = None,
 ) -> Any:
     """The dispatch mode that fills ``program`` (module docstring) while active;
     ``axis_of`` maps a process group's name to the mesh axes it spans (a collective on
@@ -303,7 +305,11 @@ def recorder(
     A DTensor-level op counts as split (``dispatched_split``) when an operand is split or
     a partial sum over a mesh dimension other than ``batch_dims`` (those the batch is
     split over), as batch-split (``dispatched_batch_split``) when its operands are split
-    or partial over those only: each kind pays a dispatch rate of its own."""
+    or partial over those only: each kind pays a dispatch rate of its own. ``seconds``:
+    a list to which each recorded kernel's own time is appended (the kernel's call alone,
+    not the mode's bookkeeping around it)."""
+    import time
+
     from torch.distributed.tensor import DTensor
     from torch.optim.optimizer import (
         register_optimizer_step_post_hook,
@@ -361,7 +367,9 @@ def recorder(
                     program.dispatched_batch_split += batch
                     program.dispatched_update_batch_split += batch and updating[0]
                 return NotImplemented  # DTensor runs it; its local kernels come back here
+            start = time.perf_counter()
             out = func(*args, **kwargs)
+            took = time.perf_counter() - start
             name = func.overloadpacket.__name__
             namespace = getattr(func, "namespace", "")
             if namespace in COLLECTIVE_NAMESPACES and name in COLLECTIVE_KINDS:
@@ -401,6 +409,8 @@ def recorder(
                         str(func),
                     )
                 )
+                if seconds is not None:
+                    seconds.append(took)
                 return out
             outs = out if isinstance(out, list | tuple) else [out]
             program.kernels.append(
@@ -420,6 +430,8 @@ def recorder(
                     str(func),
                 )
             )
+            if seconds is not None:
+                seconds.append(took)
             return out
 
     return Recorder()
@@ -937,6 +949,152 @@ def measure_dispatch_overhead(source: str, reps: int = 20) -> dict[str, Any]:
         "per_op_s": per_op,
         **measure_split_dispatch_overhead(source, per_op, reps=reps),
     }
+
+
+@contextlib.contextmanager
+def neighbours_busy(source: str, count: int) -> Iterator[None]:
+    """``count`` forked processes, each running the ``FILE.py:build`` model's plain eager
+    training step (one thread) over and over, for the ``with`` block: this host's other
+    cores as busy as a run's other ranks keep them, so that what is timed inside shares
+    the caches and memory bandwidth as a rank does (on this project's 2-core host the
+    Llama example's step took 1.05-1.5x as long beside a busy neighbour as alone). Each is
+    stopped and reaped on every way out. O(count) forks."""
+    import multiprocessing
+    import os
+
+    context = multiprocessing.get_context("fork")
+    stop = context.Event()
+    ready = context.Semaphore(0)
+    workers = [
+        context.Process(target=_busy_neighbour, args=(source, stop, ready), daemon=True)
+        for _ in range(count)
+    ]
+    for worker in workers:
+        worker.start()
+    try:
+        for _ in workers:  # each built its model and ran its first step
+            ready.acquire(timeout=120)
+        yield
+    finally:
+        stop.set()
+        for worker in workers:
+            worker.join(timeout=30)
+            if worker.is_alive():
+                os.kill(worker.pid, 9)
+                worker.join()
+
+
+def _busy_neighbour(source: str, stop: Any, ready: Any) -> None:
+    """A :func:`neighbours_busy` process: the model's eager step until ``stop``, then out
+    without interpreter finalisation (a fork of a process with a gloo group)."""
+    import os
+
+    try:
+        import torch
+
+        from meshplace.graph.capture import as_loss
+        from meshplace.graph.sources import build_from_seed
+
+        torch.set_num_threads(1)
+        model, args, kwargs = build_from_seed(source)
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=True)
+        first = True
+        while not stop.is_set():
+            loss, _how = as_loss(model(*args, **kwargs))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if first:
+                ready.release()
+                first = False
+    finally:
+        ready.release()
+        os._exit(0)
+
+
+def time_eager_kernels(
+    source: str, reps: int = 10, neighbours: int | None = None
+) -> list[tuple[list[LocalKernel], list[float]]]:
+    """The kernels of the ``FILE.py:build`` model's eager training step and each one's
+    seconds, measured in this process (one thread): the step as torchrun's data-parallel
+    engine runs it — the model in ``DistributedDataParallel`` on a gloo world of one (so
+    its gradient buckets' copies are among the kernels), forward, backward, foreach Adam —
+    at the model's own inputs and on their first two rows (where those differ: two sizes
+    of every kernel). Each kernel is timed on its own by :func:`recorder` in ``reps``
+    recorded steps, which alternate with as many steps timed whole; per kernel the median,
+    and the median whole step's time the kernels leave over (Python in the modules, the
+    autograd engine, DDP's hooks: work per kernel that eager PyTorch does around it) spread
+    evenly over them, so that they add up to the step. Timed with ``neighbours`` other
+    processes running the same step (:func:`neighbours_busy`; default: one, where the
+    host has another core), as a run's other ranks keep the host busy. What
+    :func:`meshplace.profile.calibrate.fit_eager_kernels` fits the eager kernel costs to.
+    Returns per input size the recorded kernels and their seconds. O(reps) steps per size.
+
+    Example::
+
+        timed = time_eager_kernels("examples/llama.py:build_tiny")
+        len(timed[0][0]), sum(timed[0][1])  # ~320 kernels, ~6 ms on this 2-core machine
+    """
+    import os
+    import statistics
+    import time
+
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils._pytree import tree_leaves
+
+    from meshplace.graph.capture import as_loss
+    from meshplace.graph.sources import build_from_seed, build_on_two_rows
+
+    if neighbours is None:
+        neighbours = 1 if (os.cpu_count() or 1) > 1 else 0
+    timed: list[tuple[list[LocalKernel], list[float]]] = []
+    sizes: set[tuple] = set()
+    with neighbours_busy(source, neighbours), one_rank_world():
+        for build in (build_from_seed, build_on_two_rows):
+            model, args, kwargs = build(source)
+            size = tuple(
+                tuple(t.shape) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
+            )
+            if size in sizes:
+                continue
+            sizes.add(size)
+            wrapped = DistributedDataParallel(model)
+            optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=True)
+
+            def step(
+                wrapped: Any = wrapped, optimizer: Any = optimizer, inputs: Any = (args, kwargs)
+            ) -> None:
+                loss, _how = as_loss(wrapped(*inputs[0], **inputs[1]))
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+
+            for _ in range(3):  # Adam's state, DDP's buckets rebuilt after the first step
+                step()
+            whole: list[float] = []
+            runs: list[list[float]] = []
+            for _ in range(reps):
+                start = time.perf_counter()
+                step()
+                whole.append(time.perf_counter() - start)
+                program, seconds = EngineProgram(1), []
+                with recorder(program, seconds=seconds):
+                    step()
+                runs.append(seconds)
+            if len({len(r) for r in runs}) != 1:
+                raise RuntimeError(
+                    f"{source}: the eager step ran different kernels from step to step"
+                )
+            per_kernel = [statistics.median(column) for column in zip(*runs, strict=True)]
+            left = statistics.median(whole) - sum(per_kernel)
+            if left >= 0:
+                per_kernel = [t + left / len(per_kernel) for t in per_kernel]
+            else:  # the host sped up between the two kinds of step: scale them down
+                scale = statistics.median(whole) / sum(per_kernel)
+                per_kernel = [t * scale for t in per_kernel]
+            timed.append((program.kernels, per_kernel))
+    return timed
 
 
 def megatron_plan_file(graph: Any, model: Any) -> dict[str, Any] | None:
