@@ -667,6 +667,18 @@ def test_the_least_memory_choice_equals_brute_force(case) -> None:
     assert got.objective == ilp.evaluate(got.choice, tables.node, tables.edges)
 
 
+def test_the_least_memory_choice_ignores_infinite_times() -> None:
+    """A strategy's infinite time does not make the least-memory choice take another of
+    more memory; among equal memory the finite time wins."""
+    got = ilp.least_memory(
+        [np.array([np.inf, np.inf, 1.0]), np.array([np.inf, 2.0])],
+        {},
+        [np.array([5.0, 1.0, 3.0]), np.array([1.0, 1.0])],
+        [np.zeros(3), np.zeros(2)],
+    )
+    assert (got.choice, got.memory) == ([1, 1], 2.0)
+
+
 def test_solver_works_after_highs_ran_elsewhere_in_the_process() -> None:
     import highspy
 

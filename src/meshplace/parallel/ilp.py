@@ -376,8 +376,10 @@ def least_memory(
             best_total, best_bound = total, float(bound)
     allowed = np.where(working <= best_bound, resident, math.inf)
     least = np.min(allowed, axis=1, keepdims=True)
-    # among the strategies of least memory, the cheapest in time
-    choice = np.argmin(np.where(allowed == least, cost, math.inf), axis=1).tolist()
+    # among the strategies of least memory, the cheapest in time (an infinite cost still
+    # ranks below any strategy of more memory)
+    finite = np.nan_to_num(cost, posinf=np.finfo(np.float64).max)
+    choice = np.argmin(np.where(allowed == least, finite, math.inf), axis=1).tolist()
     mem = memory_of(choice, memory, transient)
     if capacity is not None and mem > capacity * (1 + 1e-9):
         return Solution([], math.inf, INFEASIBLE, variables=int(sum(map(len, node_costs))))

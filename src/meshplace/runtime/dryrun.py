@@ -986,7 +986,9 @@ def neighbours_busy(source: str, count: int) -> Iterator[None]:
 
 def _busy_neighbour(source: str, stop: Any, ready: Any) -> None:
     """A :func:`neighbours_busy` process: the model's eager step until ``stop``, then out
-    without interpreter finalisation (a fork of a process with a gloo group)."""
+    without interpreter finalisation (a fork of the caller, whatever it holds). ``ready``
+    is released after the first step, or on the way out if there is none (a model that
+    fails to build here fails in the caller too)."""
     import os
 
     try:
