@@ -503,7 +503,7 @@ def run_sharded_model(source: str, steps: int, warmup: int, passes: int) -> dict
     # and by the ablation of the eager kernel costs (every kernel at the costs fitted to
     # the runtime's op times, as before session 58)
     graph_kernels = dataclasses.replace(cost_model, eager_kernels={})
-    engine_predictions: dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, Any]]] = {}
+    engine_predictions: dict[str, tuple[dict[str, Any], ...]] = {}
     timed_alone: dict[str, float] = {}
     for label, document, _ in plans:
         program = dry_run(document, source, timed_steps=TIMED_ALONE_STEPS)
