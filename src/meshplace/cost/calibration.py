@@ -206,10 +206,11 @@ def calibrated_cost_model(
     base = base or CostModel()
     scale_c = calibration.peak_flops / spec.peak("float32")
     scale_m = calibration.memory_bandwidth / spec.memory_bandwidth
-    fitted = {
-        op_kind: (ec * scale_c, em * scale_m)
-        for op_kind, (ec, em) in calibration.efficiency.items()
-    }
+
+    def rescaled(efficiency: dict[str, tuple[float, float]]) -> dict[str, tuple[float, float]]:
+        return {op: (ec * scale_c, em * scale_m) for op, (ec, em) in efficiency.items()}
+
+    fitted = rescaled(calibration.efficiency)
     kind = calibration.device_kind
     message_cpu = dict(base.message_cpu)
     if calibration.message_cpu is not None:
@@ -288,10 +289,7 @@ def calibrated_cost_model(
                     kind: KernelCosts(
                         calibration.eager.launch_overhead_s,
                         {k: float(v) for k, v in calibration.eager.kernel_overhead_s.items()},
-                        {
-                            op: (ec * scale_c, em * scale_m)
-                            for op, (ec, em) in calibration.eager.efficiency.items()
-                        },
+                        rescaled(calibration.eager.efficiency),
                     )
                 }
                 if calibration.eager is not None

@@ -381,16 +381,10 @@ def least_memory(
     finite = np.nan_to_num(cost, posinf=np.finfo(np.float64).max)
     choice = np.argmin(np.where(allowed == least, finite, math.inf), axis=1).tolist()
     mem = memory_of(choice, memory, transient)
+    variables = int(sum(map(len, node_costs)))
     if capacity is not None and mem > capacity * (1 + 1e-9):
-        return Solution([], math.inf, INFEASIBLE, variables=int(sum(map(len, node_costs))))
-    return Solution(
-        choice,
-        evaluate(choice, node_costs, edge_costs),
-        OPTIMAL,
-        mem,
-        0.0,
-        int(sum(map(len, node_costs))),
-    )
+        return Solution([], math.inf, INFEASIBLE, variables=variables)
+    return Solution(choice, evaluate(choice, node_costs, edge_costs), OPTIMAL, mem, 0.0, variables)
 
 
 def evaluate(

@@ -572,7 +572,7 @@ def fit_eager_kernels(
     >>> round(fitted.eager.efficiency["matmul"][0], 2), fitted.launch_overhead_s
     (0.5, 3e-05)
     """
-    from meshplace.cost.calibration import EagerKernels
+    from meshplace.cost.calibration import EagerKernels, calibration_from_fit
 
     spec = local_device_spec(
         calibration.peak_flops, calibration.memory_bandwidth, calibration.launch_overhead_s
@@ -595,18 +595,18 @@ def fit_eager_kernels(
     if not graphs:
         return calibration
     _model, report = fit_cost_model(graphs[0][0], graphs[0][1], spec, graphs[1:])
-    fits = sorted(report["kinds"].items())
+    # the fit read as the calibration file reads the op times' fit
+    fitted = calibration_from_fit(
+        calibration.device_kind,
+        {"peak_flops": calibration.peak_flops, "memory_bandwidth": calibration.memory_bandwidth},
+        report,
+        None,
+        "",
+    )
     eager = EagerKernels(
-        launch_overhead_s=report["launch_overhead_s"],
-        kernel_overhead_s={k: v["fixed_s"] for k, v in fits if v.get("fixed_s") is not None},
-        efficiency={
-            k: (
-                v["compute_efficiency"] if "compute_efficiency" in v else v["efficiency"],
-                v["memory_efficiency"] if "memory_efficiency" in v else v["efficiency"],
-            )
-            for k, v in fits
-            if not v.get("launch_bound")
-        },
+        launch_overhead_s=fitted.launch_overhead_s,
+        kernel_overhead_s=fitted.kernel_overhead_s,
+        efficiency=fitted.efficiency,
     )
     return calibration.model_copy(update={"eager": eager})
 
