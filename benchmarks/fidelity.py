@@ -40,7 +40,10 @@ of each plan is reported beside it (``predicted_solver_s``). Kernels cost as eag
 runs them: fitted to each kernel's own time on the model's eager step
 (:func:`meshplace.runtime.dryrun.time_eager_kernels`, :func:`meshplace.profile.calibrate.
 fit_eager_kernels`; the ablation ``graph_kernels`` prices them by the fit to the
-runtime's op times instead). Reported beside them too: a measurement
+runtime's op times instead). A plan with collectives also pays the ranks' synchronisation
+skew, a fraction of its local work measured on the model's own eager step on two ranks
+(:func:`meshplace.profile.link.measure_sync_skew`; the ablation ``no_skew`` leaves it
+out). Reported beside them too: a measurement
 that tells the model's error on the rank's local work from the rest: the rank's step timed
 alone in its dry run (``timed_alone_s``; the fake process group's collectives return at
 once) plus the model's collectives (``predicted_timed_local_s``). Each plan
@@ -391,7 +394,7 @@ def dtensor_workers(source: str) -> tuple[Any, Any, Any, dict[str, Any], Any, An
     engine calibration, cost model)``."""
     from meshplace.cost.calibration import calibrated_cost_model, with_collectives
     from meshplace.profile.calibrate import calibrate, fit_eager_kernels
-    from meshplace.profile.link import measure_collectives
+    from meshplace.profile.link import measure_collectives, measure_sync_skew
     from meshplace.runtime.data_parallel import measure_fsdp_overhead
     from meshplace.runtime.dryrun import measure_dispatch_overhead, time_eager_kernels
     from meshplace.runtime.program import ModelSpec, trace_step
@@ -421,8 +424,18 @@ def dtensor_workers(source: str) -> tuple[Any, Any, Any, dict[str, Any], Any, An
         f"runtime's op times: {fitted.launch_overhead_s * 1e6:.1f} us)",
         file=sys.stderr,
     )
+    # what the ranks' meeting costs a step beyond the collectives: the late rank's lag,
+    # as a fraction of a rank's local work, on the model's own eager step
+    skew = measure_sync_skew(source)
+    print(
+        f"  synchronisation skew: {100 * skew['skew']:.1f} % of a rank's local work (a "
+        f"step {skew['free_step_s'] * 1e3:.2f} ms free, {skew['met_step_s'] * 1e3:.2f} ms "
+        f"with a meeting, the meeting's all-reduce alone {skew['token_s'] * 1e3:.2f} ms)",
+        file=sys.stderr,
+    )
     engine = fitted.model_copy(
         update={
+            "sync_skew": skew["skew"],
             "dispatch_overhead_s": dispatch["per_op_s"],
             "split_dispatch_overhead_s": dispatch["per_split_op_s"],
             "batch_dispatch_overhead_s": dispatch["per_batch_split_op_s"],
@@ -503,6 +516,9 @@ def run_sharded_model(source: str, steps: int, warmup: int, passes: int) -> dict
     # and by the ablation of the eager kernel costs (every kernel at the costs fitted to
     # the runtime's op times, as before session 58)
     graph_kernels = dataclasses.replace(cost_model, eager_kernels={})
+    # and by the ablation of the synchronisation skew (no wait for the slowest rank, as
+    # before session 59)
+    no_skew = dataclasses.replace(cost_model, sync_skew={})
     engine_predictions: dict[str, tuple[dict[str, Any], ...]] = {}
     timed_alone: dict[str, float] = {}
     for label, document, _ in plans:
@@ -512,6 +528,7 @@ def run_sharded_model(source: str, steps: int, warmup: int, passes: int) -> dict
             program_cost(program, document, cluster, on_links),
             program_cost(program, document, cluster, one_rate),
             program_cost(program, document, cluster, graph_kernels),
+            program_cost(program, document, cluster, no_skew),
         )
         timed_alone[label] = program.timed_step_s
     timed, per_pass = _torchrun_passes(
@@ -521,8 +538,8 @@ def run_sharded_model(source: str, steps: int, warmup: int, passes: int) -> dict
     for label, document, solver_s in plans:
         if not timed[label]:
             continue
-        engine_s, links_s, one_rate_s, graph_kernels_s = engine_predictions[label]
-        parts = ("step_s", "compute_s", "dispatch_s", "communication_s")
+        engine_s, links_s, one_rate_s, graph_kernels_s, no_skew_s = engine_predictions[label]
+        parts = ("step_s", "compute_s", "dispatch_s", "communication_s", "sync_s")
         breakdown = {k: engine_s[k] for k in parts}
         program = {k: engine_s[k] for k in ("collectives", "kernels", "dispatched")}
         measured = statistics.median(timed[label])
@@ -551,6 +568,8 @@ def run_sharded_model(source: str, steps: int, warmup: int, passes: int) -> dict
                 error_one_dispatch_rate=(one_rate_s["step_s"] - measured) / measured,
                 predicted_graph_kernels_s=graph_kernels_s["step_s"],
                 error_graph_kernels=(graph_kernels_s["step_s"] - measured) / measured,
+                predicted_no_skew_s=no_skew_s["step_s"],
+                error_no_skew=(no_skew_s["step_s"] - measured) / measured,
             )
         )
     meas = [r["measured_s"] for r in rows]
@@ -955,6 +974,7 @@ def _summary(rows: list[dict]) -> dict[str, Any]:
                 "timed_local",
                 "one_dispatch_rate",
                 "graph_kernels",
+                "no_skew",
             )
             if all(r.get(f"predicted_{ablation}_s") is not None for r in rows)
             for measure, value in (
@@ -1047,6 +1067,7 @@ def main(argv: list[str] | None = None) -> int:
         "kendall_tau_timed_local",
         "kendall_tau_one_dispatch_rate",
         "kendall_tau_graph_kernels",
+        "kendall_tau_no_skew",
         *(f"kendall_tau_{a}" for a in PLACED_ABLATIONS),
     ]
     for key in taus:
@@ -1129,6 +1150,12 @@ def main(argv: list[str] | None = None) -> int:
                 f"eager kernel costs) {name}: median |err| "
                 f"{pct(m.get('median_abs_error_graph_kernels'))}, "
                 f"tau {num(m.get('kendall_tau_graph_kernels'))}"
+            )
+        for name, m in [(m["model"], m) for m in results] + [("overall", overall)]:
+            print(
+                f"no wait for the slowest rank (an ablation: no synchronisation skew) "
+                f"{name}: median |err| {pct(m.get('median_abs_error_no_skew'))}, "
+                f"tau {num(m.get('kendall_tau_no_skew'))}"
             )
         for m in results:
             print(

@@ -502,6 +502,76 @@ def test_an_engines_kernels_cost_as_eager_pytorch_runs_them(tmp_path: Path) -> N
     assert "field 'eager.launch_overhead_s'" in str(err.value)
 
 
+def test_ranks_that_meet_in_collectives_pay_the_measured_skew_on_their_local_work(
+    tmp_path: Path,
+) -> None:
+    """The synchronisation skew is measured on two forked ranks running the model's own
+    step, with and without a meeting after the backward (every process reaped); the
+    calibration file keeps it and the cost model charges it, times the local work
+    (kernels and dispatch), to an engine program with collectives and to no other; a
+    negative one in the file, one rank or one step is one sentence."""
+    import multiprocessing
+
+    from meshplace.cost.calibration import (
+        CalibrationError,
+        CostCalibration,
+        calibrated_cost_model,
+        load_calibration,
+        save_calibration,
+    )
+    from meshplace.profile.link import measure_sync_skew
+    from meshplace.runtime.dryrun import EngineCollective, LocalKernel
+
+    (tmp_path / "mlp.py").write_text(MODEL)
+    source = f"{tmp_path / 'mlp.py'}:build"
+    measured = measure_sync_skew(source, steps=3)
+    assert not multiprocessing.active_children()
+    assert measured["skew"] >= 0 and measured["steps"] == 3 and measured["world_size"] == 2
+    assert min(measured["free_step_s"], measured["met_step_s"], measured["token_s"]) > 0
+    # the skew is what the met step took beyond the free one and the meeting's collective
+    beyond = measured["met_step_s"] - measured["free_step_s"] - measured["token_s"]
+    assert measured["skew"] == pytest.approx(max(0.0, beyond / measured["free_step_s"]))
+    for bad in ({"world_size": 1}, {"steps": 1}):
+        with pytest.raises(InputError) as err:
+            measure_sync_skew(source, **bad)
+        assert str(err.value).count("\n") == 0
+
+    cluster = load_cluster("dgx-h100")
+    device = cluster.devices[accelerators(cluster)[0]]
+    kind = device.kind
+    calibration = CostCalibration(
+        device_kind=kind, peak_flops=1e12, memory_bandwidth=1e11, launch_overhead_s=1e-5,
+        dispatch_overhead_s=2e-5, sync_skew=0.25,
+    )  # fmt: skip
+    model = calibrated_cost_model(calibration, cluster)
+    assert model.sync_skew == {kind: 0.25}
+    mesh = mesh_over(cluster, np.asarray([0, 1]), ("data",), "given").calibrated(model)
+    mm = LocalKernel("mm", "matmul", 1e9, 0.0, "float32", target="aten.mm.default")
+    reduce = EngineCollective("all_reduce", 1e6, ["data"])
+    met = EngineProgram(2, kernels=[mm], collectives=[reduce], dispatched=3)
+    cost = met.predict(model, mesh, device.spec)
+    local = cost["compute_s"] + cost["dispatch_s"]
+    assert local > 0 and cost["communication_s"] > 0
+    assert cost["sync_s"] == pytest.approx(0.25 * local)
+    assert cost["step_s"] == pytest.approx(1.25 * local + cost["communication_s"])
+    free = replace(met, collectives=[]).predict(model, mesh, device.spec)
+    assert free["sync_s"] == 0 and free["step_s"] == pytest.approx(local)
+    unmeasured = replace(model, sync_skew={})
+    assert met.predict(unmeasured, mesh, device.spec)["step_s"] == pytest.approx(
+        local + cost["communication_s"]
+    )
+
+    path = tmp_path / "calibration.json"
+    save_calibration(calibration, path)
+    assert load_calibration(path) == calibration
+    document = json.loads(path.read_text())
+    document["sync_skew"] = -0.1
+    path.write_text(json.dumps(document))
+    with pytest.raises(CalibrationError) as err:
+        load_calibration(path)
+    assert str(err.value).count("\n") == 0 and "field 'sync_skew'" in str(err.value)
+
+
 def test_the_pipelining_engines_cost_per_micro_batch_is_measured(tmp_path: Path) -> None:
     from meshplace.runtime.pipelined import measure_engine_overhead
 

@@ -125,6 +125,12 @@ class CostCalibration(BaseModel):
             measure_gradient_accumulation`), which every stage of ``m`` micro-batches pays
             ``m - 1`` times (:class:`meshplace.cost.pipeline.GradientAccumulation`); 0: the
             elementwise roofline at ``memory_bandwidth``.
+        sync_skew: the fraction of a rank's local work that a step of ranks meeting in
+            collectives takes beyond it and the collectives themselves: the late rank's
+            lag that every meeting makes the others wait out (measured on the model's
+            own eager step, :func:`meshplace.profile.link.measure_sync_skew`), which an
+            engine's recorded program with collectives is charged
+            (:meth:`meshplace.runtime.dryrun.EngineProgram.predict`); 0: not measured.
         eager: the kernels' costs in eager PyTorch (:class:`EagerKernels`), with which an
             engine's recorded program is priced (:meth:`meshplace.cost.compute.CostModel.
             kernel_seconds`); ``None``: not measured, those kernels cost as graph ops.
@@ -156,6 +162,7 @@ class CostCalibration(BaseModel):
     fsdp_unit_overhead_s: _NonNegative = 0.0
     ddp_overhead_s: _NonNegative = 0.0
     gradient_accumulation_s_per_byte: _NonNegative = 0.0
+    sync_skew: _NonNegative = 0.0
     eager: EagerKernels | None = None
     source: str = ""
 
@@ -192,7 +199,8 @@ def calibrated_cost_model(
     """``base`` (default: the default :class:`CostModel`) with ``calibration`` applied to
     the devices of its kind in ``cluster``: their efficiencies (rescaled to the cluster's
     spec of that kind, the module doc), launch overhead, engine dispatch overhead, message
-    CPU, measured collectives and pipelining engine overhead. Other device
+    CPU, measured collectives, pipelining engine overhead and the ranks'
+    synchronisation skew. Other device
     kinds keep ``base``'s. Raises :class:`CalibrationError` when the cluster has no device
     of the calibration's kind. O(op kinds).
     """
@@ -281,6 +289,10 @@ def calibrated_cost_model(
                 if calibration.gradient_accumulation_s_per_byte
                 else {}
             ),
+        },
+        sync_skew={
+            **base.sync_skew,
+            **({kind: calibration.sync_skew} if calibration.sync_skew else {}),
         },
         eager_kernels={
             **base.eager_kernels,

@@ -173,6 +173,12 @@ class CostModel:
             meshplace's own runtime, each with its interpreter's work, which eager PyTorch
             does not pay (on the Llama example the graph's fit put the eager step at twice
             its measured time); absent: those.
+        sync_skew: device kind → the fraction of a rank's local work that a step whose
+            ranks meet in collectives takes beyond that work and the collectives: every
+            meeting makes the early ranks wait for the late one
+            (:func:`meshplace.profile.link.measure_sync_skew`), charged by the engine's
+            recorded programs (:meth:`meshplace.runtime.dryrun.EngineProgram.predict`);
+            absent: 0.
     """
 
     efficiency: dict[str, tuple[float, float]] = field(
@@ -194,6 +200,7 @@ class CostModel:
     kernel_overhead: dict[str, dict[str, float]] = field(default_factory=dict)
     gradient_accumulation: dict[str, float] = field(default_factory=dict)
     eager_kernels: dict[str, KernelCosts] = field(default_factory=dict)
+    sync_skew: dict[str, float] = field(default_factory=dict)
 
     def efficiency_on(
         self, device_kind: str | None, op_kind: str, target: str = ""

@@ -345,7 +345,7 @@ def print_engine_ranking(console: Console, ranking: list[dict[str, Any]]) -> Non
         "the solver priced it",
         title_justify="left",
     )
-    columns = ("plan", "mesh", "engine", "compute", "dispatch", "comm.", "solver")
+    columns = ("plan", "mesh", "engine", "compute", "dispatch", "comm.", "skew", "solver")
     for col in columns:
         left = col in ("plan", "mesh")
         table.add_column(col, justify="left" if left else "right", no_wrap=True)
@@ -356,9 +356,10 @@ def print_engine_ranking(console: Console, ranking: list[dict[str, Any]]) -> Non
         if "engine" in r:
             e = r["engine"]
             parts = (e["step_s"], e["compute_s"], e["dispatch_s"], e["communication_s"])
+            parts += (e.get("sync_s", 0.0),)  # waiting for the slowest rank
             table.add_row(label, r["mesh"], *(f"{x * 1e3:.3f}" for x in parts), solver)
         else:
-            table.add_row(label, r["mesh"], "cannot run", "", "", "", solver)
+            table.add_row(label, r["mesh"], "cannot run", "", "", "", "", solver)
     console.print(table)
     for r in ranking:
         if "error" in r:

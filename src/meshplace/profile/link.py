@@ -696,3 +696,117 @@ def measure_collectives(
         latency, bandwidth = fit_collective(kind, world_size, rows)
         fits[kind] = {"latency_s": latency, "bandwidth": bandwidth}
     return {"world_size": world_size, "engine": engine, "fits": fits, "samples": samples}
+
+
+# ------------------------------------------------------------------ ranks meeting in a step
+def _sync_skew_worker(
+    rank: int, store_path: str, world_size: int, source: str, steps: int, out: Any
+) -> None:
+    import torch.distributed as dist
+
+    from meshplace.graph.capture import as_loss
+    from meshplace.graph.sources import build_from_seed
+
+    # torchrun's ranks leave gloo's threads at their priority: measure that regime
+    _join_pair(rank, store_path, world_size, yield_threads=False)
+    model, args, kwargs = build_from_seed(source)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=True)
+    token = torch.zeros(1)
+
+    def step(meet: bool) -> float:
+        dist.barrier()  # every step after a barrier, as the torchrun runtime times them
+        start = time.perf_counter()
+        loss, _how = as_loss(model(*args, **kwargs))
+        loss.backward()
+        if meet:
+            dist.all_reduce(token)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return time.perf_counter() - start
+
+    for _ in range(3):  # Adam's state, the allocator's pools
+        step(False)
+        step(True)
+    free, met = [], []
+    for _ in range(steps):  # paired: host drift touches both kinds alike
+        free.append(step(False))
+        met.append(step(True))
+    alone = []
+    for _ in range(steps + 2):  # the token's all-reduce on its own, as the collectives are
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_reduce(token)
+        alone.append(time.perf_counter() - start)
+    out.put((rank, free, met, alone[2:]))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def measure_sync_skew(
+    source: str,
+    world_size: int = 2,
+    steps: int = 80,
+    timeout: float = 300.0,
+    start_method: str | None = None,
+) -> dict[str, Any]:
+    """What making the ranks meet costs a training step beyond the collective itself: the
+    *synchronisation skew*, as a fraction of one rank's local work.
+
+    ``world_size`` one-thread gloo processes each build the ``FILE.py:build`` model and
+    run its eager training step (forward, backward, foreach Adam), every step after a
+    barrier as the torchrun runtime times its steps, alternating two kinds: *free* (no
+    collective) and *met* (a 4-byte all-reduce between the backward and the optimizer's
+    step, where a data-parallel step reduces its gradients); then the same all-reduce on
+    its own after a barrier (``token_s``: the median of the slowest rank's times).
+    ``skew = (met − free − token) / free``, where ``met`` is the median over steps of the
+    slowest rank's time (a step ends when its last rank does; what the runtime reports)
+    and ``free`` the median of every rank's own free steps (one rank's local work, beside
+    busy peers: what the eager kernel costs price, :func:`meshplace.runtime.dryrun.
+    time_eager_kernels`); floored at 0.
+
+    Why: ranks sharing a host do not progress at one rate, and every collective makes
+    the early ones wait for the late one, so a step of synchronised ranks takes the
+    slowest rank's local work, not the typical one's, and each meeting costs more than
+    the same collective between idle ranks. Measured on this project's 2-core host (two
+    ranks, ``/tmp`` experiments, session 59): a 4-byte all-reduce after the backward
+    added 1.7-2.8 ms to the Llama example's 9 ms step and 4.9-5.8 ms to the fidelity MLP's
+    35 ms step against 0.3-0.9 ms on its own, an excess that grows with the work between
+    meetings; the same all-reduce at 16 points of the Llama's forward added 0.7-0.9 ms
+    each. ``skew`` 0.1-0.25 over several runs of each (runs of 40 steps: 0.08-0.48 on the
+    Llama, whose step is short and noisy). :meth:`meshplace.runtime.dryrun.EngineProgram.
+    predict` charges ``skew`` times a rank's local work to a step that has collectives.
+
+    Cost: ``world_size`` processes, ``2 · (steps + 3)`` training steps each (~10 s for the
+    fidelity MLP at the default 60). Returns ``{"skew", "free_step_s", "met_step_s",
+    "token_s", "steps", "world_size"}``. Raises :class:`InputError` for fewer than 2
+    processes or steps, :class:`~meshplace.runtime.processes.WorkerFailure` if a rank
+    fails or the measurement outlasts ``timeout``.
+
+    Example::
+
+        measure_sync_skew("examples/llama.py:build_tiny")["skew"]  # ~0.1-0.25 here
+    """
+    if world_size < 2:
+        raise InputError(f"ranks meet among at least 2 processes, got {world_size}")
+    if steps < 2:
+        raise InputError(f"the skew needs at least 2 steps of each kind, got {steps}")
+    got = _run_pair(
+        _sync_skew_worker,
+        (world_size, source, int(steps)),
+        world_size,
+        timeout,
+        start_method or safe_start_method(),
+        world_size=world_size,
+    )
+    per_rank = [res for _, *res in sorted(got, key=lambda item: item[0])]
+    free = statistics.median(t for rank_free, _, _ in per_rank for t in rank_free)
+    met = statistics.median(np.max([rank_met for _, rank_met, _ in per_rank], axis=0).tolist())
+    token = statistics.median(np.max([alone for _, _, alone in per_rank], axis=0).tolist())
+    return {
+        "skew": max(0.0, (met - free - token) / free),
+        "free_step_s": free,
+        "met_step_s": met,
+        "token_s": token,
+        "steps": steps,
+        "world_size": world_size,
+    }

@@ -544,6 +544,7 @@ def _run(args: argparse.Namespace, plan: Any) -> int:
         path, _, function = str(args.graph).rpartition(":")
         if path.endswith(".py") and function and not gpus:
             from meshplace.profile.calibrate import fit_eager_kernels
+            from meshplace.profile.link import measure_sync_skew
             from meshplace.runtime.data_parallel import (
                 measure_ddp_overhead,
                 measure_fsdp_overhead,
@@ -585,8 +586,19 @@ def _run(args: argparse.Namespace, plan: Any) -> int:
                 measured,
                 "null",
             )
+            # and what the ranks' meeting in collectives costs a step beyond the
+            # collectives, as a fraction of a rank's local work (two ranks of this host)
+            skew = float(
+                measured_or(
+                    "the ranks' synchronisation skew",
+                    lambda: measure_sync_skew(str(args.graph), world_size=max(2, len(local))),
+                    {"skew": 0.0},
+                    "0",
+                )["skew"]
+            )
             measured = measured.model_copy(
                 update={
+                    "sync_skew": skew,
                     "dispatch_overhead_s": dispatch["per_op_s"],
                     "split_dispatch_overhead_s": dispatch["per_split_op_s"],
                     "batch_dispatch_overhead_s": dispatch["per_batch_split_op_s"],

@@ -215,10 +215,14 @@ class EngineProgram:
         dispatch overhead — except under FSDP2, whose units each cost the measured
         ``fsdp_unit_overhead`` instead, the dispatch on its sharded parameters and, where
         that cost was measured, its own copies (:data:`FSDP_KERNELS`) included; the
-        collectives the mesh's formula.
+        collectives the mesh's formula. A step with collectives also pays the cost
+        model's ``sync_skew`` for the device kind times its local work (kernels and
+        dispatch): every collective makes the ranks wait for the slowest
+        (:func:`meshplace.profile.link.measure_sync_skew`).
         Returns ``step_s``, ``compute_s``, ``dispatch_s`` (the engine's: DTensor's or
-        FSDP2's) and ``communication_s``, and ``update_s``: the part of ``step_s`` inside
-        the optimizer's step (its kernels, their DTensor dispatch, its collectives).
+        FSDP2's), ``communication_s`` and ``sync_s`` (the skew's), and ``update_s``: the
+        part of ``step_s`` inside the optimizer's step (its kernels, their DTensor
+        dispatch, its collectives; the skew is the whole step's).
         O(kernels + collectives)."""
         kind = device_kind or spec.kind
         compute = update = 0.0
@@ -255,11 +259,14 @@ class EngineProgram:
             seconds = mesh.collective_time(c.kind, c.nbytes, c.axes)
             communication += seconds
             update += seconds if c.update else 0.0
+        # ranks that meet wait for the slowest: a measured fraction of the local work
+        skew = cost_model.sync_skew.get(kind, 0.0) if self.collectives else 0.0
         return {
-            "step_s": compute + dispatch + communication,
+            "step_s": (compute + dispatch) * (1.0 + skew) + communication,
             "compute_s": compute,
             "dispatch_s": dispatch,
             "communication_s": communication,
+            "sync_s": (compute + dispatch) * skew,
             "update_s": update,
         }
 

@@ -1455,7 +1455,13 @@ def print_report(report: dict[str, Any]) -> None:
             f"as its engine ran it ({engine['kernels']} kernels, {counts or 'no collectives'}): "
             f"{engine['step_s'] * 1e3:.2f} ms predicted on {engine['cluster']} (compute "
             f"{engine['compute_s'] * 1e3:.2f}, dispatch {engine['dispatch_s'] * 1e3:.2f}, "
-            f"collectives {engine['communication_s'] * 1e3:.2f} ms)"
+            f"collectives {engine['communication_s'] * 1e3:.2f}"
+            + (
+                f", waiting for the slowest rank {engine['sync_s'] * 1e3:.2f}"
+                if engine.get("sync_s")
+                else ""
+            )
+            + " ms)"
         )
     print(f"loss: {' '.join(f'{v:.5g}' for v in m['losses'])}")
     for kind, v in report["memory_per_rank"].items():
