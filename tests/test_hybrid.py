@@ -602,6 +602,40 @@ def test_ddp_stages_pay_the_ddp_overhead_per_micro_batch_and_others_do_not() -> 
     assert default[(1, 2, 0)] == pytest.approx(times(CostModel(), False)[(1, 2, 0)], rel=1e-12)
 
 
+def test_stages_of_several_devices_pay_the_synchronisation_skew_on_their_local_work() -> None:
+    """A cost model's ``sync_skew`` (the fraction of a rank's local work that its meetings
+    cost, profile.link.measure_sync_skew) is charged once per step to a stage that spans
+    two devices — its micro-batches' forward and backward times the skew, with its
+    gradient synchronisation — and not to a pipeline of one-device stages, whose meetings
+    are the measured exchange's."""
+    from meshplace.cost.compute import CostModel
+
+    cluster = load_cluster("h2-8xh100")
+    kind = cluster.devices[hybrid.accelerators(cluster)[0]].kind
+
+    def search(model: CostModel) -> dict[tuple[int, int, int], hybrid.HybridPlan]:
+        result = hybrid.hybrid_search(
+            "tiny", None, cluster, chips=2, global_batch=8, tensor_parallel=(1,),
+            micro_batch_sizes=(2,), graphs=_tiny_graphs, layers=2, simulate_top=1000,
+            schedules=("gpipe",), zero_stages=(0, 1), pipeline_degrees=(1, 2),
+            cost_model=model, synchronous_gradients=True,
+        )  # fmt: skip
+        return {(p.pp, p.dp, p.config.zero): p for p in result.plans}
+
+    plain, skewed = search(CostModel()), search(CostModel(sync_skew={kind: 0.25}))
+    for key in [(1, 2, 0), (1, 2, 1)]:  # one stage over two devices: DDP, ZeRO 1
+        local = plain[key].config.micro_batches * (
+            plain[key].stage_forward_s[0] + plain[key].stage_backward_s[0]
+        )
+        assert skewed[key].sync_s[0] - plain[key].sync_s[0] == pytest.approx(0.25 * local)
+        assert skewed[key].time_per_batch_s - plain[key].time_per_batch_s == pytest.approx(
+            0.25 * local, rel=1e-6
+        )
+    pipeline = (2, 1, 0)  # two stages of one device each
+    assert skewed[pipeline].time_per_batch_s == plain[pipeline].time_per_batch_s
+    assert skewed[pipeline].sync_s == plain[pipeline].sync_s
+
+
 def cluster_collective(cluster, cost_model, nbytes: float, kind: str = "all_reduce") -> float:
     """The collective ``kind`` of ``nbytes`` over 2 devices of ``cluster`` as the search
     costs it."""

@@ -69,12 +69,19 @@ class HostCosts:
 
     >>> HostCosts(exchange=(5e-4, 0.0), data_parallel_s=4e-4).pipelined(2).data_parallel_s
     0.0004
+
+    ``sync_skew``: the fraction of a stage's local work that its ranks' meetings cost
+    beyond the collectives where a stage spans more than one device (data or tensor
+    parallelism: the cost model's ``sync_skew``, :func:`meshplace.profile.link.
+    measure_sync_skew`); the hybrid search charges it to such a stage once per step, with
+    its gradient synchronisation. It leaves the stage's times alone (:meth:`charge`).
     """
 
     engine_s: float = 0.0
     message_cpu: tuple[float, float, float, float] | None = None
     exchange: tuple[float, float] | None = None
     data_parallel_s: float = 0.0
+    sync_skew: float = 0.0
 
     @classmethod
     def of(cls, cost_model: CostModel | None, kind: str, ddp: bool = False) -> HostCosts:
@@ -83,7 +90,9 @@ class HostCosts:
         runs on DDP, which adds the cost model's ``ddp_overhead`` per micro-batch.
 
         >>> HostCosts.of(CostModel(pipeline_exchange={"local-cpu": (5e-4, 4e-4)}), "local-cpu")
-        HostCosts(engine_s=0.0, message_cpu=None, exchange=(0.0005, 0.0004), data_parallel_s=0.0)
+        ... # doctest: +NORMALIZE_WHITESPACE
+        HostCosts(engine_s=0.0, message_cpu=None, exchange=(0.0005, 0.0004),
+                  data_parallel_s=0.0, sync_skew=0.0)
         """
         if cost_model is None:
             return cls()
@@ -92,6 +101,7 @@ class HostCosts:
             cost_model.message_cpu.get(kind),
             cost_model.pipeline_exchange.get(kind),
             cost_model.ddp_overhead.get(kind, 0.0) if ddp else 0.0,
+            cost_model.sync_skew.get(kind, 0.0),
         )
 
     @property
@@ -117,6 +127,7 @@ class HostCosts:
             None if cpu is None else (0.0, cpu[1], 0.0, cpu[3]),
             self.exchange,
             self.data_parallel_s,
+            self.sync_skew,
         )
 
     def wire_s(self, transfer_s: Any, latency_s: Any) -> Any:

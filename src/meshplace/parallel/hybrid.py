@@ -1193,6 +1193,8 @@ def _evaluate_units(
             return None
     idx = (np.arange(p), np.array(bounds[:-1]), np.array(bounds[1:]), np.array(options))
     sync = _stage_syncs(config, model, idx, stage_mesh, dp_axis, synchronous)
+    waiting = _waiting_for_the_slowest(host or HostCosts(), model, idx, stage_mesh, m)
+    sync = [float(s + w) for s, w in zip(sync, waiting, strict=True)]
     stage_of = np.searchsorted(np.array(bounds[1:]), np.arange(n_units), side="right")
     for _, g_bytes, _, readers in uc.shared:  # a shared parameter's gradient, both ways
         owner = int(stage_of[readers[0]])
@@ -1377,6 +1379,20 @@ def _sync_seconds(
     return tail + max(0.0, reduce - tail - backward) + max(0.0, gather - forward)
 
 
+def _waiting_for_the_slowest(
+    host: HostCosts, model: dict[str, np.ndarray], idx: tuple, stage_mesh: Mesh, m: int
+) -> np.ndarray:
+    """Per stage, what its ranks' meetings cost a step beyond the collectives: ``host``'s
+    ``sync_skew`` times the stage's local work (``m`` micro-batches' forward and
+    backward), where the stage spans more than one device (its data- or tensor-parallel
+    ranks meet in collectives and wait for the slowest, :func:`meshplace.profile.link.
+    measure_sync_skew`); 0 for a stage of one device, whose only meetings are the
+    pipeline's exchanges, measured with them (:class:`HostCosts`' ``exchange``)."""
+    if not host.sync_skew or stage_mesh.size <= 1:
+        return np.zeros(len(idx[0]))
+    return host.sync_skew * m * (model["forward"][idx] + model["backward"][idx])
+
+
 def _stage_syncs(
     config: HybridConfig,
     model: dict[str, np.ndarray],
@@ -1526,6 +1542,8 @@ def _evaluate(
                 return None
     idx = (np.arange(p), np.array(split), np.array(options))
     sync = _stage_syncs(config, model, idx, stage_mesh, dp_axis, synchronous)
+    waiting = _waiting_for_the_slowest(host, model, idx, stage_mesh, m)
+    sync = [float(s + w) for s, w in zip(sync, waiting, strict=True)]
     if p > 1 and pc.tied_bytes:  # the tied embedding's gradient, first <-> last stage
         tie = link_s(0, p - 1, pc.tied_bytes)
         sync[0] += tie
@@ -1959,6 +1977,10 @@ def hybrid_search(
                         config = HybridConfig(pp, dp, tp, b, m, z, schedule)
                         counted[0] += 1
                         charged = ddp_host if ddp else host
+                        if engine is not None and tp > 1 and not units:
+                            # the engine's price of a tensor-parallel replica holds its
+                            # ranks' synchronisation skew (EngineProgram.predict)
+                            charged = replace(charged, sync_skew=0.0)
                         plain = (0, b) in parts and staged is parts[(0, b)]
                         adding = plain_accumulation if plain else accumulation
                         if pp == 1 and schedule == "1f1b":
