@@ -131,6 +131,37 @@ def test_shard_predicts_with_the_calibration(capsys, files) -> None:
     assert calibrated["step_time_s"] > default["step_time_s"]
 
 
+def test_a_sharding_plan_that_communicates_pays_the_synchronisation_skew() -> None:
+    """A calibration's ``sync_skew`` moves the sharding solver's estimate of a plan whose
+    devices meet in collectives by that fraction of its compute (the timeline's
+    ``sync_s``), and not its choice (the solve leaves the skew out); a plan on one device
+    pays none."""
+    from meshplace.parallel.search import shard_graph
+
+    graph = workload_graph("dmcca")
+    cluster = load_cluster("dgx-h100")
+    calibration = _slow_matmuls("h100", "dgx-h100")
+
+    def plans(chips: int, skew: float) -> dict[str, object]:
+        cost_model = calibrated_cost_model(
+            calibration.model_copy(update={"sync_skew": skew}), cluster
+        )
+        found = shard_graph(graph, cluster, chips=chips, cost_model=cost_model)
+        return {p.mesh.label: p for p in found.candidates}
+
+    plain, skewed = plans(2, 0.0), plans(2, 0.5)
+    communicating = [k for k, p in plain.items() if p.communication_s > 0]
+    assert communicating
+    for label in communicating:
+        before, after = plain[label], skewed[label]
+        assert after.choice == before.choice
+        assert after.timeline["sync_s"] == pytest.approx(0.5 * before.compute_s)
+        assert after.step_time_s == pytest.approx(before.step_time_s + 0.5 * before.compute_s)
+        assert before.timeline["sync_s"] == 0
+    for label, one in plans(1, 0.5).items():
+        assert one.timeline["sync_s"] == 0, label
+
+
 def test_bad_calibrations_are_one_sentence(capsys, files) -> None:
     folder = files["folder"]
     (folder / "plan-as-cal.json").write_text(files["plan"].read_text())

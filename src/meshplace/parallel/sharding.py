@@ -267,6 +267,9 @@ class ShardingProblem:
         self.op_time = cm.op_times(graph, {dev.kind: dev.spec})[dev.kind]
         self.arith_s, self.byte_s = cm.roofline_terms(graph, dev.spec)
         self.launch = cm.launches(graph, dev.kind, dev.spec)  # per op
+        # what the ranks' meetings cost a step beyond its collectives, a fraction of its
+        # compute (profile.link.measure_sync_skew): charged by the timeline, not the solve
+        self.sync_skew = cm.sync_skew.get(dev.kind, 0.0) if mesh.size > 1 else 0.0
         self.state_factor = state_bytes_per_param_byte
         self.dims: list[OpDims | None] = []
         for o in graph.ops:
@@ -1344,7 +1347,12 @@ class ShardingProblem:
         compute waits for), ``update_s`` (blocking work of the optimizer phase),
         ``backward_stream_s``/``backward_stream_exposed_s`` (gradient reductions and
         ZeRO-3's gathers in backward) and ``forward_gathers_s``/``forward_gathers_exposed_s``
-        (ZeRO's gathers ahead of forward). Without :attr:`overlap`
+        (ZeRO's gathers ahead of forward) and ``sync_s``: on a mesh of several devices,
+        a step with collectives pays the cost model's ``sync_skew`` times its compute
+        (the ranks' meetings make each wait for the slowest,
+        :func:`meshplace.profile.link.measure_sync_skew`), which the integer program's
+        objective leaves out (it holds only where some chosen strategy communicates, a
+        term that is not linear in the choice). Without :attr:`overlap`
         the last two pairs are exposed in full. O(groups + operands)."""
         tl = self.events()
         strat = [g.strategies[choice[gi]] for gi, g in enumerate(self.groups)]
@@ -1410,9 +1418,14 @@ class ShardingProblem:
             gather_exposed = max(0.0, float(np.max(prefix - ahead))) if gt.size else 0.0
         else:
             reduce_exposed, gather_exposed = reduce_total, gather_total
+        # ranks that meet in collectives wait for the slowest: a measured fraction of the
+        # compute, for a step with any collective
+        meets = blocking + reduce_total + gather_total > 0
+        sync = self.sync_skew * compute if meets else 0.0
         return {
-            "step_s": fb_work + update + reduce_exposed + gather_exposed,
+            "step_s": fb_work + update + reduce_exposed + gather_exposed + sync,
             "compute_s": compute,
+            "sync_s": sync,
             "blocking_comm_s": blocking,
             "update_s": update,
             "backward_stream_s": reduce_total,
