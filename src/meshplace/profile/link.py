@@ -776,8 +776,8 @@ def measure_sync_skew(
     Llama, whose step is short and noisy). :meth:`meshplace.runtime.dryrun.EngineProgram.
     predict` charges ``skew`` times a rank's local work to a step that has collectives.
 
-    Cost: ``world_size`` processes, ``2 · (steps + 3)`` training steps each (~10 s for the
-    fidelity MLP at the default 60). Returns ``{"skew", "free_step_s", "met_step_s",
+    Cost: ``world_size`` processes, ``2 · (steps + 3)`` training steps each (~9 s for the
+    fidelity MLP at the default 80). Returns ``{"skew", "free_step_s", "met_step_s",
     "token_s", "steps", "world_size"}``. Raises :class:`InputError` for fewer than 2
     processes or steps, :class:`~meshplace.runtime.processes.WorkerFailure` if a rank
     fails or the measurement outlasts ``timeout``.
