@@ -509,7 +509,8 @@ def test_ranks_that_meet_in_collectives_pay_the_measured_skew_on_their_local_wor
     step, with and without a meeting after the backward (every process reaped); the
     calibration file keeps it and the cost model charges it, times the local work
     (kernels and dispatch), to an engine program with collectives and to no other; a
-    negative one in the file, one rank or one step is one sentence."""
+    negative one in the file, one rank, one step or no budget is one sentence; pairs
+    of steps the budget cannot buy are not run."""
     import multiprocessing
 
     from meshplace.cost.calibration import (
@@ -531,7 +532,9 @@ def test_ranks_that_meet_in_collectives_pay_the_measured_skew_on_their_local_wor
     # the skew is what the met step took beyond the free one and the meeting's collective
     beyond = measured["met_step_s"] - measured["free_step_s"] - measured["token_s"]
     assert measured["skew"] == pytest.approx(max(0.0, beyond / measured["free_step_s"]))
-    for bad in ({"world_size": 1}, {"steps": 1}):
+    # pairs the budget cannot buy are not run (two at least)
+    assert measure_sync_skew(source, steps=50, budget_s=1e-6)["steps"] == 2
+    for bad in ({"world_size": 1}, {"steps": 1}, {"budget_s": 0.0}):
         with pytest.raises(InputError) as err:
             measure_sync_skew(source, **bad)
         assert str(err.value).count("\n") == 0

@@ -700,7 +700,13 @@ def measure_collectives(
 
 # ------------------------------------------------------------------ ranks meeting in a step
 def _sync_skew_worker(
-    rank: int, store_path: str, world_size: int, source: str, steps: int, out: Any
+    rank: int,
+    store_path: str,
+    world_size: int,
+    source: str,
+    steps: int,
+    budget_s: float,
+    out: Any,
 ) -> None:
     import torch.distributed as dist
 
@@ -724,9 +730,13 @@ def _sync_skew_worker(
         optimizer.zero_grad(set_to_none=True)
         return time.perf_counter() - start
 
+    pair = torch.zeros(1, dtype=torch.float64)
     for _ in range(3):  # Adam's state, the allocator's pools
-        step(False)
-        step(True)
+        pair[0] = step(False) + step(True)
+    # as many pairs as the budget buys at the slowest rank's last warm-up pair (every
+    # rank runs the same number: each step meets at a barrier)
+    dist.all_reduce(pair, op=dist.ReduceOp.MAX)
+    steps = max(2, min(steps, int(budget_s / max(float(pair[0]), 1e-9))))
     free, met = [], []
     for _ in range(steps):  # paired: host drift touches both kinds alike
         free.append(step(False))
@@ -737,7 +747,7 @@ def _sync_skew_worker(
         start = time.perf_counter()
         dist.all_reduce(token)
         alone.append(time.perf_counter() - start)
-    out.put((rank, free, met, alone[2:]))
+    out.put((rank, free, met, alone[2:], steps))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -746,6 +756,7 @@ def measure_sync_skew(
     source: str,
     world_size: int = 2,
     steps: int = 80,
+    budget_s: float = 20.0,
     timeout: float = 300.0,
     start_method: str | None = None,
 ) -> dict[str, Any]:
@@ -777,10 +788,12 @@ def measure_sync_skew(
     predict` charges ``skew`` times a rank's local work to a step that has collectives.
 
     Cost: ``world_size`` processes, ``2 · (steps + 3)`` training steps each (~9 s for the
-    fidelity MLP at the default 80). Returns ``{"skew", "free_step_s", "met_step_s",
-    "token_s", "steps", "world_size"}``. Raises :class:`InputError` for fewer than 2
-    processes or steps, :class:`~meshplace.runtime.processes.WorkerFailure` if a rank
-    fails or the measurement outlasts ``timeout``.
+    fidelity MLP at the default 80), fewer where the pairs would outlast ``budget_s``
+    (at least 2; a model of 1 s steps runs 10 pairs). Returns ``{"skew", "free_step_s",
+    "met_step_s", "token_s", "steps" (the pairs run), "world_size"}``. Raises
+    :class:`InputError` for fewer than 2 processes or steps or a budget that is not
+    positive, :class:`~meshplace.runtime.processes.WorkerFailure` if a rank fails or the
+    measurement outlasts ``timeout``.
 
     Example::
 
@@ -790,23 +803,25 @@ def measure_sync_skew(
         raise InputError(f"ranks meet among at least 2 processes, got {world_size}")
     if steps < 2:
         raise InputError(f"the skew needs at least 2 steps of each kind, got {steps}")
+    if not budget_s > 0:
+        raise InputError(f"the skew's budget must be positive seconds, got {budget_s}")
     got = _run_pair(
         _sync_skew_worker,
-        (world_size, source, int(steps)),
+        (world_size, source, int(steps), float(budget_s)),
         world_size,
         timeout,
         start_method or safe_start_method(),
         world_size=world_size,
     )
     per_rank = [res for _, *res in sorted(got, key=lambda item: item[0])]
-    free = statistics.median(t for rank_free, _, _ in per_rank for t in rank_free)
-    met = statistics.median(np.max([rank_met for _, rank_met, _ in per_rank], axis=0).tolist())
-    token = statistics.median(np.max([alone for _, _, alone in per_rank], axis=0).tolist())
+    free = statistics.median(t for rank_free, *_ in per_rank for t in rank_free)
+    met = statistics.median(np.max([rank_met for _, rank_met, *_ in per_rank], axis=0).tolist())
+    token = statistics.median(np.max([alone for _, _, alone, _ in per_rank], axis=0).tolist())
     return {
         "skew": max(0.0, (met - free - token) / free),
         "free_step_s": free,
         "met_step_s": met,
         "token_s": token,
-        "steps": steps,
+        "steps": int(per_rank[0][3]),
         "world_size": world_size,
     }
