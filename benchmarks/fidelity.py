@@ -45,8 +45,9 @@ skew, a fraction of its local work measured on the model's own eager step on two
 (:func:`meshplace.profile.link.measure_sync_skew`; the ablation ``no_skew`` leaves it
 out). Reported beside them too: a measurement
 that tells the model's error on the rank's local work from the rest: the rank's step timed
-alone in its dry run (``timed_alone_s``; the fake process group's collectives return at
-once) plus the model's collectives (``predicted_timed_local_s``). Each plan
+alone in its dry run (``timed_alone_s``; the fake process group's collectives wait for
+no peer, though their buffers' work is in it) plus the model's collectives
+(``predicted_timed_local_s``). Each plan
 runs under torchrun on 2 gloo ranks (``python -m meshplace.runtime``: DTensor, PyTorch's
 own forward, backward and Adam); the measured step is the median of the timed steps (per
 step, the slowest rank) over the passes.
@@ -544,7 +545,7 @@ def run_sharded_model(source: str, steps: int, warmup: int, passes: int) -> dict
         program = {k: engine_s[k] for k in ("collectives", "kernels", "dispatched")}
         measured = statistics.median(timed[label])
         # not a prediction: the rank's step timed alone in the dry run (collectives
-        # returning at once), plus the model's collectives — what is left of the error
+        # waiting for no peer), plus the model's collectives — what is left of the error
         # once the local work is measured rather than modelled
         alone = timed_alone[label] + engine_s["communication_s"]
         rows.append(

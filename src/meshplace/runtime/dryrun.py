@@ -23,8 +23,10 @@ ops were dispatched. The third step is recorded (the first also creates Adam's s
 DDP's buckets, the second rebuilds DDP's buckets).
 :func:`dry_run` does this for rank 0 of a ``world_size``-rank plan in a fresh process
 (``python -m meshplace.runtime.dryrun``) joined to PyTorch's fake process group
-(``torch.testing._internal.distributed.fake_pg``: collectives return at once, so one
-process stands in for every rank); rank 0 holds the largest block of any uneven split.
+(``torch.testing._internal.distributed.fake_pg``: collectives wait for no peer, so one
+process stands in for every rank — though not free: a functional all-gather on it took
+0.2 ms at 64 KiB and 1.1-1.4 ms at 1-4 MiB here, its buffers' work); rank 0 holds the
+largest block of any uneven split.
 :meth:`EngineProgram.predict` sums the kernels' roofline times, DTensor's dispatch per
 op and the collectives (synchronous on this engine: nothing overlaps).
 
@@ -1152,7 +1154,8 @@ def measure_split_dispatch_overhead(source: str, per_op_s: float, reps: int = 20
     this process on ``source``'s own forward and backward (two rows of its inputs, one
     thread) as the runtime runs it (:class:`meshplace.runtime.launch.ShardedTraining`: its
     boundaries and vocabulary-parallel lookup included) on rank 0 of a fake 2-rank process
-    group, whose collectives return at once, paired with the plain model's: the median of
+    group, whose collectives wait for no peer (their buffers' own work stays in the
+    difference), paired with the plain model's: the median of
     the paired differences, less the replicated ops at ``per_op_s``, divided by the split
     ops (counted by :func:`recorder`). Two layouts, two rates: Megatron's
     (:func:`megatron_plan_file`; ops split over a model-parallel axis,
