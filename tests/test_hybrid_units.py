@@ -151,6 +151,35 @@ def test_a_model_without_identical_layers_is_cut_between_its_units(resnet_result
             assert plan.time_per_batch_s == pytest.approx(simulated.step_s, rel=1e-12)
 
 
+def test_a_unit_stage_of_several_devices_pays_the_synchronisation_skew() -> None:
+    """Cut between units as between layers: a cost model's ``sync_skew`` is charged once
+    per step to a stage that spans two devices — its micro-batches' forward and backward
+    times the skew — and not to a pipeline of one-device stages."""
+    from meshplace.cost.compute import CostModel
+
+    cluster = load_cluster("h2-8xh100")
+    kind = cluster.devices[hybrid.accelerators(cluster)[0]].kind
+
+    def search(model: CostModel) -> dict[tuple[int, int, int], hybrid.HybridPlan]:
+        result = hybrid.hybrid_search(
+            "tiny-resnet", None, cluster, chips=2, global_batch=16, tensor_parallel=(1,),
+            micro_batch_sizes=(4,), graphs=tiny_resnet, simulate_top=1000,
+            schedules=("gpipe",), zero_stages=(0,), cost_model=model,
+        )  # fmt: skip
+        return {(p.pp, p.dp, p.config.zero): p for p in result.plans}
+
+    plain, skewed = search(CostModel()), search(CostModel(sync_skew={kind: 0.5}))
+    replicas = plain[(1, 2, 0)]
+    local = replicas.config.micro_batches * (
+        replicas.stage_forward_s[0] + replicas.stage_backward_s[0]
+    )
+    assert skewed[(1, 2, 0)].sync_s[0] - replicas.sync_s[0] == pytest.approx(0.5 * local)
+    assert skewed[(1, 2, 0)].time_per_batch_s == pytest.approx(
+        replicas.time_per_batch_s + 0.5 * local, rel=1e-6
+    )
+    assert skewed[(2, 1, 0)].time_per_batch_s == plain[(2, 1, 0)].time_per_batch_s
+
+
 def test_the_cli_cuts_a_users_model_between_units(tmp_path: Path, capsys) -> None:
     source = tmp_path / "cnn.py"
     source.write_text(
