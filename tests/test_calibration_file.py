@@ -134,8 +134,8 @@ def test_shard_predicts_with_the_calibration(capsys, files) -> None:
 def test_a_sharding_plan_that_communicates_pays_the_synchronisation_skew() -> None:
     """A calibration's ``sync_skew`` moves the sharding solver's estimate of a plan whose
     devices meet in collectives by that fraction of its compute (the timeline's
-    ``sync_s``), and not its choice (the solve leaves the skew out); a plan on one device
-    pays none."""
+    ``sync_s``, in the plan file's prediction), and not its choice (the solve leaves the
+    skew out) nor its exposed communication; a plan on one device pays none."""
     from meshplace.parallel.search import shard_graph
 
     graph = workload_graph("dmcca")
@@ -157,6 +157,9 @@ def test_a_sharding_plan_that_communicates_pays_the_synchronisation_skew() -> No
         assert after.choice == before.choice
         assert after.timeline["sync_s"] == pytest.approx(0.5 * before.compute_s)
         assert after.step_time_s == pytest.approx(before.step_time_s + 0.5 * before.compute_s)
+        assert after.exposed_communication_s == pytest.approx(before.exposed_communication_s)
+        predicted = after.plan_file("dmcca", cluster.name)["predicted"]
+        assert predicted["sync_s"] == after.timeline["sync_s"]
         assert before.timeline["sync_s"] == 0
     for label, one in plans(1, 0.5).items():
         assert one.timeline["sync_s"] == 0, label

@@ -461,7 +461,12 @@ def print_captured(console: Console, result: Any, data: dict[str, Any], best: An
         f"[bold]{ms(best.step_time_s)}[/bold] = compute {ms(best.compute_s)} + exposed "
         f"communication {ms(best.exposed_communication_s)} (of {ms(best.communication_s)}: "
         f"reductions {ms(best.timeline.get('backward_stream_s', 0.0))} behind backward, "
-        f"gathers {ms(best.timeline.get('forward_gathers_s', 0.0))} ahead of forward)",
+        f"gathers {ms(best.timeline.get('forward_gathers_s', 0.0))} ahead of forward)"
+        + (
+            f" + waiting for the slowest rank {ms(best.timeline['sync_s'])}"
+            if best.timeline.get("sync_s")
+            else ""
+        ),
     )
     solver = data["solver"]
     head.add_row(

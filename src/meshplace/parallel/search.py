@@ -92,8 +92,9 @@ class ShardingPlan:
     @property
     def exposed_communication_s(self) -> float:
         """Communication compute waits for: blocking collectives and the exposed tails
-        of the overlapped gradient reductions and parameter gathers."""
-        return self.step_time_s - self.compute_s
+        of the overlapped gradient reductions and parameter gathers (the step less its
+        compute and its ranks' synchronisation skew, ``timeline["sync_s"]``)."""
+        return self.step_time_s - self.compute_s - self.timeline.get("sync_s", 0.0)
 
     @property
     def fits(self) -> bool:
@@ -309,6 +310,7 @@ class ShardingPlan:
                 "compute_s": self.compute_s,
                 "communication_s": self.communication_s,
                 "exposed_communication_s": self.exposed_communication_s,
+                "sync_s": self.timeline.get("sync_s", 0.0),
                 "memory_bytes": dict(self.memory_bytes),
                 "peak_memory_bytes": self.peak_memory_bytes,
                 "live_peak_bytes": self.live_peak()[0],
