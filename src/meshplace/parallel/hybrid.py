@@ -846,6 +846,9 @@ class HybridPlan:
     model_flops: float
     chips: int
     peak_flops: float
+    #: per stage, once per batch after the schedule: the gradients' synchronisation, the
+    #: tied weights' exchange and, on a stage of several devices, its ranks' wait for the
+    #: slowest (the cost model's ``sync_skew``, :func:`_waiting_for_the_slowest`)
     sync_s: list[float] = field(default_factory=list)
     update_s: list[float] = field(default_factory=list)
     strategies: dict[str, str] = field(default_factory=dict)
