@@ -1154,9 +1154,12 @@ def measure_split_dispatch_overhead(source: str, per_op_s: float, reps: int = 20
     this process on ``source``'s own forward and backward (two rows of its inputs, one
     thread) as the runtime runs it (:class:`meshplace.runtime.launch.ShardedTraining`: its
     boundaries and vocabulary-parallel lookup included) on rank 0 of a fake 2-rank process
-    group, whose collectives wait for no peer (their buffers' own work stays in the
-    difference), paired with the plain model's: the median of
-    the paired differences, less the replicated ops at ``per_op_s``, divided by the split
+    group, whose collectives wait for no peer, paired with the plain model's: the median
+    of the paired differences, less the replicated ops at ``per_op_s`` and the pass's
+    collectives at what a functional collective costs the host on that group (0.16-0.3
+    ms each here, the Python and dispatch of issuing it, which the collectives measured
+    between real ranks hold already: counted in both, each tensor-parallel collective
+    was charged twice until session 59), divided by the split
     ops (counted by :func:`recorder`). Two layouts, two rates: Megatron's
     (:func:`megatron_plan_file`; ops split over a model-parallel axis,
     ``per_split_op_s``) and data parallelism's (:func:`data_parallel_plan_file`: every
@@ -1165,8 +1168,9 @@ def measure_split_dispatch_overhead(source: str, per_op_s: float, reps: int = 20
     the weights against the plain model's whole would take most of the difference.
     Returns the two rates (each 0, with ``split_note`` or ``batch_note`` saying why, when
     it was not measured: no matrix layer to split, or the layout does not run), the ops
-    counted (``split_ops``, ``split_replicated_ops``, ``batch_split_ops``) and the
-    Megatron passes' medians. O(reps) forward and backward passes on two rows, twice.
+    counted (``split_ops``, ``split_replicated_ops``, ``batch_split_ops``), the Megatron
+    passes' medians, their collectives (``split_collectives``) and the fake group's cost
+    per collective (``fake_collective_s``). O(reps) forward and backward passes on two rows, twice.
 
     On the Llama example this machine measured 173-200 us per op split over the tensor
     axis where a replicated one costs 71-77: DTensor's Megatron-layout forward and
@@ -1180,11 +1184,14 @@ def measure_split_dispatch_overhead(source: str, per_op_s: float, reps: int = 20
 
     graph, model = graph_for(source), build_on_two_rows(source)[0]
 
-    def rate(passes: tuple[list[tuple[float, float]], EngineProgram], counted: int) -> float:
+    def rate(passes: tuple[list[tuple[float, float]], EngineProgram, float], counted: int) -> float:
         """Seconds per ``counted`` op: the passes' median paired difference, less the
-        ops neither split nor batch-split at ``per_op_s``."""
-        pairs, program = passes
+        ops neither split nor batch-split at ``per_op_s`` and the pass's collectives at
+        what the fake group's functional collective costs the host (which the measured
+        collectives hold: :func:`meshplace.profile.link.measure_collectives`)."""
+        pairs, program, per_collective = passes
         difference = statistics.median(d - p for p, d in pairs)
+        difference -= len(program.collectives) * per_collective
         split, batch = program.dispatched_split, program.dispatched_batch_split
         whole = program.dispatched - split - batch
         return max(0.0, (difference - whole * per_op_s) / counted)
@@ -1200,13 +1207,15 @@ def measure_split_dispatch_overhead(source: str, per_op_s: float, reps: int = 20
         elif not passes[1].dispatched_split:
             out["split_note"] = "no op of its step had a split operand"
         else:
-            pairs, program = passes
+            pairs, program, per_collective = passes
             out.update(
                 per_split_op_s=rate(passes, program.dispatched_split),
                 split_ops=program.dispatched_split,
                 split_replicated_ops=program.dispatched - program.dispatched_split,
                 split_plain_pass_s=statistics.median(p for p, _ in pairs),
                 split_pass_s=statistics.median(d for _, d in pairs),
+                split_collectives=len(program.collectives),
+                fake_collective_s=per_collective,
             )
     out.update(per_batch_split_op_s=0.0, batch_split_ops=0)
     batch_plan = data_parallel_plan_file(graph, model)
@@ -1223,13 +1232,14 @@ def measure_split_dispatch_overhead(source: str, per_op_s: float, reps: int = 20
 
 def _paired_dtensor_passes(
     plan: dict[str, Any], source: str, reps: int, batch_dims: Sequence[int]
-) -> tuple[list[tuple[float, float]], EngineProgram] | str:
+) -> tuple[list[tuple[float, float]], EngineProgram, float] | str:
     """``reps`` pairs of (plain, DTensor) forward-and-backward seconds of ``source`` on two
     rows, the DTensor one under ``plan`` on rank 0 of a fake process group of the plan's
-    size, alternating (the host's speed drifts within seconds), and one DTensor pass
-    recorded; or, when the plan does not run, the reason (any failure: an optional
-    measurement). One thread, the group destroyed and the thread count restored on
-    every way out. O(reps) passes."""
+    size, alternating (the host's speed drifts within seconds), one DTensor pass
+    recorded, and what a functional collective costs the host on that group
+    (:func:`fake_collective_seconds`); or, when the plan does not run, the reason (any
+    failure: an optional measurement). One thread, the group destroyed and the thread
+    count restored on every way out. O(reps) passes."""
     import time
 
     import torch
@@ -1274,10 +1284,40 @@ def _paired_dtensor_passes(
         program = EngineProgram(world)
         with recorder(program, mesh_axes(training.mesh), batch_dims):
             dtensor_pass()
+        per_collective = fake_collective_seconds(training.mesh) if program.collectives else 0.0
     except Exception as exc:  # an optional measurement: any failure is its note
         words = str(exc).strip().splitlines() or [""]
         return f"{type(exc).__name__}: {words[-1]}"
     finally:
         dist.destroy_process_group()
         torch.set_num_threads(threads)
-    return pairs, program
+    return pairs, program, per_collective
+
+
+def fake_collective_seconds(mesh: Any, reps: int = 30) -> float:
+    """What issuing a functional collective costs the host on ``mesh``'s first dimension
+    of a fake process group, which moves no data and waits for no peer: the median over
+    ``reps`` calls each of a 4 KiB all-reduce, all-gather and reduce-scatter, issued and
+    waited for as DTensor does (``torch.distributed._functional_collectives``). On this
+    host 0.16-0.3 ms, nearly independent of the bytes: the Python and dispatch around
+    the call, which a collective between real ranks pays as well. O(reps) calls."""
+    import statistics
+    import time
+
+    import torch
+    import torch.distributed._functional_collectives as funcol
+
+    x = torch.ones(1024 * mesh.size(0))
+    calls = (
+        lambda: funcol.all_reduce(x, "sum", (mesh, 0)),
+        lambda: funcol.all_gather_single(x, 0, (mesh, 0)),
+        lambda: funcol.reduce_scatter_single(x, "sum", 0, (mesh, 0)),
+    )
+    times = []
+    for call in calls:
+        for _ in range(reps + 2):  # two warm-up calls of each
+            start = time.perf_counter()
+            funcol.wait_tensor(call())
+            times.append(time.perf_counter() - start)
+        del times[-reps - 2 : -reps]
+    return statistics.median(times)
