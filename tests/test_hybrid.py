@@ -573,6 +573,20 @@ def test_synchronous_gradients_cost_exposed_bucketed_all_reduces() -> None:
     assert by_zero[(2, 1)] > dp2_sync[(2, 1)].time_per_batch_s
 
 
+def _two_chip_plans(
+    cluster: Any, cost_model: Any, synchronous: bool = True
+) -> dict[tuple[int, int, int], hybrid.HybridPlan]:
+    """The tiny model's plans on 2 chips of ``cluster`` (global batch 8, micro-batches of
+    2, GPipe, ZeRO 0-1, one or two stages), by (pp, dp, zero)."""
+    result = hybrid.hybrid_search(
+        "tiny", None, cluster, chips=2, global_batch=8, tensor_parallel=(1,),
+        micro_batch_sizes=(2,), graphs=_tiny_graphs, layers=2, simulate_top=1000,
+        schedules=("gpipe",), zero_stages=(0, 1), pipeline_degrees=(1, 2),
+        cost_model=cost_model, synchronous_gradients=synchronous,
+    )  # fmt: skip
+    return {(p.pp, p.dp, p.config.zero): p for p in result.plans}
+
+
 def test_ddp_stages_pay_the_ddp_overhead_per_micro_batch_and_others_do_not() -> None:
     """A cost model's ``ddp_overhead`` (what DDP adds per micro-batch, its hooks) is
     charged on every micro-batch of a stage meshplace's runtime runs on DDP (data
@@ -585,13 +599,8 @@ def test_ddp_stages_pay_the_ddp_overhead_per_micro_batch_and_others_do_not() -> 
     ddp = 1e-3
 
     def times(model: CostModel, synchronous: bool = True) -> dict[tuple[int, int, int], float]:
-        result = hybrid.hybrid_search(
-            "tiny", None, cluster, chips=2, global_batch=8, tensor_parallel=(1,),
-            micro_batch_sizes=(2,), graphs=_tiny_graphs, layers=2, simulate_top=1000,
-            schedules=("gpipe",), zero_stages=(0, 1), pipeline_degrees=(1, 2),
-            cost_model=model, synchronous_gradients=synchronous,
-        )  # fmt: skip
-        return {(p.pp, p.dp, p.config.zero): p.time_per_batch_s for p in result.plans}
+        plans = _two_chip_plans(cluster, model, synchronous)
+        return {key: plan.time_per_batch_s for key, plan in plans.items()}
 
     plain, charged = times(CostModel()), times(CostModel(ddp_overhead={kind: ddp}))
     micro_batches = 8 // (2 * 2)  # one stage, two replicas, micro-batches of 2
@@ -612,17 +621,8 @@ def test_stages_of_several_devices_pay_the_synchronisation_skew_on_their_local_w
 
     cluster = load_cluster("h2-8xh100")
     kind = cluster.devices[hybrid.accelerators(cluster)[0]].kind
-
-    def search(model: CostModel) -> dict[tuple[int, int, int], hybrid.HybridPlan]:
-        result = hybrid.hybrid_search(
-            "tiny", None, cluster, chips=2, global_batch=8, tensor_parallel=(1,),
-            micro_batch_sizes=(2,), graphs=_tiny_graphs, layers=2, simulate_top=1000,
-            schedules=("gpipe",), zero_stages=(0, 1), pipeline_degrees=(1, 2),
-            cost_model=model, synchronous_gradients=True,
-        )  # fmt: skip
-        return {(p.pp, p.dp, p.config.zero): p for p in result.plans}
-
-    plain, skewed = search(CostModel()), search(CostModel(sync_skew={kind: 0.25}))
+    plain = _two_chip_plans(cluster, CostModel())
+    skewed = _two_chip_plans(cluster, CostModel(sync_skew={kind: 0.25}))
     for key in [(1, 2, 0), (1, 2, 1)]:  # one stage over two devices: DDP, ZeRO 1
         local = plain[key].config.micro_batches * (
             plain[key].stage_forward_s[0] + plain[key].stage_backward_s[0]
