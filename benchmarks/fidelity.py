@@ -43,7 +43,10 @@ fit_eager_kernels`; the ablation ``graph_kernels`` prices them by the fit to the
 runtime's op times instead). A plan with collectives also pays the ranks' synchronisation
 skew, a fraction of its local work measured on the model's own eager step on two ranks
 (:func:`meshplace.profile.link.measure_sync_skew`; the ablation ``no_skew`` leaves it
-out). Reported beside them too: a measurement
+out; the ablation ``dtensor_rates`` prices the process group's own collectives — DDP's,
+FSDP2's, the runtime's flat buckets of gradients and ZeRO shards — at the rates measured
+for DTensor's redistributions, where the headline prices them at their own
+(``CostModel.c10d_collectives``). Reported beside them too: a measurement
 that tells the model's error on the rank's local work from the rest: the rank's step timed
 alone in its dry run (``timed_alone_s``; the fake process group's collectives wait for
 no peer, though their buffers' work is in it) plus the model's collectives
@@ -406,16 +409,19 @@ def dtensor_workers(source: str) -> tuple[Any, Any, Any, dict[str, Any], Any, An
     dispatch = measure_dispatch_overhead(source)
     fsdp = measure_fsdp_overhead(source)
     collectives = measure_collectives(world_size=2, engine="dtensor")
-    print(
-        "  collectives as DTensor runs them on 2 gloo ranks (ring formula fitted): "
-        + "; ".join(
-            f"{kind} {f['latency_s'] * 1e6:.0f} us, {f['bandwidth'] / 1e9:.2f} GB/s"
-            for kind, f in collectives["fits"].items()
+    c10d = measure_collectives(world_size=2, engine="c10d")
+    for how, measured in (("as DTensor runs them", collectives), ("as c10d calls", c10d)):
+        print(
+            f"  collectives {how} on 2 gloo ranks (ring formula fitted): "
+            + "; ".join(
+                f"{kind} {f['latency_s'] * 1e6:.0f} us, {f['bandwidth'] / 1e9:.2f} GB/s"
+                for kind, f in measured["fits"].items()
+            )
+            + f" (link: {cal.link['latency'] * 1e6:.0f} us, "
+            f"{cal.link['bandwidth'] / 1e9:.2f} GB/s)",
+            file=sys.stderr,
         )
-        + f" (link: {cal.link['latency'] * 1e6:.0f} us, {cal.link['bandwidth'] / 1e9:.2f} GB/s)",
-        file=sys.stderr,
-    )
-    fitted = with_collectives(cal.cost_calibration(), collectives)
+    fitted = with_collectives(cal.cost_calibration(), collectives, c10d)
     # the kernels as torchrun's engines run them: eager PyTorch, each kernel's own time on
     # the model's eager step (the op times above are fx nodes of meshplace's own runtime)
     fitted = fit_eager_kernels(time_eager_kernels(source), fitted)
@@ -520,6 +526,9 @@ def run_sharded_model(source: str, steps: int, warmup: int, passes: int) -> dict
     # and by the ablation of the synchronisation skew (no wait for the slowest rank, as
     # before session 59)
     no_skew = dataclasses.replace(cost_model, sync_skew={})
+    # and by the ablation of the process group's own collectives' rates (DDP's, FSDP2's,
+    # the runtime's flat buckets at DTensor's redistributions' rates, as before session 60)
+    dtensor_rates = dataclasses.replace(cost_model, c10d_collectives={})
     engine_predictions: dict[str, tuple[dict[str, Any], ...]] = {}
     timed_alone: dict[str, float] = {}
     for label, document, _ in plans:
@@ -530,6 +539,7 @@ def run_sharded_model(source: str, steps: int, warmup: int, passes: int) -> dict
             program_cost(program, document, cluster, one_rate),
             program_cost(program, document, cluster, graph_kernels),
             program_cost(program, document, cluster, no_skew),
+            program_cost(program, document, cluster, dtensor_rates),
         )
         timed_alone[label] = program.timed_step_s
     timed, per_pass = _torchrun_passes(
@@ -539,7 +549,9 @@ def run_sharded_model(source: str, steps: int, warmup: int, passes: int) -> dict
     for label, document, solver_s in plans:
         if not timed[label]:
             continue
-        engine_s, links_s, one_rate_s, graph_kernels_s, no_skew_s = engine_predictions[label]
+        engine_s, links_s, one_rate_s, graph_kernels_s, no_skew_s, dtensor_rates_s = (
+            engine_predictions[label]
+        )
         parts = ("step_s", "compute_s", "dispatch_s", "communication_s", "sync_s")
         breakdown = {k: engine_s[k] for k in parts}
         program = {k: engine_s[k] for k in ("collectives", "kernels", "dispatched")}
@@ -571,6 +583,8 @@ def run_sharded_model(source: str, steps: int, warmup: int, passes: int) -> dict
                 error_graph_kernels=(graph_kernels_s["step_s"] - measured) / measured,
                 predicted_no_skew_s=no_skew_s["step_s"],
                 error_no_skew=(no_skew_s["step_s"] - measured) / measured,
+                predicted_dtensor_rates_s=dtensor_rates_s["step_s"],
+                error_dtensor_rates=(dtensor_rates_s["step_s"] - measured) / measured,
             )
         )
     meas = [r["measured_s"] for r in rows]
@@ -923,6 +937,9 @@ def run_hybrid_model(source: str, steps: int, warmup: int, passes: int) -> dict:
     # and the ablation of the ranks' synchronisation skew (as before session 59)
     unskewed = calibrated_cost_model(engine.model_copy(update={"sync_skew": 0.0}), cluster)
     no_skew = {label_of(p): p.time_per_batch_s for p in search(unskewed).plans}
+    # and of the process group's own collectives' rates (as before session 60)
+    uniform = calibrated_cost_model(engine.model_copy(update={"collectives_c10d": {}}), cluster)
+    dtensor_rates = {label_of(p): p.time_per_batch_s for p in search(uniform).plans}
     plans: dict[str, Any] = {}
     for plan in sorted(result.plans, key=lambda p: p.config.zero):
         label = label_of(plan).rsplit(" ", 1)[0]
@@ -944,6 +961,11 @@ def run_hybrid_model(source: str, steps: int, warmup: int, passes: int) -> dict:
             error_no_skew=(no_skew[label_of(plan)] - statistics.median(timed[label]))
             / statistics.median(timed[label])
             if label_of(plan) in no_skew
+            else None,
+            predicted_dtensor_rates_s=dtensor_rates.get(label_of(plan)),
+            error_dtensor_rates=(dtensor_rates[label_of(plan)] - statistics.median(timed[label]))
+            / statistics.median(timed[label])
+            if label_of(plan) in dtensor_rates
             else None,
         )
         for label, plan in plans.items()
@@ -984,6 +1006,7 @@ def _summary(rows: list[dict]) -> dict[str, Any]:
                 "one_dispatch_rate",
                 "graph_kernels",
                 "no_skew",
+                "dtensor_rates",
             )
             if all(r.get(f"predicted_{ablation}_s") is not None for r in rows)
             for measure, value in (
@@ -1077,6 +1100,7 @@ def main(argv: list[str] | None = None) -> int:
         "kendall_tau_one_dispatch_rate",
         "kendall_tau_graph_kernels",
         "kendall_tau_no_skew",
+        "kendall_tau_dtensor_rates",
         *(f"kendall_tau_{a}" for a in PLACED_ABLATIONS),
     ]
     for key in taus:
@@ -1175,6 +1199,12 @@ def main(argv: list[str] | None = None) -> int:
                 f"no wait for the slowest rank (an ablation: no synchronisation skew) "
                 f"{name}: median |err| {pct(m.get('median_abs_error_no_skew'))}, "
                 f"tau {num(m.get('kendall_tau_no_skew'))}"
+            )
+            print(
+                f"every collective at DTensor's rates (an ablation: no rates of the process "
+                f"group's own calls) {name}: median |err| "
+                f"{pct(m.get('median_abs_error_dtensor_rates'))}, "
+                f"tau {num(m.get('kendall_tau_dtensor_rates'))}"
             )
     for ablation, (_, _, words) in PLACED_ABLATIONS.items() if args.family == "placed" else ():
         for name, m in [(m["model"], m) for m in results] + [("overall", overall)]:

@@ -199,6 +199,14 @@ def _slow_collectives(cal: CostCalibration) -> CostCalibration:
     return with_collectives(cal, {"fits": fits, "world_size": 2})
 
 
+def _shard_dmcca_on_two_h100s(capsys, calibration: Path) -> dict:
+    """``meshplace shard``'s JSON for dmcca on a 2-wide mesh of H100s, calibrated."""
+    shard = ["shard", "dmcca", "--cluster", "dgx-h100", "--chips", "2", "--method", "graph"]
+    code, out, err = _run(capsys, *shard, "--mesh", "2", "--json", "--calibration", calibration)
+    assert code == 0, err
+    return json.loads(out)
+
+
 def test_measured_collectives_cost_the_sharding_plans(tmp_path: Path, capsys) -> None:
     """A calibration's measured collectives replace the cluster's links in the sharding
     solver's costs (``Mesh.calibrated``): the data-parallel plan of the same graph pays
@@ -226,17 +234,70 @@ def test_measured_collectives_cost_the_sharding_plans(tmp_path: Path, capsys) ->
         "reduce_scatter", 1e6, ["x"]
     )
     assert mesh.calibrated(calibrated_cost_model(base, cluster)) is mesh
-    shard = ["shard", "dmcca", "--cluster", "dgx-h100", "--chips", "2", "--method", "graph"]
-    shard += ["--mesh", "2", "--json"]
-    code, out, err = _run(capsys, *shard, "--calibration", tmp_path / "links.json")
-    assert code == 0, err
-    on_links = json.loads(out)
-    code, out, err = _run(capsys, *shard, "--calibration", tmp_path / "slow.json")
-    assert code == 0, err
-    measured = json.loads(out)
+    on_links = _shard_dmcca_on_two_h100s(capsys, tmp_path / "links.json")
+    measured = _shard_dmcca_on_two_h100s(capsys, tmp_path / "slow.json")
     # dearer collectives: a slower step, even with the plan the solver then prefers
     # (less splitting, more compute per device)
     assert measured["step_time_s"] > on_links["step_time_s"]
+
+
+def test_the_process_groups_own_collectives_cost_their_own_measured_rates(
+    tmp_path: Path, capsys
+) -> None:
+    """``collectives_c10d`` (the process group's own calls, which DDP, FSDP2 and the
+    runtime's flat buckets issue) prices those calls where ``collectives`` (DTensor's
+    redistributions) prices the rest: on a mesh (``c10d=True``, kinds not measured so
+    falling back to DTensor's rates), in an engine's recorded program (by each
+    collective's ``c10d`` mark) and in the sharding solver (its bucketed gradient
+    reductions), so ``shard --calibration`` predicts a faster data-parallel step when
+    the process group's calls are measured cheaper."""
+    from meshplace.mesh.layout import build_mesh
+    from meshplace.runtime.dryrun import EngineCollective, EngineProgram
+
+    base = _slow_collectives(
+        _slow_matmuls("h100", "dgx-h100").model_copy(
+            update={"efficiency": {}, "launch_overhead_s": 5e-6}
+        )
+    )
+    slow = {k: {"latency_s": 1e-3, "bandwidth": 1e9} for k in ("all_reduce", "all_gather")}
+    fast = {"all_reduce": {"latency_s": 1e-4, "bandwidth": 1e10}}
+    both = with_collectives(base, {"fits": slow, "world_size": 2}, {"fits": fast})
+    assert both.collectives == base.collectives
+    assert both.collectives_c10d == {"all_reduce": (1e-4, 1e10)}
+    save_calibration(both, tmp_path / "both.json")
+    assert load_calibration(tmp_path / "both.json") == both
+    cluster = load_cluster("dgx-h100")
+    cost_model = calibrated_cost_model(both, cluster)
+    assert cost_model.c10d_collectives == {"h100": {"all_reduce": (1e-4, 1e10)}}
+    mesh = build_mesh(cluster, (2,), chips=2).calibrated(cost_model)
+    # 2 (p - 1) (latency + n / (p bandwidth)) for n = 1 MB over 2 devices
+    assert mesh.collective_time("all_reduce", 1e6, ["x"]) == pytest.approx(3e-3)
+    assert mesh.collective_time("all_reduce", 1e6, ["x"], c10d=True) == pytest.approx(3e-4)
+    # a kind measured only as DTensor runs it costs DTensor's rate either way
+    assert mesh.collective_time("all_gather", 1e6, ["x"], c10d=True) == pytest.approx(1.5e-3)
+    program = EngineProgram(
+        2,
+        collectives=[
+            EngineCollective("all_reduce", 1e6, ["x"]),
+            EngineCollective("all_reduce", 1e6, ["x"], c10d=True),
+        ],
+    )
+    spec = cluster.devices[0].spec
+    cost = program.predict(cost_model, mesh, spec)
+    assert cost["communication_s"] == pytest.approx(3e-3 + 3e-4)
+    # recorded before the mark existed: DTensor's rates
+    again = EngineProgram.from_dict(json.loads(json.dumps(program.to_dict())))
+    assert [c.c10d for c in again.collectives] == [False, True]
+    old = program.to_dict()
+    for c in old["collectives"]:
+        del c["c10d"]
+    assert EngineProgram.from_dict(old).predict(cost_model, mesh, spec)[
+        "communication_s"
+    ] == pytest.approx(6e-3)
+    save_calibration(base, tmp_path / "dtensor.json")
+    dtensor_rates = _shard_dmcca_on_two_h100s(capsys, tmp_path / "dtensor.json")
+    both_rates = _shard_dmcca_on_two_h100s(capsys, tmp_path / "both.json")
+    assert both_rates["step_time_s"] < dtensor_rates["step_time_s"]
 
 
 def test_the_engine_dispatch_is_charged_on_measured_times_too() -> None:

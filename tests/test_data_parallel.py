@@ -47,6 +47,28 @@ def build():
     return model, (torch.randn(8, 3, 12, 12),)
 """
 
+# the MLP behind a constant table it adds to its input (as the Llama example's rotary
+# tables): a buffer every rank builds alike and the training step never changes
+WITH_TABLE = """\
+import torch
+
+
+class AddTable(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("table", torch.linspace(0, 1, 64))
+
+    def forward(self, x):
+        return x + self.table
+
+
+def build():
+    model = torch.nn.Sequential(
+        AddTable(), torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)
+    )
+    return model, (torch.randn(32, 64),)
+"""
+
 MLP_PARAMETERS = {"0.weight": 64 * 256, "0.bias": 256, "2.weight": 256 * 64, "2.bias": 64}
 
 
@@ -178,7 +200,8 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     folder = tmp_path_factory.mktemp("data_parallel")
     (folder / "mlp.py").write_text(MLP)
     (folder / "bn.py").write_text(BATCH_NORM)
-    return {"mlp": f"{folder / 'mlp.py'}:build", "bn": f"{folder / 'bn.py'}:build"}
+    (folder / "table.py").write_text(WITH_TABLE)
+    return {name: f"{folder / name}.py:build" for name in ("mlp", "bn", "table")}
 
 
 def test_ddp_runs_a_replicated_plan_with_one_bucketed_all_reduce(sources: dict[str, str]) -> None:
@@ -189,10 +212,24 @@ def test_ddp_runs_a_replicated_plan_with_one_bucketed_all_reduce(sources: dict[s
     assert program.dispatched == 0
     reduced = [c.nbytes for c in program.collectives if c.kind == "all_reduce"]
     assert reduced == [4 * sum(MLP_PARAMETERS.values())]
+    # DDP's all-reduce is the process group's own call: priced at its own measured rate
+    assert all(c.c10d for c in program.collectives)
     matmuls = [k for k in program.kernels if k.kind == "matmul"]
     assert 2 * 16 * 64 * 256 <= max(k.flops for k in matmuls) < 2 * 32 * 64 * 256
     # --engine dtensor: the same plan under DTensor, which dispatches every op
     assert dry_run(plan, engine="dtensor").dispatched > 0
+
+
+def test_ddp_broadcasts_no_buffer_a_decomposable_loss_leaves_unchanged(
+    sources: dict[str, str],
+) -> None:
+    """A model with a constant buffer (every rank builds it alike; a loss that is a mean
+    over the batch keeps no batch statistics) runs on DDP without DDP's broadcast of the
+    buffers before every forward: one all-reduce a step, no broadcast."""
+    parameters = ["1.weight", "1.bias", "3.weight", "3.bias"]
+    program = dry_run(pure_data_parallel_plan(sources["table"], parameters, 0))
+    assert program.dispatched == 0  # DDP's
+    assert program.collective_counts() == {"all_reduce": 1}
 
 
 def test_a_batch_split_over_a_2d_mesh_is_data_parallelism_over_every_rank(

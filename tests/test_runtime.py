@@ -316,6 +316,9 @@ def test_run_cli_prints_measured_and_predicted(tmp_path, capsys, monkeypatch) ->
     assert set(saved.collectives) == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all"}
     assert saved.collectives_measured_on == 2
     assert applied.collectives[saved.device_kind] == saved.collectives
+    # and as the process group's own calls (DDP's, FSDP2's, the runtime's flat buckets)
+    assert set(saved.collectives_c10d) == set(saved.collectives)
+    assert applied.c10d_collectives[saved.device_kind] == saved.collectives_c10d
     # and what a pipeline's micro-batch costs two busy ranks, which the hybrid search
     # charges instead of the engine and the messages' fixed costs
     assert saved.pipeline_exchange_s > 0

@@ -138,6 +138,9 @@ def test_data_parallelism_runs_one_bucketed_gradient_all_reduce(
     reduced = [c.nbytes for c in program.collectives if c.kind == "all_reduce"]
     assert (2 * 64 * 256 + 256) * 4 in reduced, reduced  # weights and the 1st bias, at once
     assert {c.kind for c in program.collectives} == {"all_reduce"}
+    # the flat bucket is the process group's own call, priced at its own measured rate
+    bucket = [c for c in program.collectives if c.nbytes == (2 * 64 * 256 + 256) * 4]
+    assert bucket and all(c.c10d for c in bucket)
     # the first linear layer's forward matmul runs on this rank's 16 rows of 32
     matmuls = [k for k in program.kernels if k.kind == "matmul"]
     assert min(k.flops for k in matmuls) <= 2 * 16 * 64 * 256
@@ -160,6 +163,7 @@ def test_zero_1_gathers_the_updated_parameters_in_one_flat_all_gather(
     gathers = [c for c in program.collectives if c.kind == "all_gather"]
     whole = (64 * 256 + 256 + 256 * 64 + 64) * 4
     assert [c.nbytes for c in gathers] == [whole], gathers
+    assert gathers[0].c10d  # the process group's own all-gather of the flat buffer
     assert {c.kind for c in program.collectives} == {"all_reduce", "all_gather"}
 
 

@@ -89,6 +89,11 @@ class CostCalibration(BaseModel):
             measure_collectives`); kinds not listed use the cluster's links.
         collectives_measured_on: how many processes the collectives were measured among
             (the formula carries them to other group sizes).
+        collectives_c10d: the same kinds measured as the process group's own calls
+            (``torch.distributed.all_reduce`` and the like), which DDP, FSDP2 and the
+            runtime's bucketed gradient reductions and ZeRO gathers issue, where
+            ``collectives`` times DTensor's redistributions (gloo: about twice the
+            process group's call at 4 MiB); kinds not listed cost as ``collectives``.
         dispatch_overhead_s: seconds the execution engine adds to every kernel, measured
             op times included (DTensor's per-op dispatch for sharded plans; 0 for eager
             PyTorch).
@@ -153,6 +158,10 @@ class CostCalibration(BaseModel):
         tuple[_NonNegative, _Positive],
     ] = Field(default_factory=dict)
     collectives_measured_on: Annotated[int, Field(ge=2)] | None = None
+    collectives_c10d: dict[
+        Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all"],
+        tuple[_NonNegative, _Positive],
+    ] = Field(default_factory=dict)
     dispatch_overhead_s: _NonNegative = 0.0
     split_dispatch_overhead_s: _NonNegative = 0.0
     batch_dispatch_overhead_s: _NonNegative = 0.0
@@ -315,6 +324,13 @@ def calibrated_cost_model(
                 **{k: (float(a), float(b)) for k, (a, b) in calibration.collectives.items()},
             },
         },
+        c10d_collectives={
+            **base.c10d_collectives,
+            kind: {
+                **base.c10d_collectives.get(kind, {}),
+                **{k: (float(a), float(b)) for k, (a, b) in calibration.collectives_c10d.items()},
+            },
+        },
     )
 
 
@@ -361,9 +377,14 @@ def calibration_from_fit(
     )
 
 
-def with_collectives(calibration: CostCalibration, measured: dict[str, Any]) -> CostCalibration:
+def with_collectives(
+    calibration: CostCalibration,
+    measured: dict[str, Any],
+    measured_c10d: dict[str, Any] | None = None,
+) -> CostCalibration:
     """``calibration`` with the collectives :func:`meshplace.profile.link.
-    measure_collectives` measured (its ``fits`` and ``world_size``).
+    measure_collectives` measured (its ``fits`` and ``world_size``) as DTensor runs them,
+    and in ``measured_c10d`` (where given) as the process group's own calls.
 
     >>> cal = CostCalibration(device_kind="local-cpu", peak_flops=1e11,
     ...                       memory_bandwidth=1e10, launch_overhead_s=4e-6)
@@ -378,5 +399,15 @@ def with_collectives(calibration: CostCalibration, measured: dict[str, Any]) -> 
                 for kind, f in sorted(measured["fits"].items())
             },
             "collectives_measured_on": int(measured["world_size"]),
+            **(
+                {
+                    "collectives_c10d": {
+                        kind: (float(f["latency_s"]), float(f["bandwidth"]))
+                        for kind, f in sorted(measured_c10d["fits"].items())
+                    }
+                }
+                if measured_c10d is not None
+                else {}
+            ),
         }
     )

@@ -129,6 +129,12 @@ class CostModel:
         collectives: device kind → collective kind → (latency s, bandwidth bytes/s) of
             the ring formula fitted to the measured collective (module doc); absent: the
             cluster's links.
+        c10d_collectives: the same, measured as the process group's own calls
+            (``torch.distributed.all_reduce`` and the like, which DDP, FSDP2 and the
+            runtime's bucketed gradient reductions and ZeRO gathers issue) where
+            ``collectives`` holds them as DTensor's redistributions run them (on gloo
+            about half the cost at 4 MiB, less latency; :func:`meshplace.profile.link.
+            measure_collectives` with ``engine="c10d"``); absent: ``collectives``.
         dispatch_overhead: device kind → seconds the execution engine adds to every
             kernel, whether its time is measured or the roofline's (DTensor's per-op
             dispatch: sharding propagation and placement checks on the host); absent: 0.
@@ -190,6 +196,7 @@ class CostModel:
     message_cpu: dict[str, tuple[float, float, float, float]] = field(default_factory=dict)
     device_efficiency: dict[str, dict[str, tuple[float, float]]] = field(default_factory=dict)
     collectives: dict[str, dict[str, tuple[float, float]]] = field(default_factory=dict)
+    c10d_collectives: dict[str, dict[str, tuple[float, float]]] = field(default_factory=dict)
     dispatch_overhead: dict[str, float] = field(default_factory=dict)
     split_dispatch_overhead: dict[str, float] = field(default_factory=dict)
     batch_dispatch_overhead: dict[str, float] = field(default_factory=dict)

@@ -192,6 +192,10 @@ class Mesh:
     # collective kind -> (latency s, bandwidth bytes/s) measured on this mesh's device kind
     # (:meth:`calibrated`); kinds not here are costed on the cluster's links
     measured: Mapping[str, tuple[float, float]] = field(default_factory=dict, repr=False)
+    # the same, measured as the process group's own calls (``torch.distributed``'s, which
+    # DDP, FSDP2 and the runtime's bucketed gradient reductions and ZeRO gathers issue)
+    # rather than as DTensor's redistributions; kinds not here cost as ``measured`` does
+    measured_c10d: Mapping[str, tuple[float, float]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self._index = {a: i for i, a in enumerate(self.axis_names)}
@@ -217,9 +221,14 @@ class Mesh:
     def axis_size(self, name: str) -> int:
         return self.axis(name).size
 
-    def collective_time(self, kind: str, nbytes: float, axes: Iterable[str]) -> float:
+    def collective_time(
+        self, kind: str, nbytes: float, axes: Iterable[str], *, c10d: bool = False
+    ) -> float:
         """Seconds for collective ``kind`` of ``nbytes`` per device over the mesh ``axes``
-        (all groups at once); stages of several axes run one after another.
+        (all groups at once); stages of several axes run one after another. ``c10d``: the
+        process group's own call (DDP's, FSDP2's, a bucketed reduction's), at the rate
+        measured for such calls where there is one (:meth:`calibrated`), else as DTensor
+        runs it.
 
         >>> from meshplace.hardware import load_cluster
         >>> m = build_mesh(load_cluster("tpu-v3-8"), (4,))
@@ -227,7 +236,7 @@ class Mesh:
         0.0
         """
         axes = list(axes)
-        fit = self.measured.get(kind)
+        fit = (self.measured_c10d.get(kind) if c10d else None) or self.measured.get(kind)
         if fit is not None:
             p = math.prod(self.axis(a).size for a in axes)
             if nbytes <= 0 or p <= 1:
@@ -246,9 +255,10 @@ class Mesh:
 
     def calibrated(self, cost_model: CostModel | None) -> Mesh:
         """This mesh with the collectives ``cost_model`` measured on its device kind
-        (``CostModel.collectives``): :meth:`collective_time` then costs those kinds with
-        the ring formula at the measured latency and bandwidth over the axes' devices;
-        the mesh itself when there are none.
+        (``CostModel.collectives``, and ``CostModel.c10d_collectives`` for the process
+        group's own calls): :meth:`collective_time` then costs those kinds with the ring
+        formula at the measured latency and bandwidth over the axes' devices; the mesh
+        itself when there are none.
 
         >>> from meshplace.cost.compute import CostModel
         >>> from meshplace.hardware import load_cluster
@@ -257,10 +267,13 @@ class Mesh:
         >>> round(m.calibrated(cm).collective_time("all_reduce", 1e6, ["x"]) * 1e3, 3)
         1.2
         """
-        fits = (cost_model.collectives if cost_model is not None else {}).get(self.device_kind)
-        if not fits:
+        if cost_model is None:
             return self
-        return replace(self, measured=dict(fits))
+        fits = cost_model.collectives.get(self.device_kind)
+        c10d = cost_model.c10d_collectives.get(self.device_kind)
+        if not fits and not c10d:
+            return self
+        return replace(self, measured=dict(fits or {}), measured_c10d=dict(c10d or {}))
 
     def describe(self) -> dict[str, object]:
         """Plain-data description (for JSON)."""

@@ -1355,12 +1355,13 @@ def _sync_seconds(
         return 0.0
     z = config.zero
 
+    # DDP's, FSDP2's and the runtime's flat buckets: the process group's own calls
     def collective(kind: str, nbytes: float) -> float:
-        return mesh.collective_time(kind, nbytes, [axis])
+        return mesh.collective_time(kind, nbytes, [axis], c10d=True)
 
     def in_buckets(kind: str, nbytes: float) -> float:
         buckets = max(1.0, float(math.ceil(nbytes / GRADIENT_BUCKET_BYTES)))
-        return buckets * mesh.collective_time(kind, nbytes / buckets, [axis])
+        return buckets * mesh.collective_time(kind, nbytes / buckets, [axis], c10d=True)
 
     if synchronous:
         kind = {0: "all_reduce", 1: "all_reduce", 2: "reduce_scatter"}.get(z)
@@ -1376,7 +1377,7 @@ def _sync_seconds(
         # model), and only the last micro-batch's last bucket waits here
         buckets = max(1.0, float(math.ceil(grads / GRADIENT_BUCKET_BYTES)))
         last = grads - (buckets - 1) * GRADIENT_BUCKET_BYTES
-        tail = min(whole, mesh.collective_time(kind, last, [axis]))
+        tail = min(whole, mesh.collective_time(kind, last, [axis], c10d=True))
         reduce = whole if z < 2 else tail
     gather = collective("all_gather", params) if z in (1, 2) else 0.0
     return tail + max(0.0, reduce - tail - backward) + max(0.0, gather - forward)

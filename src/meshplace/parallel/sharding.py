@@ -445,27 +445,32 @@ class ShardingProblem:
         (:meth:`fixed_comm_time`) — linear in the decision, as the integer program needs,
         and the shares of a bucket's values add up to one fixed cost. Exact for pure data
         parallelism; where tensor parallelism splits the parameters, the fewer bytes left
-        per device may fill fewer buckets than that charges. 0: sent alone."""
+        per device may fill fewer buckets than that charges. 0: sent alone. A bucket is
+        the process group's own call (DDP's, FSDP2's, the runtime's flat buckets), one
+        sent alone DTensor's redistribution: each at its measured rate where the mesh has
+        both (:meth:`meshplace.mesh.layout.Mesh.collective_time`'s ``c10d``)."""
         key = (kind, nbytes, axis, bucket_bytes)
         t = self._comm_memo.get(key)
         if t is None:
-            t = self.mesh.collective_time(kind, nbytes, [self.axes[axis]])
+            c10d = bucket_bytes > 0
+            t = self.mesh.collective_time(kind, nbytes, [self.axes[axis]], c10d=c10d)
             if bucket_bytes > 0 and t > 0:
                 share = min(1.0, nbytes / bucket_bytes)
-                t -= (1.0 - share) * min(t, self.fixed_comm_time(kind, axis))
+                t -= (1.0 - share) * min(t, self.fixed_comm_time(kind, axis, c10d=c10d))
             self._comm_memo[key] = t
         return t
 
-    def fixed_comm_time(self, kind: str, axis: int) -> float:
+    def fixed_comm_time(self, kind: str, axis: int, *, c10d: bool = False) -> float:
         """The part of collective ``kind``'s time on mesh axis ``axis`` that does not grow
         with its bytes (the latencies of its steps): ``2 t(b) - t(2b)``, exact for the
-        closed forms, which are affine in the bytes. O(1), memoised."""
-        key = ("fixed", kind, axis)
+        closed forms, which are affine in the bytes; ``c10d`` as in :meth:`comm_time`.
+        O(1), memoised."""
+        key = ("fixed", kind, axis, c10d)
         t = self._comm_memo.get(key)
         if t is None:
             b = float(GRADIENT_BUCKET_BYTES)
-            one = self.mesh.collective_time(kind, b, [self.axes[axis]])
-            two = self.mesh.collective_time(kind, 2 * b, [self.axes[axis]])
+            one = self.mesh.collective_time(kind, b, [self.axes[axis]], c10d=c10d)
+            two = self.mesh.collective_time(kind, 2 * b, [self.axes[axis]], c10d=c10d)
             t = self._comm_memo[key] = max(0.0, 2 * one - two)
         return t
 

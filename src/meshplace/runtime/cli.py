@@ -526,9 +526,13 @@ def _run(args: argparse.Namespace, plan: Any) -> int:
         from meshplace.profile.link import measure_collectives
 
         # the transport's own collectives, among as many processes as there are workers
-        # (two at least), for the sharding plans that plan, simulate and shard cost
-        collectives = measure_collectives(world_size=max(2, len(local)))
-        measured = with_collectives(cal.cost_calibration(), collectives)
+        # (two at least), for the sharding plans that plan, simulate and shard cost: as
+        # DTensor's redistributions run them, and as the process group's own calls
+        # (DDP's, FSDP2's, the runtime's flat buckets), which cost less
+        ranks = max(2, len(local))
+        collectives = measure_collectives(world_size=ranks)
+        c10d = measure_collectives(world_size=ranks, engine="c10d")
+        measured = with_collectives(cal.cost_calibration(), collectives, c10d)
         if not gpus:
             from meshplace.runtime.pipeline_exchange import measure_pipeline_exchange
 

@@ -140,12 +140,16 @@ class EngineCollective:
     formula and the measured collectives count them (:func:`meshplace.cost.collectives.
     collective_time`, :func:`meshplace.profile.link.measure_collectives`) — an
     all-gather's gathered output, every other kind's local input — the mesh axes its
-    process group spans; ``update``: run inside the optimizer's step."""
+    process group spans; ``update``: run inside the optimizer's step; ``c10d``: the
+    process group's own call (DDP's, FSDP2's, a bucketed gradient reduction's or ZeRO
+    gather's), not one of DTensor's functional collectives — they are measured apart
+    (``CostModel.c10d_collectives``)."""
 
     kind: str
     nbytes: float
     axes: list[str]
     update: bool = False
+    c10d: bool = False
 
 
 @dataclass
@@ -217,10 +221,11 @@ class EngineProgram:
         dispatch overhead — except under FSDP2, whose units each cost the measured
         ``fsdp_unit_overhead`` instead, the dispatch on its sharded parameters and, where
         that cost was measured, its own copies (:data:`FSDP_KERNELS`) included; the
-        collectives the mesh's formula. A step with collectives also pays the cost
-        model's ``sync_skew`` for the device kind times its local work (kernels and
-        dispatch): every collective makes the ranks wait for the slowest
-        (:func:`meshplace.profile.link.measure_sync_skew`).
+        collectives the mesh's formula, the process group's own calls at their own
+        measured rates where there are some (``EngineCollective.c10d``). A step with
+        collectives also pays the cost model's ``sync_skew`` for the device kind times its
+        local work (kernels and dispatch): every collective makes the ranks wait for the
+        slowest (:func:`meshplace.profile.link.measure_sync_skew`).
         Returns ``step_s``, ``compute_s``, ``dispatch_s`` (the engine's: DTensor's or
         FSDP2's), ``communication_s`` and ``sync_s`` (the skew's), and ``update_s``: the
         part of ``step_s`` inside the optimizer's step (its kernels, their DTensor
@@ -258,7 +263,7 @@ class EngineProgram:
             update += self.dispatched_update_batch_split * per_batch_op
         communication = 0.0
         for c in self.collectives:
-            seconds = mesh.collective_time(c.kind, c.nbytes, c.axes)
+            seconds = mesh.collective_time(c.kind, c.nbytes, c.axes, c10d=c.c10d)
             communication += seconds
             update += seconds if c.update else 0.0
         # ranks that meet wait for the slowest: a measured fraction of the local work
@@ -311,6 +316,8 @@ def recorder(
     ``axis_of`` maps a process group's name to the mesh axes it spans (a collective on
     any other group is recorded over every axis). What runs inside an optimizer's
     ``step`` (PyTorch's global optimizer step hooks mark it) is recorded as the update.
+    The process group's own collectives (DDP's, FSDP2's, the runtime's flat buckets) are
+    marked ``c10d``: the cost model prices them apart from DTensor's functional ones.
     A DTensor-level op counts as split (``dispatched_split``) when an operand is split or
     a partial sum over a mesh dimension other than ``batch_dims`` (those the batch is
     split over), as batch-split (``dispatched_batch_split``) when its operands are split
@@ -319,6 +326,7 @@ def recorder(
     not the mode's bookkeeping around it)."""
     import time
 
+    from torch.distributed import ProcessGroup
     from torch.distributed.tensor import DTensor
     from torch.optim.optimizer import (
         register_optimizer_step_post_hook,
@@ -398,8 +406,17 @@ def recorder(
                 return out
             if namespace == "c10d" and name in C10D_COLLECTIVES:
                 kind, position = C10D_COLLECTIVES[name]
+                # the mesh axes of the call's process group (a bucket reduced over the
+                # data axis of a 2-D mesh spans that axis only)
+                group = next((a.group_name for a in args if isinstance(a, ProcessGroup)), None)
                 program.collectives.append(
-                    EngineCollective(kind, _tensor_bytes(args[position]), every_axis, updating[0])
+                    EngineCollective(
+                        kind,
+                        _tensor_bytes(args[position]),
+                        axis_of.get(str(group), every_axis),
+                        updating[0],
+                        c10d=True,
+                    )
                 )
                 return out
             if name in _NOT_KERNELS or namespace in _NOT_KERNEL_NAMESPACES or is_alias(func):
@@ -1191,7 +1208,7 @@ def measure_split_dispatch_overhead(source: str, per_op_s: float, reps: int = 20
         collectives hold: :func:`meshplace.profile.link.measure_collectives`)."""
         pairs, program, per_collective = passes
         difference = statistics.median(d - p for p, d in pairs)
-        difference -= len(program.collectives) * per_collective
+        difference -= functional_collectives(program) * per_collective
         split, batch = program.dispatched_split, program.dispatched_batch_split
         whole = program.dispatched - split - batch
         return max(0.0, (difference - whole * per_op_s) / counted)
@@ -1214,7 +1231,7 @@ def measure_split_dispatch_overhead(source: str, per_op_s: float, reps: int = 20
                 split_replicated_ops=program.dispatched - program.dispatched_split,
                 split_plain_pass_s=statistics.median(p for p, _ in pairs),
                 split_pass_s=statistics.median(d for _, d in pairs),
-                split_collectives=len(program.collectives),
+                split_collectives=functional_collectives(program),
                 fake_collective_s=per_collective,
             )
     out.update(per_batch_split_op_s=0.0, batch_split_ops=0)
@@ -1284,7 +1301,8 @@ def _paired_dtensor_passes(
         program = EngineProgram(world)
         with recorder(program, mesh_axes(training.mesh), batch_dims):
             dtensor_pass()
-        per_collective = fake_collective_seconds(training.mesh) if program.collectives else 0.0
+        functional = functional_collectives(program)
+        per_collective = fake_collective_seconds(training.mesh) if functional else 0.0
     except Exception as exc:  # an optional measurement: any failure is its note
         words = str(exc).strip().splitlines() or [""]
         return f"{type(exc).__name__}: {words[-1]}"
@@ -1292,6 +1310,13 @@ def _paired_dtensor_passes(
         dist.destroy_process_group()
         torch.set_num_threads(threads)
     return pairs, program, per_collective
+
+
+def functional_collectives(program: EngineProgram) -> int:
+    """How many of ``program``'s collectives are functional ones (DTensor's), which
+    :func:`fake_collective_seconds` prices on the fake group; the process group's own
+    calls cost far less there (9-29 us). O(collectives)."""
+    return sum(not c.c10d for c in program.collectives)
 
 
 def fake_collective_seconds(mesh: Any, reps: int = 30) -> float:

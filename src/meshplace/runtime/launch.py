@@ -269,9 +269,8 @@ def place_gradients_like_parameters(model: Any, bucket_bytes: int = GRADIENT_BUC
     bucket and reduced dimension.
     """
     import torch
-    import torch.distributed._functional_collectives as funcol
 
-    from meshplace.runtime.sharded import block_as_dtensor_of, buckets_of
+    from meshplace.runtime.sharded import block_as_dtensor_of, buckets_of, flat_all_reduce
 
     with torch.no_grad():  # to_local without its autograd function
         buckets: dict[tuple, list[Any]] = {}
@@ -294,7 +293,7 @@ def place_gradients_like_parameters(model: Any, bucket_bytes: int = GRADIENT_BUC
                 mesh = bucket[0].device_mesh
                 flat = torch.cat([p.grad.to_local().reshape(-1) for p in bucket])
                 for dim in dims:
-                    flat = funcol.wait_tensor(funcol.all_reduce(flat, "sum", (mesh, dim)))
+                    flat = flat_all_reduce(flat, mesh, dim)
                 offset = 0
                 for p in bucket:
                     local = p.grad.to_local()

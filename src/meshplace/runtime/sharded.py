@@ -829,25 +829,61 @@ def master_block_cuts(
     return tuple(cuts)
 
 
+def flat_all_reduce(flat: torch.Tensor, mesh: Any, dim: int) -> torch.Tensor:
+    """``flat`` summed over mesh dimension ``dim``, in place, by the process group's own
+    all-reduce (a bucket of gradients). The runtime's flat buckets call the process group
+    directly rather than through functional collectives, as DDP and FSDP2 do: on gloo
+    between two CPU ranks a functional all-reduce took 1.1 ms at 16 KiB and 2.4 ms at 1
+    MiB against the process group's 0.7 and 2.0 (medians, docs/runtime.md, session 60),
+    and the cost model prices such calls at their own measured rates
+    (``CostModel.c10d_collectives``). O(bytes)."""
+    import torch.distributed as dist
+
+    dist.all_reduce(flat, group=mesh.get_group(dim))
+    return flat
+
+
+def flat_all_gather(flat: torch.Tensor, mesh: Any, dim: int) -> torch.Tensor:
+    """The ranks' ``flat`` buffers over mesh dimension ``dim`` concatenated in rank order
+    (a new buffer), by the process group's own all-gather (:func:`flat_all_reduce` says
+    why). O(bytes gathered)."""
+    import torch.distributed as dist
+
+    out = flat.new_empty(flat.numel() * mesh.size(dim))
+    dist.all_gather_into_tensor(out, flat, group=mesh.get_group(dim))
+    return out
+
+
+def flat_reduce_scatter(flat: torch.Tensor, mesh: Any, dim: int) -> torch.Tensor:
+    """This rank's share (its slice in rank order, a new buffer) of ``flat`` summed over
+    mesh dimension ``dim``, by the process group's own reduce-scatter
+    (:func:`flat_all_reduce` says why). ``flat``'s length divides by the dimension's
+    size. O(bytes reduced)."""
+    import torch.distributed as dist
+
+    out = flat.new_empty(flat.numel() // mesh.size(dim))
+    dist.reduce_scatter_tensor(out, flat, group=mesh.get_group(dim))
+    return out
+
+
 def gather_master_shards(
     members: Sequence[tuple[Any, Any, tuple[tuple[int, int], ...]]], mesh: Any, axes: tuple
 ) -> None:
     """All-gather updated ZeRO master shards into their parameters, as one flat buffer:
     ``members`` are ``(parameter block, shard block, cuts)`` local tensors, every shard cut
     along mesh ``axes`` (:func:`master_block_cuts`, the same axes for all); the shards are
-    concatenated, gathered over each axis in turn (``all_gather_single``: one collective
-    per axis for the whole bucket, where one per parameter pays gloo's and DTensor's
-    per-call cost every time), and each parameter's block is written from the gathered
-    ranks' slices, which are its sub-blocks in mesh-coordinate order. Source: the
+    concatenated, gathered over each axis in turn (:func:`flat_all_gather`: one
+    collective per axis for the whole bucket, where one per parameter pays gloo's and
+    DTensor's per-call cost every time), and each parameter's block is written from the
+    gathered ranks' slices, which are its sub-blocks in mesh-coordinate order. Source: the
     flat-parameter all-gather of ZeRO (Rajbhandari et al., SC 2020, Sec. 5) and FSDP
     (Zhao et al., VLDB 2023, Sec. 3.2). O(bytes gathered).
     """
     import torch
-    import torch.distributed._functional_collectives as funcol
 
     flat = torch.cat([shard.reshape(-1) for _, shard, _ in members])
     for axis in axes:
-        flat = funcol.wait_tensor(funcol.all_gather_single(flat, 0, (mesh, axis)))
+        flat = flat_all_gather(flat, mesh, axis)
     counts = [mesh.shape[axis] for axis in reversed(axes)]  # the last axis gathered outermost
     rows = flat.view(*counts, -1)
     offset = 0
@@ -920,8 +956,8 @@ def reduce_scatter_master_blocks(
     shard is cut along (:func:`master_block_cuts`, the same axes for all). Each block is
     laid out by destination — its sub-blocks in mesh-coordinate order, the first axis
     outermost — the blocks are concatenated per destination, and the buffer is
-    reduce-scattered over each axis in turn (``reduce_scatter_single``: one collective per
-    axis for the whole bucket), leaving each rank the sums of its own sub-blocks: per
+    reduce-scattered over each axis in turn (:func:`flat_reduce_scatter`: one collective
+    per axis for the whole bucket), leaving each rank the sums of its own sub-blocks: per
     member, the summed gradient's :func:`master_block`, returned as views of one buffer.
     The sums equal an all-reduce sliced by :func:`master_block` where addition order does
     not matter (two ranks an axis; integer-valued tensors), else to rounding. Half the
@@ -940,7 +976,6 @@ def reduce_scatter_master_blocks(
     torch.Size([2, 3])
     """
     import torch
-    import torch.distributed._functional_collectives as funcol
 
     rows = [rows_by_destination(block, cuts, mesh.shape) for block, cuts in members]
     shapes = [
@@ -948,7 +983,7 @@ def reduce_scatter_master_blocks(
     ]
     flat = torch.cat(rows, dim=1).reshape(-1)
     for axis in axes:  # the first axis's destinations are the outermost rows
-        flat = funcol.wait_tensor(funcol.reduce_scatter_single(flat, "sum", 0, (mesh, axis)))
+        flat = flat_reduce_scatter(flat, mesh, axis)
     out, offset = [], 0
     for shape in shapes:
         n = math.prod(shape)
