@@ -929,17 +929,22 @@ def run_hybrid_model(source: str, steps: int, warmup: int, passes: int) -> dict:
         c = plan.config
         return f"dp{c.dp} tp{c.tp} pp{c.pp} mb{c.micro_batch}x{c.micro_batches} zero{c.zero}"
 
+    def key_of(plan: Any) -> str:
+        # a tensor-parallel configuration is searched in the solver's layout and in
+        # Megatron's: the ablations must score the layout the headline kept
+        return label_of(plan) + (" megatron" if plan.tensor_layout == "megatron" else "")
+
     result = search(cost_model)
     # the ablation: the same configurations scored without the measured exchange (the
     # engine on a world of one, each message at its idle CPU), as before session 35
     without = calibrated_cost_model(idle, cluster)
-    on_links = {label_of(p): p.time_per_batch_s for p in search(without).plans}
+    on_links = {key_of(p): p.time_per_batch_s for p in search(without).plans}
     # and the ablation of the ranks' synchronisation skew (as before session 59)
     unskewed = calibrated_cost_model(engine.model_copy(update={"sync_skew": 0.0}), cluster)
-    no_skew = {label_of(p): p.time_per_batch_s for p in search(unskewed).plans}
+    no_skew = {key_of(p): p.time_per_batch_s for p in search(unskewed).plans}
     # and of the process group's own collectives' rates (as before session 60)
     uniform = calibrated_cost_model(engine.model_copy(update={"collectives_c10d": {}}), cluster)
-    dtensor_rates = {label_of(p): p.time_per_batch_s for p in search(uniform).plans}
+    dtensor_rates = {key_of(p): p.time_per_batch_s for p in search(uniform).plans}
     plans: dict[str, Any] = {}
     for plan in sorted(result.plans, key=lambda p: p.config.zero):
         label = label_of(plan).rsplit(" ", 1)[0]
@@ -949,24 +954,24 @@ def run_hybrid_model(source: str, steps: int, warmup: int, passes: int) -> dict:
         label: (hybrid_plan_file(result, plan, cluster.name), ()) for label, plan in plans.items()
     }
     timed, per_pass = _torchrun_passes(runs, source, steps, warmup, passes)
+
+    def error(predictions: dict[str, float], plan: Any, label: str) -> float | None:
+        measured = statistics.median(timed[label])
+        found = predictions.get(key_of(plan))
+        return None if found is None else (found - measured) / measured
+
     rows = [
         _compare(
-            label_of(plan),
+            key_of(plan),
             timed[label],
             per_pass[label],
             plan.time_per_batch_s,
-            on_links.get(label_of(plan)),
+            on_links.get(key_of(plan)),
             bubble_fraction=plan.bubble_fraction,
-            predicted_no_skew_s=no_skew.get(label_of(plan)),
-            error_no_skew=(no_skew[label_of(plan)] - statistics.median(timed[label]))
-            / statistics.median(timed[label])
-            if label_of(plan) in no_skew
-            else None,
-            predicted_dtensor_rates_s=dtensor_rates.get(label_of(plan)),
-            error_dtensor_rates=(dtensor_rates[label_of(plan)] - statistics.median(timed[label]))
-            / statistics.median(timed[label])
-            if label_of(plan) in dtensor_rates
-            else None,
+            predicted_no_skew_s=no_skew.get(key_of(plan)),
+            error_no_skew=error(no_skew, plan, label),
+            predicted_dtensor_rates_s=dtensor_rates.get(key_of(plan)),
+            error_dtensor_rates=error(dtensor_rates, plan, label),
         )
         for label, plan in plans.items()
         if timed[label]
