@@ -304,7 +304,7 @@ class DataParallelTraining:
                 # DDP's broadcast of the buffers before every forward would only cost a
                 # collective (on the Llama example its rotary tables, a gloo broadcast
                 # of ~0.5 ms in a 9 ms step), as the hybrid runtime's DDP stages skip it
-                broadcast_buffers=False,
+                forward_sync_buffers=False,  # (torch 2.13's name; synced once at init)
             )
             self.runner.register_comm_hook(
                 (None, world, reduction == "mean"), reduce_gradient_bucket

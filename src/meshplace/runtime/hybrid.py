@@ -928,7 +928,7 @@ def data_parallel_stage_module(
         # every replica built its buffers from the same seed, and a loss the probe found
         # decomposable over the batch keeps no batch statistics in them: DDP's broadcast
         # of the buffers before every micro-batch's forward would only cost a collective
-        broadcast_buffers=False,
+        forward_sync_buffers=False,  # (torch 2.13's name; synced once at init)
     )
     wrapped.register_comm_hook(
         (group, data_mesh.size(), reduction == "mean"), reduce_gradient_bucket
