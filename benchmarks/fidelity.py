@@ -398,7 +398,7 @@ def dtensor_workers(source: str) -> tuple[Any, Any, Any, dict[str, Any], Any, An
     engine calibration, cost model)``."""
     from meshplace.cost.calibration import calibrated_cost_model, with_collectives
     from meshplace.profile.calibrate import calibrate, fit_eager_kernels
-    from meshplace.profile.link import measure_collectives, measure_sync_skew
+    from meshplace.profile.link import measure_collectives_by_engine, measure_sync_skew
     from meshplace.runtime.data_parallel import measure_fsdp_overhead
     from meshplace.runtime.dryrun import measure_dispatch_overhead, time_eager_kernels
     from meshplace.runtime.program import ModelSpec, trace_step
@@ -408,8 +408,8 @@ def dtensor_workers(source: str) -> tuple[Any, Any, Any, dict[str, Any], Any, An
     cluster = mesh_of_workers(cal)
     dispatch = measure_dispatch_overhead(source)
     fsdp = measure_fsdp_overhead(source)
-    collectives = measure_collectives(world_size=2, engine="dtensor")
-    c10d = measure_collectives(world_size=2, engine="c10d")
+    by_engine = measure_collectives_by_engine(world_size=2)
+    collectives, c10d = by_engine["dtensor"], by_engine["c10d"]
     for how, measured in (("as DTensor runs them", collectives), ("as c10d calls", c10d)):
         print(
             f"  collectives {how} on 2 gloo ranks (ring formula fitted): "

@@ -38,6 +38,7 @@ from meshplace.profile.link import (
     fit_collective,
     fit_link,
     measure_collectives,
+    measure_collectives_by_engine,
     measure_link,
     measure_message_cost,
 )
@@ -469,8 +470,12 @@ def test_collectives_are_measured_and_fitted_to_the_ring_formula() -> None:
     ring = [(n, 4 * (5e-5 + n / 3 / 2e9)) for n in (4096, 1 << 20, 4 << 20)]
     latency, bandwidth = fit_collective("all_reduce", 3, ring)
     assert latency == pytest.approx(5e-5) and bandwidth == pytest.approx(2e9)
-    for engine in ("dtensor", "c10d"):
-        got = measure_collectives(world_size=3, sizes=(4096, 1 << 18), reps=2, engine=engine)
+    # both ways in one set of processes (what a calibration records), and one way alone
+    both = measure_collectives_by_engine(world_size=3, sizes=(4096, 1 << 18), reps=2)
+    assert set(both) == {"dtensor", "c10d"}
+    alone = measure_collectives(world_size=3, sizes=(4096, 1 << 18), reps=2, engine="c10d")
+    assert alone.keys() == both["c10d"].keys()
+    for engine, got in [*both.items(), ("c10d", alone)]:
         assert got["world_size"] == 3 and got["engine"] == engine
         assert set(got["fits"]) == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all"}
         for kind, fit in got["fits"].items():
@@ -483,6 +488,8 @@ def test_collectives_are_measured_and_fitted_to_the_ring_formula() -> None:
         measure_collectives(world_size=1)
     with pytest.raises(InputError, match="choose one of"):
         measure_collectives(engine="nccl-ish")
+    with pytest.raises(InputError, match="choose one of"):
+        measure_collectives_by_engine(engines=())
 
 
 def test_profile_cli(tmp_path, capsys) -> None:

@@ -248,7 +248,7 @@ def _shorter_measurements(monkeypatch) -> None:
         "measure_link": {"sizes": (4, 1 << 16, 1 << 20), "reps": 3},
         "measure_message_cost": {"iters": 20, "kernels": 5, "rounds": 2},
         "measure_message_spacing": {"kernels": (0, 5, 30), "iters": 20, "rounds": 1},
-        "measure_collectives": {"sizes": (4096, 1 << 18), "reps": 2},
+        "measure_collectives_by_engine": {"sizes": (4096, 1 << 18), "reps": 2},
     }
     for name, options in quick.items():
         monkeypatch.setattr(link, name, functools.partial(getattr(link, name), **options))

@@ -600,7 +600,7 @@ def _collective_worker(
     world_size: int,
     sizes: Sequence[int],
     reps: int,
-    engine: str,
+    engines: Sequence[str],
     out: Any,
 ) -> None:
     import torch.distributed as dist
@@ -609,33 +609,37 @@ def _collective_worker(
     _join_pair(rank, store_path, world_size, yield_threads=False)
     p = world_size
     mesh = None
-    if engine == "dtensor":
+    if "dtensor" in engines:
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh("cpu", (p,))
-    res: dict[str, list[tuple[float, list[float]]]] = {k: [] for k in MEASURED_COLLECTIVES}
-    for n in sizes:
-        elems = max(p, (n // 4) // p * p)  # float32, divisible by the group
-        full = torch.ones(elems)
-        block = torch.ones(elems // p)
-        gathered = torch.empty(elems * p)
+    by_engine: dict[str, dict[str, list[tuple[float, list[float]]]]] = {}
+    for engine in engines:
+        res: dict[str, list[tuple[float, list[float]]]] = {k: [] for k in MEASURED_COLLECTIVES}
+        on_mesh = engine == "dtensor"
+        for n in sizes:
+            elems = max(p, (n // 4) // p * p)  # float32, divisible by the group
+            full = torch.ones(elems)
+            block = torch.ones(elems // p)
+            gathered = torch.empty(elems * p)
 
-        for kind in MEASURED_COLLECTIVES:
-            times = []
-            for r in range(reps + 2):  # two warm-up calls
-                if mesh is not None:
-                    placed, want = _redistribution(kind, full, block, mesh)
-                dist.barrier()
-                t0 = time.perf_counter()
-                if mesh is not None:
-                    result = placed.redistribute(mesh, want).to_local()
-                    float(result.reshape(-1)[0])  # a functional collective's result: waited on use
-                else:
-                    _one_collective(kind, full, block, gathered)
-                if r >= 2:
-                    times.append(time.perf_counter() - t0)
-            res[kind].append((float(elems * 4), times))
-    out.put((rank, res))
+            for kind in MEASURED_COLLECTIVES:
+                times = []
+                for r in range(reps + 2):  # two warm-up calls
+                    if on_mesh:
+                        placed, want = _redistribution(kind, full, block, mesh)
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    if on_mesh:
+                        result = placed.redistribute(mesh, want).to_local()
+                        float(result.reshape(-1)[0])  # a functional collective: waited on use
+                    else:
+                        _one_collective(kind, full, block, gathered)
+                    if r >= 2:
+                        times.append(time.perf_counter() - t0)
+                res[kind].append((float(elems * 4), times))
+        by_engine[engine] = res
+    out.put((rank, by_engine))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -655,7 +659,8 @@ def measure_collectives(
     kind (``CostModel.collectives``). ``engine``: ``"dtensor"`` times each as the
     sharded runtime runs it, a DTensor redistribution on a 1-D mesh (Partial to
     Replicate, Shard to Replicate, Partial to Shard, Shard(0) to Shard(1): gloo has no
-    all-to-all, DTensor all-gathers and slices); ``"c10d"`` the process group's own call.
+    all-to-all, DTensor all-gathers and slices); ``"c10d"`` the process group's own call
+    (DDP's, FSDP2's and the runtime's flat buckets: ``CostModel.c10d_collectives``).
     Each call's time is the slowest rank's (a collective ends when its last rank does),
     the mean over ``reps`` calls after two warm-ups, each call after a barrier. The mean,
     not the median: a step pays the sum of its collectives, tail included, and on shared
@@ -670,32 +675,62 @@ def measure_collectives(
     Cost: ``world_size`` processes, ``4 · len(sizes) · (reps + 2)`` collectives (~5-8 s
     for the defaults on 2 ranks). Returns ``{"world_size", "engine", "fits": {kind:
     {"latency_s", "bandwidth"}}, "samples": {kind: [(bytes, seconds)]}}``."""
+    return measure_collectives_by_engine(
+        world_size, sizes, reps, (engine,), timeout=timeout, start_method=start_method
+    )[engine]
+
+
+def measure_collectives_by_engine(
+    world_size: int = 2,
+    sizes: Sequence[int] = COLLECTIVE_SIZES,
+    reps: int = 20,
+    engines: Sequence[str] = COLLECTIVE_ENGINES,
+    timeout: float = 180.0,
+    start_method: str | None = None,
+) -> dict[str, dict[str, Any]]:
+    """:func:`measure_collectives` for each of ``engines`` (default both: DTensor's
+    redistributions and the process group's own calls, what a calibration file's
+    ``collectives`` and ``collectives_c10d`` hold), one after the other in one set of
+    ``world_size`` processes (one start and one process group where a measurement per
+    engine pays each: ~1.5 s less for two on this host); per engine its result.
+
+    Example::
+
+        measured = measure_collectives_by_engine()
+        measured["c10d"]["fits"]["all_reduce"]["latency_s"]  # ~0.6-1.0 ms on gloo here
+    """
     if world_size < 2:
         raise InputError(f"collectives need at least 2 processes, got {world_size}")
     if not sizes or any(int(n) <= 0 for n in sizes) or reps < 1:
         raise InputError("sizes must be positive byte counts and reps at least 1")
-    if engine not in COLLECTIVE_ENGINES:
-        raise InputError(f"engine {engine!r}: choose one of {', '.join(COLLECTIVE_ENGINES)}")
+    unknown = [e for e in engines if e not in COLLECTIVE_ENGINES]
+    if unknown or not engines:
+        raise InputError(
+            f"engine {(unknown or [''])[0]!r}: choose one of {', '.join(COLLECTIVE_ENGINES)}"
+        )
     got = _run_pair(
         _collective_worker,
-        (world_size, [int(n) for n in sizes], int(reps), engine),
+        (world_size, [int(n) for n in sizes], int(reps), list(engines)),
         world_size,
         timeout,
         start_method or safe_start_method(),
         world_size=world_size,
     )
     per_rank = [res for _, res in sorted(got, key=lambda item: item[0])]
-    samples: dict[str, list[tuple[float, float]]] = {}
-    fits: dict[str, dict[str, float]] = {}
-    for kind in MEASURED_COLLECTIVES:
-        rows = []
-        for k, (n, _) in enumerate(per_rank[0][kind]):
-            slowest = np.max([res[kind][k][1] for res in per_rank], axis=0)
-            rows.append((n, float(np.mean(slowest))))
-        samples[kind] = rows
-        latency, bandwidth = fit_collective(kind, world_size, rows)
-        fits[kind] = {"latency_s": latency, "bandwidth": bandwidth}
-    return {"world_size": world_size, "engine": engine, "fits": fits, "samples": samples}
+    out: dict[str, dict[str, Any]] = {}
+    for engine in engines:
+        samples: dict[str, list[tuple[float, float]]] = {}
+        fits: dict[str, dict[str, float]] = {}
+        for kind in MEASURED_COLLECTIVES:
+            rows = []
+            for k, (n, _) in enumerate(per_rank[0][engine][kind]):
+                slowest = np.max([res[engine][kind][k][1] for res in per_rank], axis=0)
+                rows.append((n, float(np.mean(slowest))))
+            samples[kind] = rows
+            latency, bandwidth = fit_collective(kind, world_size, rows)
+            fits[kind] = {"latency_s": latency, "bandwidth": bandwidth}
+        out[engine] = {"world_size": world_size, "engine": engine, "fits": fits, "samples": samples}
+    return out
 
 
 # ------------------------------------------------------------------ ranks meeting in a step

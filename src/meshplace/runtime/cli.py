@@ -523,16 +523,14 @@ def _run(args: argparse.Namespace, plan: Any) -> int:
         save_cluster(cal.simulated_cluster(), args.cluster_out)  # in-situ hop latency
     if getattr(args, "calibration_out", None) and cal is not None:
         from meshplace.cost.calibration import save_calibration, with_collectives
-        from meshplace.profile.link import measure_collectives
+        from meshplace.profile.link import measure_collectives_by_engine
 
         # the transport's own collectives, among as many processes as there are workers
         # (two at least), for the sharding plans that plan, simulate and shard cost: as
         # DTensor's redistributions run them, and as the process group's own calls
         # (DDP's, FSDP2's, the runtime's flat buckets), which cost less
-        ranks = max(2, len(local))
-        collectives = measure_collectives(world_size=ranks)
-        c10d = measure_collectives(world_size=ranks, engine="c10d")
-        measured = with_collectives(cal.cost_calibration(), collectives, c10d)
+        by_engine = measure_collectives_by_engine(world_size=max(2, len(local)))
+        measured = with_collectives(cal.cost_calibration(), by_engine["dtensor"], by_engine["c10d"])
         if not gpus:
             from meshplace.runtime.pipeline_exchange import measure_pipeline_exchange
 
