@@ -455,10 +455,12 @@ def dtensor_workers(source: str) -> tuple[Any, Any, Any, dict[str, Any], Any, An
 
 def links_only(engine: Any, cluster: Any) -> Any:
     """The ablation of the measured collectives: ``engine``'s cost model with collectives
-    costed by the ring formula on the calibrated link's latency and bandwidth."""
+    costed by the ring formula on the calibrated link's latency and bandwidth (DTensor's
+    and the process group's own alike)."""
     from meshplace.cost.calibration import calibrated_cost_model
 
-    return calibrated_cost_model(engine.model_copy(update={"collectives": {}}), cluster)
+    unmeasured = engine.model_copy(update={"collectives": {}, "collectives_c10d": {}})
+    return calibrated_cost_model(unmeasured, cluster)
 
 
 def run_sharded_model(source: str, steps: int, warmup: int, passes: int) -> dict:
@@ -938,13 +940,22 @@ def run_hybrid_model(source: str, steps: int, warmup: int, passes: int) -> dict:
     # the ablation: the same configurations scored without the measured exchange (the
     # engine on a world of one, each message at its idle CPU), as before session 35
     without = calibrated_cost_model(idle, cluster)
-    on_links = {key_of(p): p.time_per_batch_s for p in search(without).plans}
+
+    def first_of_each(plans: Any) -> dict[str, float]:
+        # the headline keeps the first plan of each configuration in this order (the
+        # search's grid pass may score one again, with equal stages): so must the ablations
+        kept: dict[str, float] = {}
+        for p in sorted(plans, key=lambda p: p.config.zero):
+            kept.setdefault(key_of(p), p.time_per_batch_s)
+        return kept
+
+    on_links = first_of_each(search(without).plans)
     # and the ablation of the ranks' synchronisation skew (as before session 59)
     unskewed = calibrated_cost_model(engine.model_copy(update={"sync_skew": 0.0}), cluster)
-    no_skew = {key_of(p): p.time_per_batch_s for p in search(unskewed).plans}
+    no_skew = first_of_each(search(unskewed).plans)
     # and of the process group's own collectives' rates (as before session 60)
     uniform = calibrated_cost_model(engine.model_copy(update={"collectives_c10d": {}}), cluster)
-    dtensor_rates = {key_of(p): p.time_per_batch_s for p in search(uniform).plans}
+    dtensor_rates = first_of_each(search(uniform).plans)
     plans: dict[str, Any] = {}
     for plan in sorted(result.plans, key=lambda p: p.config.zero):
         label = label_of(plan).rsplit(" ", 1)[0]

@@ -17,6 +17,7 @@ from meshplace.cost.calibration import (
     with_collectives,
 )
 from meshplace.cost.compute import DEFAULT_EFFICIENCY, CostModel
+from meshplace.errors import InputError
 from meshplace.graph.io import save_graph
 from meshplace.graph.sources import workload_graph
 from meshplace.hardware import load_cluster
@@ -263,6 +264,10 @@ def test_the_process_groups_own_collectives_cost_their_own_measured_rates(
     fast = {"all_reduce": {"latency_s": 1e-4, "bandwidth": 1e10}}
     both = with_collectives(base, {"fits": slow, "world_size": 2}, {"fits": fast})
     assert both.collectives == base.collectives
+    # measured among other processes than DTensor's: refused; DTensor's alone: none kept
+    with pytest.raises(InputError, match="among the same"):
+        with_collectives(base, {"fits": slow, "world_size": 2}, {"fits": fast, "world_size": 4})
+    assert with_collectives(both, {"fits": slow, "world_size": 2}).collectives_c10d == {}
     assert both.collectives_c10d == {"all_reduce": (1e-4, 1e10)}
     save_calibration(both, tmp_path / "both.json")
     assert load_calibration(tmp_path / "both.json") == both

@@ -69,6 +69,29 @@ def build():
     return model, (torch.randn(32, 64),)
 """
 
+# the MLP behind a buffer its forward changes (a count of the rows seen): DDP keeps it in
+# step with rank 0's before every forward, as by default
+WITH_COUNTER = """\
+import torch
+
+
+class Count(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("seen", torch.zeros(()))
+
+    def forward(self, x):
+        self.seen += x.shape[0]
+        return x
+
+
+def build():
+    model = torch.nn.Sequential(
+        Count(), torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)
+    )
+    return model, (torch.randn(32, 64),)
+"""
+
 MLP_PARAMETERS = {"0.weight": 64 * 256, "0.bias": 256, "2.weight": 256 * 64, "2.bias": 64}
 
 
@@ -201,7 +224,8 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     (folder / "mlp.py").write_text(MLP)
     (folder / "bn.py").write_text(BATCH_NORM)
     (folder / "table.py").write_text(WITH_TABLE)
-    return {name: f"{folder / name}.py:build" for name in ("mlp", "bn", "table")}
+    (folder / "counter.py").write_text(WITH_COUNTER)
+    return {name: f"{folder / name}.py:build" for name in ("mlp", "bn", "table", "counter")}
 
 
 def test_ddp_runs_a_replicated_plan_with_one_bucketed_all_reduce(sources: dict[str, str]) -> None:
@@ -220,16 +244,20 @@ def test_ddp_runs_a_replicated_plan_with_one_bucketed_all_reduce(sources: dict[s
     assert dry_run(plan, engine="dtensor").dispatched > 0
 
 
-def test_ddp_broadcasts_no_buffer_a_decomposable_loss_leaves_unchanged(
+def test_ddp_broadcasts_the_buffers_only_where_the_forward_changes_them(
     sources: dict[str, str],
 ) -> None:
-    """A model with a constant buffer (every rank builds it alike; a loss that is a mean
-    over the batch keeps no batch statistics) runs on DDP without DDP's broadcast of the
-    buffers before every forward: one all-reduce a step, no broadcast."""
+    """A model with a constant buffer (every rank builds it alike) runs on DDP without
+    DDP's broadcast of the buffers before every forward: one all-reduce a step, no
+    broadcast. A buffer the forward changes (a count of the rows seen) is kept in step
+    with rank 0's, as DDP keeps buffers by default: a broadcast every step."""
     parameters = ["1.weight", "1.bias", "3.weight", "3.bias"]
     program = dry_run(pure_data_parallel_plan(sources["table"], parameters, 0))
     assert program.dispatched == 0  # DDP's
     assert program.collective_counts() == {"all_reduce": 1}
+    program = dry_run(pure_data_parallel_plan(sources["counter"], parameters, 0))
+    assert program.dispatched == 0
+    assert program.collective_counts() == {"broadcast": 1, "all_reduce": 1}
 
 
 def test_a_batch_split_over_a_2d_mesh_is_data_parallelism_over_every_rank(

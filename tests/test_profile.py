@@ -474,7 +474,6 @@ def test_collectives_are_measured_and_fitted_to_the_ring_formula() -> None:
     both = measure_collectives_by_engine(world_size=3, sizes=(4096, 1 << 18), reps=2)
     assert set(both) == {"dtensor", "c10d"}
     alone = measure_collectives(world_size=3, sizes=(4096, 1 << 18), reps=2, engine="c10d")
-    assert alone.keys() == both["c10d"].keys()
     for engine, got in [*both.items(), ("c10d", alone)]:
         assert got["world_size"] == 3 and got["engine"] == engine
         assert set(got["fits"]) == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all"}

@@ -147,6 +147,38 @@ def test_data_parallelism_runs_one_bucketed_gradient_all_reduce(
     assert program.dispatched > 0
 
 
+def test_the_runtimes_flat_buckets_are_recorded_over_their_own_mesh_axis() -> None:
+    """The runtime's flat buckets (gradients all-reduced, ZeRO shards gathered and
+    reduce-scattered) are the process group's own calls, recorded as such (``c10d``,
+    priced at their own measured rates) over the mesh axis of their group — on a 2 x 2
+    mesh the data axis alone, not every axis (a c10d op's group reaches the dispatch
+    mode boxed) — and with the bytes the ring formula counts."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from meshplace.runtime.sharded import flat_all_gather, flat_all_reduce, flat_reduce_scatter
+
+    assert not dist.is_initialized()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("data", "tensor"))
+        program = EngineProgram(4)
+        with dryrun.recorder(program, dryrun.mesh_axes(mesh)):
+            flat_all_reduce(torch.ones(8), mesh, 0)
+            gathered = flat_all_gather(torch.ones(8), mesh, 1)
+            scattered = flat_reduce_scatter(torch.ones(8), mesh, 0)
+    finally:
+        dist.destroy_process_group()
+    assert gathered.shape == (16,) and scattered.shape == (4,)
+    recorded = [(c.kind, c.nbytes, c.axes, c.c10d) for c in program.collectives]
+    assert recorded == [
+        ("all_reduce", 32.0, ["data"], True),
+        ("all_gather", 64.0, ["tensor"], True),  # the gathered output
+        ("reduce_scatter", 32.0, ["data"], True),  # the input
+    ]
+
+
 def test_zero_1_gathers_the_updated_parameters_in_one_flat_all_gather(
     grid_plans: tuple[str, dict[str, dict]], forked_dry_runs: None
 ) -> None:

@@ -92,8 +92,9 @@ class CostCalibration(BaseModel):
         collectives_c10d: the same kinds measured as the process group's own calls
             (``torch.distributed.all_reduce`` and the like), which DDP, FSDP2 and the
             runtime's bucketed gradient reductions and ZeRO gathers issue, where
-            ``collectives`` times DTensor's redistributions (gloo: about twice the
-            process group's call at 4 MiB); kinds not listed cost as ``collectives``.
+            ``collectives`` times DTensor's redistributions (on gloo between two CPU
+            ranks about twice the process group's all-reduce at 1 MiB and all-gather
+            at 16 KiB, nearer at 4 MiB); kinds not listed cost as ``collectives``.
         dispatch_overhead_s: seconds the execution engine adds to every kernel, measured
             op times included (DTensor's per-op dispatch for sharded plans; 0 for eager
             PyTorch).
@@ -384,7 +385,9 @@ def with_collectives(
 ) -> CostCalibration:
     """``calibration`` with the collectives :func:`meshplace.profile.link.
     measure_collectives` measured (its ``fits`` and ``world_size``) as DTensor runs them,
-    and in ``measured_c10d`` (where given) as the process group's own calls.
+    and in ``measured_c10d`` as the process group's own calls, among as many processes
+    (else :class:`InputError`); without it the calibration keeps no such rates (those
+    it had were measured beside the DTensor ones replaced here).
 
     >>> cal = CostCalibration(device_kind="local-cpu", peak_flops=1e11,
     ...                       memory_bandwidth=1e10, launch_overhead_s=4e-6)
@@ -392,22 +395,21 @@ def with_collectives(
     >>> with_collectives(cal, {"fits": fits, "world_size": 2}).collectives
     {'all_reduce': (0.0001, 1000000000.0)}
     """
+    ranks = int(measured["world_size"])
+    if measured_c10d is not None and int(measured_c10d.get("world_size", ranks)) != ranks:
+        raise InputError(
+            f"the process group's collectives were measured among "
+            f"{measured_c10d['world_size']} processes and DTensor's among {ranks}: "
+            "measure both among the same"
+        )
+
+    def fitted(fits: dict[str, Any]) -> dict[str, tuple[float, float]]:
+        return {k: (float(f["latency_s"]), float(f["bandwidth"])) for k, f in sorted(fits.items())}
+
     return calibration.model_copy(
         update={
-            "collectives": {
-                kind: (float(f["latency_s"]), float(f["bandwidth"]))
-                for kind, f in sorted(measured["fits"].items())
-            },
-            "collectives_measured_on": int(measured["world_size"]),
-            **(
-                {
-                    "collectives_c10d": {
-                        kind: (float(f["latency_s"]), float(f["bandwidth"]))
-                        for kind, f in sorted(measured_c10d["fits"].items())
-                    }
-                }
-                if measured_c10d is not None
-                else {}
-            ),
+            "collectives": fitted(measured["fits"]),
+            "collectives_measured_on": ranks,
+            "collectives_c10d": fitted(measured_c10d["fits"]) if measured_c10d else {},
         }
     )

@@ -133,8 +133,9 @@ class CostModel:
             (``torch.distributed.all_reduce`` and the like, which DDP, FSDP2 and the
             runtime's bucketed gradient reductions and ZeRO gathers issue) where
             ``collectives`` holds them as DTensor's redistributions run them (on gloo
-            about half the cost at 4 MiB, less latency; :func:`meshplace.profile.link.
-            measure_collectives` with ``engine="c10d"``); absent: ``collectives``.
+            between two CPU ranks about half the cost at 1 MiB, all-gathers at half the
+            latency; :func:`meshplace.profile.link.measure_collectives` with
+            ``engine="c10d"``); absent: ``collectives``.
         dispatch_overhead: device kind → seconds the execution engine adds to every
             kernel, whether its time is measured or the roofline's (DTensor's per-op
             dispatch: sharding propagation and placement checks on the host); absent: 0.

@@ -434,7 +434,15 @@ class ShardingProblem:
         self.groups[g].members.append(i)
 
     # ------------------------------------------------------------------ costs
-    def comm_time(self, kind: str, nbytes: float, axis: int, bucket_bytes: float = 0.0) -> float:
+    def comm_time(
+        self,
+        kind: str,
+        nbytes: float,
+        axis: int,
+        bucket_bytes: float = 0.0,
+        *,
+        c10d: bool | None = None,
+    ) -> float:
         """Seconds of collective ``kind`` of ``nbytes`` per device over mesh axis ``axis``.
         ``bucket_bytes``: the value is one of many the runtime sends in one flat bucket of
         that many bytes (DDP's and the torchrun runtime's gradient reductions and ZeRO
@@ -445,14 +453,16 @@ class ShardingProblem:
         (:meth:`fixed_comm_time`) — linear in the decision, as the integer program needs,
         and the shares of a bucket's values add up to one fixed cost. Exact for pure data
         parallelism; where tensor parallelism splits the parameters, the fewer bytes left
-        per device may fill fewer buckets than that charges. 0: sent alone. A bucket is
-        the process group's own call (DDP's, FSDP2's, the runtime's flat buckets), one
-        sent alone DTensor's redistribution: each at its measured rate where the mesh has
-        both (:meth:`meshplace.mesh.layout.Mesh.collective_time`'s ``c10d``)."""
-        key = (kind, nbytes, axis, bucket_bytes)
+        per device may fill fewer buckets than that charges. 0: sent alone. ``c10d``:
+        whether the runtime issues it as the process group's own call (DDP's, FSDP2's,
+        its flat buckets) rather than as DTensor's redistribution, each at its measured
+        rate where the mesh has both (:meth:`meshplace.mesh.layout.Mesh.collective_time`);
+        by default a bucketed collective is one."""
+        if c10d is None:
+            c10d = bucket_bytes > 0
+        key = (kind, nbytes, axis, bucket_bytes, c10d)
         t = self._comm_memo.get(key)
         if t is None:
-            c10d = bucket_bytes > 0
             t = self.mesh.collective_time(kind, nbytes, [self.axes[axis]], c10d=c10d)
             if bucket_bytes > 0 and t > 0:
                 share = min(1.0, nbytes / bucket_bytes)
@@ -591,8 +601,8 @@ class ShardingProblem:
             if k == len(on_have) or k == len(on_need):
                 continue
             for a in reversed(on_have[k:]):  # innermost first
-                nbytes = whole_along(mapped, a)
-                t = self.comm_time("all_gather", nbytes, a, bucket_bytes)
+                nbytes = whole_along(mapped, a)  # DTensor's redistribution
+                t = self.comm_time("all_gather", nbytes, a, bucket_bytes, c10d=False)
                 total += t
                 colls.append(("all_gather", self.axes[a], nbytes, t))
                 mapped[a] = R
@@ -613,7 +623,13 @@ class ShardingProblem:
                 kind = "all_gather"
             else:
                 kind, nbytes = "all_to_all", nbytes / self.sizes[a]
-            t = self.comm_time(kind, nbytes, a, bucket_bytes)
+            # the process group's own call: a partial gradient all-reduced in the runtime's
+            # flat bucket or DDP's, reduce-scattered by FSDP2; DTensor's redistribution:
+            # any other change into a parameter's placement, and a reduce-scatter outside
+            # FSDP2 (ZeRO 3's autograd, and ZeRO 2's flat one priced alike: the dearer)
+            c10d = bucket_bytes > 0 and h == P
+            c10d = c10d and (kind == "all_reduce" or self.fsdp_units is not None)
+            t = self.comm_time(kind, nbytes, a, bucket_bytes, c10d=c10d)
             total += t
             colls.append((kind, self.axes[a], nbytes, t))
         out = (total, tuple(colls))

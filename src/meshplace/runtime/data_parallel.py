@@ -299,12 +299,12 @@ class DataParallelTraining:
                 device_ids=[device.index] if device.type == "cuda" else None,
                 bucket_cap_mb=bucket_megabytes(),
                 find_unused_parameters=bool(unused),
-                # every rank built its buffers from the same seed, and a loss the probe
-                # found a mean or sum over the batch keeps no batch statistics in them:
-                # DDP's broadcast of the buffers before every forward would only cost a
-                # collective (on the Llama example its rotary tables, a gloo broadcast
-                # of ~0.5 ms in a 9 ms step), as the hybrid runtime's DDP stages skip it
-                forward_sync_buffers=False,  # (torch 2.13's name; synced once at init)
+                # buffers the forward never changes (the Llama example's rotary tables)
+                # are the same on every rank, built from one seed: DDP's broadcast of them
+                # before every forward would only cost a collective (a gloo broadcast of
+                # ~0.5 ms in a 9 ms step); buffers it changes stay in step with rank 0's,
+                # as DDP keeps them by default (torch 2.13's name; synced once at init)
+                forward_sync_buffers=self._forward_changes_buffers(device),
             )
             self.runner.register_comm_hook(
                 (None, world, reduction == "mean"), reduce_gradient_bucket
@@ -409,6 +409,25 @@ class DataParallelTraining:
             lr=lr,
             device_type=device_type,
         )
+
+    def _forward_changes_buffers(self, device: torch.device) -> bool:
+        """Whether a training forward on this rank's shard changes any of the model's
+        buffers (running statistics, a step counter), probed without side effects and
+        agreed by every rank (DDP's buffer broadcast is a collective: all ranks or none).
+        One forward without gradients, and a 1-element all-reduce."""
+        import torch.distributed as dist
+
+        buffers = list(self.model.buffers())
+
+        def forward() -> bool:
+            before = [b.detach().clone() for b in buffers]
+            self.model(*self.args, **self.kwargs)
+            return any(not torch.equal(a, b) for a, b in zip(before, buffers, strict=True))
+
+        changed = bool(buffers) and bool(_probe_without_side_effects(self.model, forward))
+        flag = torch.tensor([float(changed)], device=device)  # NCCL: on the rank's GPU
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
 
     def _unused_parameters(self) -> list[str]:
         """Parameters the loss does not reach (DDP must be told of them), from one

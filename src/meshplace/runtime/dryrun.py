@@ -326,7 +326,6 @@ def recorder(
     not the mode's bookkeeping around it)."""
     import time
 
-    from torch.distributed import ProcessGroup
     from torch.distributed.tensor import DTensor
     from torch.optim.optimizer import (
         register_optimizer_step_post_hook,
@@ -408,7 +407,7 @@ def recorder(
                 kind, position = C10D_COLLECTIVES[name]
                 # the mesh axes of the call's process group (a bucket reduced over the
                 # data axis of a 2-D mesh spans that axis only)
-                group = next((a.group_name for a in args if isinstance(a, ProcessGroup)), None)
+                group = _process_group_name(args)
                 program.collectives.append(
                     EngineCollective(
                         kind,
@@ -461,6 +460,25 @@ def recorder(
             return out
 
     return Recorder()
+
+
+def _process_group_name(args: Sequence[Any]) -> str | None:
+    """The name of the process group among a c10d op's ``args``, which reach a dispatch
+    mode boxed as ``torch.ScriptObject`` (unboxed by c10d's own ``ProcessGroup.unbox``;
+    the op's reduce-op argument is a ScriptObject too, and does not unbox); ``None``
+    when there is none. O(arguments)."""
+    import torch
+    from torch._C._distributed_c10d import ProcessGroup
+
+    for a in args:
+        if isinstance(a, ProcessGroup):
+            return a.group_name
+        if isinstance(a, torch.ScriptObject):
+            try:
+                return ProcessGroup.unbox(a).group_name
+            except RuntimeError:  # another boxed argument (the reduce op)
+                continue
+    return None
 
 
 def mesh_axes(mesh: Any) -> dict[str, list[str]]:

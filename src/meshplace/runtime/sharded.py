@@ -850,7 +850,7 @@ def flat_all_gather(flat: torch.Tensor, mesh: Any, dim: int) -> torch.Tensor:
     import torch.distributed as dist
 
     out = flat.new_empty(flat.numel() * mesh.size(dim))
-    dist.all_gather_into_tensor(out, flat, group=mesh.get_group(dim))
+    dist.all_gather_single(out, flat, group=mesh.get_group(dim))
     return out
 
 
@@ -862,7 +862,7 @@ def flat_reduce_scatter(flat: torch.Tensor, mesh: Any, dim: int) -> torch.Tensor
     import torch.distributed as dist
 
     out = flat.new_empty(flat.numel() // mesh.size(dim))
-    dist.reduce_scatter_tensor(out, flat, group=mesh.get_group(dim))
+    dist.reduce_scatter_single(out, flat, group=mesh.get_group(dim))
     return out
 
 
