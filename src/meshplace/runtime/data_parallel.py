@@ -253,6 +253,44 @@ def batch_reduction(
     )
 
 
+def forward_changes_buffers(
+    model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any], rows: int
+) -> bool:
+    """Whether a training forward of ``model`` on the first ``rows`` rows of its inputs
+    changes any of its buffers (running statistics, a step counter), probed without side
+    effects (buffers and random state restored). DDP must keep such buffers in step with
+    rank 0's before every forward, as it does by default; constant ones (a rotary table,
+    built alike on every rank from one seed) it need not broadcast. Every rank probes the
+    same rows, so all decide alike (DDP's broadcast is a collective). A forward that
+    fails on those rows counts as changing them (DDP's default kept). One forward without
+    gradients.
+
+    >>> forward_changes_buffers(torch.nn.BatchNorm1d(3), (torch.randn(4, 3),), {}, 2)
+    True
+    >>> forward_changes_buffers(torch.nn.Linear(3, 3), (torch.randn(4, 3),), {}, 2)
+    False
+    """
+    buffers = list(model.buffers())
+    if not buffers:
+        return False
+    device = next((t.device for t in [*model.parameters(), *buffers]), torch.device("cpu"))
+    values = [
+        v[:rows].to(device) if isinstance(v, torch.Tensor) and v.dim() else v
+        for v in (*args, *kwargs.values())
+    ]
+    positional = len(args)
+
+    def forward() -> bool:
+        before = [b.detach().clone() for b in buffers]
+        model(*values[:positional], **dict(zip(kwargs, values[positional:], strict=True)))
+        return any(not torch.equal(a, b) for a, b in zip(before, buffers, strict=True))
+
+    try:
+        return bool(_probe_without_side_effects(model, forward))
+    except (RuntimeError, ValueError, IndexError):  # the model cannot run on those rows
+        return True
+
+
 class DataParallelTraining:
     """One rank's share of a pure data-parallel plan (module docstring), with the
     interface of :class:`meshplace.runtime.launch.ShardedTraining`: ``model`` (the
@@ -272,6 +310,7 @@ class DataParallelTraining:
         data_mesh: Any,
         lr: float,
         device_type: str,
+        sync_buffers: bool = True,
     ) -> None:
         import torch.distributed as dist
         from torch.distributed.tensor import Replicate
@@ -303,8 +342,9 @@ class DataParallelTraining:
                 # are the same on every rank, built from one seed: DDP's broadcast of them
                 # before every forward would only cost a collective (a gloo broadcast of
                 # ~0.5 ms in a 9 ms step); buffers it changes stay in step with rank 0's,
-                # as DDP keeps them by default (torch 2.13's name; synced once at init)
-                forward_sync_buffers=self._forward_changes_buffers(device),
+                # as DDP keeps them by default (:func:`forward_changes_buffers` decides;
+                # torch 2.13's name; synced once at init either way)
+                forward_sync_buffers=sync_buffers,
             )
             self.runner.register_comm_hook(
                 (None, world, reduction == "mean"), reduce_gradient_bucket
@@ -391,6 +431,9 @@ class DataParallelTraining:
         )
         if reduction is None:
             return None
+        sizes = [int(v.shape[0]) for v in values if isinstance(v, torch.Tensor) and v.dim()]
+        rows = max(1, min(sizes, default=world) // world)  # one rank's share
+        sync_buffers = forward_changes_buffers(model, args, kwargs, rows)
         mesh = device_mesh(plan, device_type)  # the plan's axes: what collectives span
         # FSDP2 shards over one data-parallel axis: every rank, in rank order
         data_mesh = mesh if mesh.ndim == 1 else init_device_mesh(device_type, (world,))
@@ -408,26 +451,8 @@ class DataParallelTraining:
             data_mesh=data_mesh,
             lr=lr,
             device_type=device_type,
+            sync_buffers=sync_buffers,
         )
-
-    def _forward_changes_buffers(self, device: torch.device) -> bool:
-        """Whether a training forward on this rank's shard changes any of the model's
-        buffers (running statistics, a step counter), probed without side effects and
-        agreed by every rank (DDP's buffer broadcast is a collective: all ranks or none).
-        One forward without gradients, and a 1-element all-reduce."""
-        import torch.distributed as dist
-
-        buffers = list(self.model.buffers())
-
-        def forward() -> bool:
-            before = [b.detach().clone() for b in buffers]
-            self.model(*self.args, **self.kwargs)
-            return any(not torch.equal(a, b) for a, b in zip(before, buffers, strict=True))
-
-        changed = bool(buffers) and bool(_probe_without_side_effects(self.model, forward))
-        flag = torch.tensor([float(changed)], device=device)  # NCCL: on the rank's GPU
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
 
     def _unused_parameters(self) -> list[str]:
         """Parameters the loss does not reach (DDP must be told of them), from one

@@ -472,6 +472,7 @@ class HybridRankSteps:
         from torch.distributed.pipelining import schedules as torch_schedules
 
         from meshplace.graph.sources import build_from_seed
+        from meshplace.runtime.data_parallel import forward_changes_buffers
         from meshplace.runtime.dryrun import EngineProgram
         from meshplace.runtime.pipelined import (
             InputsEnterFirst,
@@ -514,6 +515,8 @@ class HybridRankSteps:
             )
         rows = global_batch // micro_batches  # one micro-batch of every replica together
         ddp, engine_note = ddp_stages(plan, model, args, kwargs, rows, engine)
+        # DDP keeps the buffers the forward changes in step with rank 0's, not constant ones
+        sync_buffers = ddp is not None and forward_changes_buffers(model, args, kwargs, rows)
         schedule_name = pipeline_spec["schedule"]
         if schedule_name == "1f1b" and micro_batches < pp:
             # torch's 1F1B wants a micro-batch per stage; with fewer, 1F1B's order on every
@@ -589,7 +592,9 @@ class HybridRankSteps:
                 module, stage_mesh, weight_update, route, s == 0, last, distribute=ddp is None
             )
             if ddp is not None:  # DDP's reduction deferred to the last micro-batch's backward
-                wrapped = data_parallel_stage_module(wrapped, mesh["data"], ddp, device)
+                wrapped = data_parallel_stage_module(
+                    wrapped, mesh["data"], ddp, device, sync_buffers=sync_buffers
+                )
             wrapped_modules.append(wrapped)
             if accumulate:
                 continue
@@ -910,11 +915,18 @@ def ddp_stages(
 
 
 def data_parallel_stage_module(
-    module: torch.nn.Module, data_mesh: Any, reduction: str, device: torch.device
+    module: torch.nn.Module,
+    data_mesh: Any,
+    reduction: str,
+    device: torch.device,
+    sync_buffers: bool = True,
 ) -> torch.nn.Module:
     """``module`` (a stage's :class:`StageOnMesh`) under DDP over ``data_mesh``'s ranks,
     its gradients summed, or averaged for a mean loss, in buckets of the cost model's size
-    (:func:`meshplace.runtime.data_parallel.reduce_gradient_bucket`)."""
+    (:func:`meshplace.runtime.data_parallel.reduce_gradient_bucket`); ``sync_buffers``:
+    whether DDP brings the buffers in step with rank 0's before every forward (where the
+    model's forward changes some: :func:`meshplace.runtime.data_parallel.
+    forward_changes_buffers`)."""
     from torch.nn.parallel import DistributedDataParallel
 
     from meshplace.runtime.data_parallel import bucket_megabytes, reduce_gradient_bucket
@@ -925,10 +937,9 @@ def data_parallel_stage_module(
         device_ids=[device.index] if device.type == "cuda" else None,
         process_group=group,
         bucket_cap_mb=bucket_megabytes(),
-        # every replica built its buffers from the same seed, and a loss the probe found
-        # decomposable over the batch keeps no batch statistics in them: DDP's broadcast
-        # of the buffers before every micro-batch's forward would only cost a collective
-        forward_sync_buffers=False,  # (torch 2.13's name; synced once at init)
+        # every replica built its buffers from the same seed: constant ones need no
+        # broadcast before every micro-batch's forward (torch 2.13's name; synced at init)
+        forward_sync_buffers=sync_buffers,
     )
     wrapped.register_comm_hook(
         (group, data_mesh.size(), reduction == "mean"), reduce_gradient_bucket
