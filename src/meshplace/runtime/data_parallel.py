@@ -431,9 +431,11 @@ class DataParallelTraining:
         )
         if reduction is None:
             return None
-        sizes = [int(v.shape[0]) for v in values if isinstance(v, torch.Tensor) and v.dim()]
-        rows = max(1, min(sizes, default=world) // world)  # one rank's share
-        sync_buffers = forward_changes_buffers(model, args, kwargs, rows)
+        sync_buffers = False  # FSDP2 (ZeRO 3) broadcasts no buffers: no probe
+        if stage in (0, 1):  # DDP's: whether its buffers need a broadcast every forward
+            sizes = [int(v.shape[0]) for v in values if isinstance(v, torch.Tensor) and v.dim()]
+            rows = max(1, min(sizes, default=world) // world)  # one rank's share
+            sync_buffers = forward_changes_buffers(model, args, kwargs, rows)
         mesh = device_mesh(plan, device_type)  # the plan's axes: what collectives span
         # FSDP2 shards over one data-parallel axis: every rank, in rank order
         data_mesh = mesh if mesh.ndim == 1 else init_device_mesh(device_type, (world,))
